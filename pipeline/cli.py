@@ -1,0 +1,219 @@
+"""`drafter`: one subcommand per stage, plus `run` for all of them and registry tools.
+
+    drafter <stage> --config configs/local.yaml --run-id RUN [key.path=value ...]
+
+Stage inputs default to the artifacts of the same run id in the configured store, so stages can be
+run one by one; explicit --prompts/--dataset/... URIs override that. Each stage prints its output
+as one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_GATE = 3
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "datasets", "filelock", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _common(parser: argparse.ArgumentParser, run_id: bool = True) -> None:
+    parser.add_argument("--config", required=True, help="run config YAML (e.g. configs/local.yaml)")
+    if run_id:
+        parser.add_argument("--run-id", help="run id (default: a new timestamped id for `run`)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=2")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="drafter", description=__doc__.split("\n\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _common(sub.add_parser("run", help="run every stage for a config and print a summary table"))
+    _common(sub.add_parser("prompts", help="prompt sources -> normalized conversation shards"))
+    p = sub.add_parser("generate", help="regenerate responses with the target")
+    _common(p)
+    p.add_argument("--prompts", help="prompts snapshot URI (default: this run's)")
+    p = sub.add_parser("capture", help="capture hidden states; also publishes the dataset snapshot")
+    _common(p)
+    p.add_argument("--responses", help="responses URI (default: this run's)")
+    p = sub.add_parser("train", help="train a drafter on a dataset snapshot (launches the process group)")
+    _common(p)
+    p.add_argument("--dataset", help="dataset URI (default: this run's)")
+    p = sub.add_parser("evaluate", help="evaluate the run's drafter on held-out captures")
+    _common(p)
+    p.add_argument("--dataset", help="dataset URI (default: this run's)")
+    _common(sub.add_parser("gate", help="apply the config's thresholds to the evaluation"))
+    p = sub.add_parser("benchmark", help="measure baseline, n-gram, incumbent and candidate speed")
+    _common(p)
+    p.add_argument("--prompts", help="prompts snapshot URI (default: this run's)")
+    _common(sub.add_parser("promote", help="publish the run's drafter to the registry"))
+    p = sub.add_parser("pull", help="download a drafter version, verified, into a directory")
+    _common(p, run_id=False)
+    p.add_argument("--target", help="target name (default: the config's)")
+    p.add_argument("--alias", default="production", help="alias or version")
+    p.add_argument("--dest", required=True)
+    p = sub.add_parser("rollback", help="point production back at previous")
+    _common(p, run_id=False)
+    p = sub.add_parser("list", help="list drafter versions and aliases")
+    _common(p, run_id=False)
+    p = sub.add_parser("verify", help="verify a drafter directory against its manifest.json")
+    p.add_argument("directory")
+    p = sub.add_parser("train-worker", help=argparse.SUPPRESS)
+    p.add_argument("--spec", required=True)
+    return parser
+
+
+def _load(args):
+    from pipeline.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _emit(result) -> None:
+    print(json.dumps({"uri": result.uri, "kind": result.manifest.get("kind")}))
+
+
+def _run_uri(store, run_id: str, part: str) -> str:
+    from pipeline import layout
+
+    return store.uri(f"{layout.run_prefix(run_id)}/{part}")
+
+
+def _require_run_id(args) -> str:
+    if not args.run_id:
+        raise SystemExit("this stage needs --run-id")
+    return args.run_id
+
+
+def dispatch(args) -> int:
+    from pipeline import layout, registry
+    from pipeline.storage import open_store
+
+    if args.command == "train-worker":
+        from pipeline.trainer import worker_main
+
+        worker_main(args.spec)
+        return 0
+    if args.command == "verify":
+        manifest = registry.verify_dir(args.directory)
+        print(f"ok: {args.directory} matches its manifest ({len(manifest['objects'])} files, "
+              f"{manifest.get('target')} version {manifest.get('version')})")
+        return 0
+    config = _load(args)
+    store = open_store(config.storage)
+    target = getattr(args, "target", None) or config.target.name
+    if args.command == "run":
+        from pipeline.run import format_table, new_run_id, run_all
+
+        summary, location = run_all(config, args.run_id or new_run_id(), store)
+        print(format_table(summary))
+        print(f"summary={location}")
+        return 0
+    if args.command == "pull":
+        dest = registry.pull(store, target, args.alias, args.dest)
+        manifest = json.loads((dest / "manifest.json").read_text())
+        flags = registry.sglang_flags(str(dest), manifest.get("serve_steps", 3))
+        print(f"pulled {target} {manifest['version']} into {dest}")
+        print("serve with: python -m sglang.launch_server --model-path <target> " + " ".join(flags))
+        return 0
+    if args.command == "rollback":
+        record = registry.rollback(store, target)
+        print(json.dumps(record))
+        return 0
+    if args.command == "list":
+        aliases = {a: (registry.read_alias(store, target, a) or {}).get("version")
+                   for a in ("production", "previous", "candidate")}
+        print(json.dumps({"target": target, "aliases": aliases, "versions": registry.list_versions(store, target)},
+                         indent=2))
+        return 0
+    return _stage(args, config, store)
+
+
+def _stage(args, config, store) -> int:
+    from pipeline import layout, registry
+    from pipeline.stages import benchmark, capture, evaluate, gate, generate, promote, prompts, train
+
+    run_id = _require_run_id(args)
+    target = config.target.name
+    workdir = Path(config.storage.local_cache) / "runs" / run_id
+    prompts_uri = getattr(args, "prompts", None) or store.uri(layout.prompts_prefix(run_id))
+    dataset_uri = getattr(args, "dataset", None) or store.uri(layout.dataset_prefix(target, run_id))
+    if args.command == "prompts":
+        _emit(prompts.run(config, run_id, store))
+    elif args.command == "generate":
+        _emit(generate.run(config, prompts_uri, run_id, store))
+    elif args.command == "capture":
+        responses = args.responses or store.uri(layout.responses_prefix(target, run_id))
+        captured = capture.run(config, responses, run_id, store)
+        _emit(captured)
+        _emit(capture.publish_dataset(config, [captured.uri], run_id, store))
+    elif args.command == "train":
+        _emit(train.run(config, dataset_uri, run_id, store))
+    elif args.command == "evaluate":
+        incumbent = registry.pull_incumbent(store, target, config.registry.alias, workdir)
+        _emit(evaluate.run(config, _run_uri(store, run_id, "train"), dataset_uri, run_id, store, incumbent))
+    elif args.command == "gate":
+        _emit(gate.run(config, _run_uri(store, run_id, "eval"), run_id, store))
+    elif args.command == "benchmark":
+        incumbent = registry.pull_incumbent(store, target, config.registry.alias, workdir)
+        _emit(benchmark.run(config, _run_uri(store, run_id, "train"), _run_uri(store, run_id, "eval"), prompts_uri,
+                            run_id, store, incumbent[1] if incumbent else None))
+    elif args.command == "promote":
+        _emit(promote.run(config, run_id, _run_uri(store, run_id, "train"), _run_uri(store, run_id, "eval"),
+                          _run_uri(store, run_id, "gate"), _run_uri(store, run_id, "bench"), store))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    _setup_logging(args.verbose)
+    from pipeline.config import ConfigError
+    from pipeline.contract import ContractMismatch
+    from pipeline.ids import InvalidIdError
+    from pipeline.stages.gate import GateFailed
+
+    try:
+        return dispatch(args)
+    except GateFailed as failure:
+        logging.getLogger("drafter").error("%s", failure)
+        return EXIT_GATE
+    except (ConfigError, InvalidIdError, ContractMismatch) as bad:
+        logging.getLogger("drafter").error("%s", bad)
+        return EXIT_BAD_INPUT
+    except RuntimeError as failure:
+        logging.getLogger("drafter").error("%s: %s", type(failure).__name__, failure)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""Typed run configuration: one YAML file plus dotted overrides, validated at the boundary.
+
+Every section rejects unknown keys, so a typo in a config is an error, never a silently ignored
+setting.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.ids import validate_id
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class StorageConfig(Strict):
+    root: str = Field(description="file:// path or s3://bucket/prefix; a plain path means file://")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, ...)")
+    region: str | None = None
+    multipart_threshold_mb: int = Field(64, ge=5)
+    local_cache: str = Field(".cache/drafter", description="local dir for models, downloads, work dirs")
+
+    @field_validator("root")
+    @classmethod
+    def _known_scheme(cls, root: str) -> str:
+        if "://" in root and not root.startswith(("file://", "s3://")):
+            raise ValueError(f"storage.root must be file:// or s3://, got {root!r}")
+        return root
+
+
+class TinyTargetRecipe(Strict):
+    """How the embedded tiny target is built; its hash names the cached build."""
+
+    num_layers: int = Field(8, ge=2)
+    hidden_size: int = Field(128, ge=16)
+    num_heads: int = Field(4, ge=1)
+    intermediate_size: int = Field(384, ge=16)
+    vocab_size: int = Field(2048, ge=300)
+    seq_len: int = Field(192, ge=32)
+    batch_size: int = Field(32, ge=1)
+    train_steps: int = Field(1200, ge=1)
+    learning_rate: float = 3e-3
+    seed: int = 0
+    max_corpus_modules: int | None = Field(None, description="cap for quick test builds")
+
+
+class TargetConfig(Strict):
+    name: str = Field(description="target id used in storage paths, e.g. kimi-k2.5")
+    source: Literal["tiny", "hf"] = "tiny"
+    model_path: str | None = Field(None, description="local HF directory (source: hf)")
+    revision: str | None = None
+    tiny: TinyTargetRecipe | None = None
+    num_layers: int | None = Field(None, description="expected; checked against the model config")
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    tensor_parallel: int = Field(1, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _valid_name(cls, name: str) -> str:
+        return validate_id(name, "target.name")
+
+    @model_validator(mode="after")
+    def _source_has_what_it_needs(self) -> "TargetConfig":
+        if self.source == "tiny" and self.tiny is None:
+            self.tiny = TinyTargetRecipe()
+        if self.source == "hf" and not self.model_path:
+            raise ValueError("target.source 'hf' needs target.model_path")
+        return self
+
+
+class PromptSource(Strict):
+    kind: Literal["demo", "jsonl", "json", "parquet"] = "demo"
+    path: str | None = None
+    weight: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _path_for_files(self) -> "PromptSource":
+        if self.kind != "demo" and not self.path:
+            raise ValueError(f"prompt source of kind {self.kind!r} needs a path")
+        return self
+
+
+class PromptsConfig(Strict):
+    sources: list[PromptSource] = Field(default_factory=lambda: [PromptSource()])
+    num_samples: int = Field(600, ge=1, description="conversations kept after filtering")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    shard_size: int = Field(256, ge=1, description="conversations per shard")
+    min_prompt_tokens: int = Field(4, ge=1)
+    max_prompt_tokens: int = Field(256, ge=1)
+    seed: int = 0
+
+
+class SGLangClientConfig(Strict):
+    urls: list[str] = Field(min_length=1, description="server base URLs (for capture: aux-state servers)")
+    last_hidden_urls: list[str] | None = Field(None, description="capture only: servers returning the last hidden state")
+    concurrency: int = Field(8, ge=1)
+    timeout_s: float = Field(600.0, gt=0)
+    retries: int = Field(3, ge=0)
+
+
+class GenerateConfig(Strict):
+    engine: Literal["hf", "sglang"] = "hf"
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    batch_size: int = Field(32, ge=1)
+    sglang: SGLangClientConfig | None = None
+
+    @model_validator(mode="after")
+    def _sglang_needs_urls(self) -> "GenerateConfig":
+        if self.engine == "sglang" and self.sglang is None:
+            raise ValueError("generate.engine 'sglang' needs generate.sglang.urls")
+        return self
+
+
+class CaptureConfig(Strict):
+    engine: Literal["hf", "sglang"] = "hf"
+    aux_layer_ids: list[int] | None = Field(
+        None, description="0-indexed decoder layers whose OUTPUT is captured; default [1, N//2-1, N-4]"
+    )
+    encoding: Literal["bf16"] = "bf16"
+    teacher: Literal["last_hidden"] = "last_hidden"
+    max_length: int = Field(2048, ge=8)
+    batch_size: int = Field(8, ge=1)
+    shard_samples: int = Field(256, ge=1)
+    sglang: SGLangClientConfig | None = None
+
+    @model_validator(mode="after")
+    def _sglang_needs_urls(self) -> "CaptureConfig":
+        if self.engine == "sglang" and (self.sglang is None or not self.sglang.last_hidden_urls):
+            raise ValueError("capture.engine 'sglang' needs capture.sglang.urls (aux-state servers) and "
+                             "capture.sglang.last_hidden_urls (teacher servers)")
+        return self
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _three_ascending(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is None:
+            return ids
+        if len(ids) != 3 or sorted(set(ids)) != ids or ids[0] < 0:
+            raise ValueError(f"aux_layer_ids must be 3 distinct ascending layer ids >= 0, got {ids}")
+        return ids
+
+
+class DrafterConfig(Strict):
+    draft_vocab_size: int = Field(32000, ge=2)
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    intermediate_size: int | None = None
+    max_position_embeddings: int | None = None
+    export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+
+class PlateauConfig(Strict):
+    enabled: bool = True
+    window_epochs: int = Field(2, ge=1)
+    min_gain: float = Field(0.01, ge=0.0, description="cond_acc_0 gain needed over the window")
+
+
+class TrainConfig(Strict):
+    epochs: int = Field(4, ge=1)
+    micro_batch_size: int = Field(8, ge=1)
+    max_length: int = Field(2048, ge=8)
+    learning_rate: float = Field(1e-3, gt=0)
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    ttt_steps: int = Field(7, ge=1)
+    loss_decay: float = Field(0.8, gt=0, le=1)
+    attention_chunk: int = Field(512, ge=1, description="query chunk of the TTT attention")
+    nproc: int = Field(2, ge=1)
+    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
+    hostfile: str | None = Field(None, description="deepspeed launcher hostfile for multi-node runs")
+    deepspeed_config: str = "configs/deepspeed/zero2-cpu.json"
+    precision: Literal["fp32", "bf16"] = "fp32"
+    checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint at epoch ends only")
+    seed: int = 0
+    log_every: int = Field(20, ge=1)
+    init: Literal["scratch", "warm"] = "scratch"
+    init_from: str | None = None
+    plateau: PlateauConfig = Field(default_factory=PlateauConfig)
+
+    @model_validator(mode="after")
+    def _warm_needs_source(self) -> "TrainConfig":
+        if self.init == "warm" and not self.init_from:
+            raise ValueError("train.init 'warm' needs train.init_from (a drafter directory or registry uri)")
+        return self
+
+
+class EvaluateConfig(Strict):
+    ttt_steps: int | None = Field(None, ge=1, description="default: train.ttt_steps")
+    micro_batch_size: int = Field(8, ge=1)
+
+
+class GateConfig(Strict):
+    min_cond_acc: list[float] = Field(default_factory=lambda: [0.3])
+    min_tau_simulated: float = Field(1.3, ge=1.0)
+    max_regression_vs_incumbent: float = Field(0.0, ge=0.0, description="allowed drop in tau_simulated")
+
+
+class BenchmarkConfig(Strict):
+    engine: Literal["local"] = "local"
+    num_prompts: int = Field(16, ge=1)
+    max_new_tokens: int = Field(96, ge=1)
+    draft_steps: int = Field(4, ge=1)
+    ngram_max_match: int = Field(4, ge=1)
+    ngram_min_match: int = Field(1, ge=1)
+    repeats: int = Field(1, ge=1)
+    min_speedup_vs_baseline: float = Field(1.0, ge=0)
+    min_speedup_vs_ngram: float = Field(0.0, ge=0)
+    min_speedup_vs_incumbent: float = Field(1.0, ge=0)
+
+
+class RegistryConfig(Strict):
+    promote: bool = True
+    alias: str = "production"
+
+    @field_validator("alias")
+    @classmethod
+    def _valid_alias(cls, alias: str) -> str:
+        return validate_id(alias, "registry.alias")
+
+
+class RunConfig(Strict):
+    storage: StorageConfig
+    target: TargetConfig
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
+    generate: GenerateConfig = Field(default_factory=GenerateConfig)
+    capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+    benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        ids = self.capture.aux_layer_ids
+        if ids is not None and self.target.num_layers is not None and ids[-1] >= self.target.num_layers:
+            raise ValueError(
+                f"capture.aux_layer_ids {ids} out of range for a target of {self.target.num_layers} layers"
+            )
+        if self.target.vocab_size is not None and self.drafter.draft_vocab_size > self.target.vocab_size:
+            raise ValueError("drafter.draft_vocab_size exceeds target.vocab_size")
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """The capture contract's default: outputs of layers 1, N//2 - 1 and N - 4 (0-indexed)."""
+    ids = [1, num_layers // 2 - 1, num_layers - 4]
+    if num_layers < 5 or sorted(set(ids)) != ids:
+        raise ConfigError(f"no default aux layers for a {num_layers}-layer target; set capture.aux_layer_ids")
+    return ids
+
+
+def apply_override(tree: dict[str, Any], dotted: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
+    if "=" not in dotted:
+        raise ConfigError(f"override {dotted!r} is not of the form key.path=value")
+    path, raw = dotted.split("=", 1)
+    keys = path.strip().split(".")
+    if not all(keys):
+        raise ConfigError(f"override {dotted!r} has an empty key")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                data: dict[str, Any] | None = None) -> RunConfig:
+    """Load a RunConfig from a YAML file (or a dict) and dotted overrides."""
+    if (path is None) == (data is None):
+        raise ConfigError("give exactly one of a config path or a config dict")
+    if path is not None:
+        try:
+            tree = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError as err:
+            raise ConfigError(f"config file not found: {path}") from err
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    else:
+        tree = copy.deepcopy(data)
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config {path or '<dict>'} must be a mapping at the top level")
+    for dotted in overrides or []:
+        apply_override(tree, dotted)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(f"invalid config {path or '<dict>'}:\n{err}") from err

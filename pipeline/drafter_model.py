@@ -1,0 +1,276 @@
+"""The EAGLE-3 drafter: fc over 3 aux states, one Llama decoder layer with a 2H attention input.
+
+Parameter names match SGLang's LlamaForCausalLMEagle3 checkpoint (fc, midlayer.*, norm, lm_head,
+d2t, t2d), so export is a rename-free save. The target's embedding is a frozen, non-persistent
+buffer: it is never trained, checkpointed or exported (SGLang shares the target's).
+
+Two forward paths share the same weights:
+- `ttt_forward` unrolls training-time test over a whole sequence (training and evaluation), with
+  the diagonal attention scheme of EAGLE-3 (see ttt_attention).
+- `decode` runs on a growing KV cache for speculative decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class DrafterArch:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    hidden_act: str = "silu"
+    target_hidden_size: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _causal_block(q, k0, v0, diag_k, diag_v, start: int, scale: float):
+    """Attention of queries [start, start+c) over causal step-0 keys plus per-position diagonal keys."""
+    c = q.shape[2]
+    end = start + c
+    scores = torch.matmul(q, k0[:, :, :end].transpose(-1, -2)) * scale
+    rows = torch.arange(start, end, device=q.device)[:, None]
+    cols = torch.arange(end, device=q.device)[None, :]
+    scores = scores.masked_fill(cols > rows, float("-inf"))
+    parts = [scores]
+    for k_diag in diag_k:
+        parts.append((q * k_diag).sum(-1, keepdim=True) * scale)
+    probs = torch.softmax(torch.cat(parts, dim=-1).float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs[..., :end], v0[:, :, :end])
+    for index, v_diag in enumerate(diag_v):
+        out = out + probs[..., end + index:end + index + 1] * v_diag
+    return out
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], chunk: int) -> torch.Tensor:
+    """EAGLE-3 training-time-test attention, memory linear in sequence length.
+
+    q: [B, h, L, d] queries of step i = len(keys) - 1. keys/values: per step [B, h, L, d].
+    A query at position t attends causally to step-0 keys s <= t and only to position t of each
+    later step. Queries are processed in chunks under activation checkpointing, so no [L, L]
+    score matrix outlives its chunk, forward or backward.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    length = q.shape[2]
+    outputs = []
+    for start in range(0, length, chunk):
+        end = min(length, start + chunk)
+        diag_k = [k[:, :, start:end] for k in keys[1:]]
+        diag_v = [v[:, :, start:end] for v in values[1:]]
+        args = (q[:, :, start:end], keys[0], values[0], diag_k, diag_v, start, scale)
+        if torch.is_grad_enabled() and length > chunk:
+            outputs.append(checkpoint(_causal_block, *args, use_reentrant=False))
+        else:
+            outputs.append(_causal_block(*args))
+    return torch.cat(outputs, dim=2)
+
+
+def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Reference: the same attention with every step's keys materialized as one dense mask."""
+    steps, length = len(keys), q.shape[2]
+    k_all = torch.cat(keys, dim=2)
+    v_all = torch.cat(values, dim=2)
+    scores = torch.matmul(q, k_all.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    t = torch.arange(length)[:, None]
+    allowed = [torch.arange(length)[None, :] <= t]
+    allowed += [torch.arange(length)[None, :] == t for _ in range(steps - 1)]
+    mask = torch.cat(allowed, dim=1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v_all)
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, arch: DrafterArch):
+        super().__init__()
+        self.arch = arch
+        width = 2 * arch.hidden_size
+        self.q_proj = nn.Linear(width, arch.num_heads * arch.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, arch.num_kv_heads * arch.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, arch.num_kv_heads * arch.head_dim, bias=False)
+        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """q [B, h, T, d], k and v [B, h, T, d] (kv heads repeated), RoPE applied at positions [T]."""
+        a = self.arch
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, a.num_heads, a.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, a.head_dim, a.rope_theta, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeat = a.num_heads // a.num_kv_heads
+        if repeat > 1:
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return q, k, v
+
+    def out(self, attended: torch.Tensor) -> torch.Tensor:
+        batch, _, length, _ = attended.shape
+        return self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, arch: DrafterArch):
+        super().__init__()
+        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    """SGLang's `midlayer`: attention over cat(input_layernorm(embeds), hidden_norm(hidden))."""
+
+    def __init__(self, arch: DrafterArch):
+        super().__init__()
+        self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = DrafterAttention(arch)
+        self.mlp = DrafterMLP(arch)
+
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + attn_out
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, arch: DrafterArch, embed_weight: torch.Tensor):
+        super().__init__()
+        if embed_weight.shape != (arch.vocab_size, arch.hidden_size):
+            raise ValueError(f"target embedding {tuple(embed_weight.shape)} does not match "
+                             f"vocab {arch.vocab_size} x hidden {arch.hidden_size}")
+        self.arch = arch
+        self.fc = nn.Linear(3 * (arch.target_hidden_size or arch.hidden_size), arch.hidden_size, bias=False)
+        self.midlayer = DrafterLayer(arch)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.draft_vocab_size, bias=False)
+        self.register_buffer("embed_weight", embed_weight.detach().clone(), persistent=False)
+        self.register_buffer("d2t", torch.zeros(arch.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(arch.vocab_size, dtype=torch.bool))
+
+    def set_vocab_mapping(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_weight).to(self.fc.weight.dtype)
+
+    def logits(self, h_out: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h_out))
+
+    def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, chunk: int = 512) -> list[torch.Tensor]:
+        """Unrolled training-time test; returns the pre-norm hidden state h_out of every step.
+
+        Step k at anchor t sees feature f_t (for k = 0) or the draft's own h_out (k > 0), takes the
+        ground-truth token x_{t+1+k} at RoPE position t + k, and predicts x_{t+2+k}. Input tokens
+        past the end are padded with id 0 and must be masked out by the caller.
+        """
+        batch, length, _ = aux.shape
+        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        positions = torch.arange(length, device=aux.device)
+        attn = self.midlayer.self_attn
+        keys, values, outputs = [], [], []
+        for step in range(steps):
+            tokens = F.pad(input_ids[:, 1 + step:], (0, 1 + step), value=0)[:, :length]
+            x = self.midlayer.attention_input(self.embed(tokens), hidden)
+            q, k, v = attn.project(x, positions + step)
+            keys.append(k)
+            values.append(v)
+            attended = ttt_attention(q, keys, values, chunk)
+            hidden = self.midlayer.finish(hidden, attn.out(attended))
+            outputs.append(hidden)
+        return outputs
+
+    def decode(self, hidden: torch.Tensor, token_ids: torch.Tensor, start_position: int,
+               cache: "DraftCache") -> torch.Tensor:
+        """Append T positions to the cache; hidden is [B, T, 3H] aux features or [B, T, H] own h_out.
+
+        Returns h_out [B, T, H] (pre-norm); logits come from `logits(h_out)`.
+        """
+        if hidden.shape[-1] != self.arch.hidden_size:
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        length = token_ids.shape[1]
+        positions = torch.arange(start_position, start_position + length, device=token_ids.device)
+        attn = self.midlayer.self_attn
+        x = self.midlayer.attention_input(self.embed(token_ids), hidden)
+        q, k, v = attn.project(x, positions)
+        k_all, v_all = cache.append(k, v, start_position)
+        past = k_all.shape[2] - length
+        mask = torch.ones(length, k_all.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        attended = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        return self.midlayer.finish(hidden, attn.out(attended))
+
+
+class DraftCache:
+    """KV cache of the drafter; positions are contiguous from 0 and can be cropped after verify."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def crop(self, length: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, start: int):
+        if start != self.length:
+            raise ValueError(f"draft cache holds {self.length} positions, cannot append at {start}")
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v

@@ -1,0 +1,49 @@
+"""Generation and capture engines behind one interface.
+
+- `hf`: transformers on CPU or GPU; the embedded default.
+- `sglang`: an SGLang server over HTTP (see reference/sglang-contract.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class EngineError(RuntimeError):
+    """An engine that could not produce what was asked (server down, bad response, ...)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass
+class Capture:
+    aux: torch.Tensor  # [L, 3H], ascending layer order
+    last_hidden: torch.Tensor  # [L, H], post final norm
+
+
+class GenerationEngine(Protocol):
+    name: str
+    version: str
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+
+class CaptureEngine(Protocol):
+    name: str
+    version: str
+
+    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int]) -> list[Capture]: ...

@@ -1,0 +1,66 @@
+"""The transformers engine: batched generation and hidden-state capture for any causal LM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pipeline.engines import Capture, Generation, SamplingParams
+from pipeline.target import load_model, load_tokenizer
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model_dir: Path, dtype: str = "float32"):
+        import transformers
+
+        self.version = f"transformers-{transformers.__version__}"
+        self.model = load_model(model_dir, dtype)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.num_layers = int(self.model.config.get_text_config().num_hidden_layers)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_id = self.tokenizer.eos_token_id
+
+    def _padded(self, sequences: list[list[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            span = slice(width - len(seq), width) if left else slice(0, len(seq))
+            ids[row, span] = torch.tensor(seq, dtype=torch.long)
+            mask[row, span] = 1
+        return ids, mask
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        ids, mask = self._padded(prompts, left=True)
+        sampling = params.temperature > 1e-6
+        torch.manual_seed(params.seed)
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=params.max_new_tokens, do_sample=sampling,
+            temperature=params.temperature if sampling else None, top_p=None, top_k=None,
+            eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+        )
+        results = []
+        for row in out[:, ids.shape[1]:].tolist():
+            if self.eos_id in row:
+                results.append(Generation(row[:row.index(self.eos_id) + 1], "stop"))
+            else:
+                results.append(Generation(row, "length"))
+        return results
+
+    @torch.no_grad()
+    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int]) -> list[Capture]:
+        if aux_layer_ids[-1] >= self.num_layers - 1:
+            raise ValueError(f"aux layer {aux_layer_ids[-1]} must be below the last layer ({self.num_layers - 1})")
+        ids, mask = self._padded(sequences, left=False)
+        # hidden_states[k + 1] is the output of decoder layer k; hidden_states[N] is the final-norm output.
+        wanted = [k + 1 for k in aux_layer_ids] + [self.num_layers]
+        out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=wanted, use_cache=False)
+        states = out.hidden_states
+        aux = torch.cat([states[i] for i in wanted[:-1]], dim=-1)
+        last = states[self.num_layers]
+        return [Capture(aux[row, :len(seq)].clone(), last[row, :len(seq)].clone())
+                for row, seq in enumerate(sequences)]

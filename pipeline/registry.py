@@ -1,0 +1,212 @@
+"""Drafter registry in the object store: immutable versions, aliases that point at them, verified pull.
+
+    drafters/<target>/versions/<version>/   config.json, model.safetensors, capture_contract.json,
+                                            README.md, manifest.json (lineage + sha256 of every file)
+    drafters/<target>/aliases/<alias>.json  {"version": ...}
+    drafters/<target>/history/<time>-<alias>.json   one record per alias move (append-only)
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pipeline import layout
+from pipeline.export import CONFIG_NAME, DRAFTER_FILES, WEIGHTS_NAME, read_drafter_dir
+from pipeline.ids import validate_id
+from pipeline.manifest import MANIFEST_NAME, manifest_exists, now_iso, publish, read_manifest
+from pipeline.storage import ObjectMissingError, ObjectStore, StorageError, sha256_file
+
+log = logging.getLogger(__name__)
+README_NAME = "README.md"
+
+
+class RegistryError(RuntimeError):
+    pass
+
+
+def sglang_flags(drafter_path: str, steps: int, topk: int = 1, draft_tokens: int | None = None) -> list[str]:
+    draft_tokens = draft_tokens or (steps + 1 if topk == 1 else steps * topk)
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_path,
+            "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+            "--speculative-num-draft-tokens", str(draft_tokens)]
+
+
+def model_card(target: str, version: str, lineage: dict[str, Any], flags: list[str]) -> str:
+    evaluation = lineage.get("eval", {})
+    bench = lineage.get("bench", {})
+    lines = [
+        f"# EAGLE-3 drafter for `{target}`, version `{version}`", "",
+        "Load with SGLang (the target's own embedding is shared with the drafter):", "",
+        "```", "python -m sglang.launch_server --model-path <target> " + " ".join(flags), "```", "",
+        "## Metrics (held-out captures of the target's own outputs)", "",
+        "| metric | value |", "|---|---|",
+        f"| cond_acc by step | {evaluation.get('cond_acc')} |",
+        f"| simulated acceptance length | {evaluation.get('tau_simulated')} |",
+        f"| measured acceptance length | {bench.get('tau_measured')} |",
+        f"| baseline tok/s | {bench.get('baseline_tok_s')} |",
+        f"| drafter tok/s | {bench.get('drafter_tok_s')} |",
+        f"| benchmark engine | {bench.get('engine')} |", "",
+        "## Capture contract", "", "```json", json.dumps(lineage.get("contract", {}), indent=2), "```", "",
+        "## Lineage", "",
+        f"- run: `{lineage.get('run_id')}`", f"- dataset: `{lineage.get('dataset')}`",
+        f"- code version: `{lineage.get('code_version')}`", "",
+    ]
+    return "\n".join(lines)
+
+
+def _version_id(weights_sha: str) -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S") + f"-{weights_sha[:10]}"
+
+
+def read_alias(store: ObjectStore, target: str, alias: str) -> dict[str, Any] | None:
+    try:
+        return json.loads(store.get_bytes(layout.alias_key(target, alias)))
+    except ObjectMissingError:
+        return None
+
+
+def _record_history(store: ObjectStore, target: str, alias: str, record: dict[str, Any]) -> None:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    store.put_bytes(f"{layout.alias_history_prefix(target)}/{stamp}-{alias}.json", json.dumps(record).encode())
+
+
+def set_alias(store: ObjectStore, target: str, alias: str, version: str, reason: str) -> dict[str, Any]:
+    validate_id(alias, "alias")
+    if not manifest_exists(store, layout.drafter_version_prefix(target, version)):
+        raise RegistryError(f"cannot point {alias} at {version}: no such version of {target}")
+    previous = read_alias(store, target, alias)
+    record = {"alias": alias, "version": version, "previous_version": previous["version"] if previous else None,
+              "updated_at": now_iso(), "reason": reason}
+    store.put_bytes(layout.alias_key(target, alias), json.dumps(record, indent=2).encode())
+    _record_history(store, target, alias, record)
+    return record
+
+
+def publish_version(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any],
+                    serve_steps: int) -> tuple[str, dict[str, Any]]:
+    """Upload a validated drafter directory as a new immutable version; returns (version, manifest)."""
+    read_drafter_dir(drafter_dir)
+    version = _version_id(sha256_file(drafter_dir / WEIGHTS_NAME))
+    prefix = layout.drafter_version_prefix(target, version)
+    if manifest_exists(store, prefix):
+        raise RegistryError(f"version {version} of {target} already exists; versions are immutable")
+    flags = sglang_flags("<drafter-dir>", serve_steps)
+    objects = [store.put_file(f"{prefix}/{name}", drafter_dir / name) for name in DRAFTER_FILES]
+    objects.append(store.put_bytes(f"{prefix}/{README_NAME}", model_card(target, version, lineage, flags).encode()))
+    manifest = publish(store, prefix, "drafter", objects, {
+        "target": target, "version": version, "lineage": lineage, "sglang_flags": flags,
+        "serve_steps": serve_steps})
+    return version, manifest
+
+
+def promote(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any], alias: str,
+            serve_steps: int) -> dict[str, Any]:
+    """Publish a version and move `alias` to it; the old target of `production` becomes `previous`."""
+    version, manifest = publish_version(store, target, drafter_dir, lineage, serve_steps)
+    old = read_alias(store, target, alias)
+    record = set_alias(store, target, alias, version, reason=f"promoted from run {lineage.get('run_id')}")
+    if alias == "production" and old is not None:
+        set_alias(store, target, "previous", old["version"], reason=f"demoted by {version}")
+    return {"version": version, "alias": record, "uri": store.uri(layout.drafter_version_prefix(target, version)),
+            "manifest": manifest}
+
+
+def rollback(store: ObjectStore, target: str) -> dict[str, Any]:
+    """production -> previous; the rolled-back version becomes `previous`."""
+    production, previous = read_alias(store, target, "production"), read_alias(store, target, "previous")
+    if production is None or previous is None:
+        raise RegistryError(f"{target} needs both a production and a previous alias to roll back")
+    record = set_alias(store, target, "production", previous["version"], reason="rollback")
+    set_alias(store, target, "previous", production["version"], reason="rolled back")
+    return record
+
+
+def list_versions(store: ObjectStore, target: str) -> list[dict[str, Any]]:
+    prefix = layout.drafter_versions_prefix(target)
+    versions = sorted({key.split("/")[len(prefix.split("/"))] for key in store.list(prefix)})
+    rows = []
+    for version in versions:
+        if manifest_exists(store, f"{prefix}/{version}"):
+            manifest = read_manifest(store, f"{prefix}/{version}", kind="drafter")
+            rows.append({"version": version, "created_at": manifest["created_at"],
+                         "run_id": manifest["lineage"].get("run_id"),
+                         "tau_simulated": manifest["lineage"].get("eval", {}).get("tau_simulated")})
+    return rows
+
+
+def resolve(store: ObjectStore, target: str, alias_or_version: str) -> str:
+    record = read_alias(store, target, alias_or_version)
+    if record is not None:
+        return record["version"]
+    if manifest_exists(store, layout.drafter_version_prefix(target, alias_or_version)):
+        return alias_or_version
+    raise RegistryError(f"{target} has no alias or version named {alias_or_version!r}")
+
+
+def verify_dir(directory: str | Path) -> dict[str, Any]:
+    """Check every file listed by the directory's manifest.json against its sha256 and size."""
+    directory = Path(directory)
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise RegistryError(f"{directory} has no readable {MANIFEST_NAME}: {err}") from err
+    problems = []
+    for entry in manifest.get("objects", []):
+        path = directory / validate_id(entry["name"], "file name")
+        if not path.is_file():
+            problems.append(f"missing {entry['name']}")
+        elif path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            problems.append(f"checksum mismatch for {entry['name']}")
+    if problems:
+        raise RegistryError(f"drafter directory {directory} failed verification: " + "; ".join(problems))
+    read_drafter_dir(directory)
+    return manifest
+
+
+def pull(store: ObjectStore, target: str, alias_or_version: str, dest: str | Path) -> Path:
+    """Download a version to dest atomically; on any mismatch dest is left as it was."""
+    version = resolve(store, target, alias_or_version)
+    prefix = layout.drafter_version_prefix(target, version)
+    manifest = read_manifest(store, prefix, kind="drafter")
+    dest = Path(dest).resolve()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.pull-"))
+    try:
+        for entry in manifest["objects"]:
+            store.get_file_verified(f"{prefix}/{entry['name']}", staging / entry["name"], entry["sha256"])
+        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        verify_dir(staging)
+        _swap_into_place(staging, dest)
+    except (StorageError, RegistryError, ValueError) as err:
+        raise RegistryError(f"pull of {target}:{alias_or_version} ({version}) refused, {dest} unchanged: {err}") from err
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log.info("pulled %s version %s into %s", target, version, dest)
+    return dest
+
+
+def pull_incumbent(store: ObjectStore, target: str, alias: str, workdir: Path) -> tuple[str, Path] | None:
+    """The drafter currently behind `alias` (what a candidate must beat), or None if there is none."""
+    record = read_alias(store, target, alias)
+    if record is None:
+        return None
+    return record["version"], pull(store, target, record["version"], workdir / "incumbent_drafter")
+
+
+def _swap_into_place(staging: Path, dest: Path) -> None:
+    if not dest.exists():
+        os.replace(staging, dest)
+        return
+    if not dest.is_dir() or not (dest / CONFIG_NAME).exists() and any(dest.iterdir()):
+        raise RegistryError(f"{dest} exists and is not a drafter directory; refusing to replace it")
+    retired = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    os.replace(dest, retired)
+    os.replace(staging, dest)
+    shutil.rmtree(retired, ignore_errors=True)

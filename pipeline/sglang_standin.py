@@ -1,0 +1,167 @@
+"""A local stand-in for an SGLang server, backed by a transformers target, speaking SGLang's HTTP format.
+
+SGLang needs CUDA and cannot run on these machines; this server lets the SGLang client code paths
+run over real HTTP in tests and benchmarks. It implements what the pipeline uses of SGLang 0.5.23
+(reference/sglang-contract.md): POST /generate (input_ids, sampling_params, return_hidden_states),
+GET /server_info, GET /health. With --aux-layer-ids it behaves like a server started with
+--enable-return-aux-hidden-states; with --speculative-algorithm NGRAM or EAGLE3 it decodes with the
+reference speculative decoder and reports the spec_* meta_info fields.
+
+    python -m pipeline.sglang_standin --model-dir DIR --port 30000 [--aux-layer-ids 1 3 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+
+VERSION = "0.5.23-standin"
+
+
+class StandinBackend:
+    def __init__(self, model_dir: Path, aux_layer_ids: list[int] | None, algorithm: str | None = None,
+                 draft_dir: Path | None = None, num_steps: int = 3):
+        from pipeline.target import load_model, load_tokenizer
+
+        self.model = load_model(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.aux_layer_ids = aux_layer_ids
+        self.algorithm = algorithm
+        self.num_steps = num_steps
+        self.lock = threading.Lock()
+        self.accept_lengths: list[float] = []
+        self.drafter = None
+        if algorithm == "EAGLE3":
+            from pipeline.export import load_drafter
+            from pipeline.target import load_frozen_tensors
+
+            self.drafter, contract = load_drafter(draft_dir, load_frozen_tensors(model_dir)["embed"].float())
+            self.draft_layers = contract["aux_layer_ids"]
+
+    def _states(self, ids: list[int]) -> list[list[float]]:
+        num_layers = self.model.config.num_hidden_layers
+        wanted = [k + 1 for k in self.aux_layer_ids] if self.aux_layer_ids else [num_layers]
+        out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=wanted, use_cache=False)
+        block = torch.cat([out.hidden_states[i][0] for i in wanted], dim=-1)
+        return block.tolist()
+
+    def _decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool) -> tuple[list[int], dict[str, Any]]:
+        from pipeline.spec_decode import EagleProposer, NgramProposer, TargetRunner, greedy_decode, speculative_decode
+
+        eos = None if ignore_eos else self.tokenizer.eos_token_id
+        if self.algorithm is None:
+            return greedy_decode(TargetRunner(self.model, None), ids, max_new_tokens, eos).tokens, {}
+        if self.algorithm == "NGRAM":
+            runner, proposer = TargetRunner(self.model, None), NgramProposer()
+        else:
+            runner, proposer = TargetRunner(self.model, self.draft_layers), EagleProposer(self.drafter)
+        result = speculative_decode(runner, proposer, ids, max_new_tokens, eos, self.num_steps)
+        verify = max(1, result.verify_forwards)
+        accept_length = len(result.tokens) / verify
+        self.accept_lengths.append(accept_length)
+        return result.tokens, {"spec_verify_ct": verify, "spec_accept_length": accept_length,
+                               "spec_num_correct_drafts": sum(k * n for k, n in enumerate(result.accepted_histogram)),
+                               "spec_num_proposed_drafts": verify * self.num_steps,
+                               "spec_correct_drafts_histogram": result.accepted_histogram}
+
+    def generate_one(self, ids: list[int], sampling: dict[str, Any], hidden: bool) -> dict[str, Any]:
+        started = time.perf_counter()
+        max_new = int(sampling.get("max_new_tokens", 128))
+        with self.lock, torch.inference_mode():
+            output, spec = self._decode(ids, max_new, bool(sampling.get("ignore_eos")))
+            states = self._states(ids) if hidden else None
+        eos = self.tokenizer.eos_token_id
+        stopped = bool(output) and output[-1] == eos
+        finish = {"type": "stop", "matched": eos} if stopped else {"type": "length", "length": max_new}
+        meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
+                "completion_tokens": len(output), "cached_tokens": 0,
+                "e2e_latency": time.perf_counter() - started, **spec}
+        if states is not None:
+            meta["hidden_states"] = [states]
+        return {"text": self.tokenizer.decode(output, skip_special_tokens=True),
+                "output_ids": output[:-1] if stopped else output, "meta_info": meta}
+
+    def server_info(self) -> dict[str, Any]:
+        mean = sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
+        return {"version": VERSION, "internal_states": [{"avg_spec_accept_length": mean}],
+                "speculative_algorithm": self.algorithm}
+
+
+def make_handler(backend: StandinBackend):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _send(self, status: int, payload: Any) -> None:
+            body = orjson.dumps(payload)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path in ("/health", "/health_generate"):
+                self._send(200, {})
+            elif self.path in ("/server_info", "/get_server_info"):
+                self._send(200, backend.server_info())
+            else:
+                self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self) -> None:
+            if self.path != "/generate":
+                self._send(404, {"error": {"message": f"no route {self.path}"}})
+                return
+            try:
+                request = orjson.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                ids = request.get("input_ids")
+                if ids is None and "text" in request:
+                    ids = backend.tokenizer(request["text"], add_special_tokens=False)["input_ids"]
+                hidden = bool(request.get("return_hidden_states"))
+                sampling = request.get("sampling_params") or {}
+                if ids and isinstance(ids[0], list):
+                    self._send(200, [backend.generate_one(i, sampling, hidden) for i in ids])
+                else:
+                    self._send(200, backend.generate_one(ids, sampling, hidden))
+            except (ValueError, TypeError, KeyError) as err:
+                self._send(400, {"error": {"message": f"bad request: {err}"}})
+
+    return Handler
+
+
+def serve(backend: StandinBackend, port: int = 0) -> ThreadingHTTPServer:
+    """Start serving on 127.0.0.1 in a background thread; returns the server (server_port, shutdown())."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(backend))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--aux-layer-ids", type=int, nargs=3)
+    parser.add_argument("--speculative-algorithm", choices=["NGRAM", "EAGLE3"])
+    parser.add_argument("--speculative-draft-model-path")
+    parser.add_argument("--speculative-num-steps", type=int, default=3)
+    args = parser.parse_args()
+    backend = StandinBackend(Path(args.model_dir), args.aux_layer_ids, args.speculative_algorithm,
+                             Path(args.speculative_draft_model_path) if args.speculative_draft_model_path else None,
+                             args.speculative_num_steps)
+    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(backend))
+    print(f"stand-in SGLang server on http://127.0.0.1:{server.server_port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

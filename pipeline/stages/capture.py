@@ -1,0 +1,183 @@
+"""capture: conversations with the target's responses -> hidden-state shards + the capture contract.
+
+One capture shard per response shard (same split). Every sample is validated before it is stored;
+bad ones are counted by reason and left out. Finished shards carry a `.done.json` marker so a rerun
+resumes; the manifest (with the contract) is written last, and a dataset manifest is published on
+top of it for training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline import layout
+from pipeline.capture_shard import CaptureSample, write_shard
+from pipeline.chat import capture_sequence
+from pipeline.config import RunConfig, default_aux_layer_ids
+from pipeline.contract import CaptureContract, build_contract, require_same_contract
+from pipeline.engines import Capture, CaptureEngine
+from pipeline.manifest import manifest_exists, publish, read_listed, read_manifest
+from pipeline.progress import Progress
+from pipeline.records import decode_jsonl
+from pipeline.stages import StageResult
+from pipeline.storage import ObjectInfo, ObjectStore, open_store
+from pipeline.target import TargetInfo, describe_target, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class CaptureFailed(RuntimeError):
+    pass
+
+
+def aux_layer_ids(config: RunConfig, num_layers: int) -> list[int]:
+    return config.capture.aux_layer_ids or default_aux_layer_ids(num_layers)
+
+
+def make_engine(config: RunConfig, target: TargetInfo) -> CaptureEngine:
+    if config.capture.engine == "hf":
+        from pipeline.engines.hf import HFEngine
+
+        return HFEngine(target.model_dir)
+    from pipeline.engines.sglang import SGLangEngine
+
+    assert config.capture.sglang is not None
+    return SGLangEngine(config.capture.sglang, hidden_size=target.hidden_size)
+
+
+def contract_for(config: RunConfig, target: TargetInfo, engine: CaptureEngine) -> CaptureContract:
+    return build_contract(aux_layer_ids(config, target.num_layers), target.num_layers, target.hidden_size,
+                          target.vocab_size, target.identity, {"name": engine.name, "version": engine.version},
+                          config.capture.encoding)
+
+
+def sample_problem(capture: Capture, length: int, hidden_size: int) -> str | None:
+    """Why a captured sample must not be stored, or None when it is sound."""
+    if capture.aux.shape != (length, 3 * hidden_size) or capture.last_hidden.shape != (length, hidden_size):
+        return "wrong_shape"
+    for name, tensor in (("aux", capture.aux), ("last_hidden", capture.last_hidden)):
+        if not torch.isfinite(tensor).all():
+            return f"non_finite_{name}"
+        if tensor.abs().amax() == 0:
+            return f"all_zero_{name}"
+    return None
+
+
+def capture_records(records: list[dict[str, Any]], engine: CaptureEngine, tokenizer, config: RunConfig,
+                    target: TargetInfo, layer_ids: list[int], counts: Counter, progress: Progress) -> list[CaptureSample]:
+    prepared = []
+    for record in records:
+        last_ids = (record.get("generation") or {}).get("last_output_ids")
+        ids, mask = capture_sequence(tokenizer, record["messages"], last_ids, config.capture.max_length)
+        if sum(mask) == 0:
+            counts["quarantined.no_assistant_tokens"] += 1
+            continue
+        prepared.append((record["id"], ids, mask))
+    prepared.sort(key=lambda item: len(item[1]))
+    samples = []
+    for start in range(0, len(prepared), config.capture.batch_size):
+        batch = prepared[start:start + config.capture.batch_size]
+        captures = engine.capture([ids for _, ids, _ in batch], layer_ids)
+        for (sample_id, ids, mask), capture in zip(batch, captures):
+            problem = sample_problem(capture, len(ids), target.hidden_size)
+            if problem:
+                counts[f"quarantined.{problem}"] += 1
+                continue
+            samples.append(CaptureSample(sample_id, torch.tensor(ids), torch.tensor(mask, dtype=torch.uint8),
+                                         capture.aux, capture.last_hidden))
+            counts["captured"] += 1
+        progress.update(len(batch))
+    return samples
+
+
+def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore | None = None) -> StageResult:
+    store = store or open_store(config.storage)
+    in_prefix = store.key_for(responses_uri)
+    responses = read_manifest(store, in_prefix, kind="responses")
+    prefix = layout.captures_prefix(config.target.name, snapshot)
+    if manifest_exists(store, prefix):
+        log.info("capture %s already published; reusing it", store.uri(prefix))
+        return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="capture"))
+    target = describe_target(config)
+    tokenizer = load_tokenizer(target.model_dir)
+    engine = make_engine(config, target)
+    contract = contract_for(config, target, engine).model_dump(mode="json")
+    layer_ids = contract["aux_layer_ids"]
+    counts: Counter = Counter()
+    objects: list[ObjectInfo] = []
+    shards = []
+    progress = Progress(total=sum(s["samples"] for s in responses["shards"]), desc="capture", unit="sample")
+    with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
+        for shard in responses["shards"]:
+            name = shard["name"].replace(".jsonl", ".safetensors")
+            marker_key = f"{prefix}/{name}.done.json"
+            if store.exists(marker_key) and store.exists(f"{prefix}/{name}"):
+                marker = json.loads(store.get_bytes(marker_key))
+                require_same_contract(marker["contract"], contract, f"resuming {name}")
+                objects.append(ObjectInfo(f"{prefix}/{name}", marker["bytes"], marker["sha256"]))
+                shards.append(marker["shard"])
+                counts.update(marker["counts"])
+                progress.update(shard["samples"])
+                continue
+            records = decode_jsonl(read_listed(store, in_prefix, responses, shard["name"]))
+            shard_counts: Counter = Counter()
+            samples = capture_records(records, engine, tokenizer, config, target, layer_ids, shard_counts, progress)
+            counts.update(shard_counts)
+            if not samples:
+                log.warning("capture: shard %s produced no valid samples: %s", shard["name"], dict(shard_counts))
+                continue
+            path = Path(tmp) / name
+            stats = write_shard(samples, path, config.capture.encoding)
+            info = store.put_file(f"{prefix}/{name}", path)
+            path.unlink()
+            entry = {"name": name, "split": shard["split"], **stats}
+            store.put_bytes(marker_key, json.dumps({"bytes": info.bytes, "sha256": info.sha256, "shard": entry,
+                                                    "counts": dict(shard_counts), "contract": contract}).encode())
+            objects.append(info)
+            shards.append(entry)
+    progress.close()
+    if not shards:
+        raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
+    manifest = publish(store, prefix, "capture", objects, {
+        "snapshot": snapshot, "responses": store.uri(in_prefix), "contract": contract,
+        "config": config.capture.model_dump(mode="json"), "counts": dict(counts), "shards": shards,
+        "totals": {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")},
+    })
+    log.info("capture: %s", dict(counts))
+    return StageResult(store.uri(prefix), manifest)
+
+
+def publish_dataset(config: RunConfig, capture_uris: list[str], dataset: str,
+                    store: ObjectStore | None = None) -> StageResult:
+    """A dataset snapshot: the capture shards a training run reads, all under one contract."""
+    store = store or open_store(config.storage)
+    contract = None
+    splits: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
+    for uri in capture_uris:
+        capture_prefix = store.key_for(uri)
+        manifest = read_manifest(store, capture_prefix, kind="capture")
+        if contract is None:
+            contract = manifest["contract"]
+        require_same_contract(contract, manifest["contract"], f"dataset {dataset}: {uri}")
+        by_name = {o["name"]: o for o in manifest["objects"]}
+        for shard in manifest["shards"]:
+            obj = by_name[shard["name"]]
+            splits[shard["split"]].append({"key": f"{capture_prefix}/{shard['name']}", "bytes": obj["bytes"],
+                                           "sha256": obj["sha256"], **shard})
+    if not splits["train"]:
+        raise CaptureFailed(f"dataset {dataset} would have no training shards")
+    prefix = layout.dataset_prefix(config.target.name, dataset)
+    manifest = publish(store, prefix, "dataset", [], {
+        "dataset": dataset, "target": config.target.name, "captures": capture_uris, "contract": contract,
+        "train_shards": splits["train"], "eval_shards": splits["eval"],
+        "totals": {split: {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")}
+                   for split, shards in splits.items()},
+    })
+    return StageResult(store.uri(prefix), manifest)

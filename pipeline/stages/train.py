@@ -1,0 +1,139 @@
+"""train: a dataset snapshot -> a trained, exported drafter and its metrics in runs/<run_id>/train/.
+
+This side stays light: it checks the capture contract, fetches the shards into a local cache
+(content-addressed, sha256-verified), writes a worker spec, and launches the training process group
+(torchrun or the deepspeed launcher running `drafter train-worker`). Training never runs inside the
+calling process, so an Airflow worker only supervises it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline import layout
+from pipeline.config import RunConfig, TrainConfig
+from pipeline.contract import build_contract, require_same_contract
+from pipeline.export import DRAFTER_FILES
+from pipeline.manifest import manifest_exists, publish, read_manifest
+from pipeline.stages import StageResult
+from pipeline.stages.capture import aux_layer_ids
+from pipeline.storage import ObjectStore, open_store
+from pipeline.target import describe_target
+
+log = logging.getLogger(__name__)
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+def expected_contract(config: RunConfig) -> dict[str, Any]:
+    """What this config's target and capture settings say the features must be."""
+    target = describe_target(config)
+    return build_contract(aux_layer_ids(config, target.num_layers), target.num_layers, target.hidden_size,
+                          target.vocab_size, target.identity, {"name": "any", "version": "any"}).model_dump()
+
+
+def cached_shard(store: ObjectStore, shard: dict[str, Any], cache_dir: Path) -> Path:
+    """The shard in the local content-addressed cache, downloaded and verified if absent."""
+    path = cache_dir / "shards" / f"{shard['sha256']}.safetensors"
+    if not path.exists():
+        store.get_file_verified(shard["key"], path, shard["sha256"])
+    return path
+
+
+def launch_command(settings: TrainConfig, spec_path: Path) -> list[str]:
+    worker = ["pipeline.cli", "train-worker", "--spec", str(spec_path)]
+    if settings.launcher == "deepspeed":
+        command = ["deepspeed", "--num_gpus", str(settings.nproc)]
+        if settings.hostfile:
+            command += ["--hostfile", settings.hostfile]
+        return command + ["--module"] + worker
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(settings.nproc), "--module"] + worker
+
+
+def _run_process_group(command: list[str], log_path: Path) -> int:
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", _accelerator())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    log.info("launching training: %s", " ".join(command))
+    with open(log_path, "a") as log_file:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            log_file.write(line)
+            if _worth_showing(line):
+                sys.stderr.write(line)
+        return process.wait()
+
+
+def _accelerator() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _worth_showing(line: str) -> bool:
+    noisy = ("UserWarning", "warnings.warn", "return func(", "OMP_NUM_THREADS", "*****", "[WARNING]",
+             "Setting OMP", "[INFO] [", "Loading weights")
+    return bool(line.strip()) and not any(marker in line for marker in noisy)
+
+
+def resolve_init_dir(config: RunConfig, store: ObjectStore, workdir: Path) -> Path | None:
+    """A local directory holding the warm-start drafter (a local path or a registry reference)."""
+    if config.train.init != "warm":
+        return None
+    source = config.train.init_from or ""
+    if source.startswith("registry:"):
+        from pipeline.registry import pull
+
+        return pull(store, config.target.name, source[len("registry:"):], workdir / "init_drafter")
+    path = Path(source)
+    if not path.is_dir():
+        raise TrainingFailed(f"train.init_from {source!r} is neither a drafter directory nor registry:<alias>")
+    return path
+
+
+def run(config: RunConfig, dataset_uri: str, run_id: str, store: ObjectStore | None = None) -> StageResult:
+    store = store or open_store(config.storage)
+    dataset_prefix = store.key_for(dataset_uri)
+    dataset = read_manifest(store, dataset_prefix, kind="dataset")
+    require_same_contract(expected_contract(config), dataset["contract"], f"training on {dataset_uri}")
+    prefix = f"{layout.run_prefix(run_id)}/train"
+    if manifest_exists(store, prefix):
+        log.info("training of run %s already published; reusing it", run_id)
+        return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="train"))
+    cache = Path(config.storage.local_cache)
+    workdir = (cache / "runs" / run_id).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    shard_paths = [str(cached_shard(store, shard, cache).resolve()) for shard in dataset["train_shards"]]
+    init_dir = resolve_init_dir(config, store, workdir)
+    spec = {
+        "config": config.dump(), "run_id": run_id, "workdir": str(workdir), "train_shards": shard_paths,
+        "target_dir": str(describe_target(config).model_dir.resolve()), "contract": dataset["contract"],
+        "init_dir": str(init_dir.resolve()) if init_dir else None,
+    }
+    spec_path = workdir / "worker_spec.json"
+    spec_path.write_text(json.dumps(spec, indent=2))
+    (workdir / "train_result.json").unlink(missing_ok=True)
+    code = _run_process_group(launch_command(config.train, spec_path), workdir / "train.log")
+    if code != 0 or not (workdir / "train_result.json").exists():
+        raise TrainingFailed(f"training exited with code {code}; full log: {workdir / 'train.log'}")
+    result = json.loads((workdir / "train_result.json").read_text())
+    objects = [store.put_file(f"{prefix}/drafter/{name}", workdir / "drafter" / name) for name in DRAFTER_FILES]
+    objects.append(store.put_file(f"{prefix}/metrics.jsonl", workdir / "metrics.jsonl"))
+    objects.append(store.put_file(f"{prefix}/train_result.json", workdir / "train_result.json"))
+    manifest = publish(store, prefix, "train", objects, {
+        "run_id": run_id, "dataset": store.uri(dataset_prefix), "contract": dataset["contract"],
+        "config": config.train.model_dump(mode="json"), "drafter_config": config.drafter.model_dump(mode="json"),
+        "result": {k: v for k, v in result.items() if k != "history"}, "history": result["history"],
+        "init_from": config.train.init_from if init_dir else None,
+    })
+    return StageResult(store.uri(prefix), manifest)

@@ -1,0 +1,288 @@
+"""One object store for file:// and s3:// roots.
+
+Keys are relative, '/'-separated and validated; nothing is read or written outside the root.
+Writes of a single object are atomic on both backends (rename on file://, S3 PUT semantics), and
+multi-object artifacts are published data first, manifest last (see pipeline.manifest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+from pipeline.config import StorageConfig
+from pipeline.ids import validate_key
+
+_CHUNK = 8 * 1024 * 1024
+
+
+class StorageError(RuntimeError):
+    """An object that is missing, unreadable or outside the store root."""
+
+
+class ObjectMissingError(StorageError):
+    pass
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    bytes: int
+    sha256: str
+
+
+def sha256_file(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class ObjectStore(ABC):
+    """Interface shared by the file and S3 backends."""
+
+    root_uri: str
+
+    def uri(self, key: str) -> str:
+        return f"{self.root_uri.rstrip('/')}/{validate_key(key)}"
+
+    def key_for(self, uri_or_key: str) -> str:
+        """The key of a URI inside this root (or a bare key), refusing anything outside it."""
+        if "://" not in uri_or_key:
+            return validate_key(uri_or_key.strip("/"))
+        root = self.root_uri.rstrip("/") + "/"
+        if not uri_or_key.startswith(root):
+            raise StorageError(f"{uri_or_key} is outside the configured storage root {self.root_uri}")
+        return validate_key(uri_or_key[len(root):].strip("/"))
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
+
+    @abstractmethod
+    def put_file(self, key: str, path: str | Path) -> ObjectInfo: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes, or bytes [start, end) of it."""
+
+    @abstractmethod
+    def get_file(self, key: str, dest: str | Path) -> None: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys under prefix, sorted. Readers of artifacts use manifests instead; this is for tools."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def get_verified(self, key: str, sha256: str) -> bytes:
+        data = self.get_bytes(key)
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != sha256:
+            raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
+        return data
+
+    def get_file_verified(self, key: str, dest: str | Path, sha256: str) -> None:
+        """Download to dest atomically; a checksum mismatch leaves dest untouched."""
+        dest = Path(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+        os.close(fd)
+        try:
+            self.get_file(key, tmp)
+            actual = sha256_file(tmp)
+            if actual != sha256:
+                raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
+            os.replace(tmp, dest)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+class FileStore(ObjectStore):
+    def __init__(self, root: str | Path):
+        self.root = Path(root).resolve()
+        self.root_uri = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / validate_key(key)).resolve()
+        if self.root not in path.parents:
+            raise StorageError(f"key {key!r} resolves outside the store root")
+        return path
+
+    def _atomic_write(self, key: str, writer) -> Path:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                writer(handle)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        self._atomic_write(key, lambda handle: handle.write(data))
+        return ObjectInfo(key, len(data), hashlib.sha256(data).hexdigest())
+
+    def put_file(self, key: str, path: str | Path) -> ObjectInfo:
+        digest = hashlib.sha256()
+        size = 0
+
+        def copy(handle: BinaryIO) -> None:
+            nonlocal size
+            with open(path, "rb") as source:
+                for block in iter(lambda: source.read(_CHUNK), b""):
+                    digest.update(block)
+                    size += len(block)
+                    handle.write(block)
+
+        self._atomic_write(key, copy)
+        return ObjectInfo(key, size, digest.hexdigest())
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as handle:
+                if start is None:
+                    return handle.read()
+                handle.seek(start)
+                return handle.read((end - start) if end is not None else -1)
+        except FileNotFoundError as err:
+            raise ObjectMissingError(f"no object at {self.uri(key)}") from err
+
+    def get_file(self, key: str, dest: str | Path) -> None:
+        path = self._path(key)
+        if not path.is_file():
+            raise ObjectMissingError(f"no object at {self.uri(key)}")
+        shutil.copyfile(path, dest)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = self._path(prefix) if prefix else self.root
+        if not base.exists():
+            return []
+        keys = [
+            str(p.relative_to(self.root))
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".")
+        ]
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+
+class S3Store(ObjectStore):
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
+                 region: str | None = None, multipart_threshold_mb: int = 64):
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.root_uri = f"s3://{_join(bucket, self.prefix)}"
+        self.client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region)
+        self.transfer = TransferConfig(
+            multipart_threshold=multipart_threshold_mb * 1024 * 1024,
+            multipart_chunksize=multipart_threshold_mb * 1024 * 1024,
+        )
+
+    def _key(self, key: str) -> str:
+        return _join(self.prefix, validate_key(key))
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        return ObjectInfo(key, len(data), hashlib.sha256(data).hexdigest())
+
+    def put_file(self, key: str, path: str | Path) -> ObjectInfo:
+        sha = sha256_file(path)
+        self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer)
+        return ObjectInfo(key, os.path.getsize(path), sha)
+
+    def _missing(self, err: Exception) -> bool:
+        code = getattr(err, "response", {}).get("Error", {}).get("Code", "")
+        return code in ("NoSuchKey", "404", "NotFound")
+
+    def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        from botocore.exceptions import ClientError
+
+        kwargs = {}
+        if start is not None:
+            kwargs["Range"] = f"bytes={start}-" + (str(end - 1) if end is not None else "")
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
+        except ClientError as err:
+            if self._missing(err):
+                raise ObjectMissingError(f"no object at {self.uri(key)}") from err
+            raise
+        return response["Body"].read()
+
+    def get_file(self, key: str, dest: str | Path) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.download_file(self.bucket, self._key(key), str(dest), Config=self.transfer)
+        except ClientError as err:
+            if self._missing(err):
+                raise ObjectMissingError(f"no object at {self.uri(key)}") from err
+            raise
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as err:
+            if self._missing(err):
+                return False
+            raise
+
+    def _iter_keys(self, prefix: str) -> Iterator[str]:
+        full = _join(self.prefix, prefix)
+        full = full + "/" if full else ""
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+            for item in page.get("Contents", []):
+                yield item["Key"][len(self.prefix) + 1:] if self.prefix else item["Key"]
+
+    def list(self, prefix: str = "") -> list[str]:
+        if prefix:
+            validate_key(prefix)
+        return sorted(self._iter_keys(prefix))
+
+    def delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+
+def open_store(config: StorageConfig) -> ObjectStore:
+    """The store rooted at config.root."""
+    root = config.root
+    if root.startswith("s3://"):
+        bucket, _, prefix = root[len("s3://"):].partition("/")
+        if len(bucket) < 3:
+            raise StorageError(f"invalid S3 bucket in storage.root {root!r}")
+        return S3Store(bucket, prefix, config.endpoint_url, config.region, config.multipart_threshold_mb)
+    path = root[len("file://"):] if root.startswith("file://") else root
+    return FileStore(path)

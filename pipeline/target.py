@@ -1,0 +1,154 @@
+"""The target model: where it lives, what it is (its identity hashes), and its frozen tensors."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import RunConfig
+
+
+class TargetError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    name: str
+    model_dir: Path
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    identity: dict[str, Any]
+
+
+def resolve_model_dir(config: RunConfig) -> Path:
+    """A local directory with the target's config, weights and tokenizer (building the tiny one if needed)."""
+    if config.target.source == "tiny":
+        from pipeline.tiny_target import ensure_tiny_target
+
+        assert config.target.tiny is not None
+        return ensure_tiny_target(config.target.tiny, config.storage.local_cache)
+    path = Path(config.target.model_path or "")
+    if not (path / "config.json").is_file():
+        raise TargetError(
+            f"target.model_path {config.target.model_path!r} is not a local model directory with config.json; "
+            "download the model first (nothing is fetched from model hubs at run time)"
+        )
+    return path
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _canonical_config(model_dir: Path) -> dict[str, Any]:
+    config = json.loads((model_dir / "config.json").read_text())
+    for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
+        config.pop(volatile, None)
+    return config
+
+
+def text_config(model_dir: Path) -> dict[str, Any]:
+    """The language-model part of a config (multimodal checkpoints nest it under text_config)."""
+    config = _canonical_config(model_dir)
+    return config.get("text_config", config)
+
+
+def _tokenizer_hash(model_dir: Path) -> str:
+    digest = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt"):
+        path = model_dir / name
+        if path.is_file():
+            digest.update(name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def chat_template_of(model_dir: Path) -> str:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        template = json.loads(tokenizer_config.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+    raise TargetError(f"target at {model_dir} has no chat template")
+
+
+def describe_target(config: RunConfig, model_dir: Path | None = None) -> TargetInfo:
+    model_dir = model_dir or resolve_model_dir(config)
+    text = text_config(model_dir)
+    info = TargetInfo(
+        name=config.target.name,
+        model_dir=model_dir,
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        identity={
+            "name": config.target.name,
+            "source": config.target.source,
+            "model_path": str(config.target.model_path or model_dir.name),
+            "revision": config.target.revision,
+            "config_sha256": _sha256_text(json.dumps(_canonical_config(model_dir), sort_keys=True)),
+            "tokenizer_sha256": _tokenizer_hash(model_dir),
+            "chat_template_sha256": _sha256_text(chat_template_of(model_dir)),
+        },
+    )
+    for field in ("num_layers", "hidden_size", "vocab_size"):
+        expected = getattr(config.target, field)
+        if expected is not None and expected != getattr(info, field):
+            raise TargetError(f"target.{field} is {expected} in the config but {getattr(info, field)} in {model_dir}")
+    return info
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def load_model(model_dir: Path, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    model.eval()
+    return model
+
+
+def _weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, through the index when the checkpoint is sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise TargetError(f"no safetensors weights in {model_dir}")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as handle:
+        return {name: single for name in handle.keys()}
+
+
+def load_frozen_tensors(model_dir: Path) -> dict[str, Any]:
+    """embed_tokens, lm_head and final norm of the target, read without loading the whole model."""
+    from safetensors import safe_open
+
+    files = _weight_files(model_dir)
+    wanted = {"embed": "embed_tokens.weight", "lm_head": "lm_head.weight", "norm": "model.norm.weight"}
+    tensors = {}
+    for role, suffix in wanted.items():
+        matches = sorted(name for name in files if name.endswith(suffix) and "mtp" not in name)
+        if role == "lm_head" and not matches:
+            matches = sorted(name for name in files if name.endswith("embed_tokens.weight"))  # tied
+        if not matches:
+            raise TargetError(f"target weights in {model_dir} have no tensor ending in {suffix}")
+        with safe_open(str(files[matches[0]]), framework="pt") as handle:
+            tensors[role] = handle.get_tensor(matches[0])
+    return tensors

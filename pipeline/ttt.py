@@ -1,0 +1,119 @@
+"""Training-time-test objective and metrics, shared by training and evaluation.
+
+Alignment (step k, anchor t): the draft's input token is x_{t+1+k}; its target is the teacher
+distribution at position t+1+k (which predicts x_{t+2+k}); the loss mask is loss_mask[t+1+k], i.e.
+indexed by the draft's INPUT token, the position that drafts at serving time.
+
+Metrics come from summed counts (see MetricCounts), never from averages of per-batch ratios:
+  acc_k       = sum(mask_k * c_k) / sum(mask_k)
+  full_acc_k  = sum(chain_k * c_0 * ... * c_k) / sum(chain_k), chain_k = mask_0 * ... * mask_k
+  cond_acc_k  = full_acc_k / full_acc_{k-1}, cond_acc_0 = acc_0
+  tau         = 1 + sum_k full_acc_k   (simulated greedy chain acceptance length, bonus included)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def shift_left(x: torch.Tensor, by: int, fill) -> torch.Tensor:
+    """x[:, t] <- x[:, t + by], padded with `fill` at the end (dim 1)."""
+    if by == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 2) + [0, by]
+    return F.pad(x[:, by:], pad, value=fill)
+
+
+@dataclass
+class Teacher:
+    """The target's next-token view at every position."""
+
+    argmax: torch.Tensor  # [B, L] full-vocabulary top-1 (target ids)
+    log_probs: torch.Tensor  # [B, L, Vd] log-softmax over the draft vocabulary only
+
+
+def teacher_from_last_hidden(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                             used_ids: torch.Tensor, chunk: int = 1024) -> Teacher:
+    """Teacher from the post-final-norm last hidden state through the target's lm_head."""
+    argmaxes, log_probs = [], []
+    weight = lm_head_weight.to(torch.float32)
+    for start in range(0, last_hidden.shape[1], chunk):
+        logits = last_hidden[:, start:start + chunk].to(torch.float32) @ weight.T
+        argmaxes.append(logits.argmax(-1))
+        log_probs.append(torch.log_softmax(logits[..., used_ids], dim=-1))
+    return Teacher(torch.cat(argmaxes, 1), torch.cat(log_probs, 1))
+
+
+@dataclass
+class MetricCounts:
+    """Correct/denominator counts per TTT step, summed over batches and ranks before dividing."""
+
+    steps: int
+    loss_sum: list[float] = field(default_factory=list)
+    correct: list[float] = field(default_factory=list)
+    masked: list[float] = field(default_factory=list)
+    full_correct: list[float] = field(default_factory=list)
+    chain: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("loss_sum", "correct", "masked", "full_correct", "chain"):
+            if not getattr(self, name):
+                setattr(self, name, [0.0] * self.steps)
+
+    def as_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.loss_sum, self.correct, self.masked, self.full_correct, self.chain],
+                            dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, tensor: torch.Tensor) -> "MetricCounts":
+        rows = tensor.tolist()
+        return cls(len(rows[0]), *rows)
+
+    def add(self, other: "MetricCounts") -> None:
+        for name in ("loss_sum", "correct", "masked", "full_correct", "chain"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, [a + b for a, b in zip(mine, theirs)])
+
+    def summary(self) -> dict:
+        acc = [c / m if m else 0.0 for c, m in zip(self.correct, self.masked)]
+        full = [c / m if m else 0.0 for c, m in zip(self.full_correct, self.chain)]
+        cond = [acc[0]] + [full[k] / full[k - 1] if full[k - 1] else 0.0 for k in range(1, self.steps)]
+        loss = [s / m if m else 0.0 for s, m in zip(self.loss_sum, self.masked)]
+        return {
+            "loss": [round(x, 6) for x in loss], "acc": [round(x, 6) for x in acc],
+            "full_acc": [round(x, 6) for x in full], "cond_acc": [round(x, 6) for x in cond],
+            "tau_simulated": round(1.0 + sum(full), 6),
+            "masked_tokens": [int(m) for m in self.masked], "chain_anchors": [int(m) for m in self.chain],
+        }
+
+
+def ttt_loss_and_counts(h_outs: list[torch.Tensor], logits_fn, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                        teacher: Teacher, d2t: torch.Tensor, decay: float) -> tuple[torch.Tensor, MetricCounts]:
+    """Weighted soft cross-entropy over the TTT steps and the counts behind every metric."""
+    steps = len(h_outs)
+    counts = MetricCounts(steps)
+    total = h_outs[0].new_zeros((), dtype=torch.float32)
+    chain = torch.ones_like(loss_mask, dtype=torch.bool)
+    all_correct = torch.ones_like(loss_mask, dtype=torch.bool)
+    for k, h_out in enumerate(h_outs):
+        mask = shift_left(loss_mask, 1 + k, 0).bool()
+        target_logp = shift_left(teacher.log_probs, 1 + k, 0.0)
+        target_top1 = shift_left(teacher.argmax, 1 + k, -1)
+        draft_logp = torch.log_softmax(logits_fn(h_out).float(), dim=-1)
+        per_token = -(target_logp.exp() * draft_logp).sum(-1)
+        denominator = mask.sum()
+        step_loss = (per_token * mask).sum() / denominator.clamp(min=1)
+        total = total + (decay ** k) * step_loss
+        draft_top1 = draft_logp.argmax(-1)
+        correct = (draft_top1 + d2t[draft_top1]) == target_top1
+        chain = chain & mask
+        all_correct = all_correct & correct
+        counts.loss_sum[k] = float((per_token.detach() * mask).sum())
+        counts.correct[k] = float((correct & mask).sum())
+        counts.masked[k] = float(denominator)
+        counts.full_correct[k] = float((all_correct & chain).sum())
+        counts.chain[k] = float(chain.sum())
+    return total, counts

@@ -1,0 +1,103 @@
+"""Shared fixtures: both storage backends (a temp dir and moto's S3 server over HTTP on 127.0.0.1),
+and a small tiny-target variant built once per machine."""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TEST_CACHE = REPO / ".drafter" / "test-cache"
+BUCKET = "drafter-tests"
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# moto accepts any credentials; these keep boto3 from looking for real ones.
+os.environ["AWS_ACCESS_KEY_ID"] = "testing"
+os.environ["AWS_SECRET_ACCESS_KEY"] = "testing"
+os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
+os.environ.pop("AWS_PROFILE", None)
+
+# A target small enough to build in well under a minute; 7 layers so the default aux layers apply.
+TEST_RECIPE = {"num_layers": 7, "hidden_size": 64, "num_heads": 2, "intermediate_size": 192, "vocab_size": 1024,
+               "seq_len": 96, "batch_size": 16, "train_steps": 150, "learning_rate": 0.008,
+               "max_corpus_modules": 60}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    yield endpoint
+    server.stop()
+
+
+def storage_config(kind: str, tmp_path: Path, s3_endpoint: str | None) -> dict:
+    if kind == "file":
+        return {"root": str(tmp_path / "store"), "local_cache": str(TEST_CACHE)}
+    return {"root": f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}", "endpoint_url": s3_endpoint,
+            "local_cache": str(TEST_CACHE), "multipart_threshold_mb": 5}
+
+
+@pytest.fixture(params=["file", "s3"])
+def storage(request, tmp_path):
+    """A StorageConfig dict for each backend."""
+    endpoint = request.getfixturevalue("s3_endpoint") if request.param == "s3" else None
+    return storage_config(request.param, tmp_path, endpoint)
+
+
+@pytest.fixture
+def store(storage):
+    from pipeline.config import StorageConfig
+    from pipeline.storage import open_store
+
+    return open_store(StorageConfig(**storage))
+
+
+def tiny_config_dict(storage: dict) -> dict:
+    return {
+        "storage": storage,
+        "target": {"name": "tiny-test", "source": "tiny", "tiny": copy.deepcopy(TEST_RECIPE)},
+        "prompts": {"num_samples": 96, "eval_fraction": 0.25, "shard_size": 40, "max_prompt_tokens": 120},
+        "generate": {"max_new_tokens": 32, "batch_size": 16},
+        "capture": {"max_length": 192, "batch_size": 8},
+        "drafter": {"draft_vocab_size": 384, "export_dtype": "float32"},
+        "train": {"epochs": 3, "micro_batch_size": 4, "max_length": 192, "ttt_steps": 3, "nproc": 2,
+                  "learning_rate": 0.003, "log_every": 5, "deepspeed_config": str(REPO / "configs/deepspeed/zero2-cpu.json")},
+        "gate": {"min_cond_acc": [0.05], "min_tau_simulated": 1.0},
+        "benchmark": {"num_prompts": 4, "max_new_tokens": 24, "draft_steps": 3, "min_speedup_vs_baseline": 0.0},
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir() -> Path:
+    from pipeline.config import TinyTargetRecipe
+    from pipeline.tiny_target import ensure_tiny_target
+
+    return ensure_tiny_target(TinyTargetRecipe(**TEST_RECIPE), TEST_CACHE)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_target_dir):
+    from pipeline.target import load_tokenizer
+
+    return load_tokenizer(tiny_target_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_target_dir):
+    from pipeline.target import load_model
+
+    return load_model(tiny_target_dir)

@@ -1,0 +1,73 @@
+"""`drafter run` end to end on the tiny target, as a user runs it: the CLI in a subprocess, training
+in its own torchrun + DeepSpeed process group, everything in S3 (moto's server over HTTP)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, storage_config, tiny_config_dict
+
+
+def drafter(*args, env=None, timeout=900):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory, s3_endpoint, tiny_target_dir):
+    tmp = tmp_path_factory.mktemp("e2e")
+    config_path = tmp / "config.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config_dict(storage_config("s3", tmp, s3_endpoint))))
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    result = drafter("run", "--config", str(config_path), "--run-id", "e2e-run", env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {"config": config_path, "env": env, "stdout": result.stdout, "tmp": tmp}
+
+
+def test_run_prints_the_summary_table_and_its_location(e2e):
+    lines = e2e["stdout"].strip().splitlines()
+    assert lines[-1].startswith("summary=s3://") and lines[-1].endswith("/runs/e2e-run/summary.json")
+    table = "\n".join(lines[:-1])
+    for row in ("samples", "tokens", "cond_acc_0", "tau simulated", "tau measured", "baseline tok/s",
+                "drafter tok/s", "promoted version", "registry"):
+        assert row in table
+
+
+def test_summary_json_has_real_figures(e2e):
+    import boto3
+
+    uri = e2e["stdout"].strip().splitlines()[-1][len("summary="):]
+    bucket, key = uri[len("s3://"):].split("/", 1)
+    config = yaml.safe_load(e2e["config"].read_text())
+    body = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"]).get_object(Bucket=bucket, Key=key)
+    summary = json.loads(body["Body"].read())
+    for key in ("samples", "tokens", "cond_acc", "tau_simulated", "tau_measured", "baseline_tok_s", "drafter_tok_s",
+                "promoted_version", "registry_uri"):
+        assert key in summary
+    assert summary["samples"] > 50 and summary["tokens"] > summary["samples"]
+    assert len(summary["cond_acc"]) == 3 and 0 < summary["cond_acc"][0] <= 1
+    assert summary["tau_simulated"] >= 1 and summary["tau_measured"] >= 1
+    assert summary["baseline_tok_s"] > 0 and summary["drafter_tok_s"] > 0
+    assert summary["promoted_version"] and summary["registry_uri"].endswith(summary["promoted_version"])
+
+
+def test_promoted_drafter_can_be_pulled_and_verified(e2e):
+    dest = e2e["tmp"] / "pulled"
+    result = drafter("pull", "--config", str(e2e["config"]), "--alias", "production", "--dest", str(dest), env=e2e["env"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--speculative-algorithm EAGLE3" in result.stdout and str(dest) in result.stdout
+    verified = drafter("verify", str(dest), env=e2e["env"])
+    assert verified.returncode == 0 and verified.stdout.startswith("ok:")
+
+
+def test_a_failing_gate_stops_visibly_with_its_reasons(e2e):
+    result = drafter("gate", "--config", str(e2e["config"]), "--run-id", "e2e-run", "gate.min_cond_acc=[0.999]",
+                     "gate.min_tau_simulated=9", env=e2e["env"])
+    assert result.returncode == 3
+    assert "gate failed" in result.stderr
+    assert "cond_acc_0 =" in result.stderr and "< 0.9990" in result.stderr
+    assert "tau_simulated =" in result.stderr and "< 9.0000" in result.stderr

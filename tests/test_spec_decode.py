@@ -1,0 +1,84 @@
+"""The reference speculative decoder: output identical to greedy, acceptance accounting."""
+
+import pytest
+import torch
+
+from pipeline.chat import prompt_ids
+from pipeline.drafter_model import DrafterArch, Eagle3Drafter
+from pipeline.spec_decode import EagleProposer, NgramProposer, TargetRunner, greedy_decode, speculative_decode
+from pipeline.target import load_frozen_tensors
+from pipeline.tiny_target import corpus_turns
+
+AUX = [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_tokenizer):
+    turns = corpus_turns(heldout=True)[::40][:4]
+    return [prompt_ids(tiny_tokenizer, [{"role": "user", "content": t.prompt}]) for t in turns]
+
+
+def random_drafter(target_dir, seed=0):
+    frozen = load_frozen_tensors(target_dir)
+    vocab, hidden = frozen["embed"].shape
+    torch.manual_seed(seed)
+    arch = DrafterArch(hidden_size=hidden, num_heads=2, num_kv_heads=2, head_dim=hidden // 2,
+                       intermediate_size=2 * hidden, vocab_size=vocab, draft_vocab_size=vocab, aux_layer_ids=AUX)
+    model = Eagle3Drafter(arch, frozen["embed"].float()).eval()
+    model.set_vocab_mapping(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    return model
+
+
+class OracleProposer:
+    """Proposes the known greedy continuation, wrong from position `wrong_at` of each chain on."""
+
+    def __init__(self, continuation, prompt_len, wrong_at=99):
+        self.continuation, self.prompt_len, self.wrong_at = continuation, prompt_len, wrong_at
+
+    def start(self, context, aux):
+        pass
+
+    def propose(self, context, steps):
+        done = len(context) - self.prompt_len
+        drafts = self.continuation[done:done + steps]
+        return [t if i < self.wrong_at else (t + 1) % 1000 for i, t in enumerate(drafts)]
+
+    def accept(self, context, accepted, aux):
+        pass
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_eagle_and_ngram_outputs_equal_greedy(tiny_model, tiny_tokenizer, tiny_target_dir, prompts, steps):
+    eos = tiny_tokenizer.eos_token_id
+    plain, with_aux = TargetRunner(tiny_model, None), TargetRunner(tiny_model, AUX)
+    drafter = random_drafter(tiny_target_dir)
+    with torch.inference_mode():
+        for prompt in prompts:
+            greedy = greedy_decode(plain, prompt, 40, eos)
+            eagle = speculative_decode(with_aux, EagleProposer(drafter), prompt, 40, eos, steps)
+            ngram = speculative_decode(plain, NgramProposer(), prompt, 40, eos, steps)
+            assert eagle.tokens == greedy.tokens
+            assert ngram.tokens == greedy.tokens
+            assert sum(eagle.accepted_histogram) == eagle.verify_forwards
+
+
+def test_acceptance_length_counts_accepted_drafts_plus_the_bonus(tiny_model, tiny_tokenizer, prompts):
+    plain = TargetRunner(tiny_model, None)
+    prompt = prompts[0]
+    with torch.inference_mode():
+        greedy = greedy_decode(plain, prompt, 41, None).tokens
+        perfect = speculative_decode(plain, OracleProposer(greedy, len(prompt)), prompt, 41, None, 4)
+        half = speculative_decode(plain, OracleProposer(greedy, len(prompt), wrong_at=2), prompt, 40, None, 4)
+    assert perfect.tokens == greedy and half.tokens == greedy[:40]
+    # 1 token from prefill, then 8 cycles of 4 accepted drafts + 1 bonus token
+    assert perfect.verify_forwards == 8 and perfect.acceptance_length == 5.0
+    assert perfect.accepted_histogram == [0, 0, 0, 0, 8]
+    # then 13 cycles of 2 accepted drafts + 1 bonus token
+    assert half.acceptance_length == 3.0 and half.accepted_histogram == [0, 0, 13, 0, 0]
+
+
+def test_ngram_proposer_continues_the_latest_match():
+    proposer = NgramProposer(max_match=3, min_match=1)
+    assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]
+    assert proposer.propose([5, 6, 7], 3) == []
+    assert proposer.propose([4, 8, 4], 2) == [8, 4]

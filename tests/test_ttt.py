@@ -1,0 +1,129 @@
+"""The EAGLE-3 training-time test: attention scheme, alignment, metrics and the vocabulary mapping."""
+
+import pytest
+import torch
+
+from pipeline.drafter_model import DraftCache, DrafterArch, Eagle3Drafter, dense_ttt_attention, ttt_attention
+from pipeline.ttt import MetricCounts, Teacher, ttt_loss_and_counts
+from pipeline.vocab import build_mapping, mapping_from_d2t
+
+
+def small_drafter(seed=0, vocab=50, hidden=16) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    arch = DrafterArch(hidden_size=hidden, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
+                       vocab_size=vocab, draft_vocab_size=vocab, aux_layer_ids=[1, 2, 3])
+    model = Eagle3Drafter(arch, torch.randn(vocab, hidden))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    model.set_vocab_mapping(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    return model
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_ttt_attention_matches_a_dense_reference_values_and_gradients(steps):
+    torch.manual_seed(steps)
+    shape = (2, 3, 11, 8)
+    q = torch.randn(shape, requires_grad=True)
+    keys = [torch.randn(shape, requires_grad=True) for _ in range(steps)]
+    values = [torch.randn(shape, requires_grad=True) for _ in range(steps)]
+    chunked = ttt_attention(q, keys, values, chunk=4)
+    dense = dense_ttt_attention(q, keys, values)
+    torch.testing.assert_close(chunked, dense, rtol=1e-5, atol=1e-5)
+    grads_chunked = torch.autograd.grad(chunked.square().sum(), [q, *keys, *values])
+    grads_dense = torch.autograd.grad(dense.square().sum(), [q, *keys, *values])
+    for a, b in zip(grads_chunked, grads_dense):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_training_unroll_equals_serving_time_chain_drafting():
+    """TTT step k at anchor t must compute what the drafter computes at serving time, k steps into a chain."""
+    model = small_drafter().eval()
+    length = 9
+    aux = torch.randn(1, length, 48)
+    ids = torch.randint(0, 50, (1, length))
+    with torch.no_grad():
+        unrolled = model.ttt_forward(aux, ids, steps=3, chunk=4)
+        for anchor in (0, 3, length - 4):
+            cache = DraftCache()
+            # real entries 0..anchor: feature f_s with the next token x_{s+1}
+            h = model.decode(aux[:, :anchor + 1], ids[:, 1:anchor + 2], 0, cache)[:, -1:]
+            torch.testing.assert_close(h[0, 0], unrolled[0][0, anchor], rtol=1e-4, atol=1e-5)
+            for step in (1, 2):
+                token = ids[:, anchor + 1 + step:anchor + 2 + step]
+                h = model.decode(h, token, anchor + step, cache)
+                torch.testing.assert_close(h[0, 0], unrolled[step][0, anchor], rtol=1e-4, atol=1e-5)
+
+
+def one_hot_logits_fn(choices: dict[int, torch.Tensor], vocab: int):
+    """logits_fn for ttt_loss_and_counts whose step-k top-1 at anchor t is choices[k][t]."""
+    calls = iter(sorted(choices))
+
+    def logits(_h):
+        return torch.nn.functional.one_hot(choices[next(calls)], vocab).float()[None] * 10
+    return logits
+
+
+def test_alignment_targets_and_mask_are_indexed_by_the_input_token():
+    vocab, length, steps = 20, 7, 2
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0]])  # assistant tokens are x2..x5
+    target_top1 = torch.arange(10, 10 + length)[None]  # teacher's top-1 at position p is 10 + p
+    teacher = Teacher(target_top1, torch.log_softmax(torch.nn.functional.one_hot(target_top1, vocab).float() * 5, -1))
+    d2t = torch.zeros(vocab, dtype=torch.long)
+    h = [torch.zeros(1, length, 4)] * steps
+    t = torch.arange(length)
+    # a drafter that is right everywhere: at step k, anchor t it predicts the teacher at t + 1 + k
+    right = {k: (10 + t + 1 + k).clamp(max=vocab - 1) for k in range(steps)}
+    _, counts = ttt_loss_and_counts(h, one_hot_logits_fn(right, vocab), ids, loss_mask, teacher, d2t, 0.8)
+    # step 0 drafts where the input token x_{t+1} is an assistant token: anchors 1..4
+    assert counts.masked == [4.0, 4.0]
+    assert counts.correct == [4.0, 4.0]
+    assert counts.chain == [4.0, 3.0] and counts.full_correct == [4.0, 3.0]
+    # one position off (the classic bug) is never right
+    off = {k: (10 + t + k).clamp(max=vocab - 1) for k in range(steps)}
+    _, counts = ttt_loss_and_counts(h, one_hot_logits_fn(off, vocab), ids, loss_mask, teacher, d2t, 0.8)
+    assert counts.correct == [0.0, 0.0]
+
+
+def test_loss_is_weighted_by_step_and_normalized_by_masked_tokens():
+    vocab, length = 5, 4
+    ids = torch.zeros(1, length, dtype=torch.long)
+    loss_mask = torch.tensor([[0, 1, 1, 1]])
+    uniform = torch.full((1, length, vocab), -torch.log(torch.tensor(float(vocab))))
+    teacher = Teacher(torch.zeros(1, length, dtype=torch.long), uniform)
+    h = [torch.zeros(1, length, 2)] * 2
+    loss, counts = ttt_loss_and_counts(h, lambda _h: torch.zeros(1, length, vocab), ids, loss_mask, teacher,
+                                       torch.zeros(vocab, dtype=torch.long), 0.8)
+    ce = torch.log(torch.tensor(float(vocab)))  # uniform vs uniform cross-entropy per token
+    torch.testing.assert_close(loss, ce * (1 + 0.8))
+    assert counts.masked == [3.0, 2.0]
+
+
+def test_metrics_from_summed_counts():
+    counts = MetricCounts(3, loss_sum=[10.0, 8.0, 6.0], correct=[80.0, 50.0, 30.0], masked=[100.0, 100.0, 100.0],
+                          full_correct=[80.0, 40.0, 20.0], chain=[100.0, 100.0, 100.0])
+    summary = counts.summary()
+    assert summary["acc"] == [0.8, 0.5, 0.3]
+    assert summary["full_acc"] == [0.8, 0.4, 0.2]
+    assert summary["cond_acc"] == [0.8, 0.5, 0.5]
+    assert summary["tau_simulated"] == pytest.approx(1 + 0.8 + 0.4 + 0.2)
+    assert summary["loss"] == [0.1, 0.08, 0.06]
+    other = MetricCounts(3, loss_sum=[0.0] * 3, correct=[20.0, 0.0, 0.0], masked=[100.0] * 3,
+                         full_correct=[20.0, 0.0, 0.0], chain=[100.0] * 3)
+    counts.add(other)  # 100/200 and 80/200 after summing counts, not the mean of two ratios
+    assert counts.summary()["acc"][0] == 0.5
+    assert MetricCounts.from_tensor(counts.as_tensor()).summary() == counts.summary()
+
+
+def test_draft_vocabulary_mapping():
+    counts = torch.tensor([0, 5, 5, 9, 0, 1, 5, 0])
+    mapping = build_mapping(counts, 4)
+    assert mapping.used_ids.tolist() == [1, 2, 3, 6]  # 9, then the three 5s; 5 (count 1) left out
+    assert mapping.d2t.tolist() == [1, 1, 1, 3]  # offsets: target = draft + d2t[draft]
+    assert mapping.t2d.tolist() == [False, True, True, True, False, False, True, False]
+    padded = build_mapping(torch.tensor([0, 0, 3, 0, 0]), 3)
+    assert padded.used_ids.tolist() == [0, 1, 2]  # lowest unused ids fill the rest
+    again = mapping_from_d2t(mapping.d2t, 8)
+    assert again.used_ids.tolist() == mapping.used_ids.tolist() and torch.equal(again.t2d, mapping.t2d)
+    with pytest.raises(ValueError):
+        mapping_from_d2t(torch.tensor([0, 0, 9]), 8)
