@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -98,16 +97,6 @@ def _load(args):
     return load_config(args.config, args.overrides)
 
 
-def _emit(result) -> None:
-    print(json.dumps({"uri": result.uri, "kind": result.manifest.get("kind")}))
-
-
-def _run_uri(store, run_id: str, part: str) -> str:
-    from pipeline import layout
-
-    return store.uri(f"{layout.run_prefix(run_id)}/{part}")
-
-
 def _require_run_id(args) -> str:
     if not args.run_id:
         raise SystemExit("this stage needs --run-id")
@@ -115,7 +104,7 @@ def _require_run_id(args) -> str:
 
 
 def dispatch(args) -> int:
-    from pipeline import layout, registry
+    from pipeline import registry
     from pipeline.storage import open_store
 
     if args.command == "train-worker":
@@ -155,41 +144,18 @@ def dispatch(args) -> int:
         print(json.dumps({"target": target, "aliases": aliases, "versions": registry.list_versions(store, target)},
                          indent=2))
         return 0
-    return _stage(args, config, store)
+    return _stage(args, config)
 
 
-def _stage(args, config, store) -> int:
-    from pipeline import layout, registry
-    from pipeline.stages import benchmark, capture, evaluate, gate, generate, promote, prompts, train
+def _stage(args, config) -> int:
+    from pipeline.tasks import run_stage
 
     run_id = _require_run_id(args)
-    target = config.target.name
-    workdir = Path(config.storage.local_cache) / "runs" / run_id
-    prompts_uri = getattr(args, "prompts", None) or store.uri(layout.prompts_prefix(run_id))
-    dataset_uri = getattr(args, "dataset", None) or store.uri(layout.dataset_prefix(target, run_id))
-    if args.command == "prompts":
-        _emit(prompts.run(config, run_id, store))
-    elif args.command == "generate":
-        _emit(generate.run(config, prompts_uri, run_id, store))
-    elif args.command == "capture":
-        responses = args.responses or store.uri(layout.responses_prefix(target, run_id))
-        captured = capture.run(config, responses, run_id, store)
-        _emit(captured)
-        _emit(capture.publish_dataset(config, [captured.uri], run_id, store))
-    elif args.command == "train":
-        _emit(train.run(config, dataset_uri, run_id, store))
-    elif args.command == "evaluate":
-        incumbent = registry.pull_incumbent(store, target, config.registry.alias, workdir)
-        _emit(evaluate.run(config, _run_uri(store, run_id, "train"), dataset_uri, run_id, store, incumbent))
-    elif args.command == "gate":
-        _emit(gate.run(config, _run_uri(store, run_id, "eval"), run_id, store))
-    elif args.command == "benchmark":
-        incumbent = registry.pull_incumbent(store, target, config.registry.alias, workdir)
-        _emit(benchmark.run(config, _run_uri(store, run_id, "train"), _run_uri(store, run_id, "eval"), prompts_uri,
-                            run_id, store, incumbent[1] if incumbent else None))
-    elif args.command == "promote":
-        _emit(promote.run(config, run_id, _run_uri(store, run_id, "train"), _run_uri(store, run_id, "eval"),
-                          _run_uri(store, run_id, "gate"), _run_uri(store, run_id, "bench"), store))
+    uris = {"prompts_uri": getattr(args, "prompts", None), "responses_uri": getattr(args, "responses", None),
+            "dataset_uri": getattr(args, "dataset", None)}
+    print(json.dumps(run_stage(args.command, config, run_id, **uris)))
+    if args.command == "capture":
+        print(json.dumps(run_stage("dataset", config, run_id)))
     return 0
 
 
@@ -209,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_GATE
     except (ConfigError, InvalidIdError, ContractMismatch) as bad:
         logging.getLogger("drafter").error("%s", bad)
+        return EXIT_BAD_INPUT
+    except ValueError as bad:  # malformed files or records handed in: the message names the problem
+        logging.getLogger("drafter").error("%s: %s", type(bad).__name__, bad)
         return EXIT_BAD_INPUT
     except RuntimeError as failure:
         logging.getLogger("drafter").error("%s: %s", type(failure).__name__, failure)

@@ -261,6 +261,17 @@ class RunConfig(Strict):
         return self.model_dump(mode="json")
 
 
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_project_path(path: str) -> Path:
+    """A path from a config: absolute, relative to the working directory, or else to the project root."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate.resolve()
+    return PROJECT_ROOT / candidate
+
+
 def default_aux_layer_ids(num_layers: int) -> list[int]:
     """The capture contract's default: outputs of layers 1, N//2 - 1 and N - 4 (0-indexed)."""
     ids = [1, num_layers // 2 - 1, num_layers - 4]
@@ -295,7 +306,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError("give exactly one of a config path or a config dict")
     if path is not None:
         try:
-            tree = yaml.safe_load(Path(path).read_text()) or {}
+            tree = yaml.safe_load(resolve_project_path(str(path)).read_text()) or {}
         except FileNotFoundError as err:
             raise ConfigError(f"config file not found: {path}") from err
         except yaml.YAMLError as err:

@@ -28,3 +28,13 @@ def validate_key(key: str) -> str:
     for part in key.split("/"):
         validate_id(part, f"component of key {key!r}")
     return key
+
+
+def safe_id(text: str) -> str:
+    """A valid id derived from arbitrary text (e.g. a scheduler's run id), stable for the same text."""
+    import hashlib
+
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-._")[:100] or "id"
+    if cleaned != text:
+        cleaned = f"{cleaned}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
+    return validate_id(cleaned.replace("..", "-"), "derived id")

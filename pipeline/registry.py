@@ -204,7 +204,7 @@ def _swap_into_place(staging: Path, dest: Path) -> None:
     if not dest.exists():
         os.replace(staging, dest)
         return
-    if not dest.is_dir() or not (dest / CONFIG_NAME).exists() and any(dest.iterdir()):
+    if not dest.is_dir() or (not (dest / CONFIG_NAME).exists() and any(dest.iterdir())):
         raise RegistryError(f"{dest} exists and is not a drafter directory; refusing to replace it")
     retired = dest.with_name(f".{dest.name}.old-{os.getpid()}")
     os.replace(dest, retired)

@@ -30,7 +30,7 @@ from pipeline.progress import Progress
 
 log = logging.getLogger(__name__)
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 SPECIAL_TOKENS = ["<|pad|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -39,7 +39,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 HELDOUT_EVERY = 10  # one module in ten, by name hash, is held out
-MAX_PROMPT_CHARS = 600
+MAX_PROMPT_CHARS = 900
 MAX_RESPONSE_CHARS = 1500
 
 
@@ -64,15 +64,24 @@ def is_heldout(module_name: str) -> bool:
 
 
 def _split_function(source_lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> CodeTurn | None:
+    """Prompt: signature, docstring and the first third of the body's statements; response: the rest.
+
+    Giving part of the body makes the answer depend on the prompt's own names, so greedy answers
+    of the small model are varied instead of one generic body for every function.
+    """
     body = node.body
     first_body = body[0]
     has_doc = (isinstance(first_body, ast.Expr) and isinstance(first_body.value, ast.Constant)
                and isinstance(first_body.value.value, str))
-    head_end = first_body.end_lineno if has_doc else first_body.lineno - 1
-    start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
-    rest = body[1:] if has_doc else body
-    if not rest:
+    statements = body[1:] if has_doc else body
+    if not statements:
         return None
+    given = len(statements) // 3
+    if given:
+        head_end = statements[given - 1].end_lineno
+    else:
+        head_end = first_body.end_lineno if has_doc else first_body.lineno - 1
+    start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
     prompt = "".join(source_lines[start:head_end])
     response = "".join(source_lines[head_end:node.end_lineno])
     indent = len(prompt) - len(prompt.lstrip(" "))

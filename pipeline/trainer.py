@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, resolve_project_path
 from pipeline.contract import ContractMismatch
 from pipeline.drafter_model import DrafterArch, Eagle3Drafter
 from pipeline.export import export_drafter, read_drafter_dir
@@ -83,14 +83,14 @@ def check_warm_start_contract(init_contract: dict[str, Any], data_contract: dict
                                "contract:\n  " + "\n  ".join(problems))
 
 
-def build_model(config: RunConfig, spec: dict[str, Any], dataset: CaptureDataset) -> tuple[Eagle3Drafter, VocabMapping]:
+def build_model(config: RunConfig, spec: dict[str, Any], dataset: CaptureDataset,
+                frozen: dict[str, torch.Tensor]) -> tuple[Eagle3Drafter, VocabMapping]:
     target_dir = Path(spec["target_dir"])
-    frozen = load_frozen_tensors(target_dir)
     contract = spec["contract"]
     vocab_size = int(text_config(target_dir)["vocab_size"])
     init_dir = spec.get("init_dir")
     if init_dir:
-        init_config, init_tensors, init_contract = read_drafter_dir(init_dir)
+        _, init_tensors, init_contract = read_drafter_dir(init_dir)
         check_warm_start_contract(init_contract, contract)
         mapping = mapping_from_d2t(init_tensors["d2t"], vocab_size)
     else:
@@ -100,9 +100,7 @@ def build_model(config: RunConfig, spec: dict[str, Any], dataset: CaptureDataset
     model.set_vocab_mapping(mapping.d2t, mapping.t2d)
     with torch.no_grad():
         if init_dir:
-            missing = model.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                             for k, v in init_tensors.items()}, strict=True)
-            del missing
+            model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init_tensors.items()})
         else:
             # Start the draft head from the target's own head rows for the draft vocabulary.
             model.lm_head.weight.copy_(frozen["lm_head"].float()[mapping.used_ids])
@@ -112,7 +110,7 @@ def build_model(config: RunConfig, spec: dict[str, Any], dataset: CaptureDataset
 
 def deepspeed_config(config: RunConfig, total_steps: int) -> dict[str, Any]:
     settings = config.train
-    ds = json.loads(Path(settings.deepspeed_config).read_text())
+    ds = json.loads(resolve_project_path(settings.deepspeed_config).read_text())
     ds["train_micro_batch_size_per_gpu"] = settings.micro_batch_size
     ds["gradient_accumulation_steps"] = 1
     ds["gradient_clipping"] = settings.grad_clip
@@ -149,6 +147,13 @@ def _all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 class MetricsLog:
     def __init__(self, path: Path, enabled: bool):
         self.path, self.enabled = path, enabled
+
+    def truncate_after(self, global_step: int) -> None:
+        """Drop records of steps a resumed run will redo, so none appears twice."""
+        if self.enabled and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["global_step"] <= global_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
@@ -187,8 +192,8 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     workdir = Path(spec["workdir"])
     ckpt_dir = workdir / "checkpoints"
     dataset = CaptureDataset(spec["train_shards"], settings.max_length)
-    model, mapping = build_model(config, spec, dataset)
     frozen = load_frozen_tensors(Path(spec["target_dir"]))
+    model, mapping = build_model(config, spec, dataset, frozen)
     dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
     objective = DraftObjective(model, frozen["lm_head"].to(dtype), mapping.used_ids, settings.ttt_steps,
                                settings.loss_decay, settings.attention_chunk)
@@ -206,6 +211,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_rng_state(client["rng_cpu"])
         log.info("resumed from checkpoint at epoch %d batch %d", state["epoch"], state["batch_in_epoch"])
     metrics = MetricsLog(workdir / "metrics.jsonl", rank == 0)
+    metrics.truncate_after(state["global_step"])
     progress = Progress(total=steps_per_epoch * settings.epochs, desc="train", unit="step", enabled=rank == 0)
     progress.update(state["global_step"])
     started = time.monotonic()

@@ -181,3 +181,15 @@ def publish_dataset(config: RunConfig, capture_uris: list[str], dataset: str,
                    for split, shards in splits.items()},
     })
     return StageResult(store.uri(prefix), manifest)
+
+
+def latest_dataset(config: RunConfig, store: ObjectStore) -> str:
+    """URI of the most recently published dataset of the configured target."""
+    from pipeline.manifest import MANIFEST_NAME
+
+    base = layout.dataset_prefix(config.target.name, "x").rsplit("/", 1)[0]
+    manifests = [key for key in store.list(base) if key.endswith("/" + MANIFEST_NAME)]
+    if not manifests:
+        raise CaptureFailed(f"no dataset has been published for target {config.target.name} under {store.uri(base)}")
+    newest = max(manifests, key=lambda key: json.loads(store.get_bytes(key))["created_at"])
+    return store.uri(newest.rsplit("/", 1)[0])

@@ -1,0 +1,16 @@
+# GPU image for generate/capture clients, training (DeepSpeed) and evaluation.
+#   docker build -f docker/trainer.Dockerfile -t drafter-trainer:0.1.0 .
+FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04
+
+RUN apt-get update && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev \
+        build-essential git && rm -rf /var/lib/apt/lists/*
+RUN python3.11 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /opt/drafter
+COPY pyproject.toml README.md ./
+COPY pipeline ./pipeline
+COPY configs ./configs
+RUN pip install --no-cache-dir "torch==2.13.*" --index-url https://download.pytorch.org/whl/cu128 \
+ && pip install --no-cache-dir .
+ENV DS_ACCELERATOR=cuda
+ENTRYPOINT ["drafter"]
