@@ -224,7 +224,8 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
             # counts of the part of this epoch done before the checkpoint, summed over ranks
             epoch_counts += torch.tensor(state["epoch_counts"], dtype=epoch_counts.dtype)
         for index in range(state["batch_in_epoch"], len(batches)):
-            batch = collate([dataset.sample(i) for i in batches[index]], dtype)
+            batch = {k: v.to(engine.device) for k, v in
+                     collate([dataset.sample(i) for i in batches[index]], dtype).items()}
             loss, counts = engine(batch["input_ids"], batch["loss_mask"], batch["aux"], batch["last_hidden"])
             engine.backward(loss)
             engine.step()
