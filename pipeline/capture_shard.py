@@ -1,12 +1,16 @@
 """Capture shards: one safetensors file per shard, samples packed along the token axis.
 
-Tensors (T = total tokens of the shard, N = samples):
-  input_ids   int32 [T]
-  loss_mask   uint8 [T]      1 on assistant-generated tokens
-  aux         bf16  [T, 3H]  aux hidden states, ascending layer order
-  last_hidden bf16  [T, H]   post-final-norm last hidden state (teacher)
-  offsets     int64 [N + 1]  sample i owns rows offsets[i]:offsets[i+1]
-Header metadata: format, encoding, sample_ids (JSON list).
+Tensors (T = total tokens of the shard, N = samples, H = hidden size, K = teacher top-k):
+  input_ids        int32 [T]
+  loss_mask        uint8 [T]        1 on assistant-generated tokens
+  offsets          int64 [N + 1]    sample i owns rows offsets[i]:offsets[i+1]
+  aux              [T, 3H]          aux hidden states, ascending layer order; bf16, or
+                                    fp8 e4m3 with aux_scale float32 [T, 3] (one scale per token and layer)
+  last_hidden      [T, H]           teacher: post-final-norm last hidden state; bf16, or fp8 with
+                                    last_hidden_scale float32 [T, 1]                      (optional)
+  topk_ids         int32 [T, K]     teacher: the target's top-K next-token ids at each position,
+  topk_logprobs    fp16  [T, K]     and their log-probabilities (full-vocabulary log-softmax)  (optional)
+Header metadata: format, encoding, teacher (comma list), sample_ids (JSON list).
 
 safetensors is a JSON header plus raw row-major buffers, so any sample's rows are one contiguous
 byte range per tensor: a reader needs the header and ranged reads, nothing else (no pickle).
@@ -23,10 +27,13 @@ from typing import Callable
 import numpy as np
 import torch
 
-FORMAT = "drafter-capture-shard/1"
-TOKEN_TENSORS = ("input_ids", "loss_mask", "aux", "last_hidden")
+FORMAT = "drafter-capture-shard/2"
+ENCODINGS = ("bf16", "fp8")
+TEACHERS = ("last_hidden", "topk")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 _DTYPES = {"I32": (np.int32, torch.int32), "U8": (np.uint8, torch.uint8), "I64": (np.int64, torch.int64),
-           "BF16": (np.uint16, torch.bfloat16), "F32": (np.float32, torch.float32)}
+           "BF16": (np.uint16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32),
+           "F8_E4M3": (np.uint8, torch.float8_e4m3fn)}
 
 
 class ShardFormatError(ValueError):
@@ -38,35 +45,73 @@ class CaptureSample:
     sample_id: str
     input_ids: torch.Tensor  # [L] int
     loss_mask: torch.Tensor  # [L] 0/1
-    aux: torch.Tensor  # [L, 3H]
-    last_hidden: torch.Tensor  # [L, H]
+    aux: torch.Tensor  # [L, 3H] float
+    last_hidden: torch.Tensor | None = None  # [L, H] float
+    topk_ids: torch.Tensor | None = None  # [L, K] int
+    topk_logprobs: torch.Tensor | None = None  # [L, K] float
 
     @property
     def length(self) -> int:
         return int(self.input_ids.numel())
+
+    def truncated(self, length: int) -> "CaptureSample":
+        def cut(t):
+            return None if t is None else t[:length]
+        return CaptureSample(self.sample_id, self.input_ids[:length], self.loss_mask[:length], self.aux[:length],
+                             cut(self.last_hidden), cut(self.topk_ids), cut(self.topk_logprobs))
+
+
+def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row, per-group (e.g. per layer) e4m3 quantization: x [T, G*D] -> (fp8 [T, G*D], scale [T, G])."""
+    rows = x.shape[0]
+    grouped = x.float().reshape(rows, groups, -1)
+    scale = grouped.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    quantized = (grouped / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return quantized.reshape(rows, -1), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    rows, groups = scale.shape
+    return (q.float().reshape(rows, groups, -1) * scale[..., None]).reshape(rows, -1)
+
+
+def _encode(name: str, values: list[torch.Tensor], encoding: str, groups: int) -> dict[str, torch.Tensor]:
+    packed = torch.cat(values)
+    if encoding == "bf16":
+        return {name: packed.to(torch.bfloat16)}
+    quantized, scale = quantize_fp8(packed, groups)
+    return {name: quantized, f"{name}_scale": scale}
 
 
 def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = "bf16") -> dict:
     """Write samples to one shard file; returns counts for the manifest."""
     from safetensors.torch import save_file
 
-    if encoding != "bf16":
-        raise ShardFormatError(f"unsupported aux encoding {encoding!r}")
+    if encoding not in ENCODINGS:
+        raise ShardFormatError(f"unsupported aux encoding {encoding!r}; use one of {ENCODINGS}")
     if not samples:
         raise ShardFormatError("refusing to write an empty shard")
+    teachers = [t for t in TEACHERS if all(getattr(s, "last_hidden" if t == "last_hidden" else "topk_ids") is not None
+                                           for s in samples)]
+    if not teachers:
+        raise ShardFormatError("samples carry no teacher signal (last_hidden or top-k log-probs)")
     lengths = [s.length for s in samples]
-    offsets = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int64)
     tensors = {
         "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in samples]),
         "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
-        "aux": torch.cat([s.aux.to(torch.bfloat16) for s in samples]),
-        "last_hidden": torch.cat([s.last_hidden.to(torch.bfloat16) for s in samples]),
-        "offsets": offsets,
+        "offsets": torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int64),
+        **_encode("aux", [s.aux for s in samples], encoding, groups=3),
     }
-    metadata = {"format": FORMAT, "encoding": encoding, "sample_ids": json.dumps([s.sample_id for s in samples])}
+    if "last_hidden" in teachers:
+        tensors.update(_encode("last_hidden", [s.last_hidden for s in samples], encoding, groups=1))
+    if "topk" in teachers:
+        tensors["topk_ids"] = torch.cat([s.topk_ids.to(torch.int32) for s in samples])
+        tensors["topk_logprobs"] = torch.cat([s.topk_logprobs.to(torch.float16) for s in samples])
+    metadata = {"format": FORMAT, "encoding": encoding, "teacher": ",".join(teachers),
+                "sample_ids": json.dumps([s.sample_id for s in samples])}
     save_file(tensors, str(path), metadata=metadata)
-    return {"samples": len(samples), "tokens": int(offsets[-1]),
-            "assistant_tokens": int(tensors["loss_mask"].sum())}
+    return {"samples": len(samples), "tokens": int(tensors["offsets"][-1]),
+            "assistant_tokens": int(tensors["loss_mask"].sum()), "teacher": teachers, "encoding": encoding}
 
 
 class ShardReader:
@@ -78,13 +123,15 @@ class ShardReader:
         if header_len > 100 * 1024 * 1024:
             raise ShardFormatError("shard header is implausibly large")
         header = json.loads(self._read(8, 8 + header_len))
-        self.metadata = header.pop("__metadata__", {})
+        self.metadata = header.pop("__metadata__", {}) or {}
         if self.metadata.get("format") != FORMAT:
-            raise ShardFormatError(f"not a capture shard (format {self.metadata.get('format')!r})")
+            raise ShardFormatError(f"not a capture shard of format {FORMAT} (found {self.metadata.get('format')!r})")
         self.entries = header
         self.data_start = 8 + header_len
+        self.encoding = self.metadata["encoding"]
+        self.teachers = [t for t in self.metadata.get("teacher", "").split(",") if t]
         self.sample_ids: list[str] = json.loads(self.metadata["sample_ids"])
-        self.offsets = self._tensor("offsets", 0, None)
+        self.offsets = self._rows("offsets", 0, None)
         if self.offsets.numel() != len(self.sample_ids) + 1:
             raise ShardFormatError("offsets and sample ids disagree")
 
@@ -108,7 +155,7 @@ class ShardReader:
     def __len__(self) -> int:
         return len(self.sample_ids)
 
-    def _tensor(self, name: str, row_start: int, row_end: int | None) -> torch.Tensor:
+    def _rows(self, name: str, row_start: int, row_end: int | None) -> torch.Tensor:
         entry = self.entries.get(name)
         if entry is None:
             raise ShardFormatError(f"shard has no tensor {name!r}")
@@ -123,21 +170,30 @@ class ShardReader:
             raise ShardFormatError(f"rows {row_start}:{row_end} out of range for {name}")
         array = np.frombuffer(self._read(start, stop), dtype=np_dtype).reshape([row_end - row_start] + shape[1:])
         tensor = torch.from_numpy(array.copy())
-        return tensor.view(torch_dtype) if torch_dtype == torch.bfloat16 else tensor
+        return tensor.view(torch_dtype) if tensor.dtype != torch_dtype else tensor
+
+    def _decoded(self, name: str, start: int, end: int) -> torch.Tensor:
+        values = self._rows(name, start, end)
+        if self.encoding == "fp8":
+            return dequantize_fp8(values, self._rows(f"{name}_scale", start, end))
+        return values.float()
 
     def sample(self, index: int) -> CaptureSample:
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        has_topk = "topk" in self.teachers
         return CaptureSample(
             sample_id=self.sample_ids[index],
-            input_ids=self._tensor("input_ids", start, end).to(torch.long),
-            loss_mask=self._tensor("loss_mask", start, end),
-            aux=self._tensor("aux", start, end),
-            last_hidden=self._tensor("last_hidden", start, end),
+            input_ids=self._rows("input_ids", start, end).to(torch.long),
+            loss_mask=self._rows("loss_mask", start, end),
+            aux=self._decoded("aux", start, end),
+            last_hidden=self._decoded("last_hidden", start, end) if "last_hidden" in self.teachers else None,
+            topk_ids=self._rows("topk_ids", start, end).to(torch.long) if has_topk else None,
+            topk_logprobs=self._rows("topk_logprobs", start, end).float() if has_topk else None,
         )
 
     def tokens_and_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All input ids and loss masks of the shard (cheap: no hidden states are read)."""
-        return self._tensor("input_ids", 0, None).to(torch.long), self._tensor("loss_mask", 0, None)
+        return self._rows("input_ids", 0, None).to(torch.long), self._rows("loss_mask", 0, None)
 
 
 def store_range_reader(store, key: str) -> Callable[[int, int], bytes]:

@@ -81,8 +81,8 @@ class TargetConfig(Strict):
 
 
 class PromptSource(Strict):
-    kind: Literal["demo", "jsonl", "json", "parquet"] = "demo"
-    path: str | None = None
+    kind: Literal["demo", "jsonl", "json", "parquet", "arrow"] = "demo"
+    path: str | None = Field(None, description="a file, a directory, a glob, s3://bucket/key or s3://bucket/prefix/")
     weight: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
@@ -99,6 +99,8 @@ class PromptsConfig(Strict):
     shard_size: int = Field(256, ge=1, description="conversations per shard")
     min_prompt_tokens: int = Field(4, ge=1)
     max_prompt_tokens: int = Field(256, ge=1)
+    near_dedup: bool = Field(True, description="drop prompts whose text nearly duplicates an earlier one "
+                                               "(MinHash LSH, Jaccard ~0.8 on word 5-grams)")
     seed: int = 0
 
 
@@ -115,6 +117,7 @@ class GenerateConfig(Strict):
     max_new_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     batch_size: int = Field(32, ge=1)
+    checkpoint_every: int = Field(128, ge=1, description="conversations per resumable part of a shard")
     sglang: SGLangClientConfig | None = None
 
     @model_validator(mode="after")
@@ -129,8 +132,12 @@ class CaptureConfig(Strict):
     aux_layer_ids: list[int] | None = Field(
         None, description="0-indexed decoder layers whose OUTPUT is captured; default [1, N//2-1, N-4]"
     )
-    encoding: Literal["bf16"] = "bf16"
-    teacher: Literal["last_hidden"] = "last_hidden"
+    encoding: Literal["bf16", "fp8"] = Field("fp8", description="aux (and last hidden) storage: bf16, or e4m3 "
+                                                               "with one scale per token and layer")
+    teacher: list[Literal["last_hidden", "topk"]] = Field(
+        default_factory=lambda: ["topk"], min_length=1,
+        description="teacher signals stored: post-norm last hidden state and/or top-k log-probs")
+    teacher_topk: int = Field(20, ge=1, le=128)
     max_length: int = Field(2048, ge=8)
     batch_size: int = Field(8, ge=1)
     shard_samples: int = Field(256, ge=1)
@@ -138,9 +145,11 @@ class CaptureConfig(Strict):
 
     @model_validator(mode="after")
     def _sglang_needs_urls(self) -> "CaptureConfig":
-        if self.engine == "sglang" and (self.sglang is None or not self.sglang.last_hidden_urls):
-            raise ValueError("capture.engine 'sglang' needs capture.sglang.urls (aux-state servers) and "
-                             "capture.sglang.last_hidden_urls (teacher servers)")
+        if self.engine == "sglang" and self.sglang is None:
+            raise ValueError("capture.engine 'sglang' needs capture.sglang.urls (aux-state servers)")
+        if self.engine == "sglang" and "last_hidden" in self.teacher and not self.sglang.last_hidden_urls:
+            raise ValueError("a last_hidden teacher with SGLang needs capture.sglang.last_hidden_urls "
+                             "(servers without --enable-return-aux-hidden-states)")
         return self
 
     @field_validator("aux_layer_ids")
@@ -185,6 +194,8 @@ class TrainConfig(Strict):
     hostfile: str | None = Field(None, description="deepspeed launcher hostfile for multi-node runs")
     deepspeed_config: str = "configs/deepspeed/zero2-cpu.json"
     precision: Literal["fp32", "bf16"] = "fp32"
+    teacher: Literal["auto", "last_hidden", "topk"] = Field(
+        "auto", description="auto: last_hidden when the captures carry it, else top-k log-probs")
     checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint at epoch ends only")
     seed: int = 0
     log_every: int = Field(20, ge=1)

@@ -37,15 +37,19 @@ class CaptureContract(Strict):
     num_layers: int
     hidden_size: int
     vocab_size: int
-    aux_encoding: Literal["bf16"] = "bf16"
-    teacher_kinds: list[Literal["last_hidden"]] = Field(default_factory=lambda: ["last_hidden"])
+    aux_encoding: Literal["bf16", "fp8"] = "bf16"
+    teacher_kinds: list[Literal["last_hidden", "topk"]] = Field(default_factory=lambda: ["last_hidden"])
+    teacher_topk: int | None = None
+    # last_hidden is taken after the final RMSNorm; top-k log-probs are a full-vocabulary log-softmax
+    # of the raw logits (temperature 1), at the position that predicts the next token
     teacher_norm: Literal["post_final_norm"] = "post_final_norm"
     target: dict[str, Any]
     engine: dict[str, str]
 
 
 def build_contract(aux_layer_ids: list[int], num_layers: int, hidden_size: int, vocab_size: int,
-                   target_identity: dict[str, Any], engine: dict[str, str], encoding: str = "bf16") -> CaptureContract:
+                   target_identity: dict[str, Any], engine: dict[str, str], encoding: str = "bf16",
+                   teacher_kinds: list[str] | None = None, teacher_topk: int | None = None) -> CaptureContract:
     if sorted(set(aux_layer_ids)) != list(aux_layer_ids) or aux_layer_ids[-1] >= num_layers or aux_layer_ids[0] < 0:
         raise ContractMismatch(f"aux layer ids {aux_layer_ids} invalid for a {num_layers}-layer target")
     return CaptureContract(
@@ -53,7 +57,9 @@ def build_contract(aux_layer_ids: list[int], num_layers: int, hidden_size: int, 
         hf_hidden_state_indices=[k + 1 for k in aux_layer_ids],
         sglang_capture_points=[k + 1 for k in aux_layer_ids],
         num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
-        aux_encoding=encoding, target=dict(target_identity), engine=dict(engine),
+        aux_encoding=encoding, teacher_kinds=list(teacher_kinds or ["last_hidden"]),
+        teacher_topk=teacher_topk if "topk" in (teacher_kinds or []) else None,
+        target=dict(target_identity), engine=dict(engine),
     )
 
 

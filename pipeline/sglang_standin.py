@@ -46,12 +46,20 @@ class StandinBackend:
             self.drafter, contract = load_drafter(draft_dir, load_frozen_tensors(model_dir)["embed"].float())
             self.draft_layers = contract["aux_layer_ids"]
 
-    def _states(self, ids: list[int]) -> list[list[float]]:
+    def _prompt_forward(self, ids: list[int], hidden: bool, top_k: int) -> dict[str, Any]:
+        """meta_info fields computed from one prefill: hidden states and prompt log-probs."""
         num_layers = self.model.config.num_hidden_layers
         wanted = [k + 1 for k in self.aux_layer_ids] if self.aux_layer_ids else [num_layers]
         out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=wanted, use_cache=False)
-        block = torch.cat([out.hidden_states[i][0] for i in wanted], dim=-1)
-        return block.tolist()
+        meta: dict[str, Any] = {}
+        if hidden:
+            meta["hidden_states"] = [torch.cat([out.hidden_states[i][0] for i in wanted], dim=-1).tolist()]
+        if top_k:
+            values, indices = torch.log_softmax(out.logits[0].float(), -1).topk(top_k, -1)
+            rows = [[[v, i, None] for v, i in zip(vs, ix)] for vs, ix in zip(values.tolist(), indices.tolist())]
+            meta["input_top_logprobs"] = [None] + rows[:-1]
+            meta["output_top_logprobs"] = [rows[-1]]
+        return meta
 
     def _decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool) -> tuple[list[int], dict[str, Any]]:
         from pipeline.spec_decode import EagleProposer, NgramProposer, TargetRunner, greedy_decode, speculative_decode
@@ -72,22 +80,23 @@ class StandinBackend:
                                "spec_num_proposed_drafts": verify * self.num_steps,
                                "spec_correct_drafts_histogram": result.accepted_histogram}
 
-    def generate_one(self, ids: list[int], sampling: dict[str, Any], hidden: bool) -> dict[str, Any]:
+    def generate_one(self, request: dict[str, Any], ids: list[int]) -> dict[str, Any]:
         started = time.perf_counter()
+        sampling = request.get("sampling_params") or {}
         max_new = int(sampling.get("max_new_tokens", 128))
+        top_k = int(request.get("top_logprobs_num") or 0) if request.get("return_logprob") else 0
         with self.lock, torch.inference_mode():
             output, spec = self._decode(ids, max_new, bool(sampling.get("ignore_eos")))
-            states = self._states(ids) if hidden else None
+            extra = self._prompt_forward(ids, bool(request.get("return_hidden_states")), top_k) \
+                if request.get("return_hidden_states") or top_k else {}
         eos = self.tokenizer.eos_token_id
         stopped = bool(output) and output[-1] == eos
         finish = {"type": "stop", "matched": eos} if stopped else {"type": "length", "length": max_new}
         meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
                 "completion_tokens": len(output), "cached_tokens": 0,
-                "e2e_latency": time.perf_counter() - started, **spec}
-        if states is not None:
-            meta["hidden_states"] = [states]
-        return {"text": self.tokenizer.decode(output, skip_special_tokens=True),
-                "output_ids": output[:-1] if stopped else output, "meta_info": meta}
+                "e2e_latency": time.perf_counter() - started, **spec, **extra}
+        # like SGLang 0.5.23, output_ids run through the stop token
+        return {"text": self.tokenizer.decode(output, skip_special_tokens=True), "output_ids": output, "meta_info": meta}
 
     def server_info(self) -> dict[str, Any]:
         mean = sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
@@ -127,12 +136,10 @@ def make_handler(backend: StandinBackend):
                 ids = request.get("input_ids")
                 if ids is None and "text" in request:
                     ids = backend.tokenizer(request["text"], add_special_tokens=False)["input_ids"]
-                hidden = bool(request.get("return_hidden_states"))
-                sampling = request.get("sampling_params") or {}
                 if ids and isinstance(ids[0], list):
-                    self._send(200, [backend.generate_one(i, sampling, hidden) for i in ids])
+                    self._send(200, [backend.generate_one(request, i) for i in ids])
                 else:
-                    self._send(200, backend.generate_one(ids, sampling, hidden))
+                    self._send(200, backend.generate_one(request, ids))
             except (ValueError, TypeError, KeyError) as err:
                 self._send(400, {"error": {"message": f"bad request: {err}"}})
 

@@ -34,10 +34,11 @@ class CaptureDataset:
 
     def sample(self, position: int) -> CaptureSample:
         ref = self.refs[position]
-        sample = self.readers[ref.shard].sample(ref.index)
-        cut = ref.length
-        return CaptureSample(sample.sample_id, sample.input_ids[:cut], sample.loss_mask[:cut],
-                             sample.aux[:cut], sample.last_hidden[:cut])
+        return self.readers[ref.shard].sample(ref.index).truncated(ref.length)
+
+    def teachers(self) -> set[str]:
+        """Teacher signals present in every shard."""
+        return set.intersection(*(set(reader.teachers) for reader in self.readers))
 
     def assistant_token_counts(self, vocab_size: int) -> torch.Tensor:
         counts = torch.zeros(vocab_size, dtype=torch.int64)
@@ -65,19 +66,29 @@ def rank_batches(order: list[int], rank: int, world: int, micro_batch: int) -> l
 
 
 def collate(samples: list[CaptureSample], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Right-padded batch; padding is masked out (loss_mask 0) and its teacher carries no mass."""
     width = max(s.length for s in samples)
     batch = len(samples)
-    aux_dim, hidden = samples[0].aux.shape[-1], samples[0].last_hidden.shape[-1]
+    first = samples[0]
     out = {
         "input_ids": torch.zeros(batch, width, dtype=torch.long),
         "loss_mask": torch.zeros(batch, width, dtype=torch.long),
-        "aux": torch.zeros(batch, width, aux_dim, dtype=dtype),
-        "last_hidden": torch.zeros(batch, width, hidden, dtype=dtype),
+        "aux": torch.zeros(batch, width, first.aux.shape[-1], dtype=dtype),
     }
+    if first.last_hidden is not None:
+        out["last_hidden"] = torch.zeros(batch, width, first.last_hidden.shape[-1], dtype=dtype)
+    if first.topk_ids is not None:
+        k = first.topk_ids.shape[-1]
+        out["topk_ids"] = torch.zeros(batch, width, k, dtype=torch.long)
+        out["topk_logprobs"] = torch.full((batch, width, k), -1e4, dtype=torch.float32)
     for row, s in enumerate(samples):
         n = s.length
         out["input_ids"][row, :n] = s.input_ids
         out["loss_mask"][row, :n] = s.loss_mask.long()
         out["aux"][row, :n] = s.aux.to(dtype)
-        out["last_hidden"][row, :n] = s.last_hidden.to(dtype)
+        if "last_hidden" in out:
+            out["last_hidden"][row, :n] = s.last_hidden.to(dtype)
+        if "topk_ids" in out:
+            out["topk_ids"][row, :n] = s.topk_ids
+            out["topk_logprobs"][row, :n] = s.topk_logprobs.float()
     return out

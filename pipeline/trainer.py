@@ -24,7 +24,7 @@ from pipeline.export import export_drafter, read_drafter_dir
 from pipeline.progress import Progress
 from pipeline.target import load_frozen_tensors, text_config
 from pipeline.train_data import CaptureDataset, collate, epoch_order, rank_batches
-from pipeline.ttt import MetricCounts, teacher_from_last_hidden, ttt_loss_and_counts
+from pipeline.ttt import MetricCounts, teacher_from_last_hidden, teacher_from_topk, ttt_loss_and_counts
 from pipeline.vocab import VocabMapping, build_mapping, mapping_from_d2t
 
 log = logging.getLogger(__name__)
@@ -32,22 +32,48 @@ CHECKPOINTS_KEPT = 2
 
 
 class DraftObjective(nn.Module):
-    """Wraps the drafter with the frozen teacher head; forward returns (loss, metric counts)."""
+    """Wraps the drafter with the frozen teacher pieces; forward returns (loss, metric counts).
 
-    def __init__(self, drafter: Eagle3Drafter, lm_head_weight: torch.Tensor, used_ids: torch.Tensor,
+    The teacher comes from the post-norm last hidden state through the target's lm_head, or from
+    stored top-K log-probs, whichever `teacher` names.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, lm_head_weight: torch.Tensor | None, teacher: str,
                  ttt_steps: int, decay: float, chunk: int):
         super().__init__()
         self.drafter = drafter
-        self.register_buffer("teacher_lm_head", lm_head_weight.detach().clone(), persistent=False)
-        self.register_buffer("used_ids", used_ids.clone(), persistent=False)
+        if teacher == "last_hidden" and lm_head_weight is None:
+            raise ValueError("a last_hidden teacher needs the target's lm_head")
+        self.teacher = teacher
+        if lm_head_weight is not None and teacher == "last_hidden":
+            self.register_buffer("teacher_lm_head", lm_head_weight.detach().clone(), persistent=False)
+        used_ids = torch.arange(drafter.arch.draft_vocab_size) + drafter.d2t
+        draft_index = torch.full((drafter.arch.vocab_size,), -1, dtype=torch.long)
+        draft_index[used_ids] = torch.arange(drafter.arch.draft_vocab_size)
+        self.register_buffer("used_ids", used_ids, persistent=False)
+        self.register_buffer("draft_index", draft_index, persistent=False)
         self.ttt_steps, self.decay, self.chunk = ttt_steps, decay, chunk
 
-    def forward(self, input_ids, loss_mask, aux, last_hidden):
-        teacher = teacher_from_last_hidden(last_hidden, self.teacher_lm_head, self.used_ids)
+    def forward(self, input_ids, loss_mask, aux, last_hidden=None, topk_ids=None, topk_logprobs=None):
+        if self.teacher == "last_hidden":
+            teacher = teacher_from_last_hidden(last_hidden, self.teacher_lm_head, self.used_ids)
+        else:
+            teacher = teacher_from_topk(topk_ids, topk_logprobs, self.draft_index, self.drafter.arch.draft_vocab_size)
         h_outs = self.drafter.ttt_forward(aux, input_ids, self.ttt_steps, self.chunk)
-        loss, counts = ttt_loss_and_counts(h_outs, self.drafter.logits, input_ids, loss_mask, teacher,
-                                           self.drafter.d2t, self.decay)
-        return loss, counts
+        return ttt_loss_and_counts(h_outs, self.drafter.logits, input_ids, loss_mask, teacher,
+                                   self.drafter.d2t, self.decay)
+
+
+def choose_teacher(requested: str, available: set[str]) -> str:
+    """The teacher signal to train on: the requested one, or (auto) last_hidden when stored, else top-k."""
+    if requested != "auto":
+        if requested not in available:
+            raise ValueError(f"train.teacher {requested!r} is not in every capture shard (they carry {sorted(available)})")
+        return requested
+    for kind in ("last_hidden", "topk"):
+        if kind in available:
+            return kind
+    raise ValueError("the capture shards carry no common teacher signal")
 
 
 def drafter_arch(config: RunConfig, target_dir: Path, aux_layer_ids: list[int], draft_vocab_size: int) -> DrafterArch:
@@ -195,7 +221,8 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     frozen = load_frozen_tensors(Path(spec["target_dir"]))
     model, mapping = build_model(config, spec, dataset, frozen)
     dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
-    objective = DraftObjective(model, frozen["lm_head"].to(dtype), mapping.used_ids, settings.ttt_steps,
+    teacher = choose_teacher(settings.teacher, dataset.teachers())
+    objective = DraftObjective(model, frozen["lm_head"].to(dtype), teacher, settings.ttt_steps,
                                settings.loss_decay, settings.attention_chunk)
     steps_per_epoch = len(rank_batches(list(range(len(dataset))), 0, world, settings.micro_batch_size))
     if steps_per_epoch == 0:
@@ -226,7 +253,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         for index in range(state["batch_in_epoch"], len(batches)):
             batch = {k: v.to(engine.device) for k, v in
                      collate([dataset.sample(i) for i in batches[index]], dtype).items()}
-            loss, counts = engine(batch["input_ids"], batch["loss_mask"], batch["aux"], batch["last_hidden"])
+            loss, counts = engine(**batch)
             engine.backward(loss)
             engine.step()
             step_counts = counts.as_tensor()
@@ -258,7 +285,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
     progress.close()
     result = {"stop_reason": state["stop_reason"] or "completed", "epochs_run": state["epoch"],
               "global_steps": state["global_step"], "world_size": world, "history": state["history"],
-              "draft_vocab_size": mapping.draft_vocab_size, "train_samples": len(dataset),
+              "draft_vocab_size": mapping.draft_vocab_size, "train_samples": len(dataset), "teacher": teacher,
               "seconds": round(time.monotonic() - started, 1)}
     if rank == 0:
         export_drafter(engine.module.drafter, spec["contract"], workdir / "drafter", config.drafter.export_dtype)

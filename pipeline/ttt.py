@@ -32,19 +32,35 @@ class Teacher:
     """The target's next-token view at every position."""
 
     argmax: torch.Tensor  # [B, L] full-vocabulary top-1 (target ids)
-    log_probs: torch.Tensor  # [B, L, Vd] log-softmax over the draft vocabulary only
+    probs: torch.Tensor  # [B, L, Vd] target distribution restricted and renormalized to the draft vocabulary
 
 
 def teacher_from_last_hidden(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
                              used_ids: torch.Tensor, chunk: int = 1024) -> Teacher:
     """Teacher from the post-final-norm last hidden state through the target's lm_head."""
-    argmaxes, log_probs = [], []
+    argmaxes, probs = [], []
     weight = lm_head_weight.to(torch.float32)
     for start in range(0, last_hidden.shape[1], chunk):
         logits = last_hidden[:, start:start + chunk].to(torch.float32) @ weight.T
         argmaxes.append(logits.argmax(-1))
-        log_probs.append(torch.log_softmax(logits[..., used_ids], dim=-1))
-    return Teacher(torch.cat(argmaxes, 1), torch.cat(log_probs, 1))
+        probs.append(torch.softmax(logits[..., used_ids], dim=-1))
+    return Teacher(torch.cat(argmaxes, 1), torch.cat(probs, 1))
+
+
+def teacher_from_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, draft_index: torch.Tensor,
+                      draft_vocab_size: int) -> Teacher:
+    """Teacher from stored top-K log-probs: the top-K mass inside the draft vocabulary, renormalized.
+
+    draft_index[v] is the draft id of target id v, or -1 when v is outside the draft vocabulary.
+    Positions whose top-K has no draft-vocabulary token get an all-zero distribution (no loss).
+    """
+    index = draft_index[topk_ids]
+    inside = index >= 0
+    mass = torch.where(inside, topk_logprobs.float().exp(), torch.zeros((), dtype=torch.float32))
+    probs = torch.zeros(*topk_ids.shape[:-1], draft_vocab_size, dtype=torch.float32, device=topk_ids.device)
+    probs.scatter_add_(-1, index.clamp(min=0), mass)
+    probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
+    return Teacher(topk_ids[..., 0], probs)
 
 
 @dataclass
@@ -100,10 +116,10 @@ def ttt_loss_and_counts(h_outs: list[torch.Tensor], logits_fn, input_ids: torch.
     all_correct = torch.ones_like(loss_mask, dtype=torch.bool)
     for k, h_out in enumerate(h_outs):
         mask = shift_left(loss_mask, 1 + k, 0).bool()
-        target_logp = shift_left(teacher.log_probs, 1 + k, 0.0)
+        target_p = shift_left(teacher.probs, 1 + k, 0.0)
         target_top1 = shift_left(teacher.argmax, 1 + k, -1)
         draft_logp = torch.log_softmax(logits_fn(h_out).float(), dim=-1)
-        per_token = -(target_logp.exp() * draft_logp).sum(-1)
+        per_token = -(target_p * draft_logp).sum(-1)
         denominator = mask.sum()
         step_loss = (per_token * mask).sum() / denominator.clamp(min=1)
         total = total + (decay ** k) * step_loss

@@ -2,7 +2,7 @@
 
 import torch
 
-from pipeline.engines import Capture
+from pipeline.engines import Capture, TeacherRequest
 from pipeline.engines.hf import HFEngine
 from pipeline.stages.capture import sample_problem
 
@@ -10,7 +10,7 @@ from pipeline.stages.capture import sample_problem
 def test_hf_engine_captures_layer_outputs_and_the_post_norm_teacher(tiny_target_dir, tiny_model):
     engine = HFEngine(tiny_target_dir)
     sequences = [[3, 10, 11, 12, 4, 20, 21], [3, 30, 4]]
-    captures = engine.capture(sequences, [1, 2, 3])
+    captures = engine.capture(sequences, [1, 2, 3], TeacherRequest(("last_hidden",), 4))
     for seq, cap in zip(sequences, captures):
         ids = torch.tensor([seq])
         with torch.no_grad():
@@ -33,11 +33,31 @@ def test_hf_engine_captures_layer_outputs_and_the_post_norm_teacher(tiny_target_
         torch.testing.assert_close(tiny_model.lm_head(cap.last_hidden), logits, rtol=1e-4, atol=1e-4)
 
 
+def test_hf_engine_topk_teacher_is_the_full_vocabulary_log_softmax(tiny_target_dir, tiny_model):
+    engine = HFEngine(tiny_target_dir)
+    sequence = [3, 10, 11, 12, 4, 20, 21]
+    capture = engine.capture([sequence], [1, 2, 3], TeacherRequest(("topk",), 5))[0]
+    assert capture.last_hidden is None and capture.topk_ids.shape == (7, 5)
+    with torch.no_grad():
+        expected = torch.log_softmax(tiny_model(input_ids=torch.tensor([sequence])).logits[0], -1).topk(5, -1)
+    assert torch.equal(capture.topk_ids, expected.indices)
+    torch.testing.assert_close(capture.topk_logprobs, expected.values, rtol=1e-4, atol=1e-4)
+
+
 def test_sample_validation_names_the_problem():
-    good = Capture(torch.randn(4, 6), torch.randn(4, 2))
-    assert sample_problem(good, 4, 2) is None
-    assert sample_problem(good, 5, 2) == "wrong_shape"
-    nan = Capture(good.aux.clone(), good.last_hidden.clone())
+    both = TeacherRequest(("last_hidden", "topk"), 2)
+    topk = torch.log_softmax(torch.randn(4, 9), -1).topk(2, -1)
+    good = Capture(torch.randn(4, 6), torch.randn(4, 2), topk.indices, topk.values)
+    assert sample_problem(good, 4, 2, both) is None
+    assert sample_problem(good, 5, 2, both) == "wrong_shape_aux"  # length disagrees with the token ids
+    assert sample_problem(Capture(good.aux, None, topk.indices, topk.values), 4, 2, both) == "missing_last_hidden"
+    nan = Capture(good.aux.clone(), good.last_hidden, topk.indices, topk.values)
     nan.aux[2, 1] = float("nan")
-    assert sample_problem(nan, 4, 2) == "non_finite_aux"
-    assert sample_problem(Capture(torch.zeros(4, 6), good.last_hidden), 4, 2) == "all_zero_aux"
+    assert sample_problem(nan, 4, 2, both) == "non_finite_aux"
+    zero_row = Capture(good.aux.clone(), good.last_hidden, topk.indices, topk.values)
+    zero_row.aux[1, 2:4] = 0  # the middle layer of one token
+    assert sample_problem(zero_row, 4, 2, both) == "zero_row_aux"
+    constant = Capture(good.aux, good.last_hidden.clone(), topk.indices, topk.values)
+    constant.last_hidden[3] = 0.5
+    assert sample_problem(constant, 4, 2, both) == "constant_row_last_hidden"
+    assert sample_problem(Capture(good.aux, good.last_hidden, topk.indices, -topk.values), 4, 2, both) == "invalid_topk"

@@ -69,3 +69,59 @@ def test_demo_corpus_comes_only_from_modules_the_target_never_saw():
     modules = {r["source"].split(":")[1].split(".")[0] for r in demo}
     assert all(is_heldout(m) for m in modules)
     assert not modules & {t.module for t in corpus_turns(heldout=False, max_modules=40)}
+
+
+def conversation(i, prefix="def f"):
+    return {"messages": [{"role": "user", "content": f"{prefix}{i}(alpha, beta, gamma): compute something {i}"}]}
+
+
+def test_sources_in_every_format_from_disk_and_s3_mixed_by_weight(s3_endpoint, tmp_path):
+    import boto3
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import BUCKET, storage_config
+
+    storage = storage_config("file", tmp_path, None)
+    storage["endpoint_url"] = s3_endpoint
+    rows = [conversation(i, "def parquet_") for i in range(60)]
+    table = pa.Table.from_pylist(rows)
+    pq.write_table(table, tmp_path / "a.parquet")
+    with pa.OSFile(str(tmp_path / "b.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(pa.Table.from_pylist([conversation(i, "def arrow_") for i in range(60)]))
+    body = "\n".join(json.dumps(conversation(i, "def s3_")) for i in range(60)).encode()
+    uniq = tmp_path.name[-12:].replace("_", "-")
+    boto3.client("s3", endpoint_url=s3_endpoint).put_object(Bucket=BUCKET, Key=f"{uniq}/src/part-0.jsonl", Body=body)
+    data = tiny_config_dict(storage)
+    data["prompts"] = {"num_samples": 50, "eval_fraction": 0.1, "shard_size": 100, "max_prompt_tokens": 200,
+                       "sources": [{"kind": "parquet", "path": str(tmp_path / "a.parquet"), "weight": 3},
+                                   {"kind": "arrow", "path": str(tmp_path / "b.arrow"), "weight": 1},
+                                   {"kind": "jsonl", "path": f"s3://{BUCKET}/{uniq}/src/", "weight": 1}]}
+    config = load_config(data=data)
+    from pipeline.config import StorageConfig
+    from pipeline.storage import open_store
+
+    result = prompts.run(config, "mixed", open_store(StorageConfig(**storage)))
+    assert result.manifest["counts"]["kept"] == 50
+    per_source = result.manifest["kept_per_source"]
+    assert per_source[str(tmp_path / "a.parquet")] == 30
+    assert per_source[str(tmp_path / "b.arrow")] == 10
+    assert per_source[f"s3://{BUCKET}/{uniq}/src/"] == 10
+
+
+def test_near_duplicates_are_dropped_and_counted(store, storage, tmp_path):
+    base = ("please write a python function that reads a csv file from disk, removes empty rows, "
+            "converts every numeric column to floats and returns the cleaned table as a list of dicts")
+    rows = [{"messages": [{"role": "user", "content": base}]},
+            {"messages": [{"role": "user", "content": base.replace("csv file", "CSV file") + " please"}]},
+            {"messages": [{"role": "user", "content": "Please, " + base + "!"}]},
+            {"messages": [{"role": "user", "content": "explain how a bloom filter trades memory for false "
+                                                      "positives, with an example in python"}]}]
+    source = tmp_path / "near.jsonl"
+    source.write_text("\n".join(json.dumps(r) for r in rows))
+    data = tiny_config_dict(storage)
+    data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(source)}], "max_prompt_tokens": 400}
+    counts = prompts.run(load_config(data=data), "near", store).manifest["counts"]
+    assert counts["kept"] == 2 and counts["rejected.near_duplicate"] == 2
+    data["prompts"]["near_dedup"] = False
+    assert prompts.run(load_config(data=data), "near-off", store).manifest["counts"]["kept"] == 4

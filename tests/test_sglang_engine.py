@@ -1,12 +1,14 @@
 """The SGLang client over real HTTP against the stand-in server (SGLang itself needs CUDA)."""
 
+import numpy as np
+import orjson
 import pytest
 import torch
 
 from pipeline.config import SGLangClientConfig
-from pipeline.engines import EngineError, SamplingParams
+from pipeline.engines import EngineError, SamplingParams, TeacherRequest
 from pipeline.engines.hf import HFEngine
-from pipeline.engines.sglang import SGLangEngine, parse_generation
+from pipeline.engines.sglang import SGLangEngine, parse_generation, prompt_states, split_hidden_states
 from pipeline.sglang_standin import StandinBackend, serve
 
 
@@ -35,11 +37,34 @@ def test_capture_over_http_matches_the_local_engine(servers, tiny_target_dir):
     aux_url, last_url = servers
     engine = SGLangEngine(SGLangClientConfig(urls=[aux_url], last_hidden_urls=[last_url], retries=0), hidden_size=64)
     sequences = [[3, 10, 11, 12, 4, 20], [3, 30, 4]]
-    remote = engine.capture(sequences, [1, 2, 3])
-    local = HFEngine(tiny_target_dir).capture(sequences, [1, 2, 3])
+    teacher = TeacherRequest(("last_hidden", "topk"), 6)
+    remote = engine.capture(sequences, [1, 2, 3], teacher)
+    local = HFEngine(tiny_target_dir).capture(sequences, [1, 2, 3], teacher)
     for r, l in zip(remote, local):
         torch.testing.assert_close(r.aux, l.aux, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r.last_hidden, l.last_hidden, rtol=1e-5, atol=1e-5)
+        assert torch.equal(r.topk_ids, l.topk_ids)
+        torch.testing.assert_close(r.topk_logprobs, l.topk_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_one_aux_server_is_enough_with_a_topk_teacher(servers, tiny_target_dir):
+    engine = SGLangEngine(SGLangClientConfig(urls=[servers[0]], retries=0), hidden_size=64)
+    capture = engine.capture([[3, 10, 11, 4]], [1, 2, 3], TeacherRequest(("topk",), 3))[0]
+    assert capture.aux.shape == (4, 192) and capture.topk_ids.shape == (4, 3) and capture.last_hidden is None
+    with pytest.raises(EngineError, match="last_hidden_urls"):
+        engine.capture([[3, 10]], [1, 2, 3], TeacherRequest(("last_hidden",), 3))
+
+
+def test_hidden_state_blocks_parse_without_python_floats_for_every_number():
+    rows = np.random.default_rng(0).standard_normal((300, 40)).astype(np.float32)
+    raw = orjson.dumps({"text": "x", "meta_info": {"id": "r", "hidden_states": [rows.tolist(), [0.5] * 40],
+                                                   "prompt_tokens": 300}})
+    rest, values = split_hidden_states(raw)
+    assert np.array_equal(values.reshape(300, 40), rows)
+    assert orjson.loads(rest)["meta_info"] == {"id": "r", "hidden_states": None, "prompt_tokens": 300}
+    assert split_hidden_states(b'{"meta_info": {"id": 1}}')[1] is None
+    with pytest.raises(EngineError, match="chunked prefill"):
+        prompt_states(values, 301, 40)
 
 
 def test_an_unreachable_server_is_a_clear_error():

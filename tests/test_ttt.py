@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipeline.drafter_model import DraftCache, DrafterArch, Eagle3Drafter, dense_ttt_attention, ttt_attention
-from pipeline.ttt import MetricCounts, Teacher, ttt_loss_and_counts
+from pipeline.ttt import MetricCounts, Teacher, teacher_from_last_hidden, teacher_from_topk, ttt_loss_and_counts
 from pipeline.vocab import build_mapping, mapping_from_d2t
 
 
@@ -68,7 +68,7 @@ def test_alignment_targets_and_mask_are_indexed_by_the_input_token():
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0]])  # assistant tokens are x2..x5
     target_top1 = torch.arange(10, 10 + length)[None]  # teacher's top-1 at position p is 10 + p
-    teacher = Teacher(target_top1, torch.log_softmax(torch.nn.functional.one_hot(target_top1, vocab).float() * 5, -1))
+    teacher = Teacher(target_top1, torch.softmax(torch.nn.functional.one_hot(target_top1, vocab).float() * 5, -1))
     d2t = torch.zeros(vocab, dtype=torch.long)
     h = [torch.zeros(1, length, 4)] * steps
     t = torch.arange(length)
@@ -89,7 +89,7 @@ def test_loss_is_weighted_by_step_and_normalized_by_masked_tokens():
     vocab, length = 5, 4
     ids = torch.zeros(1, length, dtype=torch.long)
     loss_mask = torch.tensor([[0, 1, 1, 1]])
-    uniform = torch.full((1, length, vocab), -torch.log(torch.tensor(float(vocab))))
+    uniform = torch.full((1, length, vocab), 1.0 / vocab)
     teacher = Teacher(torch.zeros(1, length, dtype=torch.long), uniform)
     h = [torch.zeros(1, length, 2)] * 2
     loss, counts = ttt_loss_and_counts(h, lambda _h: torch.zeros(1, length, vocab), ids, loss_mask, teacher,
@@ -127,3 +127,29 @@ def test_draft_vocabulary_mapping():
     assert again.used_ids.tolist() == mapping.used_ids.tolist() and torch.equal(again.t2d, mapping.t2d)
     with pytest.raises(ValueError):
         mapping_from_d2t(torch.tensor([0, 0, 9]), 8)
+
+
+def test_topk_teacher_restricts_and_renormalizes_to_the_draft_vocabulary():
+    draft_index = torch.tensor([-1, 0, -1, 1, 2])  # target ids 1, 3, 4 are in a 3-token draft vocabulary
+    topk_ids = torch.tensor([[[3, 0, 4], [0, 2, 3], [2, 0, 1]]])
+    logprobs = torch.log(torch.tensor([[[0.5, 0.3, 0.1], [0.6, 0.3, 0.05], [0.7, 0.2, 0.1]]]))
+    teacher = teacher_from_topk(topk_ids, logprobs, draft_index, 3)
+    assert teacher.argmax.tolist() == [[3, 0, 2]]  # the full-vocabulary top-1, in or out of the draft vocab
+    torch.testing.assert_close(teacher.probs[0, 0], torch.tensor([0.0, 0.5 / 0.6, 0.1 / 0.6]))
+    torch.testing.assert_close(teacher.probs[0, 1], torch.tensor([0.0, 1.0, 0.0]))
+    torch.testing.assert_close(teacher.probs[0, 2], torch.tensor([1.0, 0.0, 0.0]))
+
+
+def test_topk_and_last_hidden_teachers_agree_when_k_covers_the_vocabulary():
+    torch.manual_seed(0)
+    vocab, hidden = 12, 4
+    lm_head = torch.randn(vocab, hidden)
+    last = torch.randn(1, 5, hidden)
+    used = torch.tensor([1, 2, 5, 7, 11])
+    draft_index = torch.full((vocab,), -1)
+    draft_index[used] = torch.arange(5)
+    exact = teacher_from_last_hidden(last, lm_head, used)
+    top = torch.log_softmax(last @ lm_head.T, -1).topk(vocab, -1)
+    approx = teacher_from_topk(top.indices, top.values, draft_index, 5)
+    assert torch.equal(exact.argmax, approx.argmax)
+    torch.testing.assert_close(exact.probs, approx.probs)

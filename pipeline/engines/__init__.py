@@ -29,10 +29,20 @@ class Generation:
     finish_reason: str  # "stop" | "length"
 
 
+@dataclass(frozen=True)
+class TeacherRequest:
+    """Which teacher signals a capture must return: post-norm last hidden and/or top-k log-probs."""
+
+    kinds: tuple[str, ...] = ("last_hidden",)
+    topk: int = 20
+
+
 @dataclass
 class Capture:
     aux: torch.Tensor  # [L, 3H], ascending layer order
-    last_hidden: torch.Tensor  # [L, H], post final norm
+    last_hidden: torch.Tensor | None = None  # [L, H], post final norm
+    topk_ids: torch.Tensor | None = None  # [L, K]: the target's top-K next tokens after each position
+    topk_logprobs: torch.Tensor | None = None  # [L, K]: their full-vocabulary log-probabilities
 
 
 class GenerationEngine(Protocol):
@@ -46,4 +56,4 @@ class CaptureEngine(Protocol):
     name: str
     version: str
 
-    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int]) -> list[Capture]: ...
+    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest) -> list[Capture]: ...

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.engines import Capture, Generation, SamplingParams
+from pipeline.engines import Capture, Generation, SamplingParams, TeacherRequest
 from pipeline.target import load_model, load_tokenizer
 
 
@@ -52,7 +52,8 @@ class HFEngine:
         return results
 
     @torch.no_grad()
-    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int]) -> list[Capture]:
+    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int],
+                teacher: TeacherRequest = TeacherRequest()) -> list[Capture]:
         if aux_layer_ids[-1] >= self.num_layers - 1:
             raise ValueError(f"aux layer {aux_layer_ids[-1]} must be below the last layer ({self.num_layers - 1})")
         ids, mask = self._padded(sequences, left=False)
@@ -61,6 +62,17 @@ class HFEngine:
         out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=wanted, use_cache=False)
         states = out.hidden_states
         aux = torch.cat([states[i] for i in wanted[:-1]], dim=-1)
-        last = states[self.num_layers]
-        return [Capture(aux[row, :len(seq)].clone(), last[row, :len(seq)].clone())
-                for row, seq in enumerate(sequences)]
+        last = states[self.num_layers] if "last_hidden" in teacher.kinds else None
+        top_values = top_ids = None
+        if "topk" in teacher.kinds:
+            top_values, top_ids = torch.log_softmax(out.logits.float(), dim=-1).topk(teacher.topk, dim=-1)
+        captures = []
+        for row, seq in enumerate(sequences):
+            n = len(seq)
+            captures.append(Capture(
+                aux[row, :n].clone(),
+                last[row, :n].clone() if last is not None else None,
+                top_ids[row, :n].clone() if top_ids is not None else None,
+                top_values[row, :n].clone() if top_values is not None else None,
+            ))
+        return captures

@@ -5,8 +5,11 @@ Coded to ../shared/reference/sglang-contract.md (SGLang 0.5.23):
 - aux capture: a server started with --enable-return-hidden-states --enable-return-aux-hidden-states
   (and --disable-radix-cache --chunked-prefill-size -1) returns meta_info["hidden_states"][0] = the
   prompt block [P, 3H] of aux states, ascending layer order.
-- teacher: a server started with --enable-return-hidden-states only returns the post-final-norm last
-  hidden state [P, H] the same way (aux and last-layer states never come in one response).
+- teacher: top-K log-probs come in the same response (return_logprob, logprob_start_len 0,
+  top_logprobs_num K); a post-final-norm last hidden state [P, H] needs a second server started
+  with --enable-return-hidden-states only (aux and last-layer states never come in one response).
+Facts read from the 0.5.23 wheel: output_ids include the stop token; input_top_logprobs has P
+entries, the first null; prompt log-probs are a temperature-1 log-softmax of the raw logits.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import orjson
 import torch
 
 from pipeline.config import SGLangClientConfig
-from pipeline.engines import Capture, EngineError, Generation, SamplingParams
+from pipeline.engines import Capture, EngineError, Generation, SamplingParams, TeacherRequest
 
 log = logging.getLogger(__name__)
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
@@ -51,6 +54,10 @@ class SGLangClient:
             return next(self._next_url)
 
     def post(self, path: str, payload: dict[str, Any]) -> Any:
+        return orjson.loads(self.post_raw(path, payload))
+
+    def post_raw(self, path: str, payload: dict[str, Any]) -> bytes:
+        """The response body of a successful POST, retried on timeouts, connection errors and 5xx."""
         import requests
 
         body = orjson.dumps(payload)
@@ -64,10 +71,9 @@ class SGLangClient:
                 last_error = f"{type(err).__name__} from {url}"
             else:
                 if response.status_code == 200:
-                    try:
-                        return orjson.loads(response.content)
-                    except orjson.JSONDecodeError:
-                        last_error = f"truncated or invalid JSON from {url}"
+                    if _complete_json(response.content):
+                        return response.content
+                    last_error = f"truncated or invalid JSON from {url}"
                 elif response.status_code in RETRYABLE_STATUS:
                     last_error = f"HTTP {response.status_code} from {url}"
                 else:
@@ -84,9 +90,22 @@ class SGLangClient:
         response.raise_for_status()
         return orjson.loads(response.content)
 
-    def map(self, path: str, payloads: list[dict[str, Any]]) -> list[Any]:
+    def map(self, path: str, payloads: list[dict[str, Any]], raw: bool = False) -> list[Any]:
+        send = self.post_raw if raw else self.post
         with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
-            return list(pool.map(lambda p: self.post(path, p), payloads))
+            return list(pool.map(lambda p: send(path, p), payloads))
+
+
+def _complete_json(body: bytes) -> bool:
+    """A cheap completeness check for large bodies: a JSON object or list that is closed."""
+    stripped = body.strip()
+    if len(stripped) < (1 << 20):
+        try:
+            orjson.loads(stripped)
+            return True
+        except orjson.JSONDecodeError:
+            return False
+    return stripped[:1] in (b"{", b"[") and stripped[-1:] in (b"}", b"]")
 
 
 def _error_message(response) -> str:
@@ -112,20 +131,73 @@ def parse_generation(payload: dict[str, Any]) -> Generation:
     return Generation(output_ids, "stop" if kind == "stop" else "length")
 
 
-def parse_prompt_states(payload: dict[str, Any], length: int, width: int) -> torch.Tensor:
-    """The prompt block of meta_info["hidden_states"] as a [length, width] float32 tensor."""
-    try:
-        block = payload["meta_info"]["hidden_states"][0]
-    except (KeyError, IndexError, TypeError) as err:
-        raise EngineError("response has no hidden_states; start the server with --enable-return-hidden-states") from err
-    array = np.asarray(block, dtype=np.float32)
-    if array.ndim == 3 and array.shape[0] == 1:
-        array = array[0]
-    if array.shape != (length, width):
-        raise EngineError(f"hidden state block has shape {array.shape}, expected {(length, width)}: prompt rows "
+_CHUNK_BYTES = 8 << 20
+
+
+def _parse_rows(rows: bytes) -> np.ndarray:
+    """b"[a,b],[c,d],..." -> flat float32, a few MB of JSON at a time (bounded transient memory)."""
+    parts, begin = [], 0
+    while begin < len(rows):
+        cut = rows.find(b"],[", begin + _CHUNK_BYTES)
+        stop = len(rows) if cut < 0 else cut + 1
+        parts.append(np.asarray(orjson.loads(b"[" + rows[begin:stop] + b"]"), dtype=np.float32).ravel())
+        begin = stop + 1
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+
+
+def split_hidden_states(raw: bytes) -> tuple[bytes, np.ndarray | None]:
+    """Cut meta_info["hidden_states"] out of a raw response; parse its prompt block to numpy.
+
+    The block is [P][width] JSON floats (~21,504 per token for Kimi-K2.5): it is parsed in slices so a
+    request never holds all its numbers as Python floats at once, and the rest of the response (now
+    small) is parsed as usual. Returns the response with hidden_states set to null, and the prompt
+    block as a flat float32 array (None when the response has no hidden states).
+    """
+    key = raw.find(b'"hidden_states":')
+    if key < 0:
+        return raw, None
+    start = key + len(b'"hidden_states":')
+    while raw[start:start + 1] in (b" ", b"\n"):
+        start += 1
+    if raw[start:start + 1] != b"[":
+        return raw, None
+    block_end = raw.find(b"]]", start) + 2  # the prompt block "[[..],..,[..]]" closes with the first "]]"
+    if block_end < 2:
+        raise EngineError("truncated hidden_states in the SGLang response")
+    # decode-step rows, if any, follow as ",[..]" and the list closes with the next "]]"
+    value_end = block_end if raw[block_end:block_end + 1] == b"]" else raw.find(b"]]", block_end) + 1
+    values = _parse_rows(raw[start + 2:block_end - 1])
+    return raw[:start] + b"null" + raw[value_end + 1:], values
+
+
+def prompt_states(values: np.ndarray | None, length: int, width: int) -> torch.Tensor:
+    """The prompt block as a [length, width] float32 tensor, refusing blocks with missing rows."""
+    if values is None:
+        raise EngineError("response has no hidden_states; start the server with --enable-return-hidden-states")
+    if values.size != length * width:
+        raise EngineError(f"hidden state block has {values.size} numbers, expected {length} x {width}: prompt rows "
                           "go missing with radix-cache hits or chunked prefill (use --disable-radix-cache "
                           "--chunked-prefill-size -1)")
-    return torch.from_numpy(array)
+    return torch.from_numpy(values.reshape(length, width))
+
+
+def parse_topk(meta: dict[str, Any], length: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K teacher rows for every position of a `max_new_tokens: 1` request with logprob_start_len 0.
+
+    input_top_logprobs[i] (i >= 1) is the distribution at position i - 1 predicting token i; entry 0
+    is null. The last position's distribution is output_top_logprobs[0]. Entries are
+    [logprob, token_id, text] sorted by logprob, from a temperature-1 log-softmax of the raw logits.
+    """
+    try:
+        rows = list(meta["input_top_logprobs"][1:]) + [meta["output_top_logprobs"][0]]
+    except (KeyError, IndexError, TypeError) as err:
+        raise EngineError("response has no top log-probs; request return_logprob with top_logprobs_num") from err
+    if len(rows) != length or any(row is None or len(row) != k for row in rows):
+        raise EngineError(f"top log-probs cover {len(rows)} positions, expected {length} rows of {k}")
+    ids = torch.tensor([[int(entry[1]) for entry in row] for row in rows], dtype=torch.long)
+    logprobs = torch.tensor([[float("nan") if entry[0] is None else float(entry[0]) for entry in row]
+                             for row in rows], dtype=torch.float32)
+    return ids, logprobs
 
 
 class SGLangEngine:
@@ -152,14 +224,39 @@ class SGLangEngine:
         payloads = [{"input_ids": p, "sampling_params": sampling} for p in prompts]
         return [parse_generation(r) for r in self.client.map("/generate", payloads)]
 
-    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int]) -> list[Capture]:
-        if self.teacher_client is None or self.hidden_size is None:
-            raise EngineError("SGLang capture needs capture.sglang.last_hidden_urls (a server without aux states) "
-                              "for the teacher signal, and the target's hidden size")
-        payloads = [{"input_ids": s, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-                     "return_hidden_states": True} for s in sequences]
-        aux = self.client.map("/generate", payloads)
-        last = self.teacher_client.map("/generate", payloads)
-        return [Capture(parse_prompt_states(a, len(s), 3 * self.hidden_size),
-                        parse_prompt_states(t, len(s), self.hidden_size))
-                for a, t, s in zip(aux, last, sequences)]
+    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int],
+                teacher: TeacherRequest = TeacherRequest()) -> list[Capture]:
+        """Aux states (and top-K log-probs) from the aux-state servers; last hidden from the teacher servers.
+
+        The aux layers are fixed when the aux servers start (--return-aux-hidden-state-layer-ids); the
+        capture contract records the ids this pipeline asked for, and the parity check verifies them.
+        """
+        if self.hidden_size is None:
+            raise EngineError("SGLang capture needs the target's hidden size")
+        if "last_hidden" in teacher.kinds and self.teacher_client is None:
+            raise EngineError("a last_hidden teacher needs capture.sglang.last_hidden_urls (servers started "
+                              "without --enable-return-aux-hidden-states)")
+        payloads = [self._capture_payload(s, teacher) for s in sequences]
+        aux_responses = self.client.map("/generate", payloads, raw=True)
+        captures = []
+        for raw, sequence in zip(aux_responses, sequences):
+            rest, values = split_hidden_states(raw)
+            capture = Capture(prompt_states(values, len(sequence), 3 * self.hidden_size))
+            if "topk" in teacher.kinds:
+                capture.topk_ids, capture.topk_logprobs = parse_topk(orjson.loads(rest)["meta_info"], len(sequence),
+                                                                     teacher.topk)
+            captures.append(capture)
+        if "last_hidden" in teacher.kinds:
+            plain = [{**p, "return_logprob": False} for p in payloads]
+            for capture, raw, sequence in zip(captures, self.teacher_client.map("/generate", plain, raw=True),
+                                              sequences):
+                capture.last_hidden = prompt_states(split_hidden_states(raw)[1], len(sequence), self.hidden_size)
+        return captures
+
+    @staticmethod
+    def _capture_payload(sequence: list[int], teacher: TeacherRequest) -> dict[str, Any]:
+        payload: dict[str, Any] = {"input_ids": sequence, "return_hidden_states": True,
+                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if "topk" in teacher.kinds:
+            payload.update({"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": teacher.topk})
+        return payload

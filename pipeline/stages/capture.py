@@ -22,10 +22,10 @@ from pipeline.capture_shard import CaptureSample, write_shard
 from pipeline.chat import capture_sequence
 from pipeline.config import RunConfig, default_aux_layer_ids
 from pipeline.contract import CaptureContract, build_contract, require_same_contract
-from pipeline.engines import Capture, CaptureEngine
+from pipeline.engines import Capture, CaptureEngine, TeacherRequest
 from pipeline.manifest import manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
-from pipeline.records import decode_jsonl
+from pipeline.records import decode_jsonl, encode_jsonl
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
 from pipeline.target import TargetInfo, describe_target, load_tokenizer
@@ -55,43 +55,76 @@ def make_engine(config: RunConfig, target: TargetInfo) -> CaptureEngine:
 def contract_for(config: RunConfig, target: TargetInfo, engine: CaptureEngine) -> CaptureContract:
     return build_contract(aux_layer_ids(config, target.num_layers), target.num_layers, target.hidden_size,
                           target.vocab_size, target.identity, {"name": engine.name, "version": engine.version},
-                          config.capture.encoding)
+                          config.capture.encoding, list(config.capture.teacher), config.capture.teacher_topk)
 
 
-def sample_problem(capture: Capture, length: int, hidden_size: int) -> str | None:
-    """Why a captured sample must not be stored, or None when it is sound."""
-    if capture.aux.shape != (length, 3 * hidden_size) or capture.last_hidden.shape != (length, hidden_size):
-        return "wrong_shape"
-    for name, tensor in (("aux", capture.aux), ("last_hidden", capture.last_hidden)):
-        if not torch.isfinite(tensor).all():
+def teacher_request(config: RunConfig) -> TeacherRequest:
+    return TeacherRequest(tuple(config.capture.teacher), config.capture.teacher_topk)
+
+
+def _expected_shapes(capture: Capture, length: int, hidden_size: int, teacher: TeacherRequest) -> dict:
+    shapes = {"aux": (capture.aux, (length, 3 * hidden_size))}
+    if "last_hidden" in teacher.kinds:
+        shapes["last_hidden"] = (capture.last_hidden, (length, hidden_size))
+    if "topk" in teacher.kinds:
+        shapes["topk_ids"] = (capture.topk_ids, (length, teacher.topk))
+        shapes["topk_logprobs"] = (capture.topk_logprobs, (length, teacher.topk))
+    return shapes
+
+
+def sample_problem(capture: Capture, length: int, hidden_size: int, teacher: TeacherRequest) -> str | None:
+    """Why a captured sample must not be stored, or None when it is sound.
+
+    Refused: missing or mis-shaped tensors (also a length that disagrees with the token ids), NaN/inf,
+    and hidden-state rows that are all zero or constant in any layer block (junk that still "trains").
+    """
+    shapes = _expected_shapes(capture, length, hidden_size, teacher)
+    for name, (tensor, shape) in shapes.items():
+        if tensor is None:
+            return f"missing_{name}"
+        if tuple(tensor.shape) != shape:
+            return f"wrong_shape_{name}"
+    for name in ("aux", "last_hidden", "topk_logprobs"):
+        if name in shapes and not torch.isfinite(shapes[name][0]).all():
             return f"non_finite_{name}"
-        if tensor.abs().amax() == 0:
-            return f"all_zero_{name}"
+    for name, groups in (("aux", 3), ("last_hidden", 1)):
+        if name in shapes:
+            blocks = shapes[name][0].float().reshape(length, groups, -1)
+            if (blocks.abs().amax(-1) == 0).any():
+                return f"zero_row_{name}"
+            if (blocks.amax(-1) == blocks.amin(-1)).any():
+                return f"constant_row_{name}"
+    if "topk" in teacher.kinds and ((capture.topk_logprobs > 1e-3).any() or (capture.topk_ids < 0).any()):
+        return "invalid_topk"
     return None
 
 
 def capture_records(records: list[dict[str, Any]], engine: CaptureEngine, tokenizer, config: RunConfig,
-                    target: TargetInfo, layer_ids: list[int], counts: Counter, progress: Progress) -> list[CaptureSample]:
+                    target: TargetInfo, layer_ids: list[int], counts: Counter, progress: Progress,
+                    quarantine: list[dict[str, str]]) -> list[CaptureSample]:
     prepared = []
     for record in records:
         last_ids = (record.get("generation") or {}).get("last_output_ids")
         ids, mask = capture_sequence(tokenizer, record["messages"], last_ids, config.capture.max_length)
         if sum(mask) == 0:
             counts["quarantined.no_assistant_tokens"] += 1
+            quarantine.append({"id": record["id"], "reason": "no_assistant_tokens"})
             continue
         prepared.append((record["id"], ids, mask))
     prepared.sort(key=lambda item: len(item[1]))
     samples = []
+    teacher = teacher_request(config)
     for start in range(0, len(prepared), config.capture.batch_size):
         batch = prepared[start:start + config.capture.batch_size]
-        captures = engine.capture([ids for _, ids, _ in batch], layer_ids)
+        captures = engine.capture([ids for _, ids, _ in batch], layer_ids, teacher)
         for (sample_id, ids, mask), capture in zip(batch, captures):
-            problem = sample_problem(capture, len(ids), target.hidden_size)
+            problem = sample_problem(capture, len(ids), target.hidden_size, teacher)
             if problem:
                 counts[f"quarantined.{problem}"] += 1
+                quarantine.append({"id": sample_id, "reason": problem})
                 continue
             samples.append(CaptureSample(sample_id, torch.tensor(ids), torch.tensor(mask, dtype=torch.uint8),
-                                         capture.aux, capture.last_hidden))
+                                         capture.aux, capture.last_hidden, capture.topk_ids, capture.topk_logprobs))
             counts["captured"] += 1
         progress.update(len(batch))
     return samples
@@ -109,42 +142,29 @@ def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore
     tokenizer = load_tokenizer(target.model_dir)
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
-    layer_ids = contract["aux_layer_ids"]
     counts: Counter = Counter()
     objects: list[ObjectInfo] = []
-    shards = []
+    shards, quarantine = [], []
     progress = Progress(total=sum(s["samples"] for s in responses["shards"]), desc="capture", unit="sample")
     with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
         for shard in responses["shards"]:
-            name = shard["name"].replace(".jsonl", ".safetensors")
-            marker_key = f"{prefix}/{name}.done.json"
-            if store.exists(marker_key) and store.exists(f"{prefix}/{name}"):
-                marker = json.loads(store.get_bytes(marker_key))
-                require_same_contract(marker["contract"], contract, f"resuming {name}")
-                objects.append(ObjectInfo(f"{prefix}/{name}", marker["bytes"], marker["sha256"]))
-                shards.append(marker["shard"])
-                counts.update(marker["counts"])
+            marker = _finished_marker(store, prefix, shard, contract)
+            if marker is None:
+                records = decode_jsonl(read_listed(store, in_prefix, responses, shard["name"]))
+                marker = _capture_shard(store, prefix, shard, records, engine, tokenizer, config, target, contract,
+                                        Path(tmp), progress)
+            else:
                 progress.update(shard["samples"])
-                continue
-            records = decode_jsonl(read_listed(store, in_prefix, responses, shard["name"]))
-            shard_counts: Counter = Counter()
-            samples = capture_records(records, engine, tokenizer, config, target, layer_ids, shard_counts, progress)
-            counts.update(shard_counts)
-            if not samples:
-                log.warning("capture: shard %s produced no valid samples: %s", shard["name"], dict(shard_counts))
-                continue
-            path = Path(tmp) / name
-            stats = write_shard(samples, path, config.capture.encoding)
-            info = store.put_file(f"{prefix}/{name}", path)
-            path.unlink()
-            entry = {"name": name, "split": shard["split"], **stats}
-            store.put_bytes(marker_key, json.dumps({"bytes": info.bytes, "sha256": info.sha256, "shard": entry,
-                                                    "counts": dict(shard_counts), "contract": contract}).encode())
-            objects.append(info)
-            shards.append(entry)
+            counts.update(marker["counts"])
+            quarantine += marker["quarantine"]
+            if marker["shard"] is not None:
+                objects.append(ObjectInfo(f"{prefix}/{marker['shard']['name']}", marker["bytes"], marker["sha256"]))
+                shards.append(marker["shard"])
     progress.close()
     if not shards:
         raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
+    if quarantine:
+        objects.append(store.put_bytes(f"{prefix}/quarantine.jsonl", encode_jsonl(quarantine)))
     manifest = publish(store, prefix, "capture", objects, {
         "snapshot": snapshot, "responses": store.uri(in_prefix), "contract": contract,
         "config": config.capture.model_dump(mode="json"), "counts": dict(counts), "shards": shards,
@@ -152,6 +172,46 @@ def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore
     })
     log.info("capture: %s", dict(counts))
     return StageResult(store.uri(prefix), manifest)
+
+
+def _marker_key(prefix: str, response_shard: dict[str, Any]) -> str:
+    return f"{prefix}/{response_shard['name']}.done.json"
+
+
+def _finished_marker(store: ObjectStore, prefix: str, response_shard: dict[str, Any],
+                     contract: dict[str, Any]) -> dict[str, Any] | None:
+    """The record of a response shard captured by an earlier attempt, if its output is complete."""
+    key = _marker_key(prefix, response_shard)
+    if not store.exists(key):
+        return None
+    marker = json.loads(store.get_bytes(key))
+    if marker["shard"] is not None and not store.exists(f"{prefix}/{marker['shard']['name']}"):
+        return None
+    require_same_contract(marker["contract"], contract, f"resuming capture of {response_shard['name']}")
+    return marker
+
+
+def _capture_shard(store: ObjectStore, prefix: str, response_shard: dict[str, Any], records: list[dict[str, Any]],
+                   engine: CaptureEngine, tokenizer, config: RunConfig, target: TargetInfo,
+                   contract: dict[str, Any], tmp: Path, progress: Progress) -> dict[str, Any]:
+    """Capture one response shard into one capture shard; the marker is written after the data."""
+    counts: Counter = Counter()
+    quarantine: list[dict[str, str]] = []
+    samples = capture_records(records, engine, tokenizer, config, target, contract["aux_layer_ids"], counts,
+                              progress, quarantine)
+    marker: dict[str, Any] = {"shard": None, "counts": dict(counts), "quarantine": quarantine, "contract": contract}
+    if samples:
+        name = response_shard["name"].replace(".jsonl", ".safetensors")
+        path = tmp / name
+        stats = write_shard(samples, path, config.capture.encoding)
+        info = store.put_file(f"{prefix}/{name}", path)
+        path.unlink()
+        marker.update({"bytes": info.bytes, "sha256": info.sha256,
+                       "shard": {"name": name, "split": response_shard["split"], **stats}})
+    else:
+        log.warning("capture: shard %s produced no valid samples: %s", response_shard["name"], dict(counts))
+    store.put_bytes(_marker_key(prefix, response_shard), json.dumps(marker).encode())
+    return marker
 
 
 def publish_dataset(config: RunConfig, capture_uris: list[str], dataset: str,

@@ -20,7 +20,7 @@ from pipeline.stages.train import cached_shard
 from pipeline.storage import ObjectStore, open_store
 from pipeline.target import describe_target, load_frozen_tensors
 from pipeline.train_data import CaptureDataset, collate
-from pipeline.trainer import DraftObjective
+from pipeline.trainer import DraftObjective, choose_teacher
 from pipeline.ttt import MetricCounts
 
 log = logging.getLogger(__name__)
@@ -31,22 +31,22 @@ class EvaluationFailed(RuntimeError):
 
 
 def evaluate_drafter(drafter_dir: Path, shard_paths: list[Path], target_dir: Path, steps: int,
-                     micro_batch: int, max_length: int, chunk: int) -> dict[str, Any]:
+                     micro_batch: int, max_length: int, chunk: int, teacher: str = "auto") -> dict[str, Any]:
     """Metrics of one drafter over every sample of the given shards, from counts summed over all of them."""
     frozen = load_frozen_tensors(target_dir)
     drafter, contract = load_drafter(drafter_dir, frozen["embed"].float())
-    used_ids = torch.arange(drafter.arch.draft_vocab_size) + drafter.d2t
-    objective = DraftObjective(drafter, frozen["lm_head"].float(), used_ids, steps, 1.0, chunk).eval()
     dataset = CaptureDataset([str(p) for p in shard_paths], max_length)
+    teacher = choose_teacher(teacher, dataset.teachers())
+    objective = DraftObjective(drafter, frozen["lm_head"].float(), teacher, steps, 1.0, chunk).eval()
     totals = MetricCounts(steps)
     positions = list(range(len(dataset)))
     with torch.no_grad():
         for start in Progress(range(0, len(positions), micro_batch), desc="evaluate", unit="batch"):
             batch = collate([dataset.sample(i) for i in positions[start:start + micro_batch]], torch.float32)
-            _, counts = objective(batch["input_ids"], batch["loss_mask"], batch["aux"], batch["last_hidden"])
+            _, counts = objective(**batch)
             totals.add(counts)
     dataset.close()
-    return {"samples": len(dataset), "ttt_steps": steps, "counts": totals.as_tensor().tolist(),
+    return {"samples": len(dataset), "ttt_steps": steps, "teacher": teacher, "counts": totals.as_tensor().tolist(),
             **totals.summary(), "contract": contract}
 
 

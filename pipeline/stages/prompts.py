@@ -11,7 +11,8 @@ from typing import Any, Iterator
 
 from pipeline import layout
 from pipeline.chat import BadRecord, normalize_conversation, prompt_ids
-from pipeline.config import PromptSource, RunConfig
+from pipeline.config import PromptsConfig, PromptSource, RunConfig, StorageConfig
+from pipeline.dedup import ExactDuplicateFilter, NearDuplicateFilter
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.progress import Progress
 from pipeline.records import conversation_id, write_jsonl
@@ -31,31 +32,82 @@ def _hash_order(record: dict[str, Any]) -> str:
     return hashlib.sha256(repr(record.get("source", record)).encode()).hexdigest()
 
 
-def iter_source(source: PromptSource) -> Iterator[Any]:
+SOURCE_SUFFIXES = {"jsonl": (".jsonl", ".json"), "json": (".json", ".jsonl"), "parquet": (".parquet",),
+                   "arrow": (".arrow",)}
+DATASETS_BUILDER = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow"}
+
+
+def _s3_source_files(uri: str, kind: str, storage: StorageConfig) -> list[Path]:
+    """Download an s3:// object, or every object of the source's kind under an s3:// prefix, to the cache.
+
+    Files are cached under a hash of their URI and ETag, so a rerun downloads nothing new.
+    """
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    client = boto3.client("s3", endpoint_url=storage.endpoint_url, region_name=storage.region)
+    try:
+        listing = client.list_objects_v2(Bucket=bucket, Prefix=key)
+        objects = [o for o in listing.get("Contents", [])
+                   if o["Key"] == key or (key.endswith("/") or not key) and o["Key"].endswith(SOURCE_SUFFIXES[kind])]
+        if not objects:
+            raise PromptSourceError(f"prompt source {uri}: no {kind} objects there")
+        files = []
+        for obj in sorted(objects, key=lambda o: o["Key"]):
+            name = hashlib.sha256(f"s3://{bucket}/{obj['Key']}@{obj['ETag']}".encode()).hexdigest()[:24]
+            path = Path(storage.local_cache) / "sources" / (name + Path(obj["Key"]).suffix)
+            if not path.exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(".part")
+                client.download_file(bucket, obj["Key"], str(partial))
+                partial.replace(path)
+            files.append(path)
+        return files
+    except (BotoCoreError, ClientError) as err:
+        raise PromptSourceError(f"cannot read prompt source {uri}: {err}") from err
+
+
+def _local_source_files(path: str, kind: str) -> list[Path]:
+    local = Path(path[len("file://"):] if path.startswith("file://") else path)
+    if local.is_dir():
+        files = sorted(p for p in local.rglob("*") if p.suffix in SOURCE_SUFFIXES[kind])
+    elif any(ch in local.name for ch in "*?["):
+        files = sorted(local.parent.glob(local.name))
+    else:
+        files = [local] if local.exists() else []
+    if not files:
+        raise PromptSourceError(f"prompt source {path!r} does not exist or holds no {kind} files")
+    return files
+
+
+def iter_source(source: PromptSource, storage: StorageConfig) -> Iterator[Any]:
+    """Records of one source, streamed (a file is never loaded whole)."""
     if source.kind == "demo":
         from pipeline.tiny_target import demo_conversations
 
         yield from sorted(demo_conversations(), key=_hash_order)
         return
     path = source.path or ""
-    if "://" in path and not path.startswith("file://"):
-        raise PromptSourceError(f"prompt source {path!r}: only local files are read in this version")
-    local = path[len("file://"):] if path.startswith("file://") else path
-    if not Path(local).exists():
-        raise PromptSourceError(f"prompt source {path!r} does not exist")
+    if path.startswith("s3://"):
+        files = _s3_source_files(path, source.kind, storage)
+    elif "://" in path and not path.startswith("file://"):
+        raise PromptSourceError(f"prompt source {path!r}: use a local path, file:// or s3://")
+    else:
+        files = _local_source_files(path, source.kind)
     import datasets
 
-    builder = {"jsonl": "json", "json": "json", "parquet": "parquet"}[source.kind]
     try:
-        stream = datasets.load_dataset(builder, data_files=local, split="train", streaming=True)
+        stream = datasets.load_dataset(DATASETS_BUILDER[source.kind], data_files=[str(f) for f in files],
+                                       split="train", streaming=True)
         yield from stream
     except Exception as err:  # datasets raises many types for unreadable files
         raise PromptSourceError(f"cannot read prompt source {path!r} as {source.kind}: {err}") from err
 
 
-def mix_sources(sources: list[PromptSource]) -> Iterator[tuple[int, Any]]:
+def mix_sources(sources: list[PromptSource], storage: StorageConfig) -> Iterator[tuple[int, Any]]:
     """Interleave sources in proportion to their weights (smooth weighted round robin)."""
-    iterators = {i: iter_source(s) for i, s in enumerate(sources)}
+    iterators = {i: iter_source(s, storage) for i, s in enumerate(sources)}
     credit = {i: 0.0 for i in iterators}
     total = sum(s.weight for s in sources)
     while iterators:
@@ -108,6 +160,32 @@ class ShardWriter:
             self.flush(split)
 
 
+class PromptFilter:
+    """Decides, record by record, whether a conversation is kept; rejections name their reason."""
+
+    def __init__(self, settings: PromptsConfig, tokenizer):
+        self.settings, self.tokenizer = settings, tokenizer
+        self.exact = ExactDuplicateFilter()
+        self.near = NearDuplicateFilter() if settings.near_dedup else None
+
+    def judge(self, record: Any) -> tuple[str, list[dict[str, str]]]:
+        """(sample id, messages) of a kept record; raises BadRecord with the reason otherwise."""
+        messages = normalize_conversation(record)
+        sample_id = conversation_id(messages)
+        if self.exact.check_and_add(sample_id):
+            raise BadRecord("duplicate")
+        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        length = len(prompt_ids(self.tokenizer, messages[:first_user + 1]))
+        if length < self.settings.min_prompt_tokens:
+            raise BadRecord("too_short")
+        if length > self.settings.max_prompt_tokens:
+            raise BadRecord("too_long")
+        asked = "\n".join(m["content"] for m in messages if m["role"] != "assistant")
+        if self.near is not None and self.near.check_and_add(asked):
+            raise BadRecord("near_duplicate")
+        return sample_id, messages
+
+
 def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> StageResult:
     store = store or open_store(config.storage)
     prefix = layout.prompts_prefix(snapshot)
@@ -115,32 +193,18 @@ def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> S
         log.info("prompts snapshot %s already published; reusing it", store.uri(prefix))
         return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="prompts"))
     settings = config.prompts
-    tokenizer = load_tokenizer(resolve_model_dir(config))
+    judge = PromptFilter(settings, load_tokenizer(resolve_model_dir(config)))
     counts: Counter = Counter()
-    seen: set[str] = set()
     kept_per_source: Counter = Counter()
     with tempfile.TemporaryDirectory(prefix="prompts-") as tmp:
         writer = ShardWriter(store, prefix, settings.shard_size, Path(tmp))
         progress = Progress(total=settings.num_samples, desc="prompts", unit="conv")
-        for source_index, record in mix_sources(settings.sources):
+        for source_index, record in mix_sources(settings.sources, config.storage):
             counts["read"] += 1
             try:
-                messages = normalize_conversation(record)
+                sample_id, messages = judge.judge(record)
             except BadRecord as bad:
                 counts[f"rejected.{bad.reason}"] += 1
-                continue
-            sample_id = conversation_id(messages)
-            if sample_id in seen:
-                counts["rejected.duplicate"] += 1
-                continue
-            seen.add(sample_id)
-            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-            length = len(prompt_ids(tokenizer, messages[:first_user + 1]))
-            if length < settings.min_prompt_tokens:
-                counts["rejected.too_short"] += 1
-                continue
-            if length > settings.max_prompt_tokens:
-                counts["rejected.too_long"] += 1
                 continue
             source = settings.sources[source_index]
             writer.add({"id": sample_id, "split": split_of(sample_id, settings.eval_fraction),
