@@ -127,6 +127,14 @@ class GenerateConfig(Strict):
         return self
 
 
+class ParityConfig(Strict):
+    """Before capturing, compare the engine with an independent reference forward on a few samples."""
+
+    samples: int = Field(4, ge=0, description="0 disables the comparison (server settings are still checked)")
+    reference: Literal["hf"] = Field("hf", description="transformers forward with layer hooks")
+    tolerance: float = Field(1e-3, gt=0, description="max |engine - reference| / max |reference| per layer")
+
+
 class CaptureConfig(Strict):
     engine: Literal["hf", "sglang"] = "hf"
     aux_layer_ids: list[int] | None = Field(
@@ -140,7 +148,7 @@ class CaptureConfig(Strict):
     teacher_topk: int = Field(20, ge=1, le=128)
     max_length: int = Field(2048, ge=8)
     batch_size: int = Field(8, ge=1)
-    shard_samples: int = Field(256, ge=1)
+    parity: ParityConfig = Field(default_factory=lambda: ParityConfig())
     sglang: SGLangClientConfig | None = None
 
     @model_validator(mode="after")

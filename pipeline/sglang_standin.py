@@ -99,9 +99,13 @@ class StandinBackend:
         return {"text": self.tokenizer.decode(output, skip_special_tokens=True), "output_ids": output, "meta_info": meta}
 
     def server_info(self) -> dict[str, Any]:
+        """The resolved server args SGLang reports, as this stand-in was started."""
         mean = sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
         return {"version": VERSION, "internal_states": [{"avg_spec_accept_length": mean}],
-                "speculative_algorithm": self.algorithm}
+                "speculative_algorithm": self.algorithm, "enable_return_hidden_states": True,
+                "enable_return_aux_hidden_states": self.aux_layer_ids is not None,
+                "return_aux_hidden_state_layer_ids": self.aux_layer_ids, "disable_radix_cache": True,
+                "chunked_prefill_size": -1}
 
 
 def make_handler(backend: StandinBackend):

@@ -11,7 +11,7 @@ from pipeline.config import RunConfig, load_config
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectStore, open_store
 
-STAGES = ("prompts", "generate", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote")
+STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote")
 
 
 def _out(result: StageResult) -> dict[str, Any]:
@@ -48,6 +48,8 @@ def run_stage(stage: str, config: RunConfig | str, run_id: str, overrides: list[
         return _out(prompts.run(config, snapshot, store))
     if stage == "generate":
         return _out(generate.run(config, inputs["prompts_uri"], snapshot, store))
+    if stage == "parity":
+        return {"uri": inputs["responses_uri"], "parity": capture.parity(config, inputs["responses_uri"], store)}
     if stage == "capture":
         return _out(capture.run(config, inputs["responses_uri"], snapshot, store))
     if stage == "dataset":

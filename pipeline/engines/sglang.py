@@ -86,7 +86,10 @@ class SGLangClient:
         raise EngineError(f"SGLang request failed after {self.settings.retries + 1} attempts: {last_error}")
 
     def get(self, path: str) -> Any:
-        response = self.session.get(self._url() + path, timeout=self.settings.timeout_s)
+        return self.get_from(self._url(), path)
+
+    def get_from(self, url: str, path: str) -> Any:
+        response = self.session.get(url.rstrip("/") + path, timeout=self.settings.timeout_s)
         response.raise_for_status()
         return orjson.loads(response.content)
 
@@ -200,6 +203,38 @@ def parse_topk(meta: dict[str, Any], length: int, k: int) -> tuple[torch.Tensor,
     return ids, logprobs
 
 
+def capture_server_problems(info: dict[str, Any], aux_layer_ids: list[int] | None, num_layers: int,
+                            max_length: int, aux_server: bool, prompt_logprobs: bool) -> list[str]:
+    """What in a server's /server_info makes it unfit to capture under this contract.
+
+    Keys are SGLang 0.5.23's resolved server args. With no explicit ids an aux server captures the
+    EAGLE3 default layers, which in draft-config ids are [1, N//2 - 1, N - 4].
+    """
+    problems = []
+
+    def setting(key):
+        if key not in info:
+            problems.append(f"{key} is not reported by /server_info, so it cannot be verified")
+        return info.get(key)
+
+    if setting("enable_return_hidden_states") is not True and not info.get("enable_return_aux_hidden_states"):
+        problems.append("the server was not started with --enable-return-hidden-states")
+    wants_aux = setting("enable_return_aux_hidden_states")
+    if wants_aux is not None and bool(wants_aux) != aux_server:
+        problems.append("an aux-state server needs --enable-return-aux-hidden-states" if aux_server else
+                        "a last-hidden server must not run with --enable-return-aux-hidden-states")
+    if aux_server and wants_aux:
+        served = info.get("return_aux_hidden_state_layer_ids") or [1, num_layers // 2 - 1, num_layers - 4]
+        if list(served) != list(aux_layer_ids or []):
+            problems.append(f"the server captures aux layers {list(served)}, the contract says {aux_layer_ids}")
+    if setting("disable_radix_cache") is not True and not prompt_logprobs:
+        problems.append("prompt rows go missing on radix-cache hits: start with --disable-radix-cache")
+    chunk = setting("chunked_prefill_size")
+    if chunk is not None and chunk != -1 and chunk < max_length:
+        problems.append(f"chunked_prefill_size {chunk} < capture.max_length {max_length}: use --chunked-prefill-size -1")
+    return problems
+
+
 class SGLangEngine:
     """Generation and capture against SGLang servers."""
 
@@ -213,11 +248,29 @@ class SGLangEngine:
         self.version = self._server_version()
 
     def _server_version(self) -> str:
+        return f"sglang-{self._server_info(self.client, self.client.urls[0]).get('version', 'unknown')}"
+
+    @staticmethod
+    def _server_info(client: SGLangClient, url: str) -> dict[str, Any]:
         try:
-            info = self.client.get("/server_info")
+            return client.get_from(url, "/server_info")
         except Exception as err:  # any failure to reach the server is fatal here, with its reason
-            raise EngineError(f"cannot reach SGLang at {self.client.urls[0]}: {err}") from err
-        return f"sglang-{info.get('version', 'unknown')}"
+            raise EngineError(f"cannot reach SGLang at {url}: {err}") from err
+
+    def verify_capture_servers(self, aux_layer_ids: list[int], num_layers: int, max_length: int,
+                               teacher: TeacherRequest) -> None:
+        """Refuse to capture through servers whose settings disagree with the capture contract."""
+        checks = [(url, self.client, True) for url in self.client.urls]
+        if "last_hidden" in teacher.kinds and self.teacher_client is not None:
+            checks += [(url, self.teacher_client, False) for url in self.teacher_client.urls]
+        problems = []
+        for url, client, aux_server in checks:
+            info = self._server_info(client, url)
+            prompt_logprobs = aux_server and "topk" in teacher.kinds
+            problems += [f"{url}: {p}" for p in capture_server_problems(info, aux_layer_ids, num_layers, max_length,
+                                                                        aux_server, prompt_logprobs)]
+        if problems:
+            raise EngineError("SGLang capture servers disagree with the capture contract:\n  " + "\n  ".join(problems))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature}

@@ -28,7 +28,8 @@ from pipeline.progress import Progress
 from pipeline.records import decode_jsonl, encode_jsonl
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
-from pipeline.target import TargetInfo, describe_target, load_tokenizer
+from pipeline.engines.hf import HFEngine
+from pipeline.target import TargetInfo, describe_target, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,6 @@ def aux_layer_ids(config: RunConfig, num_layers: int) -> list[int]:
 
 def make_engine(config: RunConfig, target: TargetInfo) -> CaptureEngine:
     if config.capture.engine == "hf":
-        from pipeline.engines.hf import HFEngine
-
         return HFEngine(target.model_dir)
     from pipeline.engines.sglang import SGLangEngine
 
@@ -142,6 +141,7 @@ def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore
     tokenizer = load_tokenizer(target.model_dir)
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
+    parity = verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
     counts: Counter = Counter()
     objects: list[ObjectInfo] = []
     shards, quarantine = [], []
@@ -166,12 +166,52 @@ def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore
     if quarantine:
         objects.append(store.put_bytes(f"{prefix}/quarantine.jsonl", encode_jsonl(quarantine)))
     manifest = publish(store, prefix, "capture", objects, {
-        "snapshot": snapshot, "responses": store.uri(in_prefix), "contract": contract,
+        "snapshot": snapshot, "responses": store.uri(in_prefix), "contract": contract, "parity": parity,
         "config": config.capture.model_dump(mode="json"), "counts": dict(counts), "shards": shards,
         "totals": {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")},
     })
     log.info("capture: %s", dict(counts))
     return StageResult(store.uri(prefix), manifest)
+
+
+def verify_engine(config: RunConfig, engine: CaptureEngine, target: TargetInfo, contract: dict[str, Any], tokenizer,
+                  store: ObjectStore, responses_prefix: str, responses: dict[str, Any]) -> dict[str, Any]:
+    """Check the engine before anything is captured; raises on any disagreement with the contract.
+
+    SGLang servers' settings are always checked; then, unless parity.samples is 0, the engine's states
+    for a few real samples are compared with an independent reference forward.
+    """
+    teacher = teacher_request(config)
+    if config.capture.engine == "sglang":
+        engine.verify_capture_servers(contract["aux_layer_ids"], target.num_layers, config.capture.max_length, teacher)
+    settings = config.capture.parity
+    if settings.samples == 0:
+        return {"skipped": "capture.parity.samples is 0"}
+    from pipeline.parity import ParityFailed, check_parity
+
+    first = responses["shards"][0]["name"]
+    records = decode_jsonl(read_listed(store, responses_prefix, responses, first))[:settings.samples]
+    sequences = [capture_sequence(tokenizer, r["messages"], (r.get("generation") or {}).get("last_output_ids"),
+                                  config.capture.max_length)[0] for r in records]
+    reference = engine.model if isinstance(engine, HFEngine) else load_model(target.model_dir)
+    report = check_parity(engine, reference, sequences, contract["aux_layer_ids"], teacher, settings.tolerance)
+    if not report.passed:
+        raise ParityFailed("capture engine disagrees with the reference forward:\n  " + "\n  ".join(report.problems))
+    log.info("capture parity on %d samples: aux relative errors %s", report.samples,
+             [f"{e:.2g}" for e in report.aux_rel_error])
+    return report.as_dict()
+
+
+def parity(config: RunConfig, responses_uri: str, store: ObjectStore | None = None) -> dict[str, Any]:
+    """The parity check on its own (a scheduler task before a long capture): report, or ParityFailed."""
+    store = store or open_store(config.storage)
+    in_prefix = store.key_for(responses_uri)
+    responses = read_manifest(store, in_prefix, kind="responses")
+    target = describe_target(config)
+    engine = make_engine(config, target)
+    contract = contract_for(config, target, engine).model_dump(mode="json")
+    return verify_engine(config, engine, target, contract, load_tokenizer(target.model_dir), store, in_prefix,
+                         responses)
 
 
 def _marker_key(prefix: str, response_shard: dict[str, Any]) -> str:
