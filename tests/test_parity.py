@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 
-from pipeline.engines import Capture, TeacherRequest
+from pipeline.engines import TeacherRequest
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.sglang import capture_server_problems
 from pipeline.parity import check_parity, reference_capture
