@@ -106,6 +106,8 @@ class PromptsConfig(Strict):
 
 class SGLangClientConfig(Strict):
     urls: list[str] = Field(min_length=1, description="server base URLs (for capture: aux-state servers)")
+    deadline_s: float | None = Field(None, gt=0, description="per request, all retries included "
+                                                             "(default: timeout_s x (retries + 1))")
     last_hidden_urls: list[str] | None = Field(None, description="capture only: servers returning the last hidden state")
     concurrency: int = Field(8, ge=1)
     timeout_s: float = Field(600.0, gt=0)
@@ -118,6 +120,8 @@ class GenerateConfig(Strict):
     temperature: float = Field(0.0, ge=0.0)
     batch_size: int = Field(32, ge=1)
     checkpoint_every: int = Field(128, ge=1, description="conversations per resumable part of a shard")
+    teacher_topk: int | None = Field(None, ge=1, le=128, description="also keep the top-k log-probs behind every "
+                                                                    "generated token of the final turn")
     sglang: SGLangClientConfig | None = None
 
     @model_validator(mode="after")

@@ -46,19 +46,19 @@ class StandinBackend:
             self.drafter, contract = load_drafter(draft_dir, load_frozen_tensors(model_dir)["embed"].float())
             self.draft_layers = contract["aux_layer_ids"]
 
-    def _prompt_forward(self, ids: list[int], hidden: bool, top_k: int) -> dict[str, Any]:
-        """meta_info fields computed from one prefill: hidden states and prompt log-probs."""
+    def _prompt_forward(self, ids: list[int], output: list[int], hidden: bool, top_k: int) -> dict[str, Any]:
+        """meta_info fields from one forward over prompt + output: hidden states (prompt block) and log-probs."""
         num_layers = self.model.config.num_hidden_layers
         wanted = [k + 1 for k in self.aux_layer_ids] if self.aux_layer_ids else [num_layers]
-        out = self.model(input_ids=torch.tensor([ids]), output_hidden_states=wanted, use_cache=False)
+        out = self.model(input_ids=torch.tensor([ids + output]), output_hidden_states=wanted, use_cache=False)
         meta: dict[str, Any] = {}
         if hidden:
-            meta["hidden_states"] = [torch.cat([out.hidden_states[i][0] for i in wanted], dim=-1).tolist()]
+            meta["hidden_states"] = [torch.cat([out.hidden_states[i][0, :len(ids)] for i in wanted], dim=-1).tolist()]
         if top_k:
             values, indices = torch.log_softmax(out.logits[0].float(), -1).topk(top_k, -1)
             rows = [[[v, i, None] for v, i in zip(vs, ix)] for vs, ix in zip(values.tolist(), indices.tolist())]
-            meta["input_top_logprobs"] = [None] + rows[:-1]
-            meta["output_top_logprobs"] = [rows[-1]]
+            meta["input_top_logprobs"] = [None] + rows[:len(ids) - 1]
+            meta["output_top_logprobs"] = rows[len(ids) - 1:len(ids) - 1 + len(output)]
         return meta
 
     def _decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool) -> tuple[list[int], dict[str, Any]]:
@@ -87,7 +87,7 @@ class StandinBackend:
         top_k = int(request.get("top_logprobs_num") or 0) if request.get("return_logprob") else 0
         with self.lock, torch.inference_mode():
             output, spec = self._decode(ids, max_new, bool(sampling.get("ignore_eos")))
-            extra = self._prompt_forward(ids, bool(request.get("return_hidden_states")), top_k) \
+            extra = self._prompt_forward(ids, output, bool(request.get("return_hidden_states")), top_k) \
                 if request.get("return_hidden_states") or top_k else {}
         eos = self.tokenizer.eos_token_id
         stopped = bool(output) and output[-1] == eos

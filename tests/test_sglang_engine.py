@@ -31,6 +31,12 @@ def test_generation_over_http_matches_the_local_engine(servers, tiny_target_dir,
     local = HFEngine(tiny_target_dir).generate(prompts, SamplingParams(max_new_tokens=20))
     assert [g.output_ids for g in remote] == [g.output_ids for g in local]
     assert [g.finish_reason for g in remote] == [g.finish_reason for g in local]
+    with_top = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, top_logprobs=3))
+    local_top = HFEngine(tiny_target_dir).generate(prompts[:2], SamplingParams(max_new_tokens=6, top_logprobs=3))
+    for r, l in zip(with_top, local_top):
+        assert len(r.top_logprobs) == len(r.output_ids) and len(r.top_logprobs[0]) == 3
+        assert [[e[0] for e in step] for step in r.top_logprobs] == [[e[0] for e in step] for step in l.top_logprobs]
+        assert [step[0][0] for step in r.top_logprobs] == r.output_ids  # greedy: the top-1 is what was generated
 
 
 def test_capture_over_http_matches_the_local_engine(servers, tiny_target_dir):
@@ -83,3 +89,72 @@ def test_stop_token_is_kept_and_aborts_fail():
         parse_generation({"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}})
     with pytest.raises(EngineError, match="missing"):
         parse_generation({"meta_info": {}})
+
+
+class Flaky:
+    """A loopback HTTP server answering /generate from a script of (status, body) replies."""
+
+    def __init__(self, replies):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.replies, self.calls = list(replies), 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.calls += 1
+                status, body = outer.replies.pop(0) if outer.replies else (200, b"{}")
+                if status == "sleep":
+                    import time
+                    time.sleep(body)
+                    status, body = 200, b"{}"
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def close(self):
+        self.server.shutdown()
+
+
+GOOD = orjson.dumps({"output_ids": [7, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1}}})
+
+
+def test_retries_with_backoff_on_5xx_and_truncated_json_then_succeeds():
+    from pipeline.engines.sglang import SGLangClient
+
+    server = Flaky([(503, b"busy"), (200, GOOD[:-5]), (200, GOOD)])
+    try:
+        client = SGLangClient(SGLangClientConfig(urls=[server.url], retries=3, timeout_s=5))
+        assert parse_generation(client.post("/generate", {})).output_ids == [7, 1]
+        assert server.calls == 3
+    finally:
+        server.close()
+
+
+def test_client_errors_are_not_retried_and_deadlines_hold():
+    import time
+
+    from pipeline.engines.sglang import SGLangClient
+
+    server = Flaky([(400, b'{"error": {"message": "input too long"}}'), ("sleep", 3.0)])
+    try:
+        client = SGLangClient(SGLangClientConfig(urls=[server.url], retries=5, timeout_s=30, deadline_s=1.0))
+        with pytest.raises(EngineError, match="HTTP 400 input too long"):
+            client.post("/generate", {})
+        assert server.calls == 1
+        started = time.monotonic()
+        with pytest.raises(EngineError, match="deadline"):
+            client.post("/generate", {})
+        assert time.monotonic() - started < 2.5
+    finally:
+        server.close()

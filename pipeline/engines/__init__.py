@@ -21,12 +21,15 @@ class SamplingParams:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    top_logprobs: int = 0  # > 0: also return the top-k log-probs behind every generated token
 
 
 @dataclass
 class Generation:
     output_ids: list[int]
     finish_reason: str  # "stop" | "length"
+    # per generated token, the top-k [token id, log-prob] of the distribution it was drawn from
+    top_logprobs: list[list[list[float]]] | None = None
 
 
 @dataclass(frozen=True)

@@ -41,14 +41,18 @@ class HFEngine:
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=params.max_new_tokens, do_sample=sampling,
             temperature=params.temperature if sampling else None, top_p=None, top_k=None,
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id, pad_token_id=self.pad_id, return_dict_in_generate=True,
+            output_logits=params.top_logprobs > 0,
         )
+        top = None
+        if params.top_logprobs:  # raw logits of every step -> [batch, steps, k]
+            values, indices = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).topk(params.top_logprobs, -1)
+            top = torch.stack([indices.float(), values], -1).tolist()
         results = []
-        for row in out[:, ids.shape[1]:].tolist():
-            if self.eos_id in row:
-                results.append(Generation(row[:row.index(self.eos_id) + 1], "stop"))
-            else:
-                results.append(Generation(row, "length"))
+        for index, row in enumerate(out.sequences[:, ids.shape[1]:].tolist()):
+            length = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
+            results.append(Generation(row[:length], "stop" if self.eos_id in row else "length",
+                                      [[[int(i), v] for i, v in step] for step in top[index][:length]] if top else None))
         return results
 
     @torch.no_grad()

@@ -62,11 +62,16 @@ class SGLangClient:
 
         body = orjson.dumps(payload)
         last_error = "no attempt made"
+        deadline = time.monotonic() + (self.settings.deadline_s or self.settings.timeout_s * (self.settings.retries + 1))
         for attempt in range(self.settings.retries + 1):
             url = self._url() + path
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                last_error += "; the request's deadline passed"
+                break
             try:
                 response = self.session.post(url, data=body, headers={"Content-Type": "application/json"},
-                                             timeout=self.settings.timeout_s)
+                                             timeout=min(self.settings.timeout_s, remaining))
             except (requests.ConnectionError, requests.Timeout) as err:
                 last_error = f"{type(err).__name__} from {url}"
             else:
@@ -80,7 +85,7 @@ class SGLangClient:
                     raise EngineError(f"SGLang rejected the request at {url}: HTTP {response.status_code} "
                                       f"{_error_message(response)}")
             if attempt < self.settings.retries:
-                delay = min(30.0, 0.5 * 2 ** attempt) * (0.5 + random.random())
+                delay = min(30.0, 0.5 * 2 ** attempt, max(0.0, deadline - time.monotonic())) * (0.5 + random.random())
                 log.warning("SGLang request failed (%s); retry %d in %.1fs", last_error, attempt + 1, delay)
                 time.sleep(delay)
         raise EngineError(f"SGLang request failed after {self.settings.retries + 1} attempts: {last_error}")
@@ -131,7 +136,10 @@ def parse_generation(payload: dict[str, Any]) -> Generation:
     if kind == "stop" and isinstance(matched, int) and (not output_ids or output_ids[-1] != matched):
         # the stop token the target produced is part of what the drafter must learn to predict
         output_ids.append(matched)
-    return Generation(output_ids, "stop" if kind == "stop" else "length")
+    top = payload["meta_info"].get("output_top_logprobs")
+    if top is not None:  # entries are [logprob, token_id, text]; kept as [token_id, logprob]
+        top = [[[int(entry[1]), entry[0]] for entry in step] for step in top[:len(output_ids)]]
+    return Generation(output_ids, "stop" if kind == "stop" else "length", top)
 
 
 _CHUNK_BYTES = 8 << 20
@@ -274,7 +282,8 @@ class SGLangEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature}
-        payloads = [{"input_ids": p, "sampling_params": sampling} for p in prompts]
+        extra = {"return_logprob": True, "top_logprobs_num": params.top_logprobs} if params.top_logprobs else {}
+        payloads = [{"input_ids": p, "sampling_params": sampling, **extra} for p in prompts]
         return [parse_generation(r) for r in self.client.map("/generate", payloads)]
 
     def capture(self, sequences: list[list[int]], aux_layer_ids: list[int],

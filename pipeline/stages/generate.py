@@ -58,7 +58,8 @@ def regenerate(records: list[dict[str, Any]], engine: GenerationEngine, tokenize
         for start in range(0, len(active), settings.batch_size):
             batch = active[start:start + settings.batch_size]
             prompts = [prompt_ids(tokenizer, s["history"]) for s in batch]
-            params = SamplingParams(settings.max_new_tokens, settings.temperature, seed=turn * 1_000_003 + start)
+            params = SamplingParams(settings.max_new_tokens, settings.temperature, seed=turn * 1_000_003 + start,
+                                    top_logprobs=settings.teacher_topk or 0)
             try:
                 results = engine.generate(prompts, params)
             except EngineError as err:
@@ -75,6 +76,7 @@ def regenerate(records: list[dict[str, Any]], engine: GenerationEngine, tokenize
                 s["finish"].append(result.finish_reason)
                 s["tokens"] += len(result.output_ids)
                 s["last_output_ids"] = result.output_ids
+                s["last_top_logprobs"] = result.top_logprobs
             if turn == 0:
                 progress.update(len(batch))
     done, failures = [], []
@@ -86,6 +88,8 @@ def regenerate(records: list[dict[str, Any]], engine: GenerationEngine, tokenize
         record["messages"] = s["history"]
         record["generation"] = {"engine": getattr(engine, "name", "?"), "finish_reasons": s["finish"],
                                 "completion_tokens": s["tokens"], "last_output_ids": s["last_output_ids"]}
+        if s.get("last_top_logprobs") is not None:
+            record["generation"]["last_top_logprobs"] = s["last_top_logprobs"]
         done.append(record)
     return done, failures
 
