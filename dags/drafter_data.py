@@ -1,4 +1,4 @@
-"""drafter_data: prompts -> the target's own responses -> hidden-state capture -> a dataset snapshot.
+"""drafter_data: prompts -> the target's own responses -> parity check -> hidden-state capture -> a dataset.
 
 Triggered from the UI with a params form. Publishes the dataset as the `drafter_dataset` Asset, which
 schedules drafter_train. Every task calls a pipeline stage; no pipeline logic lives here.
@@ -45,7 +45,13 @@ def drafter_data():
         return run_stage("generate", params["config"], snapshot, params["overrides"], prompts_uri=prompt_set["uri"])
 
     @task
-    def capture(snapshot: str, responses: dict, params=None) -> dict:
+    def parity(snapshot: str, responses: dict, params=None) -> dict:
+        from pipeline.tasks import run_stage
+
+        return run_stage("parity", params["config"], snapshot, params["overrides"], responses_uri=responses["uri"])
+
+    @task
+    def capture(snapshot: str, responses: dict, checked: dict, params=None) -> dict:
         from pipeline.tasks import run_stage
 
         return run_stage("capture", params["config"], snapshot, params["overrides"], responses_uri=responses["uri"])
@@ -62,7 +68,7 @@ def drafter_data():
     snapshot = snapshot_id()
     prompt_set = prompts(snapshot)
     responses = generate(snapshot, prompt_set)
-    publish_dataset(snapshot, capture(snapshot, responses))
+    publish_dataset(snapshot, capture(snapshot, responses, parity(snapshot, responses)))
 
 
 drafter_data()

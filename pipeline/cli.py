@@ -20,7 +20,7 @@ EXIT_BAD_INPUT = 2
 EXIT_GATE = 3
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -164,7 +164,7 @@ def _stage(args, config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _quiet_libraries()
+    quiet_libraries()
     _setup_logging(args.verbose)
     from pipeline.config import ConfigError
     from pipeline.contract import ContractMismatch

@@ -149,7 +149,7 @@ class CaptureConfig(Strict):
     teacher: list[Literal["last_hidden", "topk"]] = Field(
         default_factory=lambda: ["topk"], min_length=1,
         description="teacher signals stored: post-norm last hidden state and/or top-k log-probs")
-    teacher_topk: int = Field(20, ge=1, le=128)
+    teacher_topk: int = Field(16, ge=1, le=128)
     max_length: int = Field(2048, ge=8)
     batch_size: int = Field(8, ge=1)
     parity: ParityConfig = Field(default_factory=lambda: ParityConfig())

@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 import zlib
 
@@ -58,6 +57,8 @@ class NearDuplicateFilter:
         count = bands * rows
         self.a = rng.integers(1, int(_MERSENNE), size=count, dtype=np.uint64)
         self.b = rng.integers(0, int(_MERSENNE), size=count, dtype=np.uint64)
+        self.row_weights = rng.integers(1, 2 ** 63, size=rows, dtype=np.uint64) | np.uint64(1)
+        self.band_salts = rng.integers(0, 2 ** 63, size=bands, dtype=np.uint64)
         self.bands, self.rows, self.shingle = bands, rows, shingle
         self.seen = BloomFilter(bloom_bits)
 
@@ -74,11 +75,8 @@ class NearDuplicateFilter:
         # (a*x + b) mod p on 64-bit words; x < 2^32 and a < 2^61 may wrap, which stays a fixed hash family
         permuted = (self.a[:, None] * shingles[None, :] + self.b[:, None]) % _MERSENNE
         signature = permuted.min(axis=1).reshape(self.bands, self.rows)
-        keys = np.empty(self.bands, dtype=np.uint64)
-        for band, rows in enumerate(signature):
-            digest = hashlib.blake2b(rows.tobytes(), digest_size=8, person=band.to_bytes(2, "little") * 8)
-            keys[band] = np.frombuffer(digest.digest(), dtype=np.uint64)[0]
-        return keys
+        # one 64-bit key per band: a random odd-weighted sum of its rows, salted by the band number
+        return (signature * self.row_weights).sum(axis=1) ^ self.band_salts
 
     def check_and_add(self, text: str) -> bool:
         """True when `text` nearly duplicates an earlier one; otherwise it is remembered."""

@@ -13,6 +13,7 @@ reference speculative decoder and reports the spec_* meta_info fields.
 from __future__ import annotations
 
 import argparse
+import queue
 import threading
 import time
 import uuid
@@ -26,17 +27,65 @@ import torch
 VERSION = "0.5.23-standin"
 
 
+class Batcher:
+    """Continuous-batching in miniature: plain generation requests that arrive together share one
+    batched forward per step, so a client's concurrency pays off here as it does on a real server."""
+
+    def __init__(self, engine, lock: threading.Lock, max_batch: int = 32, window_s: float = 0.01):
+        self.engine, self.lock, self.max_batch, self.window_s = engine, lock, max_batch, window_s
+        self.pending: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def generate(self, ids: list[int], params) -> Any:
+        done = threading.Event()
+        slot: dict[str, Any] = {}
+        self.pending.put((ids, params, slot, done))
+        done.wait()
+        if "error" in slot:
+            raise slot["error"]
+        return slot["result"]
+
+    def _take(self) -> list:
+        batch = [self.pending.get()]
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < self.max_batch and (left := deadline - time.monotonic()) > 0:
+            try:
+                batch.append(self.pending.get(timeout=left))
+            except queue.Empty:
+                break
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take()
+            groups: dict[Any, list] = {}
+            for item in batch:
+                groups.setdefault(item[1], []).append(item)
+            for params, items in groups.items():
+                try:
+                    with self.lock, torch.inference_mode():
+                        results = self.engine.generate([ids for ids, *_ in items], params)
+                    for (_, _, slot, _), result in zip(items, results):
+                        slot["result"] = result
+                except Exception as err:  # handed back to each waiting request
+                    for _, _, slot, _ in items:
+                        slot["error"] = err
+                for *_, done in items:
+                    done.set()
+
+
 class StandinBackend:
     def __init__(self, model_dir: Path, aux_layer_ids: list[int] | None, algorithm: str | None = None,
                  draft_dir: Path | None = None, num_steps: int = 3):
-        from pipeline.target import load_model, load_tokenizer
+        from pipeline.engines.hf import HFEngine
 
-        self.model = load_model(model_dir)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.engine = HFEngine(model_dir)
+        self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
         self.aux_layer_ids = aux_layer_ids
         self.algorithm = algorithm
         self.num_steps = num_steps
         self.lock = threading.Lock()
+        self.batcher = Batcher(self.engine, self.lock)
         self.accept_lengths: list[float] = []
         self.drafter = None
         if algorithm == "EAGLE3":
@@ -81,14 +130,21 @@ class StandinBackend:
                                "spec_correct_drafts_histogram": result.accepted_histogram}
 
     def generate_one(self, request: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        from pipeline.engines import SamplingParams
+
         started = time.perf_counter()
         sampling = request.get("sampling_params") or {}
         max_new = int(sampling.get("max_new_tokens", 128))
         top_k = int(request.get("top_logprobs_num") or 0) if request.get("return_logprob") else 0
-        with self.lock, torch.inference_mode():
-            output, spec = self._decode(ids, max_new, bool(sampling.get("ignore_eos")))
-            extra = self._prompt_forward(ids, output, bool(request.get("return_hidden_states")), top_k) \
-                if request.get("return_hidden_states") or top_k else {}
+        plain = not (top_k or request.get("return_hidden_states") or self.algorithm or sampling.get("ignore_eos"))
+        if plain:
+            params = SamplingParams(max_new, float(sampling.get("temperature", 1.0)))
+            output, spec, extra = self.batcher.generate(ids, params).output_ids, {}, {}
+        else:
+            with self.lock, torch.inference_mode():
+                output, spec = self._decode(ids, max_new, bool(sampling.get("ignore_eos")))
+                extra = self._prompt_forward(ids, output, bool(request.get("return_hidden_states")), top_k) \
+                    if request.get("return_hidden_states") or top_k else {}
         eos = self.tokenizer.eos_token_id
         stopped = bool(output) and output[-1] == eos
         finish = {"type": "stop", "matched": eos} if stopped else {"type": "length", "length": max_new}

@@ -291,12 +291,36 @@ def _build_into(directory: Path, recipe: TinyTargetRecipe, turns: list[CodeTurn]
     log.info("tiny target built: %s", {k: v for k, v in stats.items() if k != "recipe"})
 
 
-def ensure_tiny_target(recipe: TinyTargetRecipe, cache_dir: str | Path) -> Path:
-    """The directory of the tiny target for this recipe, building it once if it is not cached."""
-    turns = corpus_turns(heldout=False, max_modules=recipe.max_corpus_modules)
+def _corpus_files_fingerprint(max_modules: int | None) -> str:
+    """Names, sizes and mtimes of the corpus files: a cheap key for the (expensive) corpus hash."""
+    digest = hashlib.sha256(f"{BUILDER_VERSION}:{max_modules}".encode())
+    for path in stdlib_modules():
+        stat = path.stat()
+        digest.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def cached_corpus_hash(cache_dir: Path, max_modules: int | None) -> tuple[str, list[CodeTurn] | None]:
+    """The corpus hash, parsing the standard library only when its files changed since last time."""
+    index_path = cache_dir / "targets" / "corpus-hashes.json"
+    fingerprint = _corpus_files_fingerprint(max_modules)
+    index = json.loads(index_path.read_text()) if index_path.exists() else {}
+    if fingerprint in index:
+        return index[fingerprint], None
+    turns = corpus_turns(heldout=False, max_modules=max_modules)
     if not turns:
         raise RuntimeError("no training text found in the Python standard library; cannot build the tiny target")
-    corpus_sha = corpus_hash(turns)
+    index[fingerprint] = corpus_hash(turns)
+    index_path.parent.mkdir(parents=True, exist_ok=True)
+    staging = index_path.with_name(f".{index_path.name}.{os.getpid()}")
+    staging.write_text(json.dumps(index))
+    os.replace(staging, index_path)
+    return index[fingerprint], turns
+
+
+def ensure_tiny_target(recipe: TinyTargetRecipe, cache_dir: str | Path) -> Path:
+    """The directory of the tiny target for this recipe, building it once if it is not cached."""
+    corpus_sha, turns = cached_corpus_hash(Path(cache_dir), recipe.max_corpus_modules)
     directory = Path(cache_dir) / "targets" / f"tiny-{recipe_hash(recipe, corpus_sha)}"
     if (directory / "build.json").exists():
         return directory
@@ -304,6 +328,7 @@ def ensure_tiny_target(recipe: TinyTargetRecipe, cache_dir: str | Path) -> Path:
     with file_lock(directory.with_suffix(".lock")):
         if (directory / "build.json").exists():
             return directory
+        turns = turns or corpus_turns(heldout=False, max_modules=recipe.max_corpus_modules)
         staging = directory.with_name(directory.name + f".building-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()

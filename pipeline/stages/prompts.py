@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipeline import layout
-from pipeline.chat import BadRecord, normalize_conversation, prompt_ids
+from pipeline.chat import BadRecord, normalize_conversation
 from pipeline.config import PromptsConfig, PromptSource, RunConfig, StorageConfig
 from pipeline.dedup import ExactDuplicateFilter, NearDuplicateFilter
 from pipeline.manifest import manifest_exists, publish, read_manifest
@@ -22,6 +22,7 @@ from pipeline.target import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
+JUDGE_BATCH = 256
 
 
 class PromptSourceError(RuntimeError):
@@ -161,29 +162,57 @@ class ShardWriter:
 
 
 class PromptFilter:
-    """Decides, record by record, whether a conversation is kept; rejections name their reason."""
+    """Decides whether conversations are kept; rejections name their reason.
+
+    Records are judged in batches so the length check tokenizes many prompts per call.
+    """
 
     def __init__(self, settings: PromptsConfig, tokenizer):
         self.settings, self.tokenizer = settings, tokenizer
         self.exact = ExactDuplicateFilter()
         self.near = NearDuplicateFilter() if settings.near_dedup else None
 
-    def judge(self, record: Any) -> tuple[str, list[dict[str, str]]]:
-        """(sample id, messages) of a kept record; raises BadRecord with the reason otherwise."""
-        messages = normalize_conversation(record)
-        sample_id = conversation_id(messages)
-        if self.exact.check_and_add(sample_id):
-            raise BadRecord("duplicate")
-        first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-        length = len(prompt_ids(self.tokenizer, messages[:first_user + 1]))
-        if length < self.settings.min_prompt_tokens:
-            raise BadRecord("too_short")
-        if length > self.settings.max_prompt_tokens:
-            raise BadRecord("too_long")
-        asked = "\n".join(m["content"] for m in messages if m["role"] != "assistant")
-        if self.near is not None and self.near.check_and_add(asked):
-            raise BadRecord("near_duplicate")
-        return sample_id, messages
+    def judge(self, records: list[Any]) -> list[tuple[str, list[dict[str, str]]] | BadRecord]:
+        """Per record: (sample id, messages) when kept, else the BadRecord saying why not."""
+        verdicts: list[Any] = []
+        candidates = []
+        for record in records:
+            try:
+                messages = normalize_conversation(record)
+            except BadRecord as bad:
+                verdicts.append(bad)
+                continue
+            sample_id = conversation_id(messages)
+            if self.exact.check_and_add(sample_id):
+                verdicts.append(BadRecord("duplicate"))
+                continue
+            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            verdicts.append((sample_id, messages))
+            candidates.append((len(verdicts) - 1, messages[:first_user + 1]))
+        texts = [self.tokenizer.apply_chat_template(prefix, add_generation_prompt=True, tokenize=False)
+                 for _, prefix in candidates]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+        for (index, _), length in zip(candidates, lengths):
+            if length < self.settings.min_prompt_tokens:
+                verdicts[index] = BadRecord("too_short")
+            elif length > self.settings.max_prompt_tokens:
+                verdicts[index] = BadRecord("too_long")
+            elif self.near is not None:
+                asked = "\n".join(m["content"] for m in verdicts[index][1] if m["role"] != "assistant")
+                if self.near.check_and_add(asked):
+                    verdicts[index] = BadRecord("near_duplicate")
+        return verdicts
+
+
+def _batched(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> StageResult:
@@ -199,19 +228,21 @@ def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> S
     with tempfile.TemporaryDirectory(prefix="prompts-") as tmp:
         writer = ShardWriter(store, prefix, settings.shard_size, Path(tmp))
         progress = Progress(total=settings.num_samples, desc="prompts", unit="conv")
-        for source_index, record in mix_sources(settings.sources, config.storage):
-            counts["read"] += 1
-            try:
-                sample_id, messages = judge.judge(record)
-            except BadRecord as bad:
-                counts[f"rejected.{bad.reason}"] += 1
-                continue
-            source = settings.sources[source_index]
-            writer.add({"id": sample_id, "split": split_of(sample_id, settings.eval_fraction),
-                        "source": record.get("source") or source.path or source.kind, "messages": messages})
-            counts["kept"] += 1
-            kept_per_source[source_index] += 1
-            progress.update(1)
+        for batch in _batched(mix_sources(settings.sources, config.storage), JUDGE_BATCH):
+            for (source_index, record), verdict in zip(batch, judge.judge([record for _, record in batch])):
+                if counts["kept"] >= settings.num_samples:
+                    break
+                counts["read"] += 1
+                if isinstance(verdict, BadRecord):
+                    counts[f"rejected.{verdict.reason}"] += 1
+                    continue
+                sample_id, messages = verdict
+                source = settings.sources[source_index]
+                writer.add({"id": sample_id, "split": split_of(sample_id, settings.eval_fraction),
+                            "source": record.get("source") or source.path or source.kind, "messages": messages})
+                counts["kept"] += 1
+                kept_per_source[source_index] += 1
+                progress.update(1)
             if counts["kept"] >= settings.num_samples:
                 break
         progress.close()
