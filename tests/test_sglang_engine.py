@@ -158,3 +158,36 @@ def test_client_errors_are_not_retried_and_deadlines_hold():
         assert time.monotonic() - started < 2.5
     finally:
         server.close()
+
+
+def test_the_generate_stage_regenerates_multi_turn_conversations_turn_by_turn(servers, store, storage, tmp_path,
+                                                                             tiny_target_dir, tiny_tokenizer):
+    import json as jsonlib
+
+    from pipeline.chat import prompt_ids
+    from pipeline.config import load_config
+    from pipeline.stages import generate, prompts
+    from tests.conftest import tiny_config_dict
+
+    data = tiny_config_dict(storage)
+    rows = [{"messages": [{"role": "user", "content": f"def first{i}(x):"}, {"role": "assistant", "content": "old"},
+                          {"role": "user", "content": f"def second{i}(y):"}, {"role": "assistant", "content": "old"}]}
+            for i in range(3)]
+    path = tmp_path / "multi-turn.jsonl"
+    path.write_text("\n".join(jsonlib.dumps(r) for r in rows))
+    data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(path)}], "eval_fraction": 0.0}
+    data["generate"] = {"engine": "sglang", "max_new_tokens": 12, "sglang": {"urls": [servers[1]], "retries": 0}}
+    config = load_config(data=data)
+    result = generate.run(config, prompts.run(config, "multi", store).uri, "multi", store)
+    assert result.manifest["counts"] == {"input": 3, "succeeded": 3, "skipped": 0, "failed": 0}
+    key = store.key_for(result.uri)
+    records = [jsonlib.loads(line) for line in store.get_bytes(f"{key}/train-00000.jsonl").splitlines()]
+    local = HFEngine(tiny_target_dir)
+    for record in records:
+        messages = record["messages"]
+        assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+        assert "old" not in (messages[1]["content"], messages[3]["content"])
+        # the second answer was generated after the regenerated first answer, not the original one
+        second = local.generate([prompt_ids(tiny_tokenizer, messages[:3])], SamplingParams(12))[0]
+        assert record["generation"]["last_output_ids"] == second.output_ids
+        assert len(record["generation"]["finish_reasons"]) == 2
