@@ -201,6 +201,8 @@ class TrainConfig(Strict):
     ttt_steps: int = Field(7, ge=1)
     loss_decay: float = Field(0.8, gt=0, le=1)
     attention_chunk: int = Field(512, ge=1, description="query chunk of the TTT attention")
+    cache_gb: float = Field(50.0, gt=0, description="local shard cache budget per rank (LRU)")
+    prefetch_shards: int = Field(2, ge=0, description="shards fetched ahead of the one being trained on")
     nproc: int = Field(2, ge=1)
     launcher: Literal["torchrun", "deepspeed"] = "torchrun"
     hostfile: str | None = Field(None, description="deepspeed launcher hostfile for multi-node runs")

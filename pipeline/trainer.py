@@ -1,7 +1,8 @@
 """The training worker: one process per rank, started by torchrun or the deepspeed launcher.
 
-The launcher side (pipeline.stages.train) downloads the dataset shards, writes a worker spec and
-starts this as a separate process group; nothing here runs inside an Airflow worker.
+The launcher side (pipeline.stages.train) checks the contract, fixes the draft vocabulary, writes a
+worker spec and starts this as a separate process group; nothing here runs inside an Airflow worker.
+Each rank streams its shards from the object store (pipeline.train_data).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from pipeline.drafter_model import DrafterArch, Eagle3Drafter
 from pipeline.export import export_drafter, read_drafter_dir
 from pipeline.progress import Progress
 from pipeline.target import load_frozen_tensors, text_config
-from pipeline.train_data import CaptureDataset, collate, epoch_order, rank_batches
+from pipeline.train_data import ShardCache, ShardRef, StreamingShards, collate, epoch_plan
 from pipeline.ttt import MetricCounts, teacher_from_last_hidden, teacher_from_topk, ttt_loss_and_counts
-from pipeline.vocab import VocabMapping, build_mapping, mapping_from_d2t
+from pipeline.vocab import mapping_from_used_ids
 
 log = logging.getLogger(__name__)
 CHECKPOINTS_KEPT = 2
@@ -109,29 +110,25 @@ def check_warm_start_contract(init_contract: dict[str, Any], data_contract: dict
                                "contract:\n  " + "\n  ".join(problems))
 
 
-def build_model(config: RunConfig, spec: dict[str, Any], dataset: CaptureDataset,
-                frozen: dict[str, torch.Tensor]) -> tuple[Eagle3Drafter, VocabMapping]:
+def build_model(config: RunConfig, spec: dict[str, Any], frozen: dict[str, torch.Tensor]) -> Eagle3Drafter:
+    """The drafter, its draft vocabulary from the spec, warm-started from spec["init_dir"] when given."""
     target_dir = Path(spec["target_dir"])
-    contract = spec["contract"]
     vocab_size = int(text_config(target_dir)["vocab_size"])
-    init_dir = spec.get("init_dir")
-    if init_dir:
-        _, init_tensors, init_contract = read_drafter_dir(init_dir)
-        check_warm_start_contract(init_contract, contract)
-        mapping = mapping_from_d2t(init_tensors["d2t"], vocab_size)
-    else:
-        mapping = build_mapping(dataset.assistant_token_counts(vocab_size), config.drafter.draft_vocab_size)
-    arch = drafter_arch(config, target_dir, contract["aux_layer_ids"], mapping.draft_vocab_size)
+    mapping = mapping_from_used_ids(torch.tensor(spec["draft_vocab"]), vocab_size)
+    arch = drafter_arch(config, target_dir, spec["contract"]["aux_layer_ids"], mapping.draft_vocab_size)
     model = Eagle3Drafter(arch, frozen["embed"].float())
     model.set_vocab_mapping(mapping.d2t, mapping.t2d)
     with torch.no_grad():
-        if init_dir:
-            model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in init_tensors.items()})
+        if spec.get("init_dir"):
+            _, tensors, _ = read_drafter_dir(spec["init_dir"])
+            if not torch.equal(tensors["d2t"], mapping.d2t):
+                raise ContractMismatch("the warm-start drafter's vocabulary mapping differs from the spec's")
+            model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
         else:
             # Start the draft head from the target's own head rows for the draft vocabulary.
             model.lm_head.weight.copy_(frozen["lm_head"].float()[mapping.used_ids])
             model.norm.weight.copy_(frozen["norm"].float())
-    return model, mapping
+    return model
 
 
 def deepspeed_config(config: RunConfig, total_steps: int) -> dict[str, Any]:
@@ -206,30 +203,8 @@ def _save_checkpoint(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], ra
             shutil.rmtree(old, ignore_errors=True)
 
 
-def train(spec: dict[str, Any]) -> dict[str, Any]:
-    import deepspeed
-    import torch.distributed as dist
-
-    config = RunConfig.model_validate(spec["config"])
-    settings = config.train
-    _init_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(settings.seed)
-    workdir = Path(spec["workdir"])
-    ckpt_dir = workdir / "checkpoints"
-    dataset = CaptureDataset(spec["train_shards"], settings.max_length)
-    frozen = load_frozen_tensors(Path(spec["target_dir"]))
-    model, mapping = build_model(config, spec, dataset, frozen)
-    dtype = torch.bfloat16 if config.train.precision == "bf16" else torch.float32
-    teacher = choose_teacher(settings.teacher, dataset.teachers())
-    objective = DraftObjective(model, frozen["lm_head"].to(dtype), teacher, settings.ttt_steps,
-                               settings.loss_decay, settings.attention_chunk)
-    steps_per_epoch = len(rank_batches(list(range(len(dataset))), 0, world, settings.micro_batch_size))
-    if steps_per_epoch == 0:
-        raise RuntimeError(f"{len(dataset)} training samples are too few for {world} ranks")
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=objective, model_parameters=[p for p in objective.parameters() if p.requires_grad],
-        config=deepspeed_config(config, steps_per_epoch * settings.epochs))
+def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
+    """Training state from the latest checkpoint (model, optimizer, scheduler restored by DeepSpeed)."""
     state = {"epoch": 0, "batch_in_epoch": 0, "global_step": 0, "history": [], "stop_reason": None,
              "epoch_counts": None}
     if (ckpt_dir / "latest").exists():
@@ -237,62 +212,119 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
         state = {k: client[k] for k in state}
         torch.set_rng_state(client["rng_cpu"])
         log.info("resumed from checkpoint at epoch %d batch %d", state["epoch"], state["batch_in_epoch"])
-    metrics = MetricsLog(workdir / "metrics.jsonl", rank == 0)
-    metrics.truncate_after(state["global_step"])
-    progress = Progress(total=steps_per_epoch * settings.epochs, desc="train", unit="step", enabled=rank == 0)
-    progress.update(state["global_step"])
-    started = time.monotonic()
-    while state["epoch"] < settings.epochs and state["stop_reason"] is None:
+    return state
+
+
+class Trainer:
+    """One rank's training loop over the streamed dataset; the engine is DeepSpeed's."""
+
+    def __init__(self, spec: dict[str, Any]):
+        import deepspeed
+        import torch.distributed as dist
+
+        from pipeline.storage import open_store
+
+        self.spec = spec
+        self.config = RunConfig.model_validate(spec["config"])
+        self.settings = settings = self.config.train
+        _init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(settings.seed)
+        self.workdir = Path(spec["workdir"])
+        self.ckpt_dir = self.workdir / "checkpoints"
+        self.shards = [ShardRef.from_manifest(entry) for entry in spec["train_shards"]]
+        cache = ShardCache(open_store(self.config.storage), Path(spec["shard_cache"]),
+                           int(settings.cache_gb * (1 << 30)))
+        self.stream = StreamingShards(self.shards, cache, settings.max_length, settings.prefetch_shards)
+        frozen = load_frozen_tensors(Path(spec["target_dir"]))
+        self.model = build_model(self.config, spec, frozen)
+        self.dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float32
+        self.teacher = choose_teacher(settings.teacher, self.stream.teachers())
+        objective = DraftObjective(self.model, frozen["lm_head"].to(self.dtype), self.teacher, settings.ttt_steps,
+                                   settings.loss_decay, settings.attention_chunk)
+        self.steps_per_epoch = len(self.plan(0))
+        if self.steps_per_epoch == 0:
+            raise RuntimeError(f"{sum(s.samples for s in self.shards)} training samples are too few for "
+                               f"{self.world} ranks of micro-batch {settings.micro_batch_size}")
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=objective, model_parameters=[p for p in objective.parameters() if p.requires_grad],
+            config=deepspeed_config(self.config, self.steps_per_epoch * settings.epochs))
+        self.state = _resume(self.engine, self.ckpt_dir)
+        self.metrics = MetricsLog(self.workdir / "metrics.jsonl", self.rank == 0)
+        self.metrics.truncate_after(self.state["global_step"])
+
+    def plan(self, epoch: int):
+        return epoch_plan(self.shards, self.settings.seed, epoch, self.rank, self.world, self.settings.micro_batch_size)
+
+    def step(self, samples) -> torch.Tensor:
+        batch = {k: v.to(self.engine.device) for k, v in collate(samples, self.dtype).items()}
+        loss, counts = self.engine(**batch)
+        self.engine.backward(loss)
+        self.engine.step()
+        return counts.as_tensor()
+
+    def run_epoch(self, progress: Progress) -> None:
+        state, settings = self.state, self.settings
         epoch = state["epoch"]
-        batches = rank_batches(epoch_order(len(dataset), settings.seed, epoch), rank, world, settings.micro_batch_size)
         epoch_counts = torch.zeros_like(MetricCounts(settings.ttt_steps).as_tensor())
         interval_counts = torch.zeros_like(epoch_counts)
-        if state["epoch_counts"] is not None and rank == 0:
+        if state["epoch_counts"] is not None and self.rank == 0:
             # counts of the part of this epoch done before the checkpoint, summed over ranks
             epoch_counts += torch.tensor(state["epoch_counts"], dtype=epoch_counts.dtype)
-        for index in range(state["batch_in_epoch"], len(batches)):
-            batch = {k: v.to(engine.device) for k, v in
-                     collate([dataset.sample(i) for i in batches[index]], dtype).items()}
-            loss, counts = engine(**batch)
-            engine.backward(loss)
-            engine.step()
-            step_counts = counts.as_tensor()
-            epoch_counts += step_counts
-            interval_counts += step_counts
+        for samples in self.stream.batches(self.plan(epoch), state["batch_in_epoch"]):
+            counts = self.step(samples)
+            epoch_counts += counts
+            interval_counts += counts
             state["global_step"] += 1
-            state["batch_in_epoch"] = index + 1
+            state["batch_in_epoch"] += 1
             progress.update(1)
             if state["global_step"] % settings.log_every == 0:
                 summary = MetricCounts.from_tensor(_all_reduce(interval_counts.clone())).summary()
-                metrics.write({"kind": "interval", "epoch": epoch, "global_step": state["global_step"],
-                               "lr": scheduler.get_lr()[0], **summary})
+                self.metrics.write({"kind": "interval", "epoch": epoch, "global_step": state["global_step"],
+                                    "lr": self.scheduler.get_lr()[0], **summary})
                 interval_counts.zero_()
             if settings.checkpoint_every_steps and state["global_step"] % settings.checkpoint_every_steps == 0:
                 state["epoch_counts"] = _all_reduce(epoch_counts.clone()).tolist()
-                _save_checkpoint(engine, ckpt_dir, f"step-{state['global_step']:08d}", state, rank)
+                _save_checkpoint(self.engine, self.ckpt_dir, f"step-{state['global_step']:08d}", state, self.rank)
         summary = MetricCounts.from_tensor(_all_reduce(epoch_counts.clone())).summary()
         state["history"].append({"epoch": epoch, **summary})
-        metrics.write({"kind": "epoch", "epoch": epoch, "global_step": state["global_step"],
-                       "seconds": round(time.monotonic() - started, 1), **summary})
-        if rank == 0:
+        self.metrics.write({"kind": "epoch", "epoch": epoch, "global_step": state["global_step"], **summary})
+        if self.rank == 0:
             log.info("epoch %d: cond_acc %s tau_simulated %.3f", epoch, summary["cond_acc"], summary["tau_simulated"])
-        if plateau_reached(state["history"], config):
+        if plateau_reached(state["history"], self.config):
             state["stop_reason"] = "plateau"
-        state["epoch"] += 1
-        state["batch_in_epoch"] = 0
-        state["epoch_counts"] = None
-        _save_checkpoint(engine, ckpt_dir, f"epoch-{epoch:04d}", state, rank)
-    progress.close()
-    result = {"stop_reason": state["stop_reason"] or "completed", "epochs_run": state["epoch"],
-              "global_steps": state["global_step"], "world_size": world, "history": state["history"],
-              "draft_vocab_size": mapping.draft_vocab_size, "train_samples": len(dataset), "teacher": teacher,
-              "seconds": round(time.monotonic() - started, 1)}
-    if rank == 0:
-        export_drafter(engine.module.drafter, spec["contract"], workdir / "drafter", config.drafter.export_dtype)
-        (workdir / "train_result.json").write_text(json.dumps(result, indent=2))
-    dist.barrier()
-    dataset.close()
-    return result
+            log.info("stopping: cond_acc_0 gained less than %s over %d epochs", settings.plateau.min_gain,
+                     settings.plateau.window_epochs)
+        state.update({"epoch": epoch + 1, "batch_in_epoch": 0, "epoch_counts": None})
+        _save_checkpoint(self.engine, self.ckpt_dir, f"epoch-{epoch:04d}", state, self.rank)
+
+    def run(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        settings, state = self.settings, self.state
+        progress = Progress(total=self.steps_per_epoch * settings.epochs, desc="train", unit="step",
+                            enabled=self.rank == 0)
+        progress.update(state["global_step"])
+        started = time.monotonic()
+        while state["epoch"] < settings.epochs and state["stop_reason"] is None:
+            self.run_epoch(progress)
+        progress.close()
+        result = {"stop_reason": state["stop_reason"] or "completed", "epochs_run": state["epoch"],
+                  "global_steps": state["global_step"], "world_size": self.world, "history": state["history"],
+                  "draft_vocab_size": self.model.arch.draft_vocab_size, "teacher": self.teacher,
+                  "train_samples": sum(s.samples for s in self.shards),
+                  "seconds_this_attempt": round(time.monotonic() - started, 1)}
+        if self.rank == 0:
+            export_drafter(self.engine.module.drafter, self.spec["contract"], self.workdir / "drafter",
+                           self.config.drafter.export_dtype)
+            (self.workdir / "train_result.json").write_text(json.dumps(result, indent=2))
+        dist.barrier()
+        self.stream.close()
+        return result
+
+
+def train(spec: dict[str, Any]) -> dict[str, Any]:
+    return Trainer(spec).run()
 
 
 def worker_main(spec_path: str) -> None:

@@ -16,10 +16,9 @@ from pipeline.export import load_drafter, read_drafter_dir
 from pipeline.manifest import publish, read_manifest
 from pipeline.progress import Progress
 from pipeline.stages import StageResult
-from pipeline.stages.train import cached_shard
 from pipeline.storage import ObjectStore, open_store
 from pipeline.target import describe_target, load_frozen_tensors
-from pipeline.train_data import CaptureDataset, collate
+from pipeline.train_data import ShardCache, ShardRef, StreamingShards, collate, sequential_plan
 from pipeline.trainer import DraftObjective, choose_teacher
 from pipeline.ttt import MetricCounts
 
@@ -30,28 +29,25 @@ class EvaluationFailed(RuntimeError):
     pass
 
 
-def evaluate_drafter(drafter_dir: Path, shard_paths: list[Path], target_dir: Path, steps: int,
-                     micro_batch: int, max_length: int, chunk: int, teacher: str = "auto") -> dict[str, Any]:
-    """Metrics of one drafter over every sample of the given shards, from counts summed over all of them."""
+def evaluate_drafter(drafter_dir: Path, shards: StreamingShards, target_dir: Path, steps: int, micro_batch: int,
+                     chunk: int, teacher: str = "auto") -> dict[str, Any]:
+    """Metrics of one drafter over every sample of the shards, from counts summed over all of them."""
     frozen = load_frozen_tensors(target_dir)
     drafter, contract = load_drafter(drafter_dir, frozen["embed"].float())
-    dataset = CaptureDataset([str(p) for p in shard_paths], max_length)
-    teacher = choose_teacher(teacher, dataset.teachers())
+    teacher = choose_teacher(teacher, shards.teachers())
     objective = DraftObjective(drafter, frozen["lm_head"].float(), teacher, steps, 1.0, chunk).eval()
     totals = MetricCounts(steps)
-    positions = list(range(len(dataset)))
+    plan = sequential_plan(shards.shards, micro_batch)
     with torch.no_grad():
-        for start in Progress(range(0, len(positions), micro_batch), desc="evaluate", unit="batch"):
-            batch = collate([dataset.sample(i) for i in positions[start:start + micro_batch]], torch.float32)
-            _, counts = objective(**batch)
+        for samples in Progress(shards.batches(plan), total=len(plan), desc="evaluate", unit="batch"):
+            _, counts = objective(**collate(samples, torch.float32))
             totals.add(counts)
-    dataset.close()
-    return {"samples": len(dataset), "ttt_steps": steps, "teacher": teacher, "counts": totals.as_tensor().tolist(),
-            **totals.summary(), "contract": contract}
+    return {"samples": sum(s.samples for s in shards.shards), "ttt_steps": steps, "teacher": teacher,
+            "counts": totals.as_tensor().tolist(), **totals.summary(), "contract": contract}
 
 
-def evaluate_incumbent(incumbent: tuple[str, Path], contract: dict[str, Any], shards: list[Path], target_dir: Path,
-                       steps: int, config: RunConfig) -> dict[str, Any]:
+def evaluate_incumbent(incumbent: tuple[str, Path], contract: dict[str, Any], shards: StreamingShards,
+                       target_dir: Path, steps: int, config: RunConfig) -> dict[str, Any]:
     """The incumbent on the same eval set, or why it cannot be compared (a different capture contract)."""
     version, directory = incumbent
     _, _, incumbent_contract = read_drafter_dir(directory)
@@ -59,8 +55,7 @@ def evaluate_incumbent(incumbent: tuple[str, Path], contract: dict[str, Any], sh
     if problems:
         return {"version": version, "skipped": "different capture contract: " + "; ".join(problems)}
     result = evaluate_drafter(directory, shards, target_dir, steps, config.evaluate.micro_batch_size,
-                              config.train.max_length, config.train.attention_chunk)
-    result.pop("contract")
+                              config.train.attention_chunk)
     return {"version": version, **{k: result[k] for k in ("acc", "full_acc", "cond_acc", "tau_simulated")}}
 
 
@@ -85,15 +80,17 @@ def run(config: RunConfig, train_uri: str, dataset_uri: str, run_id: str, store:
     workdir = Path(config.storage.local_cache) / "runs" / run_id
     drafter_dir = local_drafter_dir(store, store.key_for(train_uri), workdir)
     target = describe_target(config)
-    cache = Path(config.storage.local_cache)
-    shards = [cached_shard(store, shard, cache) for shard in dataset["eval_shards"]]
+    refs = [ShardRef.from_manifest(entry) for entry in dataset["eval_shards"]]
+    cache = ShardCache(store, Path(config.storage.local_cache) / "shards", int(config.train.cache_gb * (1 << 30)))
+    shards = StreamingShards(refs, cache, config.train.max_length, config.train.prefetch_shards)
     steps = config.evaluate.ttt_steps or config.train.ttt_steps
     result = evaluate_drafter(drafter_dir, shards, target.model_dir, steps, config.evaluate.micro_batch_size,
-                              config.train.max_length, config.train.attention_chunk)
+                              config.train.attention_chunk)
     require_same_contract(dataset["contract"], result.pop("contract"), "evaluating the candidate drafter")
     result.update({"drafter": train_uri, "dataset": dataset_uri})
     if incumbent is not None:
         result["incumbent"] = evaluate_incumbent(incumbent, dataset["contract"], shards, target.model_dir, steps, config)
+    shards.close()
     prefix = f"{layout.run_prefix(run_id)}/eval"
     info = store.put_bytes(f"{prefix}/eval.json", json.dumps(result, indent=2).encode())
     manifest = publish(store, prefix, "eval", [info], {"run_id": run_id, "summary": {

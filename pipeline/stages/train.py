@@ -1,7 +1,8 @@
 """train: a dataset snapshot -> a trained, exported drafter and its metrics in runs/<run_id>/train/.
 
-This side stays light: it checks the capture contract, fetches the shards into a local cache
-(content-addressed, sha256-verified), writes a worker spec, and launches the training process group
+This side stays light: it checks the capture contract, fixes the draft vocabulary (counting assistant
+tokens with ranged reads, or reusing a warm start's mapping), writes a worker spec, and launches the
+training process group
 (torchrun or the deepspeed launcher running `drafter train-worker`). Training never runs inside the
 calling process, so an Airflow worker only supervises it.
 """
@@ -24,7 +25,11 @@ from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.stages import StageResult
 from pipeline.stages.capture import aux_layer_ids
 from pipeline.storage import ObjectStore, open_store
+from pipeline.export import read_drafter_dir
 from pipeline.target import describe_target
+from pipeline.train_data import ShardRef, assistant_token_counts
+from pipeline.trainer import check_warm_start_contract
+from pipeline.vocab import build_mapping, mapping_from_d2t
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +45,16 @@ def expected_contract(config: RunConfig) -> dict[str, Any]:
                           target.vocab_size, target.identity, {"name": "any", "version": "any"}).model_dump()
 
 
-def cached_shard(store: ObjectStore, shard: dict[str, Any], cache_dir: Path) -> Path:
-    """The shard in the local content-addressed cache, downloaded and verified if absent."""
-    path = cache_dir / "shards" / f"{shard['sha256']}.safetensors"
-    if not path.exists():
-        store.get_file_verified(shard["key"], path, shard["sha256"])
-    return path
+def draft_vocabulary(config: RunConfig, store: ObjectStore, dataset: dict[str, Any], init_dir: Path | None) -> list[int]:
+    """Target ids of the draft vocabulary: a warm start's own mapping, else the most frequent assistant tokens."""
+    vocab_size = dataset["contract"]["vocab_size"]
+    if init_dir is not None:
+        _, tensors, init_contract = read_drafter_dir(init_dir)
+        check_warm_start_contract(init_contract, dataset["contract"])
+        return mapping_from_d2t(tensors["d2t"], vocab_size).used_ids.tolist()
+    shards = [ShardRef.from_manifest(entry) for entry in dataset["train_shards"]]
+    counts = assistant_token_counts(store, shards, vocab_size)
+    return build_mapping(counts, config.drafter.draft_vocab_size).used_ids.tolist()
 
 
 def launch_command(settings: TrainConfig, spec_path: Path) -> list[str]:
@@ -113,12 +122,13 @@ def run(config: RunConfig, dataset_uri: str, run_id: str, store: ObjectStore | N
     cache = Path(config.storage.local_cache)
     workdir = (cache / "runs" / run_id).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    shard_paths = [str(cached_shard(store, shard, cache).resolve()) for shard in dataset["train_shards"]]
     init_dir = resolve_init_dir(config, store, workdir)
     spec = {
-        "config": config.dump(), "run_id": run_id, "workdir": str(workdir), "train_shards": shard_paths,
+        "config": config.dump(), "run_id": run_id, "workdir": str(workdir),
+        "train_shards": dataset["train_shards"], "shard_cache": str((cache / "shards").resolve()),
         "target_dir": str(describe_target(config).model_dir.resolve()), "contract": dataset["contract"],
         "init_dir": str(init_dir.resolve()) if init_dir else None,
+        "draft_vocab": draft_vocabulary(config, store, dataset, init_dir),
     }
     spec_path = workdir / "worker_spec.json"
     spec_path.write_text(json.dumps(spec, indent=2))

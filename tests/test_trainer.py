@@ -1,0 +1,136 @@
+"""The trainer end to end on a small captured dataset: learning, exact resume after SIGKILL, warm start
+(reusing the old mapping, refusing another contract), plateau stop, launcher commands."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from pipeline.config import load_config
+from pipeline.contract import ContractMismatch
+from pipeline.stages import capture, generate, prompts, train
+from pipeline.stages.train import launch_command
+from pipeline.storage import open_store
+from tests.conftest import REPO, storage_config, tiny_config_dict
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_target_dir):
+    tmp = tmp_path_factory.mktemp("trainer")
+    data = tiny_config_dict(storage_config("file", tmp, None))
+    data["prompts"].update({"num_samples": 64, "shard_size": 16, "eval_fraction": 0.0})
+    data["generate"]["max_new_tokens"] = 24
+    data["train"].update({"epochs": 3, "checkpoint_every_steps": 2, "log_every": 1, "micro_batch_size": 4})
+    data["capture"]["parity"] = {"samples": 0}
+    config = load_config(data=data)
+    store = open_store(config.storage)
+    responses = generate.run(config, prompts.run(config, "d", store).uri, "d", store)
+    dataset = capture.publish_dataset(config, [capture.run(config, responses.uri, "d", store).uri], "d", store)
+    return {"data": data, "config": config, "store": store, "dataset": dataset.uri, "tmp": tmp}
+
+
+def history(result):
+    return [{k: v for k, v in epoch.items()} for epoch in result.manifest["history"]]
+
+
+def workdir(setup, run_id):
+    return Path(setup["config"].storage.local_cache) / "runs" / run_id
+
+
+def test_training_learns_and_writes_metrics(setup):
+    result = train.run(setup["config"], setup["dataset"], "uninterrupted", setup["store"])
+    epochs = history(result)
+    assert len(epochs) == 3 and result.manifest["result"]["stop_reason"] == "completed"
+    assert epochs[-1]["cond_acc"][0] > epochs[0]["cond_acc"][0] and epochs[-1]["cond_acc"][0] > 0.2
+    lines = [json.loads(line) for line in (workdir(setup, "uninterrupted") / "metrics.jsonl").read_text().splitlines()]
+    assert {line["kind"] for line in lines} == {"interval", "epoch"}
+    steps = [line["global_step"] for line in lines if line["kind"] == "interval"]
+    assert steps == sorted(set(steps))
+    for key in ("loss", "acc", "full_acc", "cond_acc", "tau_simulated"):
+        assert key in lines[-1]
+
+
+def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
+    config_path = setup["tmp"] / "config.yaml"
+    config_path.write_text(yaml.safe_dump(setup["data"]))
+    command = [sys.executable, "-m", "pipeline.cli", "train", "--config", str(config_path), "--run-id", "killed",
+               "--dataset", setup["dataset"]]
+    process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    metrics = workdir(setup, "killed") / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        done = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+        if any(line["global_step"] >= 7 for line in done):
+            break
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    assert (workdir(setup, "killed") / "checkpoints" / "latest").exists()
+    assert not (workdir(setup, "killed") / "train_result.json").exists()
+    resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint" in resumed.stderr
+    store = setup["store"]
+    from pipeline.manifest import read_manifest
+
+    resumed_history = read_manifest(store, "runs/killed/train", kind="train")["history"]
+    straight = read_manifest(store, "runs/uninterrupted/train", kind="train")["history"]
+    assert resumed_history == straight
+    weights = [load_file(str(workdir(setup, run) / "drafter" / "model.safetensors")) for run in ("killed", "uninterrupted")]
+    assert all((weights[0][name] == weights[1][name]).all() for name in weights[1])
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len([line for line in lines if line["kind"] == "interval"]) == len({line["global_step"] for line in lines
+                                                                               if line["kind"] == "interval"})
+
+
+def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
+    source = workdir(setup, "uninterrupted") / "drafter"
+    config = load_config(data={**setup["data"], "train": {**setup["data"]["train"], "init": "warm",
+                                                          "init_from": str(source), "epochs": 1},
+                               "drafter": {**setup["data"]["drafter"], "draft_vocab_size": 100}})
+    result = train.run(config, setup["dataset"], "warm", setup["store"])
+    old, new = (load_file(str(path / "model.safetensors")) for path in (source, workdir(setup, "warm") / "drafter"))
+    assert (old["d2t"] == new["d2t"]).all() and new["lm_head.weight"].shape[0] == old["lm_head.weight"].shape[0] != 100
+    assert result.manifest["init_from"] == str(source)
+    other = setup["tmp"] / "other-contract"
+    shutil.copytree(source, other)
+    for name, edit in (("capture_contract.json", lambda c: c.update(aux_layer_ids=[0, 2, 3])),
+                       ("config.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 3]))):
+        content = json.loads((other / name).read_text())
+        edit(content)
+        (other / name).write_text(json.dumps(content))
+    config = load_config(data={**setup["data"], "train": {**setup["data"]["train"], "init": "warm",
+                                                          "init_from": str(other)}})
+    with pytest.raises(ContractMismatch, match="aux_layer_ids"):
+        train.run(config, setup["dataset"], "warm-refused", setup["store"])
+
+
+def test_training_stops_on_a_plateau(setup):
+    data = {**setup["data"], "train": {**setup["data"]["train"], "epochs": 6, "learning_rate": 1e-9,
+                                       "checkpoint_every_steps": 0,
+                                       "plateau": {"enabled": True, "window_epochs": 1, "min_gain": 0.05}},
+            "gate": {"min_cond_acc": [0.9]}}
+    result = train.run(load_config(data=data), setup["dataset"], "plateau", setup["store"])
+    assert result.manifest["result"]["stop_reason"] == "plateau"
+    assert result.manifest["result"]["epochs_run"] == 2
+
+
+def test_launch_commands(tmp_path):
+    config = load_config(data={"storage": {"root": str(tmp_path)}, "target": {"name": "t"},
+                               "train": {"nproc": 8, "launcher": "deepspeed", "hostfile": "/etc/hosts.ds"}})
+    assert launch_command(config.train, Path("/w/spec.json")) == [
+        "deepspeed", "--num_gpus", "8", "--hostfile", "/etc/hosts.ds", "--module", "pipeline.cli", "train-worker",
+        "--spec", "/w/spec.json"]
+    config.train.launcher = "torchrun"
+    command = launch_command(config.train, Path("/w/spec.json"))
+    assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
+    assert command[-4:] == ["pipeline.cli", "train-worker", "--spec", "/w/spec.json"]
