@@ -33,3 +33,27 @@ def report(**values) -> None:
     """Print key=value lines in the given order (the headline goes last)."""
     for key, value in values.items():
         print(f"{key}={round(value, 4) if isinstance(value, float) else value}", flush=True)
+
+
+def captured_dataset(samples: int, overrides: list[str] | None = None):
+    """(config, store, dataset uri) of a fresh captured dataset of the tiny target's own answers."""
+    config = scratch_config([f"prompts.num_samples={samples}", "prompts.eval_fraction=0.1",
+                             "capture.parity.samples=0", *(overrides or [])])
+    from pipeline.stages import capture, generate, prompts
+    from pipeline.storage import open_store
+
+    store = open_store(config.storage)
+    responses = generate.run(config, prompts.run(config, "bench", store).uri, "bench", store)
+    captured = capture.run(config, responses.uri, "bench", store)
+    return config, store, capture.publish_dataset(config, [captured.uri], "bench", store).uri
+
+
+def single_process_group() -> None:
+    """torch.distributed with one rank (gloo) so DeepSpeed can run inside a benchmark process."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"})

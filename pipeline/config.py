@@ -31,6 +31,10 @@ class StorageConfig(Strict):
     multipart_threshold_mb: int = Field(64, ge=5)
     local_cache: str = Field(".cache/drafter", description="local dir for models, downloads, work dirs")
 
+    def run_workdir(self, run_id: str) -> Path:
+        """This machine's scratch directory for one run (drafter copies, training work dirs)."""
+        return Path(self.local_cache) / "runs" / validate_id(run_id, "run id")
+
     @field_validator("root")
     @classmethod
     def _known_scheme(cls, root: str) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from pipeline import layout, registry
@@ -43,7 +42,7 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
     """Run prompts -> ... -> promote -> pull; returns (summary, summary location)."""
     store = store or open_store(config.storage)
     store.put_bytes(f"{layout.run_prefix(run_id)}/config.json", json.dumps(config.dump(), indent=2).encode())
-    workdir = Path(config.storage.local_cache) / "runs" / run_id
+    workdir = config.storage.run_workdir(run_id)
     prompt_set = prompts.run(config, run_id, store)
     responses = generate.run(config, prompt_set.uri, run_id, store)
     captured = capture.run(config, responses.uri, run_id, store)

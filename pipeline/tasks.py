@@ -3,7 +3,6 @@ dict of URIs out (XCom-sized). No Airflow import here: DAG files call these."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from pipeline import layout, registry
@@ -43,7 +42,7 @@ def run_stage(stage: str, config: RunConfig | str, run_id: str, overrides: list[
     store = open_store(config.storage)
     snapshot = snapshot or run_id
     inputs = {**_defaults(config, store, run_id, snapshot), **{k: v for k, v in uris.items() if v}}
-    workdir = Path(config.storage.local_cache) / "runs" / run_id
+    workdir = config.storage.run_workdir(run_id)
     if stage == "prompts":
         return _out(prompts.run(config, snapshot, store))
     if stage == "generate":

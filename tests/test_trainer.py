@@ -42,7 +42,10 @@ def history(result):
 
 
 def workdir(setup, run_id):
-    return Path(setup["config"].storage.local_cache) / "runs" / run_id
+    """The run's training work dir (one per dataset + settings fingerprint)."""
+    runs = sorted((Path(setup["config"].storage.local_cache) / "runs" / run_id).glob("train-*"),
+                  key=lambda p: p.stat().st_mtime)
+    return runs[-1] if runs else Path("/nonexistent")
 
 
 def test_training_learns_and_writes_metrics(setup):
@@ -65,9 +68,9 @@ def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
                "--dataset", setup["dataset"]]
     process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
-    metrics = workdir(setup, "killed") / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        metrics = workdir(setup, "killed") / "metrics.jsonl"
         done = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         if any(line["global_step"] >= 7 for line in done):
             break

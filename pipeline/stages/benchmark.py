@@ -116,7 +116,7 @@ def run(config: RunConfig, train_uri: str, eval_uri: str, prompts_uri: str, run_
     settings = config.benchmark
     target = describe_target(config)
     tokenizer = load_tokenizer(target.model_dir)
-    workdir = Path(config.storage.local_cache) / "runs" / run_id
+    workdir = config.storage.run_workdir(run_id)
     frozen = load_frozen_tensors(target.model_dir)
     drafters = {"candidate": load_drafter(local_drafter_dir(store, store.key_for(train_uri), workdir),
                                           frozen["embed"].float())}

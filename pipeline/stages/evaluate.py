@@ -77,7 +77,7 @@ def run(config: RunConfig, train_uri: str, dataset_uri: str, run_id: str, store:
     dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
     if not dataset["eval_shards"]:
         raise EvaluationFailed(f"dataset {dataset_uri} has no held-out (eval) shards; raise prompts.eval_fraction")
-    workdir = Path(config.storage.local_cache) / "runs" / run_id
+    workdir = config.storage.run_workdir(run_id)
     drafter_dir = local_drafter_dir(store, store.key_for(train_uri), workdir)
     target = describe_target(config)
     refs = [ShardRef.from_manifest(entry) for entry in dataset["eval_shards"]]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from pipeline import layout, registry
@@ -50,7 +49,7 @@ def run(config: RunConfig, run_id: str, train_uri: str, eval_uri: str, gate_uri:
     if not config.registry.promote:
         outcome = {"promoted": False, "reason": "registry.promote is false"}
     else:
-        drafter_dir = local_drafter_dir(store, store.key_for(train_uri), Path(config.storage.local_cache) / "runs" / run_id)
+        drafter_dir = local_drafter_dir(store, store.key_for(train_uri), config.storage.run_workdir(run_id))
         promoted = registry.promote(store, config.target.name, drafter_dir, lineage, config.registry.alias,
                                     serve_steps=bench["draft_steps"])
         outcome = {"promoted": True, "version": promoted["version"], "alias": config.registry.alias,

@@ -9,6 +9,7 @@ calling process, so an Airflow worker only supervises it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -95,6 +96,15 @@ def _worth_showing(line: str) -> bool:
     return bool(line.strip()) and not any(marker in line for marker in noisy)
 
 
+def training_fingerprint(config: RunConfig, dataset: dict[str, Any]) -> str:
+    """What a training run depends on. Checkpoints in a work dir are resumed only under the same one,
+    so a rerun with another dataset or other settings never continues someone else's optimizer state."""
+    inputs = {"dataset": dataset["uri"], "dataset_created": dataset["created_at"],
+              "shards": [s["sha256"] for s in dataset["train_shards"]], "train": config.train.model_dump(mode="json"),
+              "drafter": config.drafter.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
+
+
 def resolve_init_dir(config: RunConfig, store: ObjectStore, workdir: Path) -> Path | None:
     """A local directory holding the warm-start drafter (a local path or a registry reference)."""
     if config.train.init != "warm":
@@ -120,7 +130,7 @@ def run(config: RunConfig, dataset_uri: str, run_id: str, store: ObjectStore | N
         log.info("training of run %s already published; reusing it", run_id)
         return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="train"))
     cache = Path(config.storage.local_cache)
-    workdir = (cache / "runs" / run_id).resolve()
+    workdir = (config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     init_dir = resolve_init_dir(config, store, workdir)
     spec = {
