@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from pipeline.config import load_config
 from pipeline.contract import ContractMismatch
 from pipeline.stages import capture, generate, prompts, train
-from pipeline.stages.train import launch_command
+from pipeline.stages.train import launch_command, training_fingerprint
 from pipeline.storage import open_store
 from tests.conftest import REPO, storage_config, tiny_config_dict
 
@@ -41,11 +41,14 @@ def history(result):
     return [{k: v for k, v in epoch.items()} for epoch in result.manifest["history"]]
 
 
-def workdir(setup, run_id):
+def workdir(setup, run_id, config=None):
     """The run's training work dir (one per dataset + settings fingerprint)."""
-    runs = sorted((Path(setup["config"].storage.local_cache) / "runs" / run_id).glob("train-*"),
-                  key=lambda p: p.stat().st_mtime)
-    return runs[-1] if runs else Path("/nonexistent")
+    from pipeline.manifest import read_manifest
+
+    config = config or setup["config"]
+    store = setup["store"]
+    dataset = read_manifest(store, store.key_for(setup["dataset"]), kind="dataset")
+    return config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}"
 
 
 def test_training_learns_and_writes_metrics(setup):
@@ -101,7 +104,7 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
                                                           "init_from": str(source), "epochs": 1},
                                "drafter": {**setup["data"]["drafter"], "draft_vocab_size": 100}})
     result = train.run(config, setup["dataset"], "warm", setup["store"])
-    old, new = (load_file(str(path / "model.safetensors")) for path in (source, workdir(setup, "warm") / "drafter"))
+    old, new = (load_file(str(path / "model.safetensors")) for path in (source, workdir(setup, "warm", config) / "drafter"))
     assert (old["d2t"] == new["d2t"]).all() and new["lm_head.weight"].shape[0] == old["lm_head.weight"].shape[0] != 100
     assert result.manifest["init_from"] == str(source)
     other = setup["tmp"] / "other-contract"
