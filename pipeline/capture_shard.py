@@ -83,10 +83,35 @@ def _encode(name: str, values: list[torch.Tensor], encoding: str, groups: int) -
     return {name: quantized, f"{name}_scale": scale}
 
 
+_SAFETENSORS_DTYPES = {torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64", torch.bfloat16: "BF16",
+                       torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file with a byte-for-byte deterministic layout (sorted names, sorted header keys).
+
+    The same samples always give the same bytes, hence the same sha256: shard identities (and the
+    data order derived from them) do not change from one capture run to the next.
+    """
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    ordered = sorted(tensors.items())
+    for name, tensor in ordered:
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)))
+        handle.write(encoded)
+        for _, tensor in ordered:
+            handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+
 def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = "bf16") -> dict:
     """Write samples to one shard file; returns counts for the manifest."""
-    from safetensors.torch import save_file
-
     if encoding not in ENCODINGS:
         raise ShardFormatError(f"unsupported aux encoding {encoding!r}; use one of {ENCODINGS}")
     if not samples:
@@ -109,7 +134,7 @@ def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = 
         tensors["topk_logprobs"] = torch.cat([s.topk_logprobs.to(torch.float16) for s in samples])
     metadata = {"format": FORMAT, "encoding": encoding, "teacher": ",".join(teachers),
                 "sample_ids": json.dumps([s.sample_id for s in samples])}
-    save_file(tensors, str(path), metadata=metadata)
+    write_safetensors(path, tensors, metadata)
     return {"samples": len(samples), "tokens": int(tensors["offsets"][-1]),
             "assistant_tokens": int(tensors["loss_mask"].sum()), "teacher": teachers, "encoding": encoding}
 
