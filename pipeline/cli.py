@@ -128,12 +128,14 @@ def dispatch(args) -> int:
 
         summary, location = run_all(config, args.run_id or new_run_id(), store)
         print(format_table(summary))
+        if summary.get("failure"):
+            logging.getLogger("drafter").error("%s", summary["failure"])
         print(f"summary={location}")
-        return 0
+        return {"gate failed": EXIT_GATE, "promotion refused": EXIT_FAILED}.get(summary["outcome"], 0)
     if args.command == "pull":
         dest = registry.pull(store, target, args.alias, args.dest)
         manifest = json.loads((dest / "manifest.json").read_text())
-        flags = registry.sglang_flags(str(dest), manifest.get("serve_steps", 3))
+        flags = registry.serving_flags(str(dest), manifest["serving"])
         print(f"pulled {target} {manifest['version']} into {dest}")
         print("serve with: python -m sglang.launch_server --model-path <target> " + " ".join(flags))
         return 0

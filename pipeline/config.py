@@ -239,17 +239,56 @@ class GateConfig(Strict):
     max_regression_vs_incumbent: float = Field(0.0, ge=0.0, description="allowed drop in tau_simulated")
 
 
+class SGLangBenchConfig(Strict):
+    """Servers the SGLang benchmark starts, one method at a time, on this machine's GPUs."""
+
+    launch: list[str] = Field(default_factory=lambda: ["python", "-m", "sglang.launch_server"])
+    model_path: str
+    extra_args: list[str] = Field(default_factory=list, description="e.g. --tp 8 --trust-remote-code")
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=1, le=65535)
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    concurrency: int = Field(8, ge=1, description="requests in flight")
+    steps: int = Field(3, ge=1, description="--speculative-num-steps for EAGLE3")
+    topk: int = Field(1, ge=1, description="--speculative-eagle-topk")
+    draft_tokens: int = Field(4, ge=2, description="--speculative-num-draft-tokens")
+    ngram_draft_tokens: int = Field(4, ge=2)
+    ngram_args: list[str] = Field(default_factory=lambda: [
+        "--speculative-ngram-min-bfs-breadth", "1", "--speculative-ngram-max-bfs-breadth", "10",
+        "--speculative-ngram-match-type", "BFS", "--speculative-ngram-max-trie-depth", "18",
+        "--speculative-ngram-capacity", "10000000"])
+
+    @model_validator(mode="after")
+    def _chain_tokens(self) -> "SGLangBenchConfig":
+        if self.topk == 1 and self.draft_tokens != self.steps + 1:
+            raise ValueError("with topk 1 SGLang requires draft_tokens == steps + 1")
+        return self
+
+
 class BenchmarkConfig(Strict):
-    engine: Literal["local"] = "local"
+    engine: Literal["local", "sglang"] = "local"
     num_prompts: int = Field(16, ge=1)
     max_new_tokens: int = Field(96, ge=1)
-    draft_steps: int = Field(4, ge=1)
+    draft_steps: int = Field(4, ge=1, description="n-gram draft length, and the chain when auto_select is off")
+    auto_select: bool = Field(True, description="pick steps/topk/draft tokens with the speedup model")
+    max_draft_steps: int = Field(6, ge=1)
+    tree_widths: list[int] = Field(default_factory=lambda: [1, 2, 4], description="topk values considered")
+    max_draft_tokens: int = Field(16, ge=2)
+    calibration_candidates: int = Field(3, ge=1, description="best predicted settings timed before choosing")
+    calibration_prompts: int = Field(4, ge=1)
     ngram_max_match: int = Field(4, ge=1)
     ngram_min_match: int = Field(1, ge=1)
     repeats: int = Field(1, ge=1)
     min_speedup_vs_baseline: float = Field(1.0, ge=0)
     min_speedup_vs_ngram: float = Field(0.0, ge=0)
     min_speedup_vs_incumbent: float = Field(1.0, ge=0)
+    sglang: SGLangBenchConfig | None = None
+
+    @model_validator(mode="after")
+    def _sglang_settings(self) -> "BenchmarkConfig":
+        if self.engine == "sglang" and self.sglang is None:
+            raise ValueError("benchmark.engine 'sglang' needs benchmark.sglang (launch command, model path, ...)")
+        return self
 
 
 class RegistryConfig(Strict):

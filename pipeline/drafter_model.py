@@ -268,6 +268,16 @@ class DraftCache:
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
+    def expanded(self, rows: int) -> "DraftCache":
+        """A copy with the batch repeated `rows` times (one row per tree branch)."""
+        copy = DraftCache()
+        copy.k, copy.v = self.k.expand(rows, -1, -1, -1), self.v.expand(rows, -1, -1, -1)
+        return copy
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keep, for each new row, the cache of the row it continues (beam-style)."""
+        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+
     def append(self, k: torch.Tensor, v: torch.Tensor, start: int):
         if start != self.length:
             raise ValueError(f"draft cache holds {self.length} positions, cannot append at {start}")

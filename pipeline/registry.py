@@ -38,6 +38,11 @@ def sglang_flags(drafter_path: str, steps: int, topk: int = 1, draft_tokens: int
             "--speculative-num-draft-tokens", str(draft_tokens)]
 
 
+def serving_flags(drafter_path: str, serving: dict[str, int]) -> list[str]:
+    """SGLang flags for a version's benchmarked setting ({"steps", "topk", "draft_tokens"})."""
+    return sglang_flags(drafter_path, serving["steps"], serving.get("topk", 1), serving.get("draft_tokens"))
+
+
 def model_card(target: str, version: str, lineage: dict[str, Any], flags: list[str]) -> str:
     evaluation = lineage.get("eval", {})
     bench = lineage.get("bench", {})
@@ -90,26 +95,26 @@ def set_alias(store: ObjectStore, target: str, alias: str, version: str, reason:
 
 
 def publish_version(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any],
-                    serve_steps: int) -> tuple[str, dict[str, Any]]:
+                    serving: dict[str, int]) -> tuple[str, dict[str, Any]]:
     """Upload a validated drafter directory as a new immutable version; returns (version, manifest)."""
     read_drafter_dir(drafter_dir)
     version = _version_id(sha256_file(drafter_dir / WEIGHTS_NAME))
     prefix = layout.drafter_version_prefix(target, version)
     if manifest_exists(store, prefix):
         raise RegistryError(f"version {version} of {target} already exists; versions are immutable")
-    flags = sglang_flags("<drafter-dir>", serve_steps)
+    flags = serving_flags("<drafter-dir>", serving)
     objects = [store.put_file(f"{prefix}/{name}", drafter_dir / name) for name in DRAFTER_FILES]
     objects.append(store.put_bytes(f"{prefix}/{README_NAME}", model_card(target, version, lineage, flags).encode()))
     manifest = publish(store, prefix, "drafter", objects, {
         "target": target, "version": version, "lineage": lineage, "sglang_flags": flags,
-        "serve_steps": serve_steps})
+        "serving": serving})
     return version, manifest
 
 
 def promote(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any], alias: str,
-            serve_steps: int) -> dict[str, Any]:
+            serving: dict[str, int]) -> dict[str, Any]:
     """Publish a version and move `alias` to it; the old target of `production` becomes `previous`."""
-    version, manifest = publish_version(store, target, drafter_dir, lineage, serve_steps)
+    version, manifest = publish_version(store, target, drafter_dir, lineage, serving)
     old = read_alias(store, target, alias)
     record = set_alias(store, target, alias, version, reason=f"promoted from run {lineage.get('run_id')}")
     if alias == "production" and old is not None:

@@ -39,7 +39,11 @@ def summary_location(uri: str) -> str:
 
 
 def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) -> tuple[dict[str, Any], str]:
-    """Run prompts -> ... -> promote -> pull; returns (summary, summary location)."""
+    """Run prompts -> ... -> promote -> pull; returns (summary, summary location).
+
+    A failed gate or a refused promotion ends the run early but still writes the summary; its
+    "outcome" says which, and "failure" carries every reason.
+    """
     store = store or open_store(config.storage)
     store.put_bytes(f"{layout.run_prefix(run_id)}/config.json", json.dumps(config.dump(), indent=2).encode())
     workdir = config.storage.run_workdir(run_id)
@@ -76,15 +80,11 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
             summary["registry_uri"] = promoted.manifest["registry_uri"]
             pulled = registry.pull(store, config.target.name, config.registry.alias, workdir / "pulled_drafter")
             summary["pulled_to"] = str(pulled)
+        summary["outcome"] = "promoted" if summary["promoted_version"] else "not promoted (registry.promote is false)"
     except GateFailed as failure:
-        summary["gate_passed"] = False
-        summary["failure"] = str(failure)
-        write_summary(store, run_id, summary)
-        raise
+        summary.update({"gate_passed": False, "outcome": "gate failed", "failure": str(failure)})
     except PromotionRefused as refusal:
-        summary["failure"] = str(refusal)
-        write_summary(store, run_id, summary)
-        raise
+        summary.update({"outcome": "promotion refused", "failure": str(refusal)})
     return summary, summary_location(write_summary(store, run_id, summary))
 
 
@@ -98,6 +98,7 @@ def format_table(summary: dict[str, Any]) -> str:
 
     rows = [("samples", summary["samples"]), ("tokens", summary["tokens"])]
     rows += [(f"cond_acc_{k}", v) for k, v in enumerate(summary["cond_acc"])]
+    rows.append(("outcome", summary.get("outcome")))
     rows += [("tau simulated", summary["tau_simulated"]), ("tau measured", summary["tau_measured"]),
              ("baseline tok/s", summary["baseline_tok_s"]), ("n-gram tok/s", summary.get("ngram_tok_s")),
              ("drafter tok/s", summary["drafter_tok_s"]), ("speedup vs baseline", summary.get("speedup_vs_baseline")),

@@ -7,7 +7,8 @@ GET /server_info, GET /health. With --aux-layer-ids it behaves like a server sta
 --enable-return-aux-hidden-states; with --speculative-algorithm NGRAM or EAGLE3 it decodes with the
 reference speculative decoder and reports the spec_* meta_info fields.
 
-    python -m pipeline.sglang_standin --model-dir DIR --port 30000 [--aux-layer-ids 1 3 4]
+    python -m pipeline.sglang_standin --model-path DIR --port 30000 [--aux-layer-ids 1 3 4]
+        [--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 3 ...]
 """
 
 from __future__ import annotations
@@ -76,14 +77,15 @@ class Batcher:
 
 class StandinBackend:
     def __init__(self, model_dir: Path, aux_layer_ids: list[int] | None, algorithm: str | None = None,
-                 draft_dir: Path | None = None, num_steps: int = 3):
+                 draft_dir: Path | None = None, num_steps: int = 3, topk: int = 1, draft_tokens: int | None = None):
         from pipeline.engines.hf import HFEngine
 
         self.engine = HFEngine(model_dir)
         self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
         self.aux_layer_ids = aux_layer_ids
         self.algorithm = algorithm
-        self.num_steps = num_steps
+        self.num_steps, self.topk = num_steps, topk
+        self.draft_tokens = draft_tokens or num_steps + 1
         self.lock = threading.Lock()
         self.batcher = Batcher(self.engine, self.lock)
         self.accept_lengths: list[float] = []
@@ -111,22 +113,27 @@ class StandinBackend:
         return meta
 
     def _decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool) -> tuple[list[int], dict[str, Any]]:
-        from pipeline.spec_decode import EagleProposer, NgramProposer, TargetRunner, greedy_decode, speculative_decode
+        from pipeline.spec_decode import (EagleProposer, NgramProposer, TargetRunner, greedy_decode,
+                                          speculative_decode, tree_speculative_decode)
 
         eos = None if ignore_eos else self.tokenizer.eos_token_id
         if self.algorithm is None:
             return greedy_decode(TargetRunner(self.model, None), ids, max_new_tokens, eos).tokens, {}
         if self.algorithm == "NGRAM":
-            runner, proposer = TargetRunner(self.model, None), NgramProposer()
+            result = speculative_decode(TargetRunner(self.model, None), NgramProposer(), ids, max_new_tokens, eos,
+                                        self.draft_tokens - 1)
+        elif self.topk == 1:
+            result = speculative_decode(TargetRunner(self.model, self.draft_layers), EagleProposer(self.drafter), ids,
+                                        max_new_tokens, eos, self.num_steps)
         else:
-            runner, proposer = TargetRunner(self.model, self.draft_layers), EagleProposer(self.drafter)
-        result = speculative_decode(runner, proposer, ids, max_new_tokens, eos, self.num_steps)
+            result = tree_speculative_decode(TargetRunner(self.model, self.draft_layers), EagleProposer(self.drafter),
+                                             ids, max_new_tokens, eos, self.num_steps, self.topk, self.draft_tokens)
         verify = max(1, result.verify_forwards)
         accept_length = len(result.tokens) / verify
         self.accept_lengths.append(accept_length)
         return result.tokens, {"spec_verify_ct": verify, "spec_accept_length": accept_length,
                                "spec_num_correct_drafts": sum(k * n for k, n in enumerate(result.accepted_histogram)),
-                               "spec_num_proposed_drafts": verify * self.num_steps,
+                               "spec_num_proposed_drafts": verify * (self.draft_tokens - 1),
                                "spec_correct_drafts_histogram": result.accepted_histogram}
 
     def generate_one(self, request: dict[str, Any], ids: list[int]) -> dict[str, Any]:
@@ -214,17 +221,23 @@ def serve(backend: StandinBackend, port: int = 0) -> ThreadingHTTPServer:
 
 
 def main() -> None:
+    """Accepts the SGLang launch flags the pipeline uses (others are ignored, as a stand-in should)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--model-path", "--model-dir", dest="model_path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--aux-layer-ids", type=int, nargs=3)
+    parser.add_argument("--aux-layer-ids", "--return-aux-hidden-state-layer-ids", dest="aux_layer_ids", type=int, nargs=3)
     parser.add_argument("--speculative-algorithm", choices=["NGRAM", "EAGLE3"])
     parser.add_argument("--speculative-draft-model-path")
     parser.add_argument("--speculative-num-steps", type=int, default=3)
-    args = parser.parse_args()
-    backend = StandinBackend(Path(args.model_dir), args.aux_layer_ids, args.speculative_algorithm,
+    parser.add_argument("--speculative-eagle-topk", type=int, default=1)
+    parser.add_argument("--speculative-num-draft-tokens", type=int)
+    args, _ = parser.parse_known_args()
+    if args.host != "127.0.0.1":
+        raise SystemExit("the stand-in server only listens on 127.0.0.1")
+    backend = StandinBackend(Path(args.model_path), args.aux_layer_ids, args.speculative_algorithm,
                              Path(args.speculative_draft_model_path) if args.speculative_draft_model_path else None,
-                             args.speculative_num_steps)
+                             args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(backend))
     print(f"stand-in SGLang server on http://127.0.0.1:{server.server_port}", flush=True)
     server.serve_forever()

@@ -66,6 +66,60 @@ class TargetRunner:
         if extra > 0:
             self.cache.crop(-extra)
 
+    def forward_tree(self, tree: "DraftTree", root: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One verify forward over a draft tree: the root token, then every node, each attending to the
+        cached prefix and its own ancestors only, at position prefix + depth."""
+        prefix = self.length
+        count = len(tree.tokens) + 1
+        mask = torch.full((1, 1, count, prefix + count), float("-inf"))
+        mask[..., :prefix] = 0.0
+        for row, ancestors in enumerate(tree.ancestor_rows()):
+            mask[0, 0, row, [prefix + a for a in ancestors]] = 0.0
+        ids = torch.tensor([[root] + tree.tokens], dtype=torch.long)
+        positions = torch.tensor([[prefix] + [prefix + d for d in tree.depths]], dtype=torch.long)
+        kwargs = {"output_hidden_states": self.hidden_indices} if self.hidden_indices else {}
+        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask.to(self.model.dtype),
+                         cache=self.cache, use_cache=True, logits_to_keep=0, **kwargs)
+        aux = None
+        if self.hidden_indices:
+            aux = torch.cat([out.hidden_states[i][0] for i in self.hidden_indices], dim=-1)
+        return out.logits[0].argmax(-1), aux
+
+    def keep(self, prefix: int, rows: list[int]) -> None:
+        """Keep the cache's first `prefix` positions and then the given rows of the last forward, in order."""
+        index = torch.tensor(list(range(prefix)) + [prefix + r for r in rows], dtype=torch.long)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(2, index)
+            layer.values = layer.values.index_select(2, index)
+
+
+@dataclass
+class DraftTree:
+    """Draft nodes in verify order: token (target id), parent (-1 for the root) and depth (1-based)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+
+    def ancestor_rows(self) -> list[list[int]]:
+        """For every verify row (0 = root, node i = row i + 1): the rows it may attend to, itself included."""
+        rows = [[0]]
+        for index, parent in enumerate(self.parents):
+            rows.append(rows[parent + 1] + [index + 1])
+        return rows
+
+    def accepted_path(self, predicted: torch.Tensor) -> list[int]:
+        """Nodes, root to leaf, whose token is what the target predicts after their parent."""
+        path, parent = [], -1
+        while True:
+            want = int(predicted[parent + 1])
+            child = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == want),
+                         None)
+            if child is None:
+                return path
+            path.append(child)
+            parent = child
+
 
 class Proposer(Protocol):
     def start(self, context: list[int], aux: torch.Tensor | None) -> None: ...
@@ -136,13 +190,101 @@ class EagleProposer:
             position += 1
         return drafts
 
+    def propose_tree(self, context: list[int], steps: int, topk: int, budget: int) -> "DraftTree":
+        """EAGLE's dynamic tree: expand the `topk` best frontier nodes (by cumulative log-prob) for
+        `steps` levels, then keep the `budget` best nodes (parents always before children)."""
+        position = len(context) - 1
+        scores, tokens, parents, depths = [], [], [], []
+        logp = torch.log_softmax(self.drafter.logits(self.last_hidden)[0, -1].float(), -1)
+        best = logp.topk(topk)
+        frontier = list(range(topk))
+        for score, draft_id in zip(best.values.tolist(), best.indices.tolist()):
+            scores.append(score)
+            tokens.append(draft_id)
+            parents.append(-1)
+            depths.append(1)
+        cache = self.cache.expanded(topk)
+        hidden = self.last_hidden.expand(topk, -1, -1)
+        for depth in range(2, steps + 1):
+            fed = torch.tensor([[tokens[n]] for n in frontier])
+            h = self.drafter.decode(hidden, self.drafter.draft_to_target(fed), position + depth - 2, cache)
+            logp = torch.log_softmax(self.drafter.logits(h)[:, -1].float(), -1)
+            child = logp.topk(topk, dim=-1)
+            totals = torch.tensor([scores[n] for n in frontier])[:, None] + child.values
+            chosen = totals.flatten().topk(topk).indices
+            rows, columns = chosen // topk, chosen % topk
+            new_frontier = []
+            for row, column in zip(rows.tolist(), columns.tolist()):
+                scores.append(float(totals[row, column]))
+                tokens.append(int(child.indices[row, column]))
+                parents.append(frontier[row])
+                depths.append(depth)
+                new_frontier.append(len(tokens) - 1)
+            cache.reorder(rows)
+            hidden = h.index_select(0, rows)
+            frontier = new_frontier
+        return _best_subtree(scores, tokens, parents, depths, budget, self.drafter)
+
     def accept(self, context: list[int], accepted_count: int, aux: torch.Tensor | None) -> None:
-        """context already holds the accepted drafts and the bonus token; aux covers the verified positions."""
+        """context already holds the accepted drafts and the bonus token; aux rows are the verified
+        positions of the accepted path (root first)."""
         assert aux is not None
         new = accepted_count + 1
         start = len(context) - 1 - new
         self.cache.crop(start)
         self._extend(aux[:new], context[start + 1:], start)
+
+
+def _best_subtree(scores, tokens, parents, depths, budget: int, drafter) -> DraftTree:
+    """The `budget` highest-scoring nodes, each after its parent, renumbered in verify order."""
+    order = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))
+    kept: dict[int, int] = {}
+    tree = DraftTree()
+    for node in order:
+        if len(kept) == budget:
+            break
+        if parents[node] != -1 and parents[node] not in kept:
+            continue
+        kept[node] = len(tree.tokens)
+        tree.tokens.append(int(drafter.draft_to_target(torch.tensor(tokens[node]))))
+        tree.parents.append(-1 if parents[node] == -1 else kept[parents[node]])
+        tree.depths.append(depths[node])
+    return tree
+
+
+def tree_speculative_decode(target: TargetRunner, proposer: "EagleProposer", prompt: list[int], max_new_tokens: int,
+                            eos_id: int | None, steps: int, topk: int, draft_tokens: int) -> DecodeResult:
+    """Speculative decoding with a draft tree verified in one target forward (tree attention mask)."""
+    started = time.perf_counter()
+    target.reset()
+    next_tokens, aux = target.forward(prompt)
+    context = list(prompt) + [int(next_tokens[-1])]
+    proposer.start(context, aux)
+    result = DecodeResult([], 0.0, accepted_histogram=[0] * (steps + 1))
+    produced = 1
+    while produced < max_new_tokens and context[-1] != eos_id:
+        tree = proposer.propose_tree(context, steps, topk, draft_tokens - 1)
+        prefix = target.length
+        predicted, aux = target.forward_tree(tree, context[-1])
+        path = tree.accepted_path(predicted)
+        rows = [0] + [node + 1 for node in path]
+        bonus = int(predicted[rows[-1]])
+        target.keep(prefix, rows)
+        new_tokens = [tree.tokens[node] for node in path] + [bonus]
+        context.extend(new_tokens)
+        result.verify_forwards += 1
+        result.cycle_tokens += len(new_tokens)
+        result.accepted_histogram[len(path)] += 1
+        produced += len(new_tokens)
+        if eos_id in new_tokens or produced >= max_new_tokens:
+            break
+        proposer.accept(context, len(path), aux[rows] if aux is not None else None)
+    output = context[len(prompt):]
+    if eos_id in output:
+        output = output[:output.index(eos_id) + 1]
+    result.tokens = output[:max_new_tokens]
+    result.seconds = time.perf_counter() - started
+    return result
 
 
 def greedy_decode(target: TargetRunner, prompt: list[int], max_new_tokens: int, eos_id: int | None) -> DecodeResult:

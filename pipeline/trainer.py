@@ -40,7 +40,7 @@ class DraftObjective(nn.Module):
     """
 
     def __init__(self, drafter: Eagle3Drafter, lm_head_weight: torch.Tensor | None, teacher: str,
-                 ttt_steps: int, decay: float, chunk: int):
+                 ttt_steps: int, decay: float, chunk: int, topk_levels: tuple[int, ...] = ()):
         super().__init__()
         self.drafter = drafter
         if teacher == "last_hidden" and lm_head_weight is None:
@@ -53,7 +53,7 @@ class DraftObjective(nn.Module):
         draft_index[used_ids] = torch.arange(drafter.arch.draft_vocab_size)
         self.register_buffer("used_ids", used_ids, persistent=False)
         self.register_buffer("draft_index", draft_index, persistent=False)
-        self.ttt_steps, self.decay, self.chunk = ttt_steps, decay, chunk
+        self.ttt_steps, self.decay, self.chunk, self.topk_levels = ttt_steps, decay, chunk, topk_levels
 
     def forward(self, input_ids, loss_mask, aux, last_hidden=None, topk_ids=None, topk_logprobs=None):
         if self.teacher == "last_hidden":
@@ -62,7 +62,7 @@ class DraftObjective(nn.Module):
             teacher = teacher_from_topk(topk_ids, topk_logprobs, self.draft_index, self.drafter.arch.draft_vocab_size)
         h_outs = self.drafter.ttt_forward(aux, input_ids, self.ttt_steps, self.chunk)
         return ttt_loss_and_counts(h_outs, self.drafter.logits, input_ids, loss_mask, teacher,
-                                   self.drafter.d2t, self.decay)
+                                   self.drafter.d2t, self.decay, self.topk_levels)
 
 
 def choose_teacher(requested: str, available: set[str]) -> str:

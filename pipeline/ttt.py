@@ -63,9 +63,16 @@ def teacher_from_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, draft
     return Teacher(topk_ids[..., 0], probs)
 
 
+_COUNT_ROWS = ("loss_sum", "correct", "masked", "full_correct", "chain")
+
+
 @dataclass
 class MetricCounts:
-    """Correct/denominator counts per TTT step, summed over batches and ranks before dividing."""
+    """Correct/denominator counts per TTT step, summed over batches and ranks before dividing.
+
+    full_correct_at[k][j]: chain anchors whose target token was within the draft's top-k at every step
+    0..j (what a draft tree of width k can accept); kept only for the levels asked for (evaluation).
+    """
 
     steps: int
     loss_sum: list[float] = field(default_factory=list)
@@ -73,44 +80,58 @@ class MetricCounts:
     masked: list[float] = field(default_factory=list)
     full_correct: list[float] = field(default_factory=list)
     chain: list[float] = field(default_factory=list)
+    full_correct_at: dict[int, list[float]] = field(default_factory=dict)
 
     def __post_init__(self):
-        for name in ("loss_sum", "correct", "masked", "full_correct", "chain"):
+        for name in _COUNT_ROWS:
             if not getattr(self, name):
                 setattr(self, name, [0.0] * self.steps)
 
+    @classmethod
+    def empty(cls, steps: int, topk_levels: tuple[int, ...] = ()) -> "MetricCounts":
+        return cls(steps, full_correct_at={k: [0.0] * steps for k in topk_levels})
+
     def as_tensor(self) -> torch.Tensor:
-        return torch.tensor([self.loss_sum, self.correct, self.masked, self.full_correct, self.chain],
-                            dtype=torch.float64)
+        rows = [getattr(self, name) for name in _COUNT_ROWS] + [self.full_correct_at[k] for k in sorted(self.full_correct_at)]
+        return torch.tensor(rows, dtype=torch.float64)
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor) -> "MetricCounts":
+    def from_tensor(cls, tensor: torch.Tensor, topk_levels: tuple[int, ...] = ()) -> "MetricCounts":
         rows = tensor.tolist()
-        return cls(len(rows[0]), *rows)
+        base = rows[:len(_COUNT_ROWS)]
+        return cls(len(rows[0]), *base, full_correct_at=dict(zip(sorted(topk_levels), rows[len(_COUNT_ROWS):])))
 
     def add(self, other: "MetricCounts") -> None:
-        for name in ("loss_sum", "correct", "masked", "full_correct", "chain"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            setattr(self, name, [a + b for a, b in zip(mine, theirs)])
+        for name in _COUNT_ROWS:
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+        for k, values in other.full_correct_at.items():
+            mine = self.full_correct_at.setdefault(k, [0.0] * self.steps)
+            self.full_correct_at[k] = [a + b for a, b in zip(mine, values)]
 
     def summary(self) -> dict:
         acc = [c / m if m else 0.0 for c, m in zip(self.correct, self.masked)]
         full = [c / m if m else 0.0 for c, m in zip(self.full_correct, self.chain)]
         cond = [acc[0]] + [full[k] / full[k - 1] if full[k - 1] else 0.0 for k in range(1, self.steps)]
         loss = [s / m if m else 0.0 for s, m in zip(self.loss_sum, self.masked)]
-        return {
+        summary = {
             "loss": [round(x, 6) for x in loss], "acc": [round(x, 6) for x in acc],
             "full_acc": [round(x, 6) for x in full], "cond_acc": [round(x, 6) for x in cond],
             "tau_simulated": round(1.0 + sum(full), 6),
             "masked_tokens": [int(m) for m in self.masked], "chain_anchors": [int(m) for m in self.chain],
         }
+        if self.full_correct_at:
+            summary["full_acc_at"] = {str(k): [round(c / m, 6) if m else 0.0 for c, m in zip(values, self.chain)]
+                                      for k, values in sorted(self.full_correct_at.items())}
+        return summary
 
 
 def ttt_loss_and_counts(h_outs: list[torch.Tensor], logits_fn, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                        teacher: Teacher, d2t: torch.Tensor, decay: float) -> tuple[torch.Tensor, MetricCounts]:
+                        teacher: Teacher, d2t: torch.Tensor, decay: float,
+                        topk_levels: tuple[int, ...] = ()) -> tuple[torch.Tensor, MetricCounts]:
     """Weighted soft cross-entropy over the TTT steps and the counts behind every metric."""
     steps = len(h_outs)
-    counts = MetricCounts(steps)
+    counts = MetricCounts.empty(steps, topk_levels)
+    within_all = {k: torch.ones_like(loss_mask, dtype=torch.bool) for k in topk_levels}
     total = h_outs[0].new_zeros((), dtype=torch.float32)
     chain = torch.ones_like(loss_mask, dtype=torch.bool)
     all_correct = torch.ones_like(loss_mask, dtype=torch.bool)
@@ -132,4 +153,8 @@ def ttt_loss_and_counts(h_outs: list[torch.Tensor], logits_fn, input_ids: torch.
         counts.masked[k] = float(denominator)
         counts.full_correct[k] = float((all_correct & chain).sum())
         counts.chain[k] = float(chain.sum())
+        for width in topk_levels:
+            top = draft_logp.topk(width, dim=-1).indices
+            within_all[width] &= ((top + d2t[top]) == target_top1[..., None]).any(-1)
+            counts.full_correct_at[width][k] = float((within_all[width] & chain).sum())
     return total, counts

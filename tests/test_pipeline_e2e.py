@@ -71,3 +71,27 @@ def test_a_failing_gate_stops_visibly_with_its_reasons(e2e):
     assert "gate failed" in result.stderr
     assert "cond_acc_0 =" in result.stderr and "< 0.9990" in result.stderr
     assert "tau_simulated =" in result.stderr and "< 9.0000" in result.stderr
+
+
+def test_a_deliberately_weak_drafter_fails_the_gate_that_the_trained_one_passes(e2e):
+    import boto3
+
+    config = yaml.safe_load(e2e["config"].read_text())
+    bucket, prefix = config["storage"]["root"][len("s3://"):].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
+    trained = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/eval/eval.json")["Body"].read())
+    floor = round(trained["cond_acc"][0] * 0.8, 4)
+    dataset = f"s3://{bucket}/{prefix}/datasets/tiny-test/e2e-run"
+    weak = ["--run-id", "weak", "train.learning_rate=1e-9", "train.epochs=1"]
+    for stage in ("train", "evaluate"):
+        result = drafter(stage, "--config", str(e2e["config"]), "--dataset", dataset, *weak, env=e2e["env"])
+        assert result.returncode == 0, result.stderr[-3000:]
+    gate = [f"gate.min_cond_acc=[{floor}]", "gate.min_tau_simulated=1.0"]
+    assert drafter("gate", "--config", str(e2e["config"]), "--run-id", "e2e-run", *gate, env=e2e["env"]).returncode == 0
+    failed = drafter("gate", "--config", str(e2e["config"]), *weak, *gate, env=e2e["env"])
+    assert failed.returncode == 3
+    assert "cond_acc_0 =" in failed.stderr and f"< {floor:.4f}" in failed.stderr
+    decision = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/weak/gate/gate.json")["Body"].read())
+    assert decision["passed"] is False and decision["reasons"]
+    refused = drafter("promote", "--config", str(e2e["config"]), *weak, env=e2e["env"])
+    assert refused.returncode == 1 and "the gate did not pass" in refused.stderr

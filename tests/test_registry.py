@@ -10,6 +10,7 @@ from pipeline.registry import RegistryError, list_versions, promote, pull, read_
 from tests.test_ttt import small_drafter
 
 CONTRACT = {"aux_layer_ids": [1, 2, 3], "hidden_size": 16}
+SERVING = {"steps": 3, "topk": 1, "draft_tokens": 4}
 
 
 def drafter_dir(tmp_path, seed):
@@ -18,7 +19,7 @@ def drafter_dir(tmp_path, seed):
 
 def test_promote_then_pull_and_verify(store, tmp_path):
     promoted = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1", "eval": {"tau_simulated": 2.0}},
-                       "production", serve_steps=3)
+                       "production", SERVING)
     assert read_alias(store, "tgt", "production")["version"] == promoted["version"]
     dest = pull(store, "tgt", "production", tmp_path / "served")
     manifest = verify_dir(dest)
@@ -31,8 +32,8 @@ def test_promote_then_pull_and_verify(store, tmp_path):
 
 
 def test_second_promotion_moves_previous_and_rollback_restores(store, tmp_path):
-    first = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", 3)["version"]
-    second = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", 3)["version"]
+    first = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
+    second = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)["version"]
     assert first != second
     assert read_alias(store, "tgt", "previous")["version"] == first
     rollback(store, "tgt")
@@ -43,10 +44,10 @@ def test_second_promotion_moves_previous_and_rollback_restores(store, tmp_path):
 
 
 def test_pull_of_a_corrupted_version_is_refused_and_keeps_the_old_copy(store, tmp_path):
-    good = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", 3)["version"]
+    good = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
     dest = pull(store, "tgt", "production", tmp_path / "served")
     before = (dest / "model.safetensors").read_bytes()
-    bad = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", 3)["version"]
+    bad = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)["version"]
     key = f"{layout.drafter_version_prefix('tgt', bad)}/model.safetensors"
     store.put_bytes(key, store.get_bytes(key)[:-8] + b"\x00" * 8)
     with pytest.raises(RegistryError, match="checksum mismatch"):
@@ -63,7 +64,7 @@ def test_pull_of_a_missing_alias_is_a_clear_error(store, tmp_path):
 
 
 def test_verify_detects_a_tampered_directory(store, tmp_path):
-    promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", 3)
+    promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)
     dest = pull(store, "tgt", "production", tmp_path / "served")
     (dest / "config.json").write_text((dest / "config.json").read_text().replace('"num_hidden_layers": 1', '"num_hidden_layers": 2'))
     with pytest.raises(RegistryError, match="checksum mismatch for config.json"):

@@ -82,3 +82,31 @@ def test_ngram_proposer_continues_the_latest_match():
     assert proposer.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]
     assert proposer.propose([5, 6, 7], 3) == []
     assert proposer.propose([4, 8, 4], 2) == [8, 4]
+
+
+@pytest.mark.parametrize("steps, topk, draft_tokens", [(2, 2, 4), (3, 4, 10), (4, 2, 8)])
+def test_tree_drafting_output_equals_greedy(tiny_model, tiny_tokenizer, tiny_target_dir, prompts, steps, topk,
+                                            draft_tokens):
+    from pipeline.spec_decode import tree_speculative_decode
+
+    eos = tiny_tokenizer.eos_token_id
+    plain, with_aux = TargetRunner(tiny_model, None), TargetRunner(tiny_model, AUX)
+    drafter = random_drafter(tiny_target_dir, seed=steps)
+    with torch.inference_mode():
+        for prompt in prompts:
+            greedy = greedy_decode(plain, prompt, 40, eos)
+            tree = tree_speculative_decode(with_aux, EagleProposer(drafter), prompt, 40, eos, steps, topk, draft_tokens)
+            assert tree.tokens == greedy.tokens
+            assert sum(tree.accepted_histogram) == tree.verify_forwards
+
+
+def test_draft_tree_masks_and_acceptance():
+    from pipeline.spec_decode import DraftTree
+
+    # root -> a(5) -> c(7);  root -> b(6)
+    tree = DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2])
+    assert tree.ancestor_rows() == [[0], [0, 1], [0, 2], [0, 1, 3]]
+    # the target predicts 5 after the root, 7 after a, 9 after c
+    assert tree.accepted_path(torch.tensor([5, 7, 0, 9])) == [0, 2]
+    assert tree.accepted_path(torch.tensor([6, 7, 1, 9])) == [1]
+    assert tree.accepted_path(torch.tensor([8, 7, 1, 9])) == []

@@ -153,3 +153,22 @@ def test_topk_and_last_hidden_teachers_agree_when_k_covers_the_vocabulary():
     approx = teacher_from_topk(top.indices, top.values, draft_index, 5)
     assert torch.equal(exact.argmax, approx.argmax)
     torch.testing.assert_close(exact.probs, approx.probs)
+
+
+def test_tree_width_counts_follow_the_draft_top_k():
+    vocab, length = 6, 4
+    ids = torch.zeros(1, length, dtype=torch.long)
+    loss_mask = torch.tensor([[1, 1, 1, 1]])
+    target_top1 = torch.tensor([[0, 2, 3, 1]])
+    teacher = Teacher(target_top1, torch.nn.functional.one_hot(target_top1, vocab).float())
+    d2t = torch.zeros(vocab, dtype=torch.long)
+    # the draft ranks token 1 first and token 2 second everywhere
+    logits = torch.tensor([0.0, 5.0, 4.0, 0.0, 0.0, 0.0]).expand(1, length, vocab)
+    h = [torch.zeros(1, length, 2)] * 2
+    _, counts = ttt_loss_and_counts(h, lambda _h: logits, ids, loss_mask, teacher, d2t, 0.8, topk_levels=(2,))
+    # step 0 targets positions 1..3 -> tokens 2, 3, 1: top-1 right once (1), top-2 right twice (2 and 1)
+    assert counts.correct[0] == 1 and counts.full_correct_at[2][0] == 2
+    # step 1: no anchor has both of its targets (steps 0 and 1) within the top-2
+    assert counts.full_correct_at[2][1] == 0
+    again = MetricCounts.from_tensor(counts.as_tensor(), (2,))
+    assert again.summary()["full_acc_at"] == counts.summary()["full_acc_at"]

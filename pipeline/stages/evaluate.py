@@ -23,6 +23,7 @@ from pipeline.trainer import DraftObjective, choose_teacher
 from pipeline.ttt import MetricCounts
 
 log = logging.getLogger(__name__)
+TREE_WIDTHS = (2, 4)  # draft-tree widths whose acceptance the evaluation also counts
 
 
 class EvaluationFailed(RuntimeError):
@@ -35,8 +36,8 @@ def evaluate_drafter(drafter_dir: Path, shards: StreamingShards, target_dir: Pat
     frozen = load_frozen_tensors(target_dir)
     drafter, contract = load_drafter(drafter_dir, frozen["embed"].float())
     teacher = choose_teacher(teacher, shards.teachers())
-    objective = DraftObjective(drafter, frozen["lm_head"].float(), teacher, steps, 1.0, chunk).eval()
-    totals = MetricCounts(steps)
+    objective = DraftObjective(drafter, frozen["lm_head"].float(), teacher, steps, 1.0, chunk, TREE_WIDTHS).eval()
+    totals = MetricCounts.empty(steps, TREE_WIDTHS)
     plan = sequential_plan(shards.shards, micro_batch)
     with torch.no_grad():
         for samples in Progress(shards.batches(plan), total=len(plan), desc="evaluate", unit="batch"):
@@ -56,7 +57,7 @@ def evaluate_incumbent(incumbent: tuple[str, Path], contract: dict[str, Any], sh
         return {"version": version, "skipped": "different capture contract: " + "; ".join(problems)}
     result = evaluate_drafter(directory, shards, target_dir, steps, config.evaluate.micro_batch_size,
                               config.train.attention_chunk)
-    return {"version": version, **{k: result[k] for k in ("acc", "full_acc", "cond_acc", "tau_simulated")}}
+    return {"version": version, **{k: result[k] for k in ("acc", "full_acc", "cond_acc", "tau_simulated", "full_acc_at")}}
 
 
 def local_drafter_dir(store: ObjectStore, train_prefix: str, workdir: Path) -> Path:

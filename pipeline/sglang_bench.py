@@ -1,0 +1,128 @@
+"""Production benchmark on SGLang: baseline, NGRAM, incumbent and candidate EAGLE3 servers, one after
+the other on the same GPUs, each sent the same prompts.
+
+Each server is started with `benchmark.sglang.launch` + the method's flags, waited on through
+/health, measured, and stopped (SIGTERM, then SIGKILL, by PID). Throughput is completion tokens over
+wall time with `concurrency` requests in flight; acceptance is sum(completion_tokens) /
+sum(spec_verify_ct) over all requests (SpecForge's definition, which counts the prefill token) with
+the spec_correct_drafts_histogram summed. A server that does not start or fails a request fails the
+stage with what it printed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipeline.config import SGLangBenchConfig, SGLangClientConfig
+from pipeline.engines import EngineError
+from pipeline.registry import sglang_flags
+
+log = logging.getLogger(__name__)
+
+
+class SGLangBenchmarkFailed(RuntimeError):
+    pass
+
+
+def launch_command(settings: SGLangBenchConfig, method: str, drafter_dir: Path | None = None) -> list[str]:
+    command = [*settings.launch, "--model-path", settings.model_path, "--host", settings.host,
+               "--port", str(settings.port), *settings.extra_args]
+    if method == "ngram":
+        return command + ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
+                          str(settings.ngram_draft_tokens), *settings.ngram_args]
+    if method in ("candidate", "incumbent"):
+        if drafter_dir is None:
+            raise SGLangBenchmarkFailed(f"the {method} server needs a drafter directory")
+        return command + sglang_flags(str(drafter_dir), settings.steps, settings.topk, settings.draft_tokens)
+    return command
+
+
+@contextmanager
+def running_server(command: list[str], settings: SGLangBenchConfig) -> Iterator[str]:
+    """A server process for the duration of the block; its base URL, once /health answers."""
+    import requests
+
+    url = f"http://{settings.host}:{settings.port}"
+    with tempfile.TemporaryFile() as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + settings.startup_timeout_s
+            while True:
+                if process.poll() is not None:
+                    output.seek(0)
+                    tail = output.read()[-2000:].decode(errors="replace")
+                    raise SGLangBenchmarkFailed(f"the server exited with code {process.returncode} before it was "
+                                                f"ready: {' '.join(command)}\n{tail}")
+                try:
+                    if requests.get(url + "/health", timeout=5).status_code == 200:
+                        break
+                except requests.RequestException:
+                    pass
+                if time.monotonic() > deadline:
+                    raise SGLangBenchmarkFailed(f"the server did not become healthy in {settings.startup_timeout_s}s")
+                time.sleep(0.5)
+            yield url
+        finally:
+            _stop(process)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def summarize_responses(responses: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    """Throughput and speculative acceptance from /generate responses (SGLang 0.5.23 meta_info)."""
+    metas = [r["meta_info"] for r in responses]
+    tokens = sum(int(m["completion_tokens"]) for m in metas)
+    summary: dict[str, Any] = {"requests": len(metas), "tokens": tokens, "seconds": round(seconds, 4),
+                               "tok_s": round(tokens / seconds, 2)}
+    verify = sum(int(m.get("spec_verify_ct", 0)) for m in metas)
+    if verify:
+        summary["tau_measured"] = round(tokens / verify, 4)
+        histograms = [m["spec_correct_drafts_histogram"] for m in metas if m.get("spec_correct_drafts_histogram")]
+        if histograms:
+            width = max(len(h) for h in histograms)
+            summary["accepted_histogram"] = [sum(h[i] for h in histograms if i < len(h)) for i in range(width)]
+    return summary
+
+
+def measure(url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int) -> dict[str, Any]:
+    from pipeline.engines.sglang import SGLangClient
+
+    client = SGLangClient(SGLangClientConfig(urls=[url], concurrency=concurrency, retries=0, timeout_s=900))
+    payloads = [{"input_ids": p, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+                for p in prompts]
+    try:
+        client.map("/generate", payloads[:1])  # warm-up
+        started = time.perf_counter()
+        responses = client.map("/generate", payloads)
+    except EngineError as err:
+        raise SGLangBenchmarkFailed(f"benchmark request to {url} failed: {err}") from err
+    return summarize_responses(responses, time.perf_counter() - started)
+
+
+def run_methods(settings: SGLangBenchConfig, prompts: list[list[int]], max_new_tokens: int,
+                drafters: dict[str, Path]) -> dict[str, Any]:
+    """Every method on the same prompts, one server at a time."""
+    methods = {}
+    for method in ["baseline", "ngram", *drafters]:
+        command = launch_command(settings, method, drafters.get(method))
+        log.info("benchmark %s: %s", method, " ".join(command))
+        with running_server(command, settings) as url:
+            methods[method] = measure(url, prompts, max_new_tokens, settings.concurrency)
+    return methods
