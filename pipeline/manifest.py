@@ -38,8 +38,12 @@ def object_entry(prefix: str, info: ObjectInfo) -> dict[str, Any]:
 
 
 def publish(store: ObjectStore, prefix: str, kind: str, objects: list[ObjectInfo],
-            fields: dict[str, Any]) -> dict[str, Any]:
-    """Write the manifest of already-uploaded objects under prefix; returns the manifest."""
+            fields: dict[str, Any], exclusive: bool = False) -> dict[str, Any]:
+    """Write the manifest of already-uploaded objects under prefix; returns the manifest.
+
+    exclusive: the manifest must not exist yet (immutable artifacts); a concurrent publisher that got
+    there first makes this raise PreconditionFailed.
+    """
     validate_key(prefix)
     manifest = {
         "kind": kind,
@@ -50,7 +54,11 @@ def publish(store: ObjectStore, prefix: str, kind: str, objects: list[ObjectInfo
         **fields,
         "objects": [object_entry(prefix, info) for info in objects],
     }
-    store.put_bytes(f"{prefix}/{MANIFEST_NAME}", json.dumps(manifest, indent=2, sort_keys=True).encode())
+    data = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    if exclusive:
+        store.put_if(f"{prefix}/{MANIFEST_NAME}", data, None)
+    else:
+        store.put_bytes(f"{prefix}/{MANIFEST_NAME}", data)
     return manifest
 
 

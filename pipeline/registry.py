@@ -21,7 +21,7 @@ from pipeline import layout
 from pipeline.export import CONFIG_NAME, DRAFTER_FILES, WEIGHTS_NAME, read_drafter_dir
 from pipeline.ids import validate_id
 from pipeline.manifest import MANIFEST_NAME, manifest_exists, now_iso, publish, read_manifest
-from pipeline.storage import ObjectMissingError, ObjectStore, StorageError, sha256_file
+from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, sha256_file
 
 log = logging.getLogger(__name__)
 README_NAME = "README.md"
@@ -70,26 +70,49 @@ def _version_id(weights_sha: str) -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S") + f"-{weights_sha[:10]}"
 
 
+class AliasConflict(RegistryError):
+    """Another promotion or rollback moved the alias first; nothing was changed by this one."""
+
+
+ANY_VERSION = object()  # move_alias without an expectation about the alias's current version
+
+
 def read_alias(store: ObjectStore, target: str, alias: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(store.get_bytes(layout.alias_key(target, alias)))
-    except ObjectMissingError:
-        return None
+    found = store.read_with_tag(layout.alias_key(target, alias))
+    return json.loads(found[0]) if found else None
 
 
 def _record_history(store: ObjectStore, target: str, alias: str, record: dict[str, Any]) -> None:
+    """Append-only: every move gets its own new object (a conditional create never overwrites)."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    store.put_bytes(f"{layout.alias_history_prefix(target)}/{stamp}-{alias}.json", json.dumps(record).encode())
+    key = f"{layout.alias_history_prefix(target)}/{stamp}-{alias}-{record['version']}.json"
+    store.put_if(key, json.dumps(record).encode(), None)
 
 
-def set_alias(store: ObjectStore, target: str, alias: str, version: str, reason: str) -> dict[str, Any]:
+def move_alias(store: ObjectStore, target: str, alias: str, version: str, reason: str,
+               expected: Any = ANY_VERSION) -> dict[str, Any]:
+    """Point `alias` at `version` with one conditional write.
+
+    `expected` is the version the caller based its decision on (None: the alias must not exist yet).
+    If the alias is not there any more, or another writer moves it between our read and our write,
+    AliasConflict is raised and the alias keeps the other writer's value: it is never torn.
+    """
     validate_id(alias, "alias")
     if not manifest_exists(store, layout.drafter_version_prefix(target, version)):
         raise RegistryError(f"cannot point {alias} at {version}: no such version of {target}")
-    previous = read_alias(store, target, alias)
-    record = {"alias": alias, "version": version, "previous_version": previous["version"] if previous else None,
-              "updated_at": now_iso(), "reason": reason}
-    store.put_bytes(layout.alias_key(target, alias), json.dumps(record, indent=2).encode())
+    key = layout.alias_key(target, alias)
+    found = store.read_with_tag(key)
+    current = json.loads(found[0])["version"] if found else None
+    if expected is not ANY_VERSION and current != expected:
+        raise AliasConflict(f"{target} {alias} is at {current}, not {expected}: another promotion or rollback "
+                            "moved it first; nothing changed")
+    record = {"alias": alias, "version": version, "previous_version": current, "updated_at": now_iso(),
+              "reason": reason}
+    try:
+        store.put_if(key, json.dumps(record, indent=2).encode(), found[1] if found else None)
+    except PreconditionFailed as err:
+        raise AliasConflict(f"{target} {alias} was moved by a concurrent promotion or rollback while this one "
+                            "was writing; nothing changed") from err
     _record_history(store, target, alias, record)
     return record
 
@@ -105,20 +128,31 @@ def publish_version(store: ObjectStore, target: str, drafter_dir: Path, lineage:
     flags = serving_flags("<drafter-dir>", serving)
     objects = [store.put_file(f"{prefix}/{name}", drafter_dir / name) for name in DRAFTER_FILES]
     objects.append(store.put_bytes(f"{prefix}/{README_NAME}", model_card(target, version, lineage, flags).encode()))
-    manifest = publish(store, prefix, "drafter", objects, {
-        "target": target, "version": version, "lineage": lineage, "sglang_flags": flags,
-        "serving": serving})
+    try:
+        manifest = publish(store, prefix, "drafter", objects, {
+            "target": target, "version": version, "lineage": lineage, "sglang_flags": flags,
+            "serving": serving}, exclusive=True)
+    except PreconditionFailed as err:
+        raise RegistryError(f"version {version} of {target} was published concurrently; versions are "
+                            "immutable") from err
     return version, manifest
 
 
 def promote(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any], alias: str,
             serving: dict[str, int]) -> dict[str, Any]:
-    """Publish a version and move `alias` to it; the old target of `production` becomes `previous`."""
+    """Publish a version and move `alias` to it; the old target of `production` becomes `previous`.
+
+    The alias moves only if it still points where it pointed when this promotion started; a racing
+    promotion that got there first makes this one fail with AliasConflict (its version stays published,
+    unaliased).
+    """
+    before = read_alias(store, target, alias)
+    before_version = before["version"] if before else None
     version, manifest = publish_version(store, target, drafter_dir, lineage, serving)
-    old = read_alias(store, target, alias)
-    record = set_alias(store, target, alias, version, reason=f"promoted from run {lineage.get('run_id')}")
-    if alias == "production" and old is not None:
-        set_alias(store, target, "previous", old["version"], reason=f"demoted by {version}")
+    record = move_alias(store, target, alias, version, reason=f"promoted from run {lineage.get('run_id')}",
+                        expected=before_version)
+    if alias == "production" and before_version is not None:
+        move_alias(store, target, "previous", before_version, reason=f"demoted by {version}")
     return {"version": version, "alias": record, "uri": store.uri(layout.drafter_version_prefix(target, version)),
             "manifest": manifest}
 
@@ -128,8 +162,9 @@ def rollback(store: ObjectStore, target: str) -> dict[str, Any]:
     production, previous = read_alias(store, target, "production"), read_alias(store, target, "previous")
     if production is None or previous is None:
         raise RegistryError(f"{target} needs both a production and a previous alias to roll back")
-    record = set_alias(store, target, "production", previous["version"], reason="rollback")
-    set_alias(store, target, "previous", production["version"], reason="rolled back")
+    record = move_alias(store, target, "production", previous["version"], reason="rollback",
+                        expected=production["version"])
+    move_alias(store, target, "previous", production["version"], reason="rolled back")
     return record
 
 

@@ -30,6 +30,10 @@ class ObjectMissingError(StorageError):
     pass
 
 
+class PreconditionFailed(StorageError):
+    """A conditional write lost: the object changed (or appeared) since it was read."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
@@ -88,6 +92,18 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def read_with_tag(self, key: str) -> tuple[bytes, str] | None:
+        """The object and a tag that changes whenever it is rewritten (its ETag), or None if absent."""
+
+    @abstractmethod
+    def put_if(self, key: str, data: bytes, expected_tag: str | None) -> str:
+        """Write only if the object still has `expected_tag` (None: only if it does not exist yet).
+
+        Atomic against concurrent writers; raises PreconditionFailed when the condition does not hold.
+        Returns the new tag.
+        """
 
     def get_verified(self, key: str, sha256: str) -> bytes:
         data = self.get_bytes(key)
@@ -192,6 +208,27 @@ class FileStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def read_with_tag(self, key: str) -> tuple[bytes, str] | None:
+        try:
+            data = self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    def put_if(self, key: str, data: bytes, expected_tag: str | None) -> str:
+        from pipeline.locking import file_lock
+
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # writers of one key serialize on a lock file; readers never wait (the rename is atomic)
+        with file_lock(path.with_name(f".{path.name}.lock")):
+            current = self.read_with_tag(key)
+            current_tag = current[1] if current else None
+            if current_tag != expected_tag:
+                raise PreconditionFailed(f"{self.uri(key)} changed since it was read")
+            self.put_bytes(key, data)
+        return hashlib.sha256(data).hexdigest()
+
 
 class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
@@ -274,6 +311,31 @@ class S3Store(ObjectStore):
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def read_with_tag(self, key: str) -> tuple[bytes, str] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        except ClientError as err:
+            if self._missing(err):
+                return None
+            raise
+        return response["Body"].read(), response["ETag"]
+
+    def put_if(self, key: str, data: bytes, expected_tag: str | None) -> str:
+        """S3 conditional writes: If-Match on the tag read, or If-None-Match: * for a new object."""
+        from botocore.exceptions import ClientError
+
+        condition = {"IfMatch": expected_tag} if expected_tag else {"IfNoneMatch": "*"}
+        try:
+            response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **condition)
+        except ClientError as err:
+            code = err.response.get("Error", {}).get("Code", "")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409") or self._missing(err):
+                raise PreconditionFailed(f"{self.uri(key)} changed since it was read") from err
+            raise
+        return response["ETag"]
 
 
 def open_store(config: StorageConfig) -> ObjectStore:

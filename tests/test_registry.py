@@ -69,3 +69,139 @@ def test_verify_detects_a_tampered_directory(store, tmp_path):
     (dest / "config.json").write_text((dest / "config.json").read_text().replace('"num_hidden_layers": 1', '"num_hidden_layers": 2'))
     with pytest.raises(RegistryError, match="checksum mismatch for config.json"):
         verify_dir(dest)
+
+
+class RacingStore:
+    """Wraps a store so that N promoters reach each alias step together: all of them read the alias
+    before any writes it, and all of them attempt the conditional write at the same moment."""
+
+    def __init__(self, store, parties):
+        import threading
+
+        self.store, self.read_barrier, self.write_barrier = store, threading.Barrier(parties), threading.Barrier(parties)
+        self.waited = threading.local()
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def read_with_tag(self, key):
+        if key.endswith("aliases/production.json") and not getattr(self.waited, "read", False):
+            self.waited.read = True
+            self.read_barrier.wait(timeout=60)
+        return self.store.read_with_tag(key)
+
+    def put_if(self, key, data, expected_tag):
+        if key.endswith("aliases/production.json") and not getattr(self.waited, "write", False):
+            self.waited.write = True
+            self.write_barrier.wait(timeout=60)
+        return self.store.put_if(key, data, expected_tag)
+
+
+@pytest.fixture
+def serialized_store(storage, tmp_path):
+    """For S3: moto's app behind a single-threaded server, so a conditional PUT is atomic as on S3
+    (moto checks If-Match and writes in two steps; S3 does both at once)."""
+    if not storage["root"].startswith("s3://"):
+        yield store_for(storage)
+        return
+    import threading
+
+    from moto.moto_server.threaded_moto_server import MotoRequestHandler
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    server = make_server("127.0.0.1", 0, DomainDispatcherApplication(create_backend_app), False,
+                         request_handler=MotoRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield store_for({**storage, "endpoint_url": f"http://127.0.0.1:{server.server_port}"})
+    server.shutdown()
+
+
+def store_for(storage):
+    from pipeline.config import StorageConfig
+    from pipeline.storage import open_store
+
+    return open_store(StorageConfig(**storage))
+
+
+@pytest.mark.parametrize("racers", [2, 3])
+def test_racing_promoters_exactly_one_wins_and_the_alias_is_never_torn(serialized_store, tmp_path, racers):
+    import threading
+
+    from pipeline.registry import AliasConflict
+
+    promote(serialized_store, "tgt", drafter_dir(tmp_path, 0), {"run_id": "base"}, "production", SERVING)
+    racing = RacingStore(serialized_store, racers)
+    outcomes = {}
+
+    def contender(index):
+        try:
+            outcomes[index] = promote(racing, "tgt", drafter_dir(tmp_path, index + 1), {"run_id": f"r{index}"},
+                                      "production", SERVING)["version"]
+        except AliasConflict as conflict:
+            outcomes[index] = conflict
+
+    threads = [threading.Thread(target=contender, args=(i,)) for i in range(racers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    winners = [v for v in outcomes.values() if isinstance(v, str)]
+    losers = [v for v in outcomes.values() if isinstance(v, AliasConflict)]
+    assert len(winners) == 1 and len(losers) == racers - 1
+    assert all("nothing changed" in str(loser) for loser in losers)
+    alias = read_alias(serialized_store, "tgt", "production")
+    assert alias["version"] == winners[0]
+    moves = [json.loads(serialized_store.get_bytes(k)) for k in serialized_store.list(layout.alias_history_prefix("tgt"))]
+    assert [m["version"] for m in moves if m["alias"] == "production"][-1] == winners[0]
+    assert len([m for m in moves if m["alias"] == "production"]) == 2  # the base promotion and the winner
+
+
+def test_a_stale_promotion_is_refused(store, tmp_path):
+    from pipeline.registry import AliasConflict, move_alias
+
+    first = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
+    second = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)["version"]
+    with pytest.raises(AliasConflict, match=f"is at {second}, not {first}"):
+        move_alias(store, "tgt", "production", first, "stale decision", expected=first)
+    assert read_alias(store, "tgt", "production")["version"] == second
+
+
+class ReadOnlyStore:
+    """What a server's read-only role allows: GetObject (and HEAD) on drafters/*, nothing else."""
+
+    def __init__(self, store):
+        self.store = store
+        self.root_uri = store.root_uri
+
+    def __getattr__(self, name):
+        if name in ("get_bytes", "get_file", "get_file_verified", "get_verified", "exists", "read_with_tag", "uri",
+                    "key_for"):
+            return getattr(self.store, name)
+        raise PermissionError(f"a reader may not call {name}")
+
+
+def test_a_read_only_role_is_enough_to_pull(store, tmp_path):
+    promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)
+    dest = pull(ReadOnlyStore(store), "tgt", "production", tmp_path / "served")
+    assert verify_dir(dest)["target"] == "tgt"
+
+
+def test_plain_sync_of_a_version_then_verify(store, tmp_path):
+    version = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
+    prefix = layout.drafter_version_prefix("tgt", version)
+    synced = tmp_path / "synced"
+    synced.mkdir()
+    for key in store.list(prefix):  # what `aws s3 sync s3://.../versions/<v>/ DIR` copies
+        store.get_file(key, synced / key[len(prefix) + 1:])
+    assert verify_dir(synced)["version"] == version
+
+
+@pytest.mark.parametrize("target, alias", [("../../etc", "production"), ("tgt", "../production"),
+                                           ("tgt", "a/b"), ("tgt", "")])
+def test_names_that_would_escape_the_registry_are_refused(store, tmp_path, target, alias):
+    from pipeline.ids import InvalidIdError
+
+    with pytest.raises((InvalidIdError, RegistryError)):
+        pull(store, target, alias, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

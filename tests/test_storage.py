@@ -88,3 +88,18 @@ def test_corrupted_object_is_detected_on_read(store, tmp_path):
 def test_missing_manifest_is_a_clear_error(store):
     with pytest.raises(ManifestError, match="did not finish"):
         read_manifest(store, "nothing/here")
+
+
+def test_conditional_writes_create_once_and_update_only_what_was_read(store):
+    from pipeline.storage import PreconditionFailed
+
+    assert store.read_with_tag("alias/x.json") is None
+    first = store.put_if("alias/x.json", b"v1", None)
+    with pytest.raises(PreconditionFailed):
+        store.put_if("alias/x.json", b"v1 again", None)  # If-None-Match: the object exists
+    data, tag = store.read_with_tag("alias/x.json")
+    assert data == b"v1" and tag == first
+    second = store.put_if("alias/x.json", b"v2", tag)
+    with pytest.raises(PreconditionFailed):
+        store.put_if("alias/x.json", b"stale", first)  # If-Match with the tag of an older read
+    assert store.read_with_tag("alias/x.json") == (b"v2", second)
