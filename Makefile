@@ -1,15 +1,19 @@
 # Two entry points for a fresh machine:
 #   make demo   runs the whole pipeline on the embedded default (configs/local.yaml)
-#   make test   runs the test suite
+#   make test   runs the test suite (and installs Debian's chromium for the browser tests if missing)
 # Both create and use the project's virtualenv (.venv) by themselves.
+#   make airflow / make airflow-down   a local Airflow UI with the drafter DAGs on 127.0.0.1
 
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.base-installed
 TEST_STAMP := $(VENV)/.test-installed
+AIRFLOW_STAMP := $(VENV)/.airflow-installed
+AIRFLOW_HOME_DIR ?= .drafter/airflow
+AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test venv clean-venv
+.PHONY: demo test venv airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +27,11 @@ $(BASE_STAMP): pyproject.toml | $(PY)
 # plus pytest, moto's S3 server, playwright and Airflow for the tests
 $(TEST_STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[test,airflow]'
+	touch $@ $(BASE_STAMP) $(AIRFLOW_STAMP)
+
+# plus Airflow (what `make airflow` needs)
+$(AIRFLOW_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[airflow]'
 	touch $@ $(BASE_STAMP)
 
 venv: $(TEST_STAMP)
@@ -32,7 +41,15 @@ demo: $(BASE_STAMP)
 
 # pytest exits 5 when it collects nothing; that is not a failure here.
 test: $(TEST_STAMP)
+	scripts/install-system-deps
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+# api-server, scheduler, dag-processor and triggerer on 127.0.0.1; prints the URL and the login file
+airflow: $(AIRFLOW_STAMP)
+	$(PY) -m pipeline.airflow_local up --home $(AIRFLOW_HOME_DIR) --port $(AIRFLOW_PORT)
+
+airflow-down:
+	$(PY) -m pipeline.airflow_local down --home $(AIRFLOW_HOME_DIR)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,13 +1,12 @@
-"""drafter_data: prompts -> the target's own responses -> parity check -> hidden-state capture -> a dataset.
-
-Triggered from the UI with a params form. Publishes the dataset as the `drafter_dataset` Asset, which
-schedules drafter_train. Every task calls a pipeline stage; no pipeline logic lives here.
-"""
+"""drafter_data: prompts -> the target's own responses (mapped over shards) -> parity check ->
+hidden-state capture (mapped over shards) -> a dataset snapshot, published as the `drafter_dataset`
+Asset that schedules drafter_train. Every task calls a pipeline stage; no pipeline logic lives here."""
 
 from __future__ import annotations
 
 import pendulum
-from airflow.sdk import Asset, Param, dag, task
+from airflow.sdk import Asset, Param, dag
+from drafter_support import report_failure, stage_task, worker_task
 
 DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
@@ -17,58 +16,90 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
     schedule=None,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
+    max_active_runs=1,
     tags=["drafter"],
+    default_args={"on_failure_callback": report_failure},
     params={
-        "config": Param("configs/local.yaml", type="string", title="Run config",
-                        description="YAML run config (path on the workers)"),
-        "overrides": Param([], type="array", items={"type": "string"}, title="Config overrides",
-                           description="dotted overrides, e.g. prompts.num_samples=2000"),
+        "config": Param("configs/local.yaml", type="string", minLength=1, title="Run config",
+                        description="Run config YAML on the workers (e.g. configs/kimi-k2.5.yaml)"),
+        "num_samples": Param(None, type=["null", "integer"], minimum=1, title="Conversations",
+                             description="How many conversations to keep (empty: the config's)"),
+        "shard_size": Param(None, type=["null", "integer"], minimum=1, title="Conversations per shard",
+                            description="Shard size; each shard is one generate and one capture task"),
+        "sources": Param(None, type=["null", "array"], title="Prompt sources",
+                         description='[{"kind": "jsonl", "path": "s3://bucket/prompts.jsonl", "weight": 1}] '
+                                     "(empty: the config's)",
+                         items={"type": "object", "required": ["kind"],
+                                "properties": {"kind": {"enum": ["demo", "jsonl", "json", "parquet", "arrow"]},
+                                               "path": {"type": "string"}, "weight": {"type": "number",
+                                                                                      "exclusiveMinimum": 0}}}),
+        "overrides": Param(None, type=["null", "array"], items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
+                           title="Config overrides", description="Dotted overrides, e.g. generate.max_new_tokens=512"),
     },
 )
 def drafter_data():
-    @task
-    def snapshot_id(**context) -> str:
-        from pipeline.ids import safe_id
+    @worker_task()
+    def plan(params=None, dag_run=None) -> dict:
+        from pipeline.tasks import plan_run
 
-        return safe_id(context["dag_run"].run_id)
+        return plan_run(params, dag_run.run_id)
 
-    @task
-    def prompts(snapshot: str, params=None) -> dict:
+    @stage_task("prompts")
+    def prompts(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("prompts", params["config"], snapshot, params["overrides"])
+        return run_stage("prompts", run["config"], run["run_id"], run["overrides"])
 
-    @task
-    def generate(snapshot: str, prompt_set: dict, params=None) -> dict:
+    @worker_task()
+    def shards_of(prompt_set: dict) -> list:
+        return prompt_set["shards"]
+
+    @stage_task("generate")
+    def generate_shard(run: dict, shard: str) -> dict:
+        from pipeline.tasks import run_shard
+
+        return run_shard("generate", run["config"], run["run_id"], shard, run["overrides"])
+
+    @stage_task("generate")
+    def responses(run: dict, done: list) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("generate", params["config"], snapshot, params["overrides"], prompts_uri=prompt_set["uri"])
+        return run_stage("generate", run["config"], run["run_id"], run["overrides"])
 
-    @task
-    def parity(snapshot: str, responses: dict, params=None) -> dict:
+    @stage_task("parity")
+    def parity(run: dict, regenerated: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("parity", params["config"], snapshot, params["overrides"], responses_uri=responses["uri"])
+        return run_stage("parity", run["config"], run["run_id"], run["overrides"], responses_uri=regenerated["uri"])
 
-    @task
-    def capture(snapshot: str, responses: dict, checked: dict, params=None) -> dict:
+    @stage_task("capture")
+    def capture_shard(run: dict, checked: dict, shard: str) -> dict:
+        from pipeline.tasks import run_shard
+
+        return run_shard("capture", run["config"], run["run_id"], shard, run["overrides"])
+
+    @stage_task("capture")
+    def captures(run: dict, done: list) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("capture", params["config"], snapshot, params["overrides"], responses_uri=responses["uri"])
+        return run_stage("capture", run["config"], run["run_id"], run["overrides"])
 
-    @task(outlets=[DATASET_ASSET])
-    def publish_dataset(snapshot: str, captured: dict, params=None, outlet_events=None) -> dict:
+    @worker_task("dataset", outlets=[DATASET_ASSET])
+    def publish_dataset(run: dict, captured: dict, outlet_events=None) -> dict:
         from pipeline.tasks import run_stage
 
-        dataset = run_stage("dataset", params["config"], snapshot, params["overrides"], capture_uri=captured["uri"])
-        outlet_events[DATASET_ASSET].extra = {"dataset_uri": dataset["uri"], "config": params["config"],
-                                              "overrides": params["overrides"]}
+        dataset = run_stage("dataset", run["config"], run["run_id"], run["overrides"], capture_uri=captured["uri"])
+        outlet_events[DATASET_ASSET].extra = {"dataset_uri": dataset["uri"], "config": run["config"],
+                                              "overrides": run["overrides"]}
         return dataset
 
-    snapshot = snapshot_id()
-    prompt_set = prompts(snapshot)
-    responses = generate(snapshot, prompt_set)
-    publish_dataset(snapshot, capture(snapshot, responses, parity(snapshot, responses)))
+    run = plan()
+    shards = shards_of(prompts(run))
+    generated = generate_shard.partial(run=run).expand(shard=shards)
+    regenerated = responses(run, generated)
+    checked = parity(run, regenerated)
+    captured_shards = capture_shard.partial(run=run, checked=checked).expand(shard=shards)
+    publish_dataset(run, captures(run, captured_shards))
 
 
 drafter_data()

@@ -1,81 +1,96 @@
 """drafter_train: train -> evaluate -> gate -> benchmark -> promote.
 
-Scheduled when drafter_data publishes a dataset (the `drafter_dataset` Asset) OR on the weekly
+Scheduled when drafter_data publishes a dataset (the `drafter_dataset` Asset) OR on the deployment's
 retraining cron (then it trains on the newest dataset of the target); also triggered from the UI.
-A failing gate fails its task and nothing downstream (benchmark, promote) runs.
+A rejected candidate short-circuits at the gate: benchmark and promote are skipped, and the gate's
+log and the stored decision record say why.
 """
 
 from __future__ import annotations
 
+import logging
+
 import pendulum
-from airflow.sdk import Asset, AssetOrTimeSchedule, CronTriggerTimetable, Param, dag, task
+from airflow.sdk import Asset, Param, dag
+from drafter_support import report_failure, retrain_schedule, stage_task, worker_task
 
 DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
 
 @dag(
     dag_id="drafter_train",
-    schedule=AssetOrTimeSchedule(timetable=CronTriggerTimetable("0 4 * * 0", timezone="UTC"),
-                                 assets=[DATASET_ASSET]),
+    schedule=retrain_schedule(DATASET_ASSET),
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
+    max_active_runs=1,
     tags=["drafter"],
+    default_args={"on_failure_callback": report_failure},
     params={
-        "config": Param("configs/local.yaml", type="string", title="Run config",
-                        description="YAML run config (path on the workers)"),
-        "overrides": Param([], type="array", items={"type": "string"}, title="Config overrides",
-                           description="dotted overrides, e.g. train.epochs=3"),
-        "dataset_uri": Param("", type="string", title="Dataset URI",
-                             description="empty: the triggering dataset, else the newest one of the target"),
+        "config": Param("configs/local.yaml", type="string", minLength=1, title="Run config",
+                        description="Run config YAML on the workers (e.g. configs/kimi-k2.5.yaml)"),
+        "dataset_uri": Param(None, type=["null", "string"], title="Dataset URI",
+                             description="Empty: the triggering dataset, else the newest one of the target"),
+        "epochs": Param(None, type=["null", "integer"], minimum=1, maximum=100, title="Epochs",
+                        description="Training epochs (empty: the config's)"),
+        "init": Param("scratch", type="string", enum=["scratch", "warm"], title="Initialization",
+                      description="Train from scratch, or warm-start from an existing drafter"),
+        "init_from": Param(None, type=["null", "string"], title="Warm start from",
+                           description="A drafter directory or registry:<alias> (only with warm start)"),
+        "min_cond_acc_0": Param(None, type=["null", "number"], minimum=0, maximum=1, title="Gate: min cond_acc_0",
+                                description="Override the gate's minimum first-step acceptance"),
+        "min_tau_simulated": Param(None, type=["null", "number"], minimum=1, title="Gate: min acceptance length",
+                                   description="Override the gate's minimum simulated acceptance length"),
+        "overrides": Param(None, type=["null", "array"], items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
+                           title="Config overrides", description="Dotted overrides, e.g. train.learning_rate=1e-4"),
     },
 )
 def drafter_train():
-    @task
-    def resolve(params=None, **context) -> dict:
-        from pipeline.ids import safe_id
-        from pipeline.tasks import resolve_dataset
+    @worker_task()
+    def plan(params=None, dag_run=None, triggering_asset_events=None) -> dict:
+        from pipeline.tasks import plan_training
 
-        events = context.get("triggering_asset_events") or {}
-        extras = [event.extra for stream in events.values() for event in stream]
-        chosen = params["dataset_uri"] or (extras[-1].get("dataset_uri") if extras else None)
-        return {"run_id": safe_id(context["dag_run"].run_id),
-                "dataset_uri": resolve_dataset(params["config"], params["overrides"], chosen)}
+        extras = [event.extra for stream in (triggering_asset_events or {}).values() for event in stream]
+        return plan_training(params, dag_run.run_id, extras)
 
-    @task
-    def train(run: dict, params=None) -> dict:
+    @stage_task("train")
+    def train(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("train", params["config"], run["run_id"], params["overrides"], dataset_uri=run["dataset_uri"])
+        return run_stage("train", run["config"], run["run_id"], run["overrides"], dataset_uri=run["dataset_uri"])
 
-    @task
-    def evaluate(run: dict, trained: dict, params=None) -> dict:
+    @stage_task("evaluate")
+    def evaluate(run: dict, trained: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("evaluate", params["config"], run["run_id"], params["overrides"],
+        return run_stage("evaluate", run["config"], run["run_id"], run["overrides"],
                          dataset_uri=run["dataset_uri"], train_uri=trained["uri"])
 
-    @task
-    def gate(run: dict, evaluation: dict, params=None) -> dict:
+    @worker_task("gate", short_circuit=True)
+    def gate(run: dict, evaluation: dict):
+        from pipeline.tasks import gate_decision
+
+        decision = gate_decision(run["config"], run["run_id"], run["overrides"], eval_uri=evaluation["uri"])
+        if not decision["passed"]:
+            logging.getLogger("drafter.gate").warning("%s\nnot promoting: benchmark and promote are skipped",
+                                                      decision["reasons"])
+            return None
+        return decision
+
+    @stage_task("benchmark")
+    def benchmark(run: dict, trained: dict, evaluation: dict, gated: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("gate", params["config"], run["run_id"], params["overrides"], eval_uri=evaluation["uri"])
+        return run_stage("benchmark", run["config"], run["run_id"], run["overrides"], train_uri=trained["uri"],
+                         eval_uri=evaluation["uri"], prompts_uri=run["prompts_uri"])
 
-    @task
-    def benchmark(run: dict, trained: dict, evaluation: dict, gated: dict, params=None) -> dict:
-        from pipeline.tasks import prompts_uri_of, run_stage
-
-        return run_stage("benchmark", params["config"], run["run_id"], params["overrides"], train_uri=trained["uri"],
-                         eval_uri=evaluation["uri"], prompts_uri=prompts_uri_of(params["config"], params["overrides"],
-                                                                                 run["dataset_uri"]))
-
-    @task
-    def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict, params=None) -> dict:
+    @stage_task("promote")
+    def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("promote", params["config"], run["run_id"], params["overrides"], train_uri=trained["uri"],
+        return run_stage("promote", run["config"], run["run_id"], run["overrides"], train_uri=trained["uri"],
                          eval_uri=evaluation["uri"], gate_uri=gated["uri"], bench_uri=bench["uri"])
 
-    run = resolve()
+    run = plan()
     trained = train(run)
     evaluation = evaluate(run, trained)
     gated = gate(run, evaluation)

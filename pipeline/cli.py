@@ -89,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, run_id=False)
     p = sub.add_parser("verify", help="verify a drafter directory against its manifest.json")
     p.add_argument("directory")
+    p = sub.add_parser("plan", help="capacity plan: storage, GPU-hours, wall time and S3 cost for N samples")
+    p.add_argument("--config", required=True)
+    p.add_argument("--samples", type=int, required=True, help="conversations to generate and capture")
+    p.add_argument("--generate-servers", type=int, help="SGLang generation servers (default: generate.sglang.urls)")
+    p.add_argument("--capture-servers", type=int, help="SGLang capture servers (default: capture.sglang.urls)")
+    p.add_argument("--train-nodes", type=int, help="training nodes (default: train.hostfile, else plan.train_nodes)")
+    p.add_argument("--measured-from", metavar="RUN_ID",
+                   help="take token counts and rates measured by this finished run (a pilot) over the config's")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. plan.gpu_hour_usd=3.2")
     p = sub.add_parser("train-worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", required=True)
     return parser
@@ -121,6 +131,8 @@ def dispatch(args) -> int:
               f"{manifest.get('target')} version {manifest.get('version')})")
         return 0
     config = _load(args)
+    if args.command == "plan":
+        return _plan(args, config)
     store = open_store(config.storage)
     target = getattr(args, "target", None) or config.target.name
     if args.command == "run":
@@ -150,6 +162,15 @@ def dispatch(args) -> int:
                          indent=2))
         return 0
     return _stage(args, config)
+
+
+def _plan(args, config) -> int:
+    from pipeline.capacity import format_plan, measured_rates, plan
+
+    measured = measured_rates(config, args.measured_from) if args.measured_from else None
+    report = plan(config, args.samples, args.generate_servers, args.capture_servers, args.train_nodes, measured)
+    print(json.dumps(report, indent=2) if args.json else format_plan(report))
+    return 0
 
 
 def _stage(args, config) -> int:

@@ -301,6 +301,27 @@ class RegistryConfig(Strict):
         return validate_id(alias, "registry.alias")
 
 
+class PlanAssumptions(Strict):
+    """What `drafter plan` assumes where no pilot run measured it (replace with measured figures)."""
+
+    prompt_tokens_mean: float = Field(600, gt=0, description="prompt tokens per conversation (all user turns)")
+    response_tokens_mean: float = Field(900, gt=0, description="assistant tokens per conversation")
+    assistant_turns: float = Field(1.5, gt=0, description="assistant turns per conversation (caps responses "
+                                                          "at generate.max_new_tokens per turn)")
+    generate_tok_s_per_server: float = Field(1500, gt=0, description="output tok/s of one generation server "
+                                                                     "at generate.sglang.concurrency")
+    capture_tok_s_per_server: float = Field(1000, gt=0, description="captured tok/s of one capture server, "
+                                                                    "hidden-state transfer and parsing included")
+    train_tok_s_per_gpu: float = Field(2500, gt=0, description="trained tok/s per GPU, all TTT steps included")
+    train_nodes: int = Field(1, ge=1, description="training nodes when train.hostfile does not say")
+    text_bytes_per_token: float = Field(5, gt=0, description="JSONL bytes per token of prompts and responses")
+    gpu_hour_usd: float = Field(2.5, ge=0)
+    s3_gb_month_usd: float = Field(0.023, ge=0)
+    s3_put_per_1000_usd: float = Field(0.005, ge=0)
+    s3_get_per_1000_usd: float = Field(0.0004, ge=0)
+    retention_months: float = Field(1.0, gt=0, description="how long captures are kept in S3 Standard")
+
+
 class RunConfig(Strict):
     storage: StorageConfig
     target: TargetConfig
@@ -313,6 +334,7 @@ class RunConfig(Strict):
     gate: GateConfig = Field(default_factory=GateConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    plan: PlanAssumptions = Field(default_factory=PlanAssumptions)
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":

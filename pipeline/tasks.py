@@ -11,6 +11,7 @@ from pipeline.stages import StageResult
 from pipeline.storage import ObjectStore, open_store
 
 STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote")
+SHARD_STAGES = ("generate", "capture")
 
 
 def _out(result: StageResult) -> dict[str, Any]:
@@ -44,7 +45,8 @@ def run_stage(stage: str, config: RunConfig | str, run_id: str, overrides: list[
     inputs = {**_defaults(config, store, run_id, snapshot), **{k: v for k, v in uris.items() if v}}
     workdir = config.storage.run_workdir(run_id)
     if stage == "prompts":
-        return _out(prompts.run(config, snapshot, store))
+        result = prompts.run(config, snapshot, store)
+        return {**_out(result), "shards": [shard["name"] for shard in result.manifest["shards"]]}
     if stage == "generate":
         return _out(generate.run(config, inputs["prompts_uri"], snapshot, store))
     if stage == "parity":
@@ -67,6 +69,83 @@ def run_stage(stage: str, config: RunConfig | str, run_id: str, overrides: list[
     result = promote.run(config, run_id, inputs["train_uri"], inputs["eval_uri"], inputs["gate_uri"],
                          inputs["bench_uri"], store)
     return {**_out(result), "promoted": result.manifest.get("promoted"), "version": result.manifest.get("version")}
+
+
+def gate_decision(config: RunConfig | str, run_id: str, overrides: list[str] | None = None,
+                  **uris: str | None) -> dict[str, Any]:
+    """The gate as a decision instead of an error: a scheduler skips promotion when `passed` is false.
+    The decision record is stored either way."""
+    from pipeline.stages.gate import GateFailed
+
+    try:
+        return {**run_stage("gate", config, run_id, overrides, **uris), "passed": True}
+    except GateFailed as failed:
+        return {"passed": False, "reasons": str(failed)}
+
+
+def run_shard(stage: str, config: RunConfig | str, snapshot: str, shard: str, overrides: list[str] | None = None,
+              **uris: str | None) -> dict[str, Any]:
+    """One shard of generate or capture (a mapped task); the plain stage publishes when all are done."""
+    from pipeline.stages import capture, generate
+
+    if stage not in SHARD_STAGES:
+        raise ValueError(f"stage {stage!r} is not run per shard; shard stages: {', '.join(SHARD_STAGES)}")
+    if isinstance(config, str):
+        config = load_config(config, overrides)
+    store = open_store(config.storage)
+    inputs = {**_defaults(config, store, snapshot, snapshot), **{k: v for k, v in uris.items() if v}}
+    if stage == "generate":
+        return generate.run_shard(config, inputs["prompts_uri"], snapshot, shard, store)
+    return capture.run_shard(config, inputs["responses_uri"], snapshot, shard, store)
+
+
+PARAM_OVERRIDES = {
+    "num_samples": "prompts.num_samples", "shard_size": "prompts.shard_size", "sources": "prompts.sources",
+    "epochs": "train.epochs", "init": "train.init", "init_from": "train.init_from",
+    "min_cond_acc_0": "gate.min_cond_acc", "min_tau_simulated": "gate.min_tau_simulated",
+}
+
+
+def param_overrides(params: dict[str, Any]) -> list[str]:
+    """Dotted overrides from a scheduler's trigger form: the named fields that were filled in, then
+    the free-form `overrides` list (which wins)."""
+    import json
+
+    overrides = []
+    for name, path in PARAM_OVERRIDES.items():
+        value = params.get(name)
+        if value in (None, "", []):
+            continue
+        if name == "min_cond_acc_0":
+            value = [value]
+        overrides.append(f"{path}={json.dumps(value)}")
+    return overrides + list(params.get("overrides") or [])
+
+
+def plan_run(params: dict[str, Any], scheduler_run_id: str) -> dict[str, Any]:
+    """What every task of a data run needs: the config path, its overrides and a safe run id.
+    The config is loaded here once so a bad trigger form fails the first task, clearly."""
+    from pipeline.ids import safe_id
+
+    overrides = param_overrides(params)
+    load_config(params["config"], overrides)
+    return {"config": params["config"], "overrides": overrides, "run_id": safe_id(scheduler_run_id)}
+
+
+def plan_training(params: dict[str, Any], scheduler_run_id: str, asset_extras: list[dict[str, Any]]) -> dict[str, Any]:
+    """A training run's plan. Triggered by a published dataset, it trains on that dataset with the
+    config that made it; triggered by hand or by the cron, on the given or the newest dataset."""
+    run = plan_run(params, scheduler_run_id)
+    if asset_extras and not params.get("dataset_uri"):
+        made_by = asset_extras[-1]
+        run["config"] = made_by.get("config", run["config"])
+        run["overrides"] = list(made_by.get("overrides") or []) + run["overrides"]
+        dataset_uri = made_by["dataset_uri"]
+    else:
+        dataset_uri = resolve_dataset(run["config"], run["overrides"], params.get("dataset_uri") or None)
+    run["dataset_uri"] = dataset_uri
+    run["prompts_uri"] = prompts_uri_of(run["config"], run["overrides"], dataset_uri)
+    return run
 
 
 def resolve_dataset(config: RunConfig | str, overrides: list[str] | None, dataset_uri: str | None) -> str:

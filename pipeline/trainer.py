@@ -305,7 +305,7 @@ class Trainer:
         progress = Progress(total=self.steps_per_epoch * settings.epochs, desc="train", unit="step",
                             enabled=self.rank == 0)
         progress.update(state["global_step"])
-        started = time.monotonic()
+        started, first_step = time.monotonic(), state["global_step"]
         while state["epoch"] < settings.epochs and state["stop_reason"] is None:
             self.run_epoch(progress)
         progress.close()
@@ -313,7 +313,8 @@ class Trainer:
                   "global_steps": state["global_step"], "world_size": self.world, "history": state["history"],
                   "draft_vocab_size": self.model.arch.draft_vocab_size, "teacher": self.teacher,
                   "train_samples": sum(s.samples for s in self.shards),
-                  "seconds_this_attempt": round(time.monotonic() - started, 1)}
+                  "seconds_this_attempt": round(time.monotonic() - started, 1),
+                  "steps_this_attempt": state["global_step"] - first_step, "steps_per_epoch": self.steps_per_epoch}
         if self.rank == 0:
             export_drafter(self.engine.module.drafter, self.spec["contract"], self.workdir / "drafter",
                            self.config.drafter.export_dtype)

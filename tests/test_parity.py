@@ -90,6 +90,8 @@ def server(**changes):
     ({"chunked_prefill_size": 2048}, "chunked_prefill_size 2048"),
     ({"enable_return_aux_hidden_states": False}, "needs --enable-return-aux-hidden-states"),
     ({"chunked_prefill_size": "absent"}, "cannot be verified"),
+    ({"version": "0.5.14"}, "runs SGLang 0.5.14; captures are coded to 0.5.23"),
+    ({"version": "absent"}, "runs SGLang (unreported)"),
 ])
 def test_capture_servers_must_agree_with_the_contract(changes, problem):
     problems = capture_server_problems(server(**changes), [1, 29, 57], 61, 4096, aux_server=True, prompt_logprobs=False)

@@ -95,3 +95,19 @@ def test_a_deliberately_weak_drafter_fails_the_gate_that_the_trained_one_passes(
     assert decision["passed"] is False and decision["reasons"]
     refused = drafter("promote", "--config", str(e2e["config"]), *weak, env=e2e["env"])
     assert refused.returncode == 1 and "the gate did not pass" in refused.stderr
+
+
+def test_plan_takes_rates_measured_by_the_finished_run(e2e):
+    result = drafter("plan", "--config", str(e2e["config"]), "--samples", "200000", "--measured-from", "e2e-run",
+                     "--json", env=e2e["env"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert set(report["rates_source"].values()) == {"measured"}, report["rates_source"]
+    assert report["measured_from"]["run_id"] == "e2e-run" and report["measured_from"]["capture_shards_timed"] >= 2
+    assert all(rate > 0 for rate in report["rates"].values())
+    # the measured tokens per conversation are the dataset's own
+    summary = json.loads(drafter("plan", "--config", str(e2e["config"]), "--samples", "1000", "--measured-from",
+                                 "e2e-run", "--json", env=e2e["env"]).stdout)
+    assert summary["tokens"]["per_sample"] == report["tokens"]["per_sample"] > 0
+    assert report["tokens"]["captured"] == pytest.approx(200 * summary["tokens"]["captured"], rel=1e-3)
+    assert report["stages"]["capture"]["gpu_hours"] > 0 and report["stages"]["train"]["wall_hours"] > 0

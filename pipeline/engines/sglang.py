@@ -30,6 +30,9 @@ from pipeline.config import SGLangClientConfig
 from pipeline.engines import Capture, EngineError, Generation, SamplingParams, TeacherRequest
 
 log = logging.getLogger(__name__)
+# The one SGLang version captures and serving run on (layer-id semantics changed between releases);
+# docker/sglang.Dockerfile installs exactly this one.
+SGLANG_VERSION = "0.5.23"
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 
 
@@ -219,6 +222,9 @@ def capture_server_problems(info: dict[str, Any], aux_layer_ids: list[int] | Non
     EAGLE3 default layers, which in draft-config ids are [1, N//2 - 1, N - 4].
     """
     problems = []
+    version = str(info.get("version", ""))
+    if version.split("-")[0] != SGLANG_VERSION:
+        problems.append(f"the server runs SGLang {version or '(unreported)'}; captures are coded to {SGLANG_VERSION}")
 
     def setting(key):
         if key not in info:

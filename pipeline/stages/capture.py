@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -141,7 +142,9 @@ def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore
     tokenizer = load_tokenizer(target.model_dir)
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
-    parity = verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
+    unfinished = [s for s in responses["shards"] if _finished_marker(store, prefix, s, contract) is None]
+    parity = verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses) \
+        if unfinished else {"skipped": "every shard was already captured (the engine was checked before that)"}
     counts: Counter = Counter()
     objects: list[ObjectInfo] = []
     shards, quarantine = [], []
@@ -202,6 +205,31 @@ def verify_engine(config: RunConfig, engine: CaptureEngine, target: TargetInfo, 
     return report.as_dict()
 
 
+def run_shard(config: RunConfig, responses_uri: str, snapshot: str, shard_name: str,
+              store: ObjectStore | None = None) -> dict[str, Any]:
+    """One response shard (a mapped scheduler task); `run` then publishes once every shard is done."""
+    store = store or open_store(config.storage)
+    in_prefix = store.key_for(responses_uri)
+    responses = read_manifest(store, in_prefix, kind="responses")
+    shard = next((s for s in responses["shards"] if s["name"] == shard_name), None)
+    if shard is None:
+        raise CaptureFailed(f"{responses_uri} has no shard {shard_name!r}")
+    target = describe_target(config)
+    engine = make_engine(config, target)
+    contract = contract_for(config, target, engine).model_dump(mode="json")
+    prefix = layout.captures_prefix(config.target.name, snapshot)
+    marker = _finished_marker(store, prefix, shard, contract)
+    if marker is None:
+        progress = Progress(total=shard["samples"], desc=f"capture {shard_name}", unit="sample")
+        with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
+            marker = _capture_shard(store, prefix, shard, decode_jsonl(read_listed(store, in_prefix, responses,
+                                                                                   shard_name)),
+                                    engine, load_tokenizer(target.model_dir), config, target, contract, Path(tmp),
+                                    progress)
+        progress.close()
+    return {"shard": shard_name, "counts": marker["counts"]}
+
+
 def parity(config: RunConfig, responses_uri: str, store: ObjectStore | None = None) -> dict[str, Any]:
     """The parity check on its own (a scheduler task before a long capture): report, or ParityFailed."""
     store = store or open_store(config.storage)
@@ -235,11 +263,15 @@ def _capture_shard(store: ObjectStore, prefix: str, response_shard: dict[str, An
                    engine: CaptureEngine, tokenizer, config: RunConfig, target: TargetInfo,
                    contract: dict[str, Any], tmp: Path, progress: Progress) -> dict[str, Any]:
     """Capture one response shard into one capture shard; the marker is written after the data."""
+    from pipeline.stages.generate import engine_servers
+
+    started = time.monotonic()
     counts: Counter = Counter()
     quarantine: list[dict[str, str]] = []
     samples = capture_records(records, engine, tokenizer, config, target, contract["aux_layer_ids"], counts,
                               progress, quarantine)
     marker: dict[str, Any] = {"shard": None, "counts": dict(counts), "quarantine": quarantine, "contract": contract}
+    timing = {"servers": engine_servers(config.capture)}
     if samples:
         name = response_shard["name"].replace(".jsonl", ".safetensors")
         path = tmp / name
@@ -250,6 +282,7 @@ def _capture_shard(store: ObjectStore, prefix: str, response_shard: dict[str, An
                        "shard": {"name": name, "split": response_shard["split"], **stats}})
     else:
         log.warning("capture: shard %s produced no valid samples: %s", response_shard["name"], dict(counts))
+    marker["timing"] = {"seconds": round(time.monotonic() - started, 3), **timing}
     store.put_bytes(_marker_key(prefix, response_shard), json.dumps(marker).encode())
     return marker
 

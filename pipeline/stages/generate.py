@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from pipeline import layout
@@ -118,9 +119,15 @@ def _finished_parts(store: ObjectStore, prefix: str, shard_name: str) -> dict[st
     return done
 
 
+def engine_servers(section) -> int:
+    """How many servers a stage's engine spreads over (the in-process engine counts as one)."""
+    return len(section.sglang.urls) if section.engine == "sglang" and section.sglang else 1
+
+
 def generate_shard(store: ObjectStore, prefix: str, shard: dict[str, Any], records: list[dict[str, Any]],
                    engine: GenerationEngine, tokenizer, config: RunConfig, progress: Progress) -> dict[str, Any]:
     """Regenerate one shard part by part; a rerun skips every record an earlier attempt finished."""
+    started = time.monotonic()
     earlier = _finished_parts(store, prefix, shard["name"])
     todo = [r for r in records if r["id"] not in earlier]
     progress.update(len(records) - len(todo))
@@ -138,11 +145,34 @@ def generate_shard(store: ObjectStore, prefix: str, shard: dict[str, Any], recor
     info = store.put_bytes(f"{prefix}/{shard['name']}", encode_jsonl(ordered))
     counts = {"succeeded": len(todo) - len(failures), "skipped": len(records) - len(todo), "failed": len(failures)}
     marker = {"bytes": info.bytes, "sha256": info.sha256, "failures": failures, "counts": counts,
-              "shard": {"name": shard["name"], "split": shard["split"], "samples": len(ordered)}}
+              "shard": {"name": shard["name"], "split": shard["split"], "samples": len(ordered)},
+              "timing": {"seconds": round(time.monotonic() - started, 3), "servers": engine_servers(config.generate)}}
     store.put_bytes(_marker_key(prefix, shard["name"]), json.dumps(marker).encode())
     for key in store.list(parts_prefix):
         store.delete(key)
     return marker
+
+
+def run_shard(config: RunConfig, prompts_uri: str, snapshot: str, shard_name: str,
+              store: ObjectStore | None = None) -> dict[str, Any]:
+    """One prompt shard (a mapped scheduler task); `run` then publishes once every shard is done."""
+    store = store or open_store(config.storage)
+    in_prefix = store.key_for(prompts_uri)
+    prompts = read_manifest(store, in_prefix, kind="prompts")
+    shard = next((s for s in prompts["shards"] if s["name"] == shard_name), None)
+    if shard is None:
+        raise GenerationFailed(f"{prompts_uri} has no shard {shard_name!r}")
+    prefix = layout.responses_prefix(config.target.name, snapshot)
+    marker = _finished_shard(store, prefix, shard_name)
+    if marker is None:
+        from pipeline.target import load_tokenizer
+
+        progress = Progress(total=shard["samples"], desc=f"generate {shard_name}", unit="conv")
+        records = decode_jsonl(read_listed(store, in_prefix, prompts, shard_name))
+        marker = generate_shard(store, prefix, shard, records, make_engine(config),
+                                load_tokenizer(resolve_model_dir(config)), config, progress)
+        progress.close()
+    return {"shard": shard_name, "samples": marker["shard"]["samples"], "failed": len(marker["failures"])}
 
 
 def run(config: RunConfig, prompts_uri: str, snapshot: str, store: ObjectStore | None = None) -> StageResult:

@@ -1,0 +1,31 @@
+# SGLang servers (generation, capture, serving promoted drafters) and the benchmark stage, which
+# starts baseline / NGRAM / EAGLE3 servers in turn on one 8-GPU node.
+#   docker build -f docker/sglang.Dockerfile -t drafter-sglang:0.1.0 .
+#
+# SGLang 0.5.23's wheel pins torch==2.14.1, transformers==5.19.0, tokenizers==0.23.2 and CUDA 13
+# (cuda-python>=13), while the pipeline's own environment pins torch 2.13, transformers 5.24.0 and
+# tokenizers 0.23.3 (pyproject.toml). So this image is SGLang's environment, and the pipeline is added
+# without those pins and without deepspeed (the `drafter` CLI: pull, verify, benchmark, and the
+# generate/capture clients). One SGLang version for capture and serving: it must equal
+# pipeline.engines.sglang.SGLANG_VERSION (tests/test_deploy.py checks this).
+FROM nvidia/cuda:13.0.1-cudnn-devel-ubuntu22.04
+
+ARG SGLANG_VERSION=0.5.23
+RUN apt-get update && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev \
+        build-essential git libnuma1 && rm -rf /var/lib/apt/lists/*
+RUN python3.11 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+RUN pip install --no-cache-dir "sglang==${SGLANG_VERSION}"
+
+WORKDIR /opt/drafter
+COPY pyproject.toml README.md ./
+COPY pipeline ./pipeline
+COPY configs ./configs
+# the pipeline's pinned requirements, less the ones SGLang's environment decides
+ENV SGLANG_DECIDES="torch transformers tokenizers deepspeed"
+RUN python -c "import os, tomllib; SGLANG_DECIDES = os.environ['SGLANG_DECIDES'].split(); deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+print('\n'.join(d for d in deps if d.split('=')[0] not in SGLANG_DECIDES))" > /tmp/requirements.txt \
+ && pip install --no-cache-dir -r /tmp/requirements.txt && pip install --no-cache-dir --no-deps .
+ENV DS_ACCELERATOR=cuda
+EXPOSE 30000
+CMD ["python", "-m", "sglang.launch_server", "--help"]

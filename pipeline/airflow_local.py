@@ -1,0 +1,162 @@
+"""A local Airflow for the drafter DAGs: api-server, scheduler, dag-processor and triggerer, all on
+127.0.0.1, with a login from a file. It runs the `airflow` commands as separate processes (this module
+imports nothing from Airflow) and stops them by PID.
+
+    python -m pipeline.airflow_local up [--home .drafter/airflow] [--port 8080]
+    python -m pipeline.airflow_local down [--home ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipeline.config import PROJECT_ROOT
+
+COMPONENTS = {
+    "api-server": ["api-server", "--host", "127.0.0.1", "--port", "{port}"],
+    "scheduler": ["scheduler", "--skip-serve-logs"],
+    "dag-processor": ["dag-processor"],
+    "triggerer": ["triggerer", "--skip-serve-logs"],
+}
+USER = "admin"
+
+
+def airflow_env(home: Path, port: int, overrides: dict[str, str | None] | None = None) -> dict[str, str]:
+    """The components' environment; `overrides` set variables, or remove them where the value is None."""
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+        "AIRFLOW__SCHEDULER__ENABLE_HEALTH_CHECK": "False",
+        "AIRFLOW__API__BASE_URL": f"http://127.0.0.1:{port}",
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+        "DRAFTER_DEPLOYMENT": os.environ.get("DRAFTER_DEPLOYMENT", str(PROJECT_ROOT / "configs/deployment/local.yaml")),
+        "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    for name, value in (overrides or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def login_file(home: Path) -> Path:
+    """{"admin": "<password>"}, created once with a random password; the UI and REST API use it."""
+    path = home / "passwords.json"
+    if not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({USER: secrets.token_urlsafe(12)}))
+        path.chmod(0o600)
+    return path
+
+
+def _airflow() -> str:
+    return str(Path(sys.executable).with_name("airflow"))
+
+
+def wait_healthy(port: int, timeout_s: float) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            health = requests.get(f"http://127.0.0.1:{port}/api/v2/monitor/health", timeout=30).json()
+            if all(health.get(part, {}).get("status") == "healthy" for part in ("metadatabase", "scheduler")):
+                return
+        except (requests.RequestException, ValueError):
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"Airflow on 127.0.0.1:{port} did not become healthy in {timeout_s:.0f}s")
+
+
+def up(home: Path, port: int, timeout_s: float = 300, env: dict[str, str | None] | None = None) -> dict[str, int]:
+    """Start the four components; returns their PIDs (also written to <home>/pids.json)."""
+    home = home.resolve()
+    login_file(home)
+    env = airflow_env(home, port, env)
+    (home / "logs").mkdir(parents=True, exist_ok=True)
+    subprocess.run([_airflow(), "db", "migrate"], env=env, check=True, capture_output=True)
+    subprocess.run([_airflow(), "pools", "set", "drafter_gpu", "1", "GPU-bound drafter tasks"], env=env, check=True,
+                   capture_output=True)
+    pids = {}
+    for name, args in COMPONENTS.items():
+        log = open(home / "logs" / f"{name}.log", "ab")
+        command = [_airflow()] + [a.format(port=port) for a in args]
+        pids[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT,
+                                      start_new_session=True).pid
+    (home / "pids.json").write_text(json.dumps({"port": port, "pids": pids}))
+    try:
+        wait_healthy(port, timeout_s)
+    except RuntimeError:
+        down(home)
+        raise
+    return pids
+
+
+def down(home: Path) -> None:
+    """SIGTERM every component's process group, then SIGKILL what is left after a grace period."""
+    pid_file = home.resolve() / "pids.json"
+    if not pid_file.exists():
+        return
+    pids = json.loads(pid_file.read_text())["pids"].values()
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.2)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+    pid_file.unlink()
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=["up", "down"])
+    parser.add_argument("--home", default=str(PROJECT_ROOT / ".drafter" / "airflow"))
+    parser.add_argument("--port", type=int, default=8080)
+    args = parser.parse_args()
+    home = Path(args.home)
+    if args.action == "down":
+        down(home)
+        print("stopped")
+        return
+    up(home, args.port)
+    print(f"Airflow UI: http://127.0.0.1:{args.port}  user: {USER}  password: in {login_file(home)}")
+    print(f"stop with: python -m pipeline.airflow_local down --home {home}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""Capacity plan for a data + training run: storage per capture encoding, GPU-hours and wall time of
+generation, capture and training for given replica counts, and the S3 bill.
+
+Rates come from the config's `plan` section (stated assumptions) or are measured from a finished
+pilot run (`measured_rates`): token counts per conversation from its dataset, generation and capture
+throughput from the timing every shard marker records, training throughput from the trainer's result.
+Bytes per token are measured by writing a synthetic shard of the target's shape with the real writer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import PlanAssumptions, RunConfig
+
+TB = 1e12
+GB = 1e9
+ENCODINGS = [("fp8", ("topk",)), ("fp8", ("last_hidden",)), ("bf16", ("topk",)), ("bf16", ("last_hidden",))]
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass
+class TargetShape:
+    hidden_size: int
+    vocab_size: int
+    gpus_per_server: int
+
+
+def target_shape(config: RunConfig) -> TargetShape:
+    """The target's dimensions from the config (a tiny target's recipe, else the declared sizes)."""
+    target = config.target
+    if target.source == "tiny" and target.tiny is not None:
+        return TargetShape(target.tiny.hidden_size, target.tiny.vocab_size, target.tensor_parallel)
+    if target.hidden_size is None or target.vocab_size is None:
+        raise PlanError("planning needs target.hidden_size and target.vocab_size in the config")
+    return TargetShape(target.hidden_size, target.vocab_size, target.tensor_parallel)
+
+
+@functools.lru_cache(maxsize=64)
+def shard_bytes_per_token(hidden_size: int, encoding: str, teacher: tuple[str, ...], topk: int,
+                          sample_tokens: int = 256) -> float:
+    """Bytes one captured token costs in a shard: two synthetic samples of different lengths written
+    by the real shard writer; the slope is the per-token cost (per-sample headers cancel out)."""
+    import torch
+
+    from pipeline.capture_shard import CaptureSample, write_shard
+
+    def size(tokens: int) -> int:
+        generator = torch.Generator().manual_seed(tokens)
+        logprobs = torch.log_softmax(torch.randn(tokens, 4 * topk, generator=generator), -1).topk(topk, -1)
+        sample = CaptureSample(
+            "plan", torch.randint(0, 1000, (tokens,), generator=generator), torch.ones(tokens, dtype=torch.uint8),
+            torch.randn(tokens, 3 * hidden_size, generator=generator),
+            torch.randn(tokens, hidden_size, generator=generator) if "last_hidden" in teacher else None,
+            logprobs.indices if "topk" in teacher else None, logprobs.values if "topk" in teacher else None)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "plan.safetensors"
+            write_shard([sample], path, encoding)
+            return path.stat().st_size
+
+    short = max(8, sample_tokens // 4)
+    return (size(sample_tokens) - size(short)) / (sample_tokens - short)
+
+
+def measured_rates(config: RunConfig, run_id: str) -> dict[str, Any]:
+    """Per-conversation tokens and throughputs of a finished pilot run (its train stage and the dataset
+    it trained on), as PlanAssumptions fields plus where each came from."""
+    from pipeline import layout
+    from pipeline.manifest import read_listed, read_manifest
+    from pipeline.stages.capture import _finished_marker
+    from pipeline.stages.generate import _finished_shard
+    from pipeline.storage import open_store
+
+    store = open_store(config.storage)
+    train_prefix = f"{layout.run_prefix(run_id)}/train"
+    train = read_manifest(store, train_prefix, kind="train")
+    dataset = read_manifest(store, store.key_for(train["dataset"]), kind="dataset")
+    capture_prefix = store.key_for(dataset["captures"][0])
+    capture = read_manifest(store, capture_prefix, kind="capture")
+    responses_prefix = store.key_for(capture["responses"])
+    responses = read_manifest(store, responses_prefix, kind="responses")
+    totals = dataset["totals"]["train"]
+    if not totals["samples"]:
+        raise PlanError(f"run {run_id}'s dataset has no training samples to measure")
+    rates: dict[str, Any] = {
+        "prompt_tokens_mean": (totals["tokens"] - totals["assistant_tokens"]) / totals["samples"],
+        "response_tokens_mean": totals["assistant_tokens"] / totals["samples"],
+    }
+    captured = {shard["name"].replace(".safetensors", ".jsonl"): shard
+                for shard in dataset["train_shards"] + dataset["eval_shards"]}
+    generate_rates, capture_rates = [], []
+    for shard in responses["shards"]:
+        stats = captured.get(shard["name"])
+        generated = _finished_shard(store, responses_prefix, shard["name"]) or {}
+        timing = generated.get("timing")
+        if stats and timing and timing["seconds"] > 0 and not generated["counts"].get("skipped"):
+            generate_rates.append(stats["assistant_tokens"] / timing["seconds"] / timing["servers"])
+        marker = _finished_marker(store, capture_prefix, shard, capture["contract"]) or {}
+        timing = marker.get("timing")
+        if stats and timing and timing["seconds"] > 0:
+            capture_rates.append(stats["tokens"] / timing["seconds"] / timing["servers"])
+    if generate_rates:
+        rates["generate_tok_s_per_server"] = statistics.median(generate_rates)
+    if capture_rates:
+        rates["capture_tok_s_per_server"] = statistics.median(capture_rates)
+    result = json.loads(read_listed(store, train_prefix, train, "train_result.json"))
+    steps, seconds = result.get("steps_this_attempt"), result.get("seconds_this_attempt")
+    if steps and seconds and result.get("steps_per_epoch"):
+        epochs = steps / result["steps_per_epoch"]
+        rates["train_tok_s_per_gpu"] = totals["tokens"] * epochs / seconds / result["world_size"]
+    return {"rates": rates, "source": {"run_id": run_id, "dataset": train["dataset"],
+                                       "generate_shards_timed": len(generate_rates),
+                                       "capture_shards_timed": len(capture_rates)}}
+
+
+def plan(config: RunConfig, samples: int, generate_servers: int | None = None, capture_servers: int | None = None,
+         train_nodes: int | None = None, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The capacity plan as a dict (numbers rounded for reading)."""
+    if samples < 1:
+        raise PlanError("--samples must be at least 1")
+    assumptions = config.plan.model_copy(update=(measured or {}).get("rates", {}))
+    shape = target_shape(config)
+    servers = {"generate": generate_servers or _servers(config.generate), "capture": capture_servers or _servers(config.capture)}
+    nodes = train_nodes or _hostfile_nodes(config) or assumptions.train_nodes
+    train_gpus = nodes * config.train.nproc
+
+    response_tokens = min(assumptions.response_tokens_mean, config.generate.max_new_tokens * assumptions.assistant_turns)
+    tokens_per_sample = min(assumptions.prompt_tokens_mean + response_tokens, config.capture.max_length)
+    captured_tokens = samples * tokens_per_sample
+    train_tokens = captured_tokens * (1 - config.prompts.eval_fraction)
+    generated_tokens = samples * response_tokens
+
+    storage = _storage(config, shape, captured_tokens, assumptions)
+    stages = {
+        "generate": _gpu_stage(generated_tokens, assumptions.generate_tok_s_per_server * servers["generate"],
+                               servers["generate"] * shape.gpus_per_server, f"{servers['generate']} SGLang servers"),
+        "capture": _gpu_stage(captured_tokens, assumptions.capture_tok_s_per_server * servers["capture"],
+                              servers["capture"] * shape.gpus_per_server, f"{servers['capture']} SGLang servers"),
+        "train": _gpu_stage(train_tokens * config.train.epochs, assumptions.train_tok_s_per_gpu * train_gpus,
+                            train_gpus, f"{nodes} node(s) x {config.train.nproc} GPUs, {config.train.epochs} epochs"),
+    }
+    gpu_hours = sum(stage["gpu_hours"] for stage in stages.values())
+    chosen = storage["encodings"][f"{config.capture.encoding}+{'+'.join(config.capture.teacher)}"]
+    s3 = _s3_cost(chosen["bytes"], storage["text_bytes"], config, assumptions, samples)
+    return {
+        "target": config.target.name, "samples": samples,
+        "tokens": {"prompt_mean": round(assumptions.prompt_tokens_mean, 1), "response_mean": round(response_tokens, 1),
+                   "per_sample": round(tokens_per_sample, 1), "captured": round(captured_tokens),
+                   "generated": round(generated_tokens), "trained_per_epoch": round(train_tokens)},
+        "rates": {key: round(getattr(assumptions, key), 2) for key in
+                  ("generate_tok_s_per_server", "capture_tok_s_per_server", "train_tok_s_per_gpu")},
+        "rates_source": {key: ("measured" if key in (measured or {}).get("rates", {}) else "configured")
+                         for key in ("prompt_tokens_mean", "response_tokens_mean", "generate_tok_s_per_server",
+                                     "capture_tok_s_per_server", "train_tok_s_per_gpu")},
+        "measured_from": (measured or {}).get("source"),
+        "storage": storage, "stages": stages,
+        "total": {"gpu_hours": round(gpu_hours, 1), "gpu_usd": round(gpu_hours * assumptions.gpu_hour_usd),
+                  "wall_hours": round(sum(stage["wall_hours"] for stage in stages.values()), 1),
+                  "s3_usd": s3, "usd": round(gpu_hours * assumptions.gpu_hour_usd + s3["total_usd"])},
+        "assumptions": assumptions.model_dump(),
+    }
+
+
+def _servers(section) -> int:
+    from pipeline.stages.generate import engine_servers
+
+    return engine_servers(section)
+
+
+def _hostfile_nodes(config: RunConfig) -> int | None:
+    if not config.train.hostfile or not Path(config.train.hostfile).is_file():
+        return None
+    lines = [line for line in Path(config.train.hostfile).read_text().splitlines() if line.strip()
+             and not line.lstrip().startswith("#")]
+    return len(lines) or None
+
+
+def _gpu_stage(tokens: float, tokens_per_second: float, gpus: int, layout: str) -> dict[str, Any]:
+    wall_hours = tokens / tokens_per_second / 3600
+    return {"tokens": round(tokens), "tok_s": round(tokens_per_second, 1), "gpus": gpus, "layout": layout,
+            "wall_hours": round(wall_hours, 2), "gpu_hours": round(wall_hours * gpus, 1)}
+
+
+def _storage(config: RunConfig, shape: TargetShape, captured_tokens: float, assumptions: PlanAssumptions) -> dict:
+    topk = config.capture.teacher_topk
+    encodings = {}
+    for encoding, teacher in ENCODINGS + [(config.capture.encoding, tuple(config.capture.teacher))]:
+        name = f"{encoding}+{'+'.join(teacher)}"
+        if name in encodings:
+            continue
+        per_token = shard_bytes_per_token(shape.hidden_size, encoding, teacher, topk)
+        total = per_token * captured_tokens
+        encodings[name] = {"bytes_per_token": round(per_token, 1), "bytes": round(total), "tb": round(total / TB, 2),
+                           "usd_per_month": round(total / GB * assumptions.s3_gb_month_usd)}
+    plain = (3 + 1) * shape.hidden_size * 2  # 3 aux + the last hidden state in bf16, what other tools store
+    text_bytes = captured_tokens * assumptions.text_bytes_per_token * 2  # prompts + responses JSONL
+    return {"encodings": encodings, "chosen": f"{config.capture.encoding}+{'+'.join(config.capture.teacher)}",
+            "plain_bf16_bytes_per_token": plain, "plain_bf16_tb": round(plain * captured_tokens / TB, 2),
+            "text_bytes": round(text_bytes), "text_gb": round(text_bytes / GB, 1)}
+
+
+def _s3_cost(capture_bytes: float, text_bytes: float, config: RunConfig, assumptions: PlanAssumptions,
+             samples: int) -> dict[str, Any]:
+    part = config.storage.multipart_threshold_mb * 2**20
+    shards = -(-samples // config.prompts.shard_size)
+    puts = shards * (3 + max(1, capture_bytes / shards / part)) + 4 * shards  # text, capture parts, markers
+    # training reads every capture shard once per epoch per node when the shard cache cannot hold it all
+    gets = config.train.epochs * max(1, capture_bytes / part)
+    storage_usd = (capture_bytes + text_bytes) / GB * assumptions.s3_gb_month_usd * assumptions.retention_months
+    requests_usd = puts / 1000 * assumptions.s3_put_per_1000_usd + gets / 1000 * assumptions.s3_get_per_1000_usd
+    return {"storage_usd": round(storage_usd), "requests_usd": round(requests_usd, 2),
+            "put_requests": round(puts), "get_requests": round(gets),
+            "total_usd": round(storage_usd + requests_usd)}
+
+
+def format_plan(report: dict[str, Any]) -> str:
+    """The plan as a readable text table."""
+    lines = [f"capacity plan: {report['target']}, {report['samples']:,} conversations",
+             f"tokens per conversation: prompt {report['tokens']['prompt_mean']:,} + response "
+             f"{report['tokens']['response_mean']:,} -> {report['tokens']['per_sample']:,} captured; "
+             f"{report['tokens']['captured']:,} captured in all",
+             "", "storage (captures, per encoding):",
+             f"  {'encoding':<24}{'bytes/token':>12}{'TB':>10}{'$/month':>10}"]
+    for name, row in report["storage"]["encodings"].items():
+        mark = "  <- config" if name == report["storage"]["chosen"] else ""
+        lines.append(f"  {name:<24}{row['bytes_per_token']:>12,.0f}{row['tb']:>10,.2f}{row['usd_per_month']:>10,}{mark}")
+    lines.append(f"  {'plain bf16 (3 aux+last)':<24}{report['storage']['plain_bf16_bytes_per_token']:>12,}"
+                 f"{report['storage']['plain_bf16_tb']:>10,.2f}")
+    lines += [f"  prompts + responses JSONL: {report['storage']['text_gb']:,} GB", "",
+              "compute:", f"  {'stage':<10}{'tokens':>16}{'tok/s':>12}{'GPUs':>6}{'wall h':>9}{'GPU h':>10}  layout"]
+    for name, stage in report["stages"].items():
+        lines.append(f"  {name:<10}{stage['tokens']:>16,}{stage['tok_s']:>12,.0f}{stage['gpus']:>6}"
+                     f"{stage['wall_hours']:>9,.1f}{stage['gpu_hours']:>10,.1f}  {stage['layout']}")
+    total, s3 = report["total"], report["total"]["s3_usd"]
+    lines += ["", f"total: {total['gpu_hours']:,} GPU-hours (${total['gpu_usd']:,}), {total['wall_hours']:,} h wall "
+                  f"if the stages run one after another",
+              f"S3: ${s3['storage_usd']:,} storage for {report['assumptions']['retention_months']:g} month(s) + "
+              f"${s3['requests_usd']:,} requests "
+              f"({s3['put_requests']:,} PUT, {s3['get_requests']:,} GET); all in: ${total['usd']:,}",
+              "rates: " + ", ".join(f"{k} {v:,} ({report['rates_source'][k]})" for k, v in report["rates"].items())]
+    if report["measured_from"]:
+        lines.append(f"measured from run {report['measured_from']['run_id']} ({report['measured_from']['dataset']})")
+    return "\n".join(lines)

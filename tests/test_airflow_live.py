@@ -1,0 +1,230 @@
+"""A real running Airflow (api-server, scheduler, dag-processor, triggerer on 127.0.0.1, started the
+way users start it) with the drafter DAGs, S3 on moto's server and credentials only in the
+`aws_default` connection:
+
+- drafter_data triggered through the REST API succeeds, publishes the dataset Asset, and the
+  Asset-scheduled drafter_train runs and promotes; the registry shows the version.
+- In Debian's chromium driven by playwright: log in, open drafter_train's trigger form, fill params,
+  trigger; the run succeeds. The screenshots are kept in test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from tests.conftest import REPO, storage_config, tiny_config_dict
+
+pytestmark = pytest.mark.slow
+
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+# distinctive so the log scan below cannot miss it; moto accepts any credentials
+ACCESS_KEY, SECRET_KEY = "AKIADRAFTERLIVETEST", "drafter-live-secret-7f3a9c"
+DEPLOYMENT = {"executor": "local", "aws_conn_id": "aws_default", "retry_delay_seconds": 5,
+              "retrain_cron": None,  # only the Asset schedules drafter_train here
+              "stages": {stage: {"use_pool": True, "retries": 0, "timeout_minutes": 20}
+                         for stage in ("generate", "parity", "capture", "train", "evaluate", "benchmark")}}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class AirflowClient:
+    """The REST API v2 with a bearer token from the simple auth manager's login."""
+
+    def __init__(self, base: str, password: str):
+        self.base = base
+        token = requests.post(f"{base}/auth/token", json={"username": "admin", "password": password}, timeout=60)
+        token.raise_for_status()
+        self.headers = {"Authorization": f"Bearer {token.json()['access_token']}"}
+
+    def call(self, method: str, path: str, **kwargs) -> requests.Response:
+        return requests.request(method, f"{self.base}/api/v2{path}", headers=self.headers, timeout=60, **kwargs)
+
+    def get(self, path: str, **kwargs) -> dict:
+        response = self.call("GET", path, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def runs(self, dag_id: str) -> list[dict]:
+        return self.get(f"/dags/{dag_id}/dagRuns", params={"limit": 100})["dag_runs"]
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
+        instances = self.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 100})
+        return {f"{ti['task_id']}[{ti['map_index']}]" if ti["map_index"] >= 0 else ti["task_id"]: ti["state"]
+                for ti in instances["task_instances"]}
+
+    def wait_for_run(self, dag_id: str, run_id: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            run = self.get(f"/dags/{dag_id}/dagRuns/{run_id}")
+            if run["state"] in ("success", "failed"):
+                return run
+            time.sleep(3)
+        raise AssertionError(f"{dag_id} run {run_id} did not finish in {timeout_s:.0f}s: "
+                             f"{self.task_states(dag_id, run_id)}")
+
+
+def _wait_for_dags(client: AirflowClient, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        errors = client.get("/importErrors")
+        assert errors["total_entries"] == 0, errors
+        ids = {dag["dag_id"] for dag in client.get("/dags")["dags"]}
+        if {"drafter_data", "drafter_train"} <= ids:
+            return
+        time.sleep(2)
+    raise AssertionError("the dag-processor did not register drafter_data and drafter_train")
+
+
+def _failure_detail(home: Path, client: AirflowClient, dag_id: str, run_id: str) -> str:
+    lines = [f"{dag_id} {run_id}: {client.task_states(dag_id, run_id)}"]
+    for log in sorted((home / "logs").rglob("*.log"))[-6:]:
+        lines.append(f"--- {log.relative_to(home)}\n{log.read_text(errors='replace')[-3000:]}")
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module")
+def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir):
+    from pipeline import airflow_local
+
+    home = tmp_path_factory.mktemp("airflow-live")
+    deployment = home / "deployment.yaml"
+    deployment.write_text(yaml.safe_dump(DEPLOYMENT))
+    port = _free_port()
+    # the components get no AWS credentials: the tasks must take them from the aws_default connection
+    env = {"DRAFTER_DEPLOYMENT": str(deployment), "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None,
+           "AWS_DEFAULT_REGION": None, "AWS_PROFILE": None}
+    try:
+        airflow_local.up(home, port, env=env)
+        password = json.loads(airflow_local.login_file(home).read_text())["admin"]
+        base = f"http://127.0.0.1:{port}"
+        client = AirflowClient(base, password)
+        response = client.call("POST", "/connections", json={
+            "connection_id": "aws_default", "conn_type": "aws", "login": ACCESS_KEY, "password": SECRET_KEY,
+            "extra": json.dumps({"region_name": "us-east-1"})})
+        assert response.status_code in (200, 201), response.text
+        _wait_for_dags(client)
+        yield {"home": home, "base": base, "client": client, "password": password}
+    finally:
+        airflow_local.down(home)
+
+
+@pytest.fixture(scope="module")
+def live_config(tmp_path_factory, s3_endpoint):
+    tmp = tmp_path_factory.mktemp("airflow-live-config")
+    data = tiny_config_dict(storage_config("s3", tmp, s3_endpoint))
+    data["gate"]["max_regression_vs_incumbent"] = 10.0  # the UI-triggered 1-epoch run may trail the first
+    data["benchmark"].update(num_prompts=2, min_speedup_vs_incumbent=0.0)
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return {"path": path, "data": data}
+
+
+def _store(config_data: dict):
+    from pipeline.config import StorageConfig
+    from pipeline.storage import open_store
+
+    return open_store(StorageConfig(**config_data["storage"]))
+
+
+def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_config):
+    from pipeline import registry
+
+    client, home = live_airflow["client"], live_airflow["home"]
+    response = client.call("POST", "/dags/drafter_data/dagRuns", json={
+        "logical_date": None, "conf": {"config": str(live_config["path"]), "num_samples": 48, "shard_size": 16}})
+    assert response.status_code in (200, 201), response.text
+    data_run = response.json()["dag_run_id"]
+    run = client.wait_for_run("drafter_data", data_run, timeout_s=900)
+    assert run["state"] == "success", _failure_detail(home, client, "drafter_data", data_run)
+    states = client.task_states("drafter_data", data_run)
+    # 48 conversations, a quarter held out: 36 train in shards of 16 (3) and 12 eval (1)
+    assert sum(1 for name in states if name.startswith("generate_shard[")) == 4
+    assert set(states.values()) == {"success"}
+
+    deadline = time.monotonic() + 120
+    while not (triggered := [r for r in client.runs("drafter_train") if r["run_type"] == "asset_triggered"]):
+        assert time.monotonic() < deadline, "drafter_train was not scheduled by the published dataset"
+        time.sleep(2)
+    train_run = triggered[0]["dag_run_id"]
+    run = client.wait_for_run("drafter_train", train_run, timeout_s=900)
+    assert run["state"] == "success", _failure_detail(home, client, "drafter_train", train_run)
+    assert client.task_states("drafter_train", train_run)["promote"] == "success"
+
+    store = _store(live_config["data"])
+    alias = registry.read_alias(store, "tiny-test", "production")
+    assert alias is not None
+    versions = registry.list_versions(store, "tiny-test")
+    assert alias["version"] in [v["version"] for v in versions]
+    events = client.get("/assets/events", params={"limit": 10})["asset_events"]
+    assert any(e["extra"].get("dataset_uri", "").startswith(live_config["data"]["storage"]["root"]) for e in events)
+
+    logs = "\n".join(p.read_text(errors="replace") for p in (home / "logs").rglob("*.log"))
+    assert SECRET_KEY not in logs  # the connection's secret never reaches a log
+
+
+def _param_field(page, title: str):
+    """The trigger form's input for the Param with this title (the field group its label names)."""
+    label = page.locator("label", has_text=title)
+    return page.get_by_role("group").filter(has=label).locator("input, textarea").first
+
+
+def test_browser_login_trigger_form_and_successful_run(live_airflow, live_config):
+    from playwright.sync_api import sync_playwright
+
+    from pipeline import registry
+
+    client, home = live_airflow["client"], live_airflow["home"]
+    before = {r["dag_run_id"] for r in client.runs("drafter_train")}
+    incumbent = registry.read_alias(_store(live_config["data"]), "tiny-test", "production")
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(f"{live_airflow['base']}/dags/drafter_train")
+            page.get_by_label("Username").fill("admin")
+            page.get_by_label("Password").fill(live_airflow["password"])
+            page.get_by_role("button", name="Sign in").click()
+            page.wait_for_url("**/dags/drafter_train", timeout=60_000)
+            page.get_by_test_id("trigger-dag-button").click()
+            _param_field(page, "Run config").fill(str(live_config["path"]))
+            _param_field(page, "Epochs").fill("1")
+            page.screenshot(path=str(ARTIFACTS / "airflow-trigger-form.png"))
+            page.get_by_role("button", name="Trigger").last.click()
+
+            deadline = time.monotonic() + 60
+            while not (new := [r for r in client.runs("drafter_train") if r["dag_run_id"] not in before]):
+                assert time.monotonic() < deadline, "the trigger form started no run"
+                time.sleep(1)
+            run_id = new[0]["dag_run_id"]
+            assert new[0]["run_type"] == "manual"
+            assert new[0]["conf"]["config"] == str(live_config["path"]) and new[0]["conf"]["epochs"] == 1
+            run = client.wait_for_run("drafter_train", run_id, timeout_s=900)
+            assert run["state"] == "success", _failure_detail(home, client, "drafter_train", run_id)
+            page.goto(f"{live_airflow['base']}/dags/drafter_train/runs/{run_id}")
+            page.get_by_text("success").first.wait_for(timeout=60_000)
+            page.screenshot(path=str(ARTIFACTS / "airflow-run-success.png"))
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "airflow-run-success.png").stat().st_size > 10_000
+    states = client.task_states("drafter_train", run_id)
+    assert states["gate"] == "success" and states["promote"] == "success", states
+    store = _store(live_config["data"])
+    promoted = registry.read_alias(store, "tiny-test", "production")
+    assert promoted["version"] != (incumbent or {}).get("version")  # the UI-triggered run's drafter serves now
+    assert promoted["version"] in [v["version"] for v in registry.list_versions(store, "tiny-test")]
