@@ -8,7 +8,7 @@ import functools
 import logging
 import os
 
-from airflow.sdk import task
+from airflow.sdk import BaseOperatorLink, task
 
 from pipeline.deployment import load_deployment
 
@@ -46,6 +46,33 @@ def _with_s3_connection(function):
         return function(*args, **kwargs)
 
     return wrapper
+
+
+class RunReportLink(BaseOperatorLink):
+    """The run report's address as an extra link on the report task (from the task's XCom)."""
+
+    name = "Run report"
+
+    def get_link(self, operator, *, ti_key) -> str:
+        from airflow.sdk.execution_time.xcom import XCom
+
+        return XCom.get_value(ti_key=ti_key, key=REPORT_LINK_KEY) or ""
+
+
+REPORT_LINK_KEY = "report_link"
+
+
+def show_report(ti, report: dict) -> dict:
+    """Say where the run report is: a log line and the task's extra link."""
+    log.info("run report (%s): %s", report["outcome"], report["link"])
+    ti.xcom_push(key=REPORT_LINK_KEY, value=report["link"])
+    return report
+
+
+def with_report_link(task_output):
+    """Attach the report link to the task producing `task_output` (an XComArg)."""
+    task_output.operator.operator_extra_links = (RunReportLink(),)
+    return task_output
 
 
 def retrain_schedule(asset):

@@ -1,9 +1,10 @@
-"""drafter_train: train -> evaluate -> gate -> benchmark -> promote.
+"""drafter_train: train -> evaluate -> gate -> benchmark -> promote, then the run report.
 
 Scheduled when drafter_data publishes a dataset (the `drafter_dataset` Asset) OR on the deployment's
 retraining cron (then it trains on the newest dataset of the target); also triggered from the UI.
 A rejected candidate short-circuits at the gate: benchmark and promote are skipped, and the gate's
-log and the stored decision record say why.
+log and the stored decision record say why. The report (plots + report.html in runs/<run_id>/report/)
+is rendered however the run went; its address is in the report task's log and its "Run report" link.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 
 import pendulum
 from airflow.sdk import Asset, Param, dag
-from drafter_support import report_failure, retrain_schedule, stage_task, worker_task
+from drafter_support import report_failure, retrain_schedule, show_report, stage_task, with_report_link, worker_task
 
 DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
@@ -65,7 +66,8 @@ def drafter_train():
         return run_stage("evaluate", run["config"], run["run_id"], run["overrides"],
                          dataset_uri=run["dataset_uri"], train_uri=trained["uri"])
 
-    @worker_task("gate", short_circuit=True)
+    # skips only its direct downstream (benchmark); promote follows by its trigger rule, report still runs
+    @worker_task("gate", short_circuit=True, ignore_downstream_trigger_rules=False)
     def gate(run: dict, evaluation: dict):
         from pipeline.tasks import gate_decision
 
@@ -90,12 +92,20 @@ def drafter_train():
         return run_stage("promote", run["config"], run["run_id"], run["overrides"], train_uri=trained["uri"],
                          eval_uri=evaluation["uri"], gate_uri=gated["uri"], bench_uri=bench["uri"])
 
+    @worker_task("report")
+    def report(run: dict, ti=None) -> dict:
+        from pipeline.tasks import run_stage
+
+        return show_report(ti, run_stage("report", run["config"], run["run_id"], run["overrides"]))
+
     run = plan()
     trained = train(run)
     evaluation = evaluate(run, trained)
     gated = gate(run, evaluation)
     bench = benchmark(run, trained, evaluation, gated)
-    promote(run, trained, evaluation, gated, bench)
+    promoted = promote(run, trained, evaluation, gated, bench)
+    # a teardown: it runs however the run went and does not decide the run's state
+    promoted >> with_report_link(report(run)).as_teardown()
 
 
 drafter_train()

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, run_id=False)
     p = sub.add_parser("verify", help="verify a drafter directory against its manifest.json")
     p.add_argument("directory")
+    _common(sub.add_parser("report", help="render runs/<run_id>/report/: plots and a self-contained report.html"))
+    p = sub.add_parser("status", help="the registry's aliases and recent runs with their gate/bench outcomes")
+    _common(p, run_id=False)
+    p.add_argument("--limit", type=int, default=10, help="how many recent runs to show")
     p = sub.add_parser("plan", help="capacity plan: storage, GPU-hours, wall time and S3 cost for N samples")
     p.add_argument("--config", required=True)
     p.add_argument("--samples", type=int, required=True, help="conversations to generate and capture")
@@ -142,6 +146,7 @@ def dispatch(args) -> int:
         print(format_table(summary))
         if summary.get("failure"):
             logging.getLogger("drafter").error("%s", summary["failure"])
+        print(f"report={summary['report']}")
         print(f"summary={location}")
         return {"gate failed": EXIT_GATE, "promotion refused": EXIT_FAILED}.get(summary["outcome"], 0)
     if args.command == "pull":
@@ -154,6 +159,18 @@ def dispatch(args) -> int:
     if args.command == "rollback":
         record = registry.rollback(store, target)
         print(json.dumps(record))
+        return 0
+    if args.command == "status":
+        from pipeline.report import status_table
+
+        print(status_table(store, target, args.limit))
+        return 0
+    if args.command == "report":
+        from pipeline.report import render
+
+        result = render(store, _require_run_id(args), target)
+        print(f"report: {result.manifest['link']} ({result.manifest['outcome']}; plots: "
+              f"{', '.join(result.manifest['plots']) or 'none'})")
         return 0
     if args.command == "list":
         aliases = {a: (registry.read_alias(store, target, a) or {}).get("version")

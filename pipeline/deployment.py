@@ -17,7 +17,8 @@ from pydantic import Field, ValidationError, field_validator
 
 from pipeline.config import ConfigError, Strict, resolve_project_path
 
-STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote")
+STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote",
+          "report")
 DEFAULT_DEPLOYMENT = "configs/deployment/local.yaml"
 
 

@@ -85,6 +85,9 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
         summary.update({"gate_passed": False, "outcome": "gate failed", "failure": str(failure)})
     except PromotionRefused as refusal:
         summary.update({"outcome": "promotion refused", "failure": str(refusal)})
+    from pipeline.report import render
+
+    summary["report"] = render(store, run_id, config.target.name).manifest["link"]
     return summary, summary_location(write_summary(store, run_id, summary))
 
 

@@ -237,6 +237,7 @@ class S3Store(ObjectStore):
         from boto3.s3.transfer import TransferConfig
 
         self.bucket = bucket
+        self.endpoint_url, self.region = endpoint_url, region
         self.prefix = prefix.strip("/")
         self.root_uri = f"s3://{_join(bucket, self.prefix)}"
         self.client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region)

@@ -3,6 +3,7 @@ dict of URIs out (XCom-sized). No Airflow import here: DAG files call these."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pipeline import layout, registry
@@ -10,7 +11,8 @@ from pipeline.config import RunConfig, load_config
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectStore, open_store
 
-STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote")
+STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote",
+          "report")
 SHARD_STAGES = ("generate", "capture")
 
 
@@ -44,6 +46,11 @@ def run_stage(stage: str, config: RunConfig | str, run_id: str, overrides: list[
     snapshot = snapshot or run_id
     inputs = {**_defaults(config, store, run_id, snapshot), **{k: v for k, v in uris.items() if v}}
     workdir = config.storage.run_workdir(run_id)
+    if stage == "report":
+        from pipeline.report import render
+
+        result = render(store, run_id, config.target.name)
+        return {**_out(result), "link": result.manifest["link"], "outcome": result.manifest["outcome"]}
     if stage == "prompts":
         result = prompts.run(config, snapshot, store)
         return {**_out(result), "shards": [shard["name"] for shard in result.manifest["shards"]]}
@@ -56,6 +63,7 @@ def run_stage(stage: str, config: RunConfig | str, run_id: str, overrides: list[
     if stage == "dataset":
         return _out(capture.publish_dataset(config, [inputs["capture_uri"]], snapshot, store))
     if stage == "train":
+        store.put_bytes(f"{layout.run_prefix(run_id)}/config.json", json.dumps(config.dump(), indent=2).encode())
         return _out(train.run(config, inputs["dataset_uri"], run_id, store))
     incumbent = registry.pull_incumbent(store, config.target.name, config.registry.alias, workdir) \
         if stage in ("evaluate", "benchmark") else None

@@ -164,6 +164,15 @@ def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_
     run = client.wait_for_run("drafter_train", train_run, timeout_s=900)
     assert run["state"] == "success", _failure_detail(home, client, "drafter_train", train_run)
     assert client.task_states("drafter_train", train_run)["promote"] == "success"
+    # the report task says where the run report is: its extra link is the object's URL on the S3 endpoint
+    from pipeline.ids import safe_id
+
+    links = client.get(f"/dags/drafter_train/dagRuns/{train_run}/taskInstances/report/links")["extra_links"]
+    root = live_config["data"]["storage"]["root"][len("s3://"):]
+    key = f"runs/{safe_id(train_run)}/report/report.html"
+    assert links == {"Run report": f"{live_config['data']['storage']['endpoint_url']}/{root}/{key}"}
+    page = _store(live_config["data"]).get_bytes(key).decode()
+    assert f"Run {safe_id(train_run)}" in page and "promoted " in page
 
     store = _store(live_config["data"])
     alias = registry.read_alias(store, "tiny-test", "production")

@@ -59,7 +59,12 @@ def test_schedules_mapping_and_asset(dagbag):
     train = dagbag.dags["drafter_train"]
     assert type(train.timetable).__name__ == "AssetOrTimeSchedule"
     assert [t.task_id for t in train.topological_sort()] == ["plan", "train", "evaluate", "gate", "benchmark",
-                                                            "promote"]
+                                                            "promote", "report"]
+    report = train.get_task("report")
+    # a teardown without setups runs once everything upstream is done, whatever its state
+    assert report.is_teardown and report.trigger_rule == "all_done_setup_success"
+    assert [link.name for link in report.operator_extra_links] == ["Run report"]
+    assert train.get_task("gate").ignore_downstream_trigger_rules is False
     data = dagbag.dags["drafter_data"]
     assert type(data.get_task("generate_shard")).__name__ == "DecoratedMappedOperator"
     assert type(data.get_task("capture_shard")).__name__ == "DecoratedMappedOperator"
@@ -178,6 +183,15 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
     assert len(capture["shards"]) == len(prompt_set["shards"]) > 1  # one capture shard per mapped task
     run = dagbag.dags["drafter_train"].test(run_conf={"config": str(config_path), "epochs": 2})
     assert run.state == "success"
+    assert {ti.task_id: ti.state for ti in run.get_task_instances()}["report"] == "success"
+    from pipeline.ids import safe_id
+
+    report_dir = store_root / "runs" / safe_id(run.run_id) / "report"
+    assert {p.name for p in report_dir.iterdir()} >= {"report.html", "training.png", "throughput.png", "manifest.json"}
+    report_ti = next(ti for ti in run.get_task_instances() if ti.task_id == "report")
+    assert report_ti.xcom_pull(task_ids="report", key="report_link") == f"file://{report_dir}/report.html"
+    # what the UI's "Run report" extra link shows, stored by the worker when the task finished
+    assert report_ti.xcom_pull(task_ids="report", key="_link_RunReportLink") == f"file://{report_dir}/report.html"
     alias_path = store_root / "drafters" / "tiny-test" / "aliases" / "production.json"
     alias = json.loads(alias_path.read_text())
     assert (store_root / "drafters" / "tiny-test" / "versions" / alias["version"] / "manifest.json").exists()
@@ -187,9 +201,10 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
                                                       "min_tau_simulated": 50})
     states = {ti.task_id: ti.state for ti in run.get_task_instances()}
     assert states == {"plan": "success", "train": "success", "evaluate": "success", "gate": "success",
-                      "benchmark": "skipped", "promote": "skipped"}
-    from pipeline.ids import safe_id
-
+                      "benchmark": "skipped", "promote": "skipped", "report": "success"}
+    assert run.state == "success"
+    page = (store_root / "runs" / safe_id(run.run_id) / "report" / "report.html").read_text()
+    assert "gate rejected" in page and "FAIL" in page
     decision = json.loads((store_root / "runs" / safe_id(run.run_id) / "gate" / "gate.json").read_text())
     assert decision["passed"] is False and any("tau_simulated" in r and "< 50" in r for r in decision["reasons"])
     assert json.loads(alias_path.read_text()) == alias

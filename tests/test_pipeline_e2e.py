@@ -111,3 +111,73 @@ def test_plan_takes_rates_measured_by_the_finished_run(e2e):
     assert summary["tokens"]["per_sample"] == report["tokens"]["per_sample"] > 0
     assert report["tokens"]["captured"] == pytest.approx(200 * summary["tokens"]["captured"], rel=1e-3)
     assert report["stages"]["capture"]["gpu_hours"] > 0 and report["stages"]["train"]["wall_hours"] > 0
+
+
+def _report_html(e2e) -> str:
+    import boto3
+
+    config = yaml.safe_load(e2e["config"].read_text())
+    bucket, prefix = config["storage"]["root"][len("s3://"):].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
+    return s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/report.html")["Body"].read().decode()
+
+
+def test_run_renders_a_self_contained_report(e2e):
+    lines = e2e["stdout"].strip().splitlines()
+    assert lines[-2].startswith("report=http://127.0.0.1:") and lines[-2].endswith("/runs/e2e-run/report/report.html")
+    page = _report_html(e2e)
+    assert page.count("src='data:image/png;base64,") == 4  # training, acceptance, throughput, predicted vs measured
+    assert "src='http" not in page and "<script" not in page  # nothing fetched from elsewhere
+    for text in ("Run e2e-run", "promoted ", "cond_acc_0", "tau_simulated", "--speculative-algorithm EAGLE3",
+                 "--speculative-draft-model-path", "aux_layer_ids", "Capture contract", "learning_rate"):
+        assert text in page, text
+    # the gate table shows each check with its threshold
+    assert "<td>cond_acc_0</td>" in page and "<td>tau_simulated</td>" in page and "FAIL" not in page
+
+
+def test_report_pngs_are_published_with_the_manifest(e2e):
+    import boto3
+
+    config = yaml.safe_load(e2e["config"].read_text())
+    bucket, prefix = config["storage"]["root"][len("s3://"):].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
+    manifest = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/manifest.json")["Body"].read())
+    names = {o["name"] for o in manifest["objects"]}
+    assert names == {"training.png", "acceptance.png", "throughput.png", "predicted_vs_measured.png", "report.html"}
+    png = s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/training.png")["Body"].read()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_status_lists_aliases_and_recent_runs(e2e):
+    result = drafter("status", "--config", str(e2e["config"]), env=e2e["env"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    assert "registry: tiny-test" in out
+    production = next(line for line in out.splitlines() if line.strip().startswith("production"))
+    run_row = next(line for line in out.splitlines() if line.strip().startswith("e2e-run"))
+    version = production.split()[1]
+    assert "passed" in run_row and f"promoted {version}" in run_row and "x" in run_row
+    missing = drafter("report", "--config", str(e2e["config"]), "--run-id", "no-such-run", env=e2e["env"])
+    assert missing.returncode == 2 and "has published nothing" in missing.stderr
+
+
+def test_report_opens_in_a_real_browser(e2e, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    from tests.test_airflow_live import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
+
+    page_path = tmp_path / "report.html"
+    page_path.write_text(_report_html(e2e))
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 900})
+            page.goto(page_path.as_uri())
+            assert page.locator("#outcome").inner_text().startswith("promoted ")
+            widths = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.complete ? i.naturalWidth : 0)")
+            assert len(widths) == 4 and all(width > 300 for width in widths)  # every plot decoded
+            page.screenshot(path=str(ARTIFACTS / "run-report.png"), full_page=True)
+        finally:
+            browser.close()
+    assert (ARTIFACTS / "run-report.png").stat().st_size > 50_000
