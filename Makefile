@@ -3,6 +3,7 @@
 #   make test   runs the test suite (and installs Debian's chromium for the browser tests if missing)
 # Both create and use the project's virtualenv (.venv) by themselves.
 #   make airflow / make airflow-down   a local Airflow UI with the drafter DAGs on 127.0.0.1
+#   make faults                        the fault-injection suite; rewrites docs/FAULTS.md
 
 PYTHON ?= python3
 VENV := .venv
@@ -13,7 +14,7 @@ AIRFLOW_STAMP := $(VENV)/.airflow-installed
 AIRFLOW_HOME_DIR ?= .drafter/airflow
 AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test venv airflow airflow-down clean-venv
+.PHONY: demo test faults venv airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,10 @@ demo: $(BASE_STAMP)
 test: $(TEST_STAMP)
 	scripts/install-system-deps
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+# the fault-injection suite alone (also part of `make test`), regenerating docs/FAULTS.md from what it saw
+faults: $(TEST_STAMP)
+	DS_ACCELERATOR=cpu DRAFTER_WRITE_FAULTS_DOC=1 $(PY) -m pytest -q tests/faults
 
 # api-server, scheduler, dag-processor and triggerer on 127.0.0.1; prints the URL and the login file
 airflow: $(AIRFLOW_STAMP)

@@ -26,6 +26,8 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
                              description="How many conversations to keep (empty: the config's)"),
         "shard_size": Param(None, type=["null", "integer"], minimum=1, title="Conversations per shard",
                             description="Shard size; each shard is one generate and one capture task"),
+        "num_shards": Param(None, type=["null", "integer"], minimum=1, maximum=10000, title="Shards",
+                            description="Split the conversations into about this many shards (held-out ones get their own)"),
         "sources": Param(None, type=["null", "array"], title="Prompt sources",
                          description='[{"kind": "jsonl", "path": "s3://bucket/prompts.jsonl", "weight": 1}] '
                                      "(empty: the config's)",

@@ -29,6 +29,8 @@ class StorageConfig(Strict):
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, ...)")
     region: str | None = None
     multipart_threshold_mb: int = Field(64, ge=5)
+    max_attempts: int = Field(8, ge=1, description="S3 requests: attempts on throttling (503 SlowDown), 5xx, "
+                                                   "dropped connections and stale or torn reads")
     local_cache: str = Field(".cache/drafter", description="local dir for models, downloads, work dirs")
 
     def run_workdir(self, run_id: str) -> Path:

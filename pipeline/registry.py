@@ -117,11 +117,36 @@ def move_alias(store: ObjectStore, target: str, alias: str, version: str, reason
     return record
 
 
+def earlier_attempt(store: ObjectStore, target: str, weights_sha: str, run_id: Any) -> tuple[str, dict] | None:
+    """A version an earlier, interrupted attempt of this same promotion published (same run, same
+    weights), so that a rerun reuses it instead of listing a second copy."""
+    prefix = layout.drafter_versions_prefix(target)
+    depth = len(prefix.split("/"))
+    candidates = sorted({key.split("/")[depth] for key in store.list(prefix)
+                         if key.split("/")[depth].endswith(f"-{weights_sha[:10]}")})
+    for version in candidates:
+        version_prefix = layout.drafter_version_prefix(target, version)
+        if not manifest_exists(store, version_prefix):
+            continue
+        manifest = read_manifest(store, version_prefix, kind="drafter")
+        weights = next((o for o in manifest["objects"] if o["name"] == WEIGHTS_NAME), {})
+        if weights.get("sha256") == weights_sha and manifest["lineage"].get("run_id") == run_id:
+            return version, manifest
+    return None
+
+
 def publish_version(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any],
                     serving: dict[str, int]) -> tuple[str, dict[str, Any]]:
-    """Upload a validated drafter directory as a new immutable version; returns (version, manifest)."""
+    """Upload a validated drafter directory as a new immutable version; returns (version, manifest).
+    A version an interrupted attempt of the same promotion already published is reused."""
     read_drafter_dir(drafter_dir)
-    version = _version_id(sha256_file(drafter_dir / WEIGHTS_NAME))
+    weights_sha = sha256_file(drafter_dir / WEIGHTS_NAME)
+    if lineage.get("run_id") is not None:
+        earlier = earlier_attempt(store, target, weights_sha, lineage["run_id"])
+        if earlier is not None:
+            log.info("reusing version %s, published by an earlier attempt of run %s", earlier[0], lineage["run_id"])
+            return earlier
+    version = _version_id(weights_sha)
     prefix = layout.drafter_version_prefix(target, version)
     if manifest_exists(store, prefix):
         raise RegistryError(f"version {version} of {target} already exists; versions are immutable")
@@ -149,6 +174,9 @@ def promote(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[st
     before = read_alias(store, target, alias)
     before_version = before["version"] if before else None
     version, manifest = publish_version(store, target, drafter_dir, lineage, serving)
+    if before_version == version:  # an earlier attempt of this promotion moved the alias already
+        return {"version": version, "alias": before, "uri": store.uri(layout.drafter_version_prefix(target, version)),
+                "manifest": manifest}
     record = move_alias(store, target, alias, version, reason=f"promoted from run {lineage.get('run_id')}",
                         expected=before_version)
     if alias == "production" and before_version is not None:

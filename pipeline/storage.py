@@ -8,9 +8,11 @@ multi-object artifacts are published data first, manifest last (see pipeline.man
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,15 @@ from typing import BinaryIO, Iterator
 
 from pipeline.config import StorageConfig
 from pipeline.ids import validate_key
+
+log = logging.getLogger(__name__)
+
+
+def _stream_errors() -> tuple[type[BaseException], ...]:
+    from botocore.exceptions import (ConnectionClosedError, IncompleteReadError, ReadTimeoutError,
+                                     ResponseStreamingError)
+
+    return ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
 _CHUNK = 8 * 1024 * 1024
 
@@ -105,12 +116,20 @@ class ObjectStore(ABC):
         Returns the new tag.
         """
 
+    verify_attempts = 1
+
     def get_verified(self, key: str, sha256: str) -> bytes:
-        data = self.get_bytes(key)
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != sha256:
-            raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
-        return data
+        """The object's bytes if they hash to `sha256`. A mismatch is read again (a stale read after a
+        rewrite settles) up to `verify_attempts` times before it is an error."""
+        for attempt in range(self.verify_attempts):
+            data = self.get_bytes(key)
+            actual = hashlib.sha256(data).hexdigest()
+            if actual == sha256:
+                return data
+            if attempt + 1 < self.verify_attempts:
+                log.warning("checksum mismatch for %s (attempt %d): reading again", self.uri(key), attempt + 1)
+                time.sleep(min(0.2 * 2 ** attempt, 5))
+        raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
 
     def get_file_verified(self, key: str, dest: str | Path, sha256: str) -> None:
         """Download to dest atomically; a checksum mismatch leaves dest untouched."""
@@ -119,9 +138,15 @@ class ObjectStore(ABC):
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
         os.close(fd)
         try:
-            self.get_file(key, tmp)
-            actual = sha256_file(tmp)
-            if actual != sha256:
+            for attempt in range(self.verify_attempts):
+                self.get_file(key, tmp)
+                actual = sha256_file(tmp)
+                if actual == sha256:
+                    break
+                if attempt + 1 < self.verify_attempts:
+                    log.warning("checksum mismatch for %s (attempt %d): downloading again", self.uri(key), attempt + 1)
+                    time.sleep(min(0.2 * 2 ** attempt, 5))
+            else:
                 raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
             os.replace(tmp, dest)
         finally:
@@ -232,18 +257,24 @@ class FileStore(ObjectStore):
 
 class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
-                 region: str | None = None, multipart_threshold_mb: int = 64):
+                 region: str | None = None, multipart_threshold_mb: int = 64, max_attempts: int = 8):
         import boto3
         from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
 
         self.bucket = bucket
         self.endpoint_url, self.region = endpoint_url, region
         self.prefix = prefix.strip("/")
         self.root_uri = f"s3://{_join(bucket, self.prefix)}"
-        self.client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region)
+        self.max_attempts = self.verify_attempts = max_attempts
+        # standard retries: throttling (503 SlowDown), 5xx and dropped connections, with backoff
+        retries = Config(retries={"mode": "standard", "max_attempts": max_attempts}, connect_timeout=20,
+                         read_timeout=120)
+        self.client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=retries)
         self.transfer = TransferConfig(
             multipart_threshold=multipart_threshold_mb * 1024 * 1024,
             multipart_chunksize=multipart_threshold_mb * 1024 * 1024,
+            num_download_attempts=max_attempts,
         )
 
     def _key(self, key: str) -> str:
@@ -268,13 +299,19 @@ class S3Store(ObjectStore):
         kwargs = {}
         if start is not None:
             kwargs["Range"] = f"bytes={start}-" + (str(end - 1) if end is not None else "")
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
-        except ClientError as err:
-            if self._missing(err):
-                raise ObjectMissingError(f"no object at {self.uri(key)}") from err
-            raise
-        return response["Body"].read()
+        for attempt in range(self.max_attempts):
+            try:
+                response = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
+                return response["Body"].read()
+            except ClientError as err:
+                if self._missing(err):
+                    raise ObjectMissingError(f"no object at {self.uri(key)}") from err
+                raise
+            except _stream_errors() as err:  # the connection dropped while the body was coming
+                if attempt + 1 == self.max_attempts:
+                    raise StorageError(f"reading {self.uri(key)} failed {self.max_attempts} times: {err}") from err
+                log.warning("reading %s broke off (%s); reading again", self.uri(key), type(err).__name__)
+                time.sleep(min(0.2 * 2 ** attempt, 5))
 
     def get_file(self, key: str, dest: str | Path) -> None:
         from botocore.exceptions import ClientError
@@ -346,6 +383,7 @@ def open_store(config: StorageConfig) -> ObjectStore:
         bucket, _, prefix = root[len("s3://"):].partition("/")
         if len(bucket) < 3:
             raise StorageError(f"invalid S3 bucket in storage.root {root!r}")
-        return S3Store(bucket, prefix, config.endpoint_url, config.region, config.multipart_threshold_mb)
+        return S3Store(bucket, prefix, config.endpoint_url, config.region, config.multipart_threshold_mb,
+                       config.max_attempts)
     path = root[len("file://"):] if root.startswith("file://") else root
     return FileStore(path)

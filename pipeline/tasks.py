@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from pipeline import layout, registry
-from pipeline.config import RunConfig, load_config
+from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectStore, open_store
 
@@ -136,7 +136,13 @@ def plan_run(params: dict[str, Any], scheduler_run_id: str) -> dict[str, Any]:
     from pipeline.ids import safe_id
 
     overrides = param_overrides(params)
-    load_config(params["config"], overrides)
+    config = load_config(params["config"], overrides)
+    if params.get("num_shards"):  # a shard count is a shard size for this many conversations
+        if params.get("shard_size"):
+            raise ConfigError("give either a shard size or a number of shards, not both")
+        size = max(1, -(-config.prompts.num_samples // params["num_shards"]))
+        overrides.append(f"prompts.shard_size={size}")
+        load_config(params["config"], overrides)
     return {"config": params["config"], "overrides": overrides, "run_id": safe_id(scheduler_run_id)}
 
 

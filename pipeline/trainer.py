@@ -329,6 +329,9 @@ def train(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker_main(spec_path: str) -> None:
+    from pipeline.processes import die_with_parent
+
+    die_with_parent()  # the launcher (torchrun) starts workers in their own sessions; they must not outlive it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = json.loads(Path(spec_path).read_text())
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")

@@ -208,3 +208,15 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
     decision = json.loads((store_root / "runs" / safe_id(run.run_id) / "gate" / "gate.json").read_text())
     assert decision["passed"] is False and any("tau_simulated" in r and "< 50" in r for r in decision["reasons"])
     assert json.loads(alias_path.read_text()) == alias
+
+
+def test_a_shard_count_becomes_a_shard_size():
+    from pipeline.config import ConfigError
+    from pipeline.tasks import plan_run
+
+    config = str(REPO / "configs" / "local.yaml")
+    run = plan_run({"config": config, "num_samples": 48, "num_shards": 5}, "manual__2026-11-30T00:00:00+00:00")
+    assert "prompts.num_samples=48" in run["overrides"] and run["overrides"][-1] == "prompts.shard_size=10"
+    assert run["run_id"].startswith("manual__2026-11-30T00-00-00")
+    with pytest.raises(ConfigError, match="not both"):
+        plan_run({"config": config, "num_shards": 5, "shard_size": 10}, "r")

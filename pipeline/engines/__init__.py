@@ -16,6 +16,11 @@ class EngineError(RuntimeError):
     """An engine that could not produce what was asked (server down, bad response, ...)."""
 
 
+class EngineUnavailable(EngineError):
+    """The servers stayed unreachable, overloaded or broken through every retry: the stage stops (what
+    it finished is kept) instead of counting the conversations in flight as failed."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int

@@ -27,7 +27,7 @@ import orjson
 import torch
 
 from pipeline.config import SGLangClientConfig
-from pipeline.engines import Capture, EngineError, Generation, SamplingParams, TeacherRequest
+from pipeline.engines import Capture, EngineError, EngineUnavailable, Generation, SamplingParams, TeacherRequest
 
 log = logging.getLogger(__name__)
 # The one SGLang version captures and serving run on (layer-id semantics changed between releases);
@@ -91,7 +91,7 @@ class SGLangClient:
                 delay = min(30.0, 0.5 * 2 ** attempt, max(0.0, deadline - time.monotonic())) * (0.5 + random.random())
                 log.warning("SGLang request failed (%s); retry %d in %.1fs", last_error, attempt + 1, delay)
                 time.sleep(delay)
-        raise EngineError(f"SGLang request failed after {self.settings.retries + 1} attempts: {last_error}")
+        raise EngineUnavailable(f"SGLang request failed after {self.settings.retries + 1} attempts: {last_error}")
 
     def get(self, path: str) -> Any:
         return self.get_from(self._url(), path)

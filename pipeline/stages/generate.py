@@ -14,7 +14,7 @@ from typing import Any
 from pipeline import layout
 from pipeline.chat import prompt_ids, user_turn_count
 from pipeline.config import RunConfig
-from pipeline.engines import EngineError, GenerationEngine, SamplingParams
+from pipeline.engines import EngineError, EngineUnavailable, GenerationEngine, SamplingParams
 from pipeline.manifest import manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
 from pipeline.records import decode_jsonl, encode_jsonl
@@ -63,6 +63,8 @@ def regenerate(records: list[dict[str, Any]], engine: GenerationEngine, tokenize
                                     top_logprobs=settings.teacher_topk or 0)
             try:
                 results = engine.generate(prompts, params)
+            except EngineUnavailable:
+                raise  # the servers are gone: stop, keep the finished parts, and let a rerun resume
             except EngineError as err:
                 for s in batch:
                     s["error"] = str(err)

@@ -75,7 +75,10 @@ def _run_process_group(command: list[str], log_path: Path) -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     log.info("launching training: %s", " ".join(command))
     with open(log_path, "a") as log_file:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        from pipeline.processes import die_with_parent
+
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   preexec_fn=die_with_parent)
         assert process.stdout is not None
         for line in process.stdout:
             log_file.write(line)
