@@ -38,4 +38,3 @@ def safe_id(text: str) -> str:
     if cleaned != text:
         cleaned = f"{cleaned}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
     return validate_id(cleaned.replace("..", "-"), "derived id")
-

@@ -94,6 +94,14 @@ def listed_object(manifest: dict[str, Any], name: str) -> dict[str, Any]:
     raise ManifestError(f"{name} is not listed in the manifest at {manifest.get('uri')}")
 
 
+def listed_shard(manifest: dict[str, Any], name: str) -> dict[str, Any]:
+    """The entry of shard `name` in a manifest's shard list (a scheduler maps one task per shard)."""
+    for shard in manifest["shards"]:
+        if shard["name"] == name:
+            return shard
+    raise ManifestError(f"{manifest.get('uri')} has no shard {name!r}")
+
+
 def read_listed(store: ObjectStore, prefix: str, manifest: dict[str, Any], name: str) -> bytes:
     entry = listed_object(manifest, name)
     return store.get_verified(f"{prefix}/{entry['name']}", entry["sha256"])

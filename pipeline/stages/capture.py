@@ -24,7 +24,7 @@ from pipeline.chat import capture_sequence
 from pipeline.config import RunConfig, default_aux_layer_ids
 from pipeline.contract import CaptureContract, build_contract, require_same_contract
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest
-from pipeline.manifest import manifest_exists, publish, read_listed, read_manifest
+from pipeline.manifest import listed_shard, manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
 from pipeline.records import decode_jsonl, encode_jsonl
 from pipeline.stages import StageResult
@@ -211,9 +211,7 @@ def run_shard(config: RunConfig, responses_uri: str, snapshot: str, shard_name: 
     store = store or open_store(config.storage)
     in_prefix = store.key_for(responses_uri)
     responses = read_manifest(store, in_prefix, kind="responses")
-    shard = next((s for s in responses["shards"] if s["name"] == shard_name), None)
-    if shard is None:
-        raise CaptureFailed(f"{responses_uri} has no shard {shard_name!r}")
+    shard = listed_shard(responses, shard_name)
     target = describe_target(config)
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")

@@ -15,7 +15,7 @@ from pipeline import layout
 from pipeline.chat import prompt_ids, user_turn_count
 from pipeline.config import RunConfig
 from pipeline.engines import EngineError, EngineUnavailable, GenerationEngine, SamplingParams
-from pipeline.manifest import manifest_exists, publish, read_listed, read_manifest
+from pipeline.manifest import listed_shard, manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
 from pipeline.records import decode_jsonl, encode_jsonl
 from pipeline.stages import StageResult
@@ -161,9 +161,7 @@ def run_shard(config: RunConfig, prompts_uri: str, snapshot: str, shard_name: st
     store = store or open_store(config.storage)
     in_prefix = store.key_for(prompts_uri)
     prompts = read_manifest(store, in_prefix, kind="prompts")
-    shard = next((s for s in prompts["shards"] if s["name"] == shard_name), None)
-    if shard is None:
-        raise GenerationFailed(f"{prompts_uri} has no shard {shard_name!r}")
+    shard = listed_shard(prompts, shard_name)
     prefix = layout.responses_prefix(config.target.name, snapshot)
     marker = _finished_shard(store, prefix, shard_name)
     if marker is None:
