@@ -255,36 +255,18 @@ def _best_subtree(scores, tokens, parents, depths, budget: int, drafter) -> Draf
 def tree_speculative_decode(target: TargetRunner, proposer: "EagleProposer", prompt: list[int], max_new_tokens: int,
                             eos_id: int | None, steps: int, topk: int, draft_tokens: int) -> DecodeResult:
     """Speculative decoding with a draft tree verified in one target forward (tree attention mask)."""
-    started = time.perf_counter()
-    target.reset()
-    next_tokens, aux = target.forward(prompt)
-    context = list(prompt) + [int(next_tokens[-1])]
-    proposer.start(context, aux)
-    result = DecodeResult([], 0.0, accepted_histogram=[0] * (steps + 1))
-    produced = 1
-    while produced < max_new_tokens and context[-1] != eos_id:
+
+    def verify(context: list[int], produced: int):
         tree = proposer.propose_tree(context, steps, topk, draft_tokens - 1)
         prefix = target.length
         predicted, aux = target.forward_tree(tree, context[-1])
         path = tree.accepted_path(predicted)
         rows = [0] + [node + 1 for node in path]
-        bonus = int(predicted[rows[-1]])
         target.keep(prefix, rows)
-        new_tokens = [tree.tokens[node] for node in path] + [bonus]
-        context.extend(new_tokens)
-        result.verify_forwards += 1
-        result.cycle_tokens += len(new_tokens)
-        result.accepted_histogram[len(path)] += 1
-        produced += len(new_tokens)
-        if eos_id in new_tokens or produced >= max_new_tokens:
-            break
-        proposer.accept(context, len(path), aux[rows] if aux is not None else None)
-    output = context[len(prompt):]
-    if eos_id in output:
-        output = output[:output.index(eos_id) + 1]
-    result.tokens = output[:max_new_tokens]
-    result.seconds = time.perf_counter() - started
-    return result
+        new_tokens = [tree.tokens[node] for node in path] + [int(predicted[rows[-1]])]
+        return new_tokens, len(path), aux[rows] if aux is not None else None
+
+    return _decode_cycles(target, proposer, prompt, max_new_tokens, eos_id, steps, verify)
 
 
 def greedy_decode(target: TargetRunner, prompt: list[int], max_new_tokens: int, eos_id: int | None) -> DecodeResult:
@@ -300,6 +282,24 @@ def greedy_decode(target: TargetRunner, prompt: list[int], max_new_tokens: int, 
 
 def speculative_decode(target: TargetRunner, proposer, prompt: list[int], max_new_tokens: int,
                        eos_id: int | None, steps: int) -> DecodeResult:
+    """Speculative decoding with a chain of drafts verified in one target forward."""
+
+    def verify(context: list[int], produced: int):
+        drafts = proposer.propose(context, min(steps, max_new_tokens - produced))
+        verified, aux = target.forward([context[-1]] + drafts)
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == int(verified[accepted]):
+            accepted += 1
+        target.crop(len(context) + accepted)
+        return drafts[:accepted] + [int(verified[accepted])], accepted, aux
+
+    return _decode_cycles(target, proposer, prompt, max_new_tokens, eos_id, steps, verify)
+
+
+def _decode_cycles(target: TargetRunner, proposer, prompt: list[int], max_new_tokens: int, eos_id: int | None,
+                   steps: int, verify) -> DecodeResult:
+    """Prefill, then draft-and-verify cycles; `verify(context, produced)` returns the cycle's new tokens, how many
+    drafts were accepted and the target's aux hidden states for the proposer."""
     started = time.perf_counter()
     target.reset()
     next_tokens, aux = target.forward(prompt)
@@ -308,13 +308,7 @@ def speculative_decode(target: TargetRunner, proposer, prompt: list[int], max_ne
     result = DecodeResult([], 0.0, accepted_histogram=[0] * (steps + 1))
     produced = 1
     while produced < max_new_tokens and context[-1] != eos_id:
-        drafts = proposer.propose(context, min(steps, max_new_tokens - produced))
-        verified, aux = target.forward([context[-1]] + drafts)
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == int(verified[accepted]):
-            accepted += 1
-        new_tokens = drafts[:accepted] + [int(verified[accepted])]
-        target.crop(len(context) + accepted)
+        new_tokens, accepted, aux = verify(context, produced)
         context.extend(new_tokens)
         result.verify_forwards += 1
         result.cycle_tokens += len(new_tokens)

@@ -30,6 +30,7 @@ from pipeline.vocab import mapping_from_used_ids
 
 log = logging.getLogger(__name__)
 CHECKPOINTS_KEPT = 2
+COMMITTED_FILE = "committed.json"
 
 
 class DraftObjective(nn.Module):
@@ -195,23 +196,49 @@ def plateau_reached(history: list[dict[str, Any]], config: RunConfig) -> bool:
 
 
 def _save_checkpoint(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -> None:
+    """Save on every rank, then commit: `latest` names the tag only once all ranks' files are written.
+
+    DeepSpeed's own `latest` is written by rank 0 before the other ranks finish theirs, and not atomically,
+    so a kill in between would leave a pointer to a partial checkpoint; ours is replaced atomically after
+    save_checkpoint's closing barrier."""
+    import torch.distributed as dist
+
     state = dict(state, rng_cpu=torch.get_rng_state())
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state)
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state, save_latest=False)
     if rank == 0:
-        tags = sorted((p for p in ckpt_dir.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
-        for old in tags[:-CHECKPOINTS_KEPT]:
-            shutil.rmtree(old, ignore_errors=True)
+        committed = _committed_tags(ckpt_dir) + [tag]
+        _write_atomically(ckpt_dir / COMMITTED_FILE, json.dumps(committed[-CHECKPOINTS_KEPT:]))
+        _write_atomically(ckpt_dir / "latest", tag)
+        for old in ckpt_dir.iterdir():
+            if old.is_dir() and old.name not in committed[-CHECKPOINTS_KEPT:]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _committed_tags(ckpt_dir: Path) -> list[str]:
+    path = ckpt_dir / COMMITTED_FILE
+    return json.loads(path.read_text()) if path.exists() else []
 
 
 def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
-    """Training state from the latest checkpoint (model, optimizer, scheduler restored by DeepSpeed)."""
+    """Training state from the last committed checkpoint (model, optimizer, scheduler restored by DeepSpeed)."""
     state = {"epoch": 0, "batch_in_epoch": 0, "global_step": 0, "history": [], "stop_reason": None,
              "epoch_counts": None}
     if (ckpt_dir / "latest").exists():
-        _, client = engine.load_checkpoint(str(ckpt_dir))
+        tag = (ckpt_dir / "latest").read_text().strip()
+        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        if client is None:
+            raise RuntimeError(f"checkpoint {ckpt_dir / tag} is named in {ckpt_dir / 'latest'} but could not be "
+                               "loaded; delete the checkpoints directory to train from the start")
         state = {k: client[k] for k in state}
         torch.set_rng_state(client["rng_cpu"])
-        log.info("resumed from checkpoint at epoch %d batch %d", state["epoch"], state["batch_in_epoch"])
+        log.info("resumed from checkpoint %s at epoch %d batch %d", tag, state["epoch"], state["batch_in_epoch"])
     return state
 
 

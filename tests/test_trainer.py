@@ -82,9 +82,17 @@ def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
     process.wait()
     assert (workdir(setup, "killed") / "checkpoints" / "latest").exists()
     assert not (workdir(setup, "killed") / "train_result.json").exists()
+    checkpoints = workdir(setup, "killed") / "checkpoints"
+    partial = checkpoints / "step-99999999"  # what a kill in the middle of a save leaves: files, never committed
+    partial.mkdir(exist_ok=True)
+    (partial / "mp_rank_00_model_states.pt").write_bytes(b"cut off")
     resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint" in resumed.stderr
+    committed = json.loads((checkpoints / "committed.json").read_text())
+    assert not partial.exists() and len(committed) == 2
+    assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == sorted(committed)
+    assert (checkpoints / "latest").read_text() == committed[-1]
     store = setup["store"]
     from pipeline.manifest import read_manifest
 

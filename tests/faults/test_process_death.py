@@ -167,10 +167,10 @@ def test_sigkill_during_train_resumes_from_the_checkpoint(runs, record):
     _finish(runs["killed"], "capture") if not (_root(runs["killed"]) / "datasets").exists() else None
     cache = Path(yaml.safe_load(runs["killed"].read_text())["storage"]["local_cache"]) / "runs" / RUN
     before = {p for p in cache.glob("train-*")}
-    wanted = 1  # the first checkpoint (step 4 of 36): later ones can land after the last training step
+    # killed once the first checkpoint (step 4 of 36) is committed: `latest` is replaced atomically after all
+    # ranks wrote their files, so a directory alone is not yet a checkpoint
     _kill_when(runs["killed"], "train",
-                      lambda: sum(1 for p in cache.glob("train-*/checkpoints/*") if p.is_dir() and p.parent.parent
-                                  not in before), wanted)
+               lambda: sum(1 for p in cache.glob("train-*/checkpoints/latest") if p.parent.parent not in before), 1)
     _finish(runs["killed"], "train")
     store = _store(runs["killed"])
     manifest = read_manifest(store, f"runs/{RUN}/train", kind="train")
