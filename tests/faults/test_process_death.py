@@ -64,7 +64,7 @@ def _kill_when(config: Path, stage: str, marks, wanted: int, timeout: float = 60
             if process.poll() is not None:
                 pytest.fail(f"{stage} finished before reaching {wanted} progress marks: "
                             f"{process.stderr.read().decode()[-2000:]}")
-            time.sleep(0.05)
+            time.sleep(0.01)  # the window between a progress mark and the next one can be a few tens of ms
         pytest.fail(f"{stage} did not reach {wanted} progress marks in {timeout:.0f}s")
     finally:
         if process.poll() is None:
