@@ -88,7 +88,7 @@ def worker_task(stage: str | None = None, short_circuit: bool = False, **extra):
     """A task that runs on the Airflow worker itself (light steps: planning, the gate, publishing an
     Asset), with the stage's retries and timeout and S3 credentials from the connection. A
     short-circuit task (the gate) skips everything downstream when it returns a false value."""
-    options = {**(DEPLOYMENT.task_options(stage) if stage else {}), "on_failure_callback": report_failure, **extra}
+    options = {**(DEPLOYMENT.task_options(stage) if stage else {}), **extra}
     decorator = task.short_circuit if short_circuit else task
     return lambda function: decorator(**options)(_with_s3_connection(function))
 
@@ -97,6 +97,5 @@ def stage_task(stage: str, **extra):
     """The decorator for a pipeline stage's task: retries, timeout, pool and placement (the worker, or
     a Kubernetes pod with the stage's image and resources) from the deployment config."""
     if DEPLOYMENT.executor == "kubernetes":
-        options = {**DEPLOYMENT.task_options(stage), "on_failure_callback": report_failure, **extra}
-        return task.kubernetes(**DEPLOYMENT.pod_options(stage), **options)
+        return task.kubernetes(**DEPLOYMENT.pod_options(stage), **{**DEPLOYMENT.task_options(stage), **extra})
     return worker_task(stage, **extra)

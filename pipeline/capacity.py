@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import PlanAssumptions, RunConfig
+from pipeline.engines import engine_servers
 
 TB = 1e12
 GB = 1e9
@@ -129,7 +130,8 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
         raise PlanError("--samples must be at least 1")
     assumptions = config.plan.model_copy(update=(measured or {}).get("rates", {}))
     shape = target_shape(config)
-    servers = {"generate": generate_servers or _servers(config.generate), "capture": capture_servers or _servers(config.capture)}
+    servers = {"generate": generate_servers or engine_servers(config.generate),
+               "capture": capture_servers or engine_servers(config.capture)}
     nodes = train_nodes or _hostfile_nodes(config) or assumptions.train_nodes
     train_gpus = nodes * config.train.nproc
 
@@ -149,7 +151,7 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
                             train_gpus, f"{nodes} node(s) x {config.train.nproc} GPUs, {config.train.epochs} epochs"),
     }
     gpu_hours = sum(stage["gpu_hours"] for stage in stages.values())
-    chosen = storage["encodings"][f"{config.capture.encoding}+{'+'.join(config.capture.teacher)}"]
+    chosen = storage["encodings"][storage["chosen"]]
     s3 = _s3_cost(chosen["bytes"], storage["text_bytes"], config, assumptions, samples)
     return {
         "target": config.target.name, "samples": samples,
@@ -170,12 +172,6 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
     }
 
 
-def _servers(section) -> int:
-    from pipeline.stages.generate import engine_servers
-
-    return engine_servers(section)
-
-
 def _hostfile_nodes(config: RunConfig) -> int | None:
     if not config.train.hostfile or not Path(config.train.hostfile).is_file():
         return None
@@ -190,11 +186,15 @@ def _gpu_stage(tokens: float, tokens_per_second: float, gpus: int, layout: str) 
             "wall_hours": round(wall_hours, 2), "gpu_hours": round(wall_hours * gpus, 1)}
 
 
+def _encoding_name(encoding: str, teacher) -> str:
+    return f"{encoding}+{'+'.join(teacher)}"
+
+
 def _storage(config: RunConfig, shape: TargetShape, captured_tokens: float, assumptions: PlanAssumptions) -> dict:
     topk = config.capture.teacher_topk
     encodings = {}
     for encoding, teacher in ENCODINGS + [(config.capture.encoding, tuple(config.capture.teacher))]:
-        name = f"{encoding}+{'+'.join(teacher)}"
+        name = _encoding_name(encoding, teacher)
         if name in encodings:
             continue
         per_token = shard_bytes_per_token(shape.hidden_size, encoding, teacher, topk)
@@ -203,7 +203,7 @@ def _storage(config: RunConfig, shape: TargetShape, captured_tokens: float, assu
                            "usd_per_month": round(total / GB * assumptions.s3_gb_month_usd)}
     plain = (3 + 1) * shape.hidden_size * 2  # 3 aux + the last hidden state in bf16, what other tools store
     text_bytes = captured_tokens * assumptions.text_bytes_per_token * 2  # prompts + responses JSONL
-    return {"encodings": encodings, "chosen": f"{config.capture.encoding}+{'+'.join(config.capture.teacher)}",
+    return {"encodings": encodings, "chosen": _encoding_name(config.capture.encoding, config.capture.teacher),
             "plain_bf16_bytes_per_token": plain, "plain_bf16_tb": round(plain * captured_tokens / TB, 2),
             "text_bytes": round(text_bytes), "text_gb": round(text_bytes / GB, 1)}
 

@@ -174,7 +174,7 @@ def dispatch(args) -> int:
         return 0
     if args.command == "list":
         aliases = {a: (registry.read_alias(store, target, a) or {}).get("version")
-                   for a in ("production", "previous", "candidate")}
+                   for a in registry.SHOWN_ALIASES}
         print(json.dumps({"target": target, "aliases": aliases, "versions": registry.list_versions(store, target)},
                          indent=2))
         return 0

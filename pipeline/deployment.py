@@ -16,9 +16,8 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from pipeline.config import ConfigError, Strict, resolve_project_path
+from pipeline.stages import STAGES
 
-STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote",
-          "report")
 DEFAULT_DEPLOYMENT = "configs/deployment/local.yaml"
 
 

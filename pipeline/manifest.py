@@ -94,11 +94,14 @@ def listed_object(manifest: dict[str, Any], name: str) -> dict[str, Any]:
     raise ManifestError(f"{name} is not listed in the manifest at {manifest.get('uri')}")
 
 
-def listed_shard(manifest: dict[str, Any], name: str) -> dict[str, Any]:
-    """The entry of shard `name` in a manifest's shard list (a scheduler maps one task per shard)."""
+def listed_shard(store: ObjectStore, uri: str, kind: str, name: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """(prefix, manifest, shard entry) of shard `name` of the published `kind` artifact at `uri`
+    (a scheduler maps one task per shard)."""
+    prefix = store.key_for(uri)
+    manifest = read_manifest(store, prefix, kind=kind)
     for shard in manifest["shards"]:
         if shard["name"] == name:
-            return shard
+            return prefix, manifest, shard
     raise ManifestError(f"{manifest.get('uri')} has no shard {name!r}")
 
 

@@ -25,6 +25,7 @@ from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, sha2
 
 log = logging.getLogger(__name__)
 README_NAME = "README.md"
+SHOWN_ALIASES = ("production", "previous", "candidate")  # what `drafter list` and `drafter status` show
 
 
 class RegistryError(RuntimeError):

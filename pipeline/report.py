@@ -368,7 +368,7 @@ def render(store: ObjectStore, run_id: str, target: str) -> StageResult:
 
 def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
     lines = [f"registry: {target}"]
-    for alias in ("production", "previous", "candidate"):
+    for alias in registry.SHOWN_ALIASES:
         record = registry.read_alias(store, target, alias)
         lines.append(f"  {alias:<11} {record['version'] if record else '-':<28} "
                      f"{record.get('updated_at', '') if record else ''}")

@@ -30,6 +30,10 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
 
     return ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
+def _pause_before_retry(attempt: int) -> None:
+    time.sleep(min(0.2 * 2 ** attempt, 5))
+
+
 _CHUNK = 8 * 1024 * 1024
 
 
@@ -128,7 +132,7 @@ class ObjectStore(ABC):
                 return data
             if attempt + 1 < self.verify_attempts:
                 log.warning("checksum mismatch for %s (attempt %d): reading again", self.uri(key), attempt + 1)
-                time.sleep(min(0.2 * 2 ** attempt, 5))
+                _pause_before_retry(attempt)
         raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
 
     def get_file_verified(self, key: str, dest: str | Path, sha256: str) -> None:
@@ -145,7 +149,7 @@ class ObjectStore(ABC):
                     break
                 if attempt + 1 < self.verify_attempts:
                     log.warning("checksum mismatch for %s (attempt %d): downloading again", self.uri(key), attempt + 1)
-                    time.sleep(min(0.2 * 2 ** attempt, 5))
+                    _pause_before_retry(attempt)
             else:
                 raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
             os.replace(tmp, dest)
@@ -311,7 +315,7 @@ class S3Store(ObjectStore):
                 if attempt + 1 == self.max_attempts:
                     raise StorageError(f"reading {self.uri(key)} failed {self.max_attempts} times: {err}") from err
                 log.warning("reading %s broke off (%s); reading again", self.uri(key), type(err).__name__)
-                time.sleep(min(0.2 * 2 ** attempt, 5))
+                _pause_before_retry(attempt)
 
     def get_file(self, key: str, dest: str | Path) -> None:
         from botocore.exceptions import ClientError

@@ -8,11 +8,9 @@ from typing import Any
 
 from pipeline import layout, registry
 from pipeline.config import ConfigError, RunConfig, load_config
-from pipeline.stages import StageResult
+from pipeline.stages import STAGES, StageResult
 from pipeline.storage import ObjectStore, open_store
 
-STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote",
-          "report")
 SHARD_STAGES = ("generate", "capture")
 
 
@@ -117,8 +115,6 @@ PARAM_OVERRIDES = {
 def param_overrides(params: dict[str, Any]) -> list[str]:
     """Dotted overrides from a scheduler's trigger form: the named fields that were filled in, then
     the free-form `overrides` list (which wins)."""
-    import json
-
     overrides = []
     for name, path in PARAM_OVERRIDES.items():
         value = params.get(name)

@@ -21,6 +21,12 @@ class EngineUnavailable(EngineError):
     it finished is kept) instead of counting the conversations in flight as failed."""
 
 
+def engine_servers(section) -> int:
+    """How many servers a stage's (generate or capture config section) engine spreads over; the
+    in-process engine counts as one."""
+    return len(section.sglang.urls) if section.engine == "sglang" and section.sglang else 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int

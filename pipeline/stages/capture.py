@@ -23,7 +23,7 @@ from pipeline.capture_shard import CaptureSample, write_shard
 from pipeline.chat import capture_sequence
 from pipeline.config import RunConfig, default_aux_layer_ids
 from pipeline.contract import CaptureContract, build_contract, require_same_contract
-from pipeline.engines import Capture, CaptureEngine, TeacherRequest
+from pipeline.engines import Capture, CaptureEngine, TeacherRequest, engine_servers
 from pipeline.manifest import listed_shard, manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
 from pipeline.records import decode_jsonl, encode_jsonl
@@ -209,9 +209,7 @@ def run_shard(config: RunConfig, responses_uri: str, snapshot: str, shard_name: 
               store: ObjectStore | None = None) -> dict[str, Any]:
     """One response shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
-    in_prefix = store.key_for(responses_uri)
-    responses = read_manifest(store, in_prefix, kind="responses")
-    shard = listed_shard(responses, shard_name)
+    in_prefix, responses, shard = listed_shard(store, responses_uri, "responses", shard_name)
     target = describe_target(config)
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
@@ -261,15 +259,12 @@ def _capture_shard(store: ObjectStore, prefix: str, response_shard: dict[str, An
                    engine: CaptureEngine, tokenizer, config: RunConfig, target: TargetInfo,
                    contract: dict[str, Any], tmp: Path, progress: Progress) -> dict[str, Any]:
     """Capture one response shard into one capture shard; the marker is written after the data."""
-    from pipeline.stages.generate import engine_servers
-
     started = time.monotonic()
     counts: Counter = Counter()
     quarantine: list[dict[str, str]] = []
     samples = capture_records(records, engine, tokenizer, config, target, contract["aux_layer_ids"], counts,
                               progress, quarantine)
     marker: dict[str, Any] = {"shard": None, "counts": dict(counts), "quarantine": quarantine, "contract": contract}
-    timing = {"servers": engine_servers(config.capture)}
     if samples:
         name = response_shard["name"].replace(".jsonl", ".safetensors")
         path = tmp / name
@@ -280,7 +275,7 @@ def _capture_shard(store: ObjectStore, prefix: str, response_shard: dict[str, An
                        "shard": {"name": name, "split": response_shard["split"], **stats}})
     else:
         log.warning("capture: shard %s produced no valid samples: %s", response_shard["name"], dict(counts))
-    marker["timing"] = {"seconds": round(time.monotonic() - started, 3), **timing}
+    marker["timing"] = {"seconds": round(time.monotonic() - started, 3), "servers": engine_servers(config.capture)}
     store.put_bytes(_marker_key(prefix, response_shard), json.dumps(marker).encode())
     return marker
 

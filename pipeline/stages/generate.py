@@ -14,7 +14,7 @@ from typing import Any
 from pipeline import layout
 from pipeline.chat import prompt_ids, user_turn_count
 from pipeline.config import RunConfig
-from pipeline.engines import EngineError, EngineUnavailable, GenerationEngine, SamplingParams
+from pipeline.engines import EngineError, EngineUnavailable, GenerationEngine, SamplingParams, engine_servers
 from pipeline.manifest import listed_shard, manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
 from pipeline.records import decode_jsonl, encode_jsonl
@@ -121,11 +121,6 @@ def _finished_parts(store: ObjectStore, prefix: str, shard_name: str) -> dict[st
     return done
 
 
-def engine_servers(section) -> int:
-    """How many servers a stage's engine spreads over (the in-process engine counts as one)."""
-    return len(section.sglang.urls) if section.engine == "sglang" and section.sglang else 1
-
-
 def generate_shard(store: ObjectStore, prefix: str, shard: dict[str, Any], records: list[dict[str, Any]],
                    engine: GenerationEngine, tokenizer, config: RunConfig, progress: Progress) -> dict[str, Any]:
     """Regenerate one shard part by part; a rerun skips every record an earlier attempt finished."""
@@ -159,9 +154,7 @@ def run_shard(config: RunConfig, prompts_uri: str, snapshot: str, shard_name: st
               store: ObjectStore | None = None) -> dict[str, Any]:
     """One prompt shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
-    in_prefix = store.key_for(prompts_uri)
-    prompts = read_manifest(store, in_prefix, kind="prompts")
-    shard = listed_shard(prompts, shard_name)
+    in_prefix, prompts, shard = listed_shard(store, prompts_uri, "prompts", shard_name)
     prefix = layout.responses_prefix(config.target.name, snapshot)
     marker = _finished_shard(store, prefix, shard_name)
     if marker is None:

@@ -123,7 +123,7 @@ def test_broken_drafter_directories_are_refused(tmp_path, damage, message, what,
 
 
 def test_checksum_mismatch_on_pull_keeps_the_served_copy(store, tmp_path, record):
-    promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)
+    good = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
     served = pull(store, "tgt", "production", tmp_path / "served")
     before = (served / "model.safetensors").read_bytes()
     bad = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)["version"]
@@ -131,7 +131,9 @@ def test_checksum_mismatch_on_pull_keeps_the_served_copy(store, tmp_path, record
     store.put_bytes(key, store.get_bytes(key)[:-8] + b"\x00" * 8)
     with pytest.raises(RegistryError, match="checksum mismatch"):
         pull(store, "tgt", "production", served)
-    assert (served / "model.safetensors").read_bytes() == before and verify_dir(served)
+    assert (served / "model.safetensors").read_bytes() == before
+    assert verify_dir(served)["version"] == good
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".served")) == []  # no partial download
     record("bad input", "a registry object whose bytes no longer match the manifest sha256, on pull",
            "RegistryError 'checksum mismatch'; the served copy stays as it was")
 
