@@ -200,7 +200,8 @@ def _save_checkpoint(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], ra
 
     DeepSpeed's own `latest` is written by rank 0 before the other ranks finish theirs, and not atomically,
     so a kill in between would leave a pointer to a partial checkpoint; ours is replaced atomically after
-    save_checkpoint's closing barrier."""
+    save_checkpoint's closing barrier. `latest` stays in DeepSpeed's format (its zero_to_fp32 tool reads it);
+    committed.json lists the kept tags, oldest first, so pruning never depends on file times."""
     import torch.distributed as dist
 
     state = dict(state, rng_cpu=torch.get_rng_state())
