@@ -4,6 +4,7 @@
 # Both create and use the project's virtualenv (.venv) by themselves.
 #   make airflow / make airflow-down   a local Airflow UI with the drafter DAGs on 127.0.0.1
 #   make faults                        the fault-injection suite; rewrites docs/FAULTS.md
+#   make rehearsal                     the Kubernetes + Kimi-K2.5 path end to end on a local cluster (as root)
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +15,7 @@ AIRFLOW_STAMP := $(VENV)/.airflow-installed
 AIRFLOW_HOME_DIR ?= .drafter/airflow
 AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test faults venv airflow airflow-down clean-venv
+.PHONY: demo test faults rehearsal venv airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,11 @@ test: $(TEST_STAMP)
 # the fault-injection suite alone (also part of `make test`), regenerating docs/FAULTS.md from what it saw
 faults: $(TEST_STAMP)
 	DS_ACCELERATOR=cpu DRAFTER_WRITE_FAULTS_DOC=1 $(PY) -m pytest -q tests/faults
+
+# the production path (configs/deployment/kubernetes.yaml, configs/rehearsal.yaml) on a local cluster;
+# prints the stages and pods it ran, then rehearsal=passed (also run by `make test`: tests/test_rehearsal.py)
+rehearsal: $(TEST_STAMP)
+	$(PY) -m pipeline.dev.rehearsal
 
 # api-server, scheduler, dag-processor and triggerer on 127.0.0.1; prints the URL and the login file
 airflow: $(AIRFLOW_STAMP)

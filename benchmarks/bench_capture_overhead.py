@@ -26,7 +26,7 @@ def bare_capture(config, responses_uri, store) -> float:
     from pipeline.target import describe_target, load_tokenizer
 
     target = describe_target(config)
-    tokenizer = load_tokenizer(target.model_dir)
+    tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
     prefix = store.key_for(responses_uri)
     manifest = read_manifest(store, prefix, kind="responses")
     shards = []
@@ -38,7 +38,7 @@ def bare_capture(config, responses_uri, store) -> float:
     layers = config.capture.aux_layer_ids or default_aux_layer_ids(target.num_layers)
     teacher = teacher_request(config)
     started = time.perf_counter()
-    engine = HFEngine(target.model_dir)
+    engine = HFEngine(target.model_dir, trust_remote_code=config.target.trust_remote_code)
     size = config.capture.batch_size
     for sequences in shards:
         for start in range(0, len(sequences), size):

@@ -29,10 +29,10 @@ def main() -> None:
     from pipeline.tiny_target import demo_conversations
 
     model_dir = resolve_model_dir(config)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, config.target.trust_remote_code)
     prompts = [prompt_ids(tokenizer, [{"role": "user", "content": c["conversations"][0]["value"]}])
                for c in demo_conversations()[:args.requests]]
-    server = serve(StandinBackend(model_dir, None))
+    server = serve(StandinBackend(model_dir, None, trust_remote_code=config.target.trust_remote_code))
     url = f"http://127.0.0.1:{server.server_port}"
     params = SamplingParams(args.max_new_tokens, 0.0)
     results = {}

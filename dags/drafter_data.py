@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pendulum
 from airflow.sdk import Asset, Param, dag
-from drafter_support import report_failure, stage_task, worker_task
+from drafter_support import DEPLOYMENT, pod_mount_paths, report_failure, stage_task, worker_task
 
 DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
@@ -20,8 +20,9 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
     tags=["drafter"],
     default_args={"on_failure_callback": report_failure},
     params={
-        "config": Param("configs/local.yaml", type="string", minLength=1, title="Run config",
-                        description="Run config YAML on the workers (e.g. configs/kimi-k2.5.yaml)"),
+        "config": Param(DEPLOYMENT.run_config, type="string", minLength=1, title="Run config",
+                        description="Run config YAML in the task pods' image or config volume "
+                                    "(e.g. configs/kimi-k2.5.yaml or /etc/drafter/kimi-k2.5.yaml)"),
         "num_samples": Param(None, type=["null", "integer"], minimum=1, title="Conversations",
                              description="How many conversations to keep (empty: the config's)"),
         "shard_size": Param(None, type=["null", "integer"], minimum=1, title="Conversations per shard",
@@ -44,13 +45,19 @@ def drafter_data():
     def plan(params=None, dag_run=None) -> dict:
         from pipeline.tasks import plan_run
 
-        return plan_run(params, dag_run.run_id)
+        return plan_run(params, dag_run.run_id, DEPLOYMENT.run_config)
+
+    @stage_task("configure")
+    def configure(request: dict, mount_paths: list | None) -> dict:
+        from pipeline.tasks import configure_run
+
+        return configure_run(request, mount_paths)
 
     @stage_task("prompts")
     def prompts(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("prompts", run["config"], run["run_id"], run["overrides"])
+        return run_stage("prompts", run["config"], run["run_id"])
 
     @worker_task()
     def shards_of(prompt_set: dict) -> list:
@@ -60,48 +67,52 @@ def drafter_data():
     def generate_shard(run: dict, shard: str) -> dict:
         from pipeline.tasks import run_shard
 
-        return run_shard("generate", run["config"], run["run_id"], shard, run["overrides"])
+        return run_shard("generate", run["config"], run["run_id"], shard)
 
     @stage_task("generate")
-    def responses(run: dict, done: list) -> dict:
+    def responses(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("generate", run["config"], run["run_id"], run["overrides"])
+        return run_stage("generate", run["config"], run["run_id"])
 
     @stage_task("parity")
     def parity(run: dict, regenerated: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("parity", run["config"], run["run_id"], run["overrides"], responses_uri=regenerated["uri"])
+        return run_stage("parity", run["config"], run["run_id"], responses_uri=regenerated["uri"])
 
     @stage_task("capture")
     def capture_shard(run: dict, checked: dict, shard: str) -> dict:
         from pipeline.tasks import run_shard
 
-        return run_shard("capture", run["config"], run["run_id"], shard, run["overrides"])
+        return run_shard("capture", run["config"], run["run_id"], shard)
 
     @stage_task("capture")
-    def captures(run: dict, done: list) -> dict:
+    def captures(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("capture", run["config"], run["run_id"], run["overrides"])
+        return run_stage("capture", run["config"], run["run_id"])
 
     @worker_task("dataset", outlets=[DATASET_ASSET])
     def publish_dataset(run: dict, captured: dict, outlet_events=None) -> dict:
         from pipeline.tasks import run_stage
 
-        dataset = run_stage("dataset", run["config"], run["run_id"], run["overrides"], capture_uri=captured["uri"])
-        outlet_events[DATASET_ASSET].extra = {"dataset_uri": dataset["uri"], "config": run["config"],
-                                              "overrides": run["overrides"]}
+        dataset = run_stage("dataset", run["config"], run["run_id"], capture_uri=captured["uri"])
+        outlet_events[DATASET_ASSET].extra = {"dataset_uri": dataset["uri"], **run["source"]}
         return dataset
 
-    run = plan()
+    run = configure(plan(), pod_mount_paths())
     shards = shards_of(prompts(run))
+    # the shard tasks' outputs are not passed on (a pod's arguments are pickled, a lazy sequence of
+    # mapped results is not): the whole stage reads what the shards published
     generated = generate_shard.partial(run=run).expand(shard=shards)
-    regenerated = responses(run, generated)
+    regenerated = responses(run)
+    generated >> regenerated
     checked = parity(run, regenerated)
     captured_shards = capture_shard.partial(run=run, checked=checked).expand(shard=shards)
-    publish_dataset(run, captures(run, captured_shards))
+    captured = captures(run)
+    captured_shards >> captured
+    publish_dataset(run, captured)
 
 
 drafter_data()

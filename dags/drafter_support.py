@@ -23,6 +23,26 @@ def report_failure(context) -> None:
               getattr(context.get("dag_run"), "run_id", "?"), type(context.get("exception")).__name__)
 
 
+def _failing_permanent_errors_at_once(function):
+    """A config error, contract mismatch, failed parity or rejected candidate fails the task without
+    retries: a retry cannot fix it (pipeline.failures)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        from pipeline.failures import is_permanent
+
+        try:
+            return function(*args, **kwargs)
+        except Exception as error:
+            if is_permanent(error):
+                from airflow.sdk.exceptions import AirflowFailException
+
+                raise AirflowFailException(f"{type(error).__name__}: {error} (not retried)") from error
+            raise
+
+    return wrapper
+
+
 def _with_s3_connection(function):
     """Export the connection's S3 credentials to the task process (never to logs or XCom)."""
     conn_id = DEPLOYMENT.aws_conn_id
@@ -69,6 +89,16 @@ def show_report(ti, report: dict) -> dict:
     return report
 
 
+def configured(run: dict | None) -> dict:
+    """The run a teardown reports on. A run whose config never resolved (its configure task failed)
+    has nothing to report: the teardown is skipped, not failed (and not retried)."""
+    if run is None:
+        from airflow.sdk.exceptions import AirflowSkipException
+
+        raise AirflowSkipException("the run config did not resolve (see the configure task): nothing to report")
+    return run
+
+
 def with_report_link(task_output):
     """Attach the report link to the task producing `task_output` (an XComArg)."""
     task_output.operator.operator_extra_links = (RunReportLink(),)
@@ -90,12 +120,57 @@ def worker_task(stage: str | None = None, short_circuit: bool = False, **extra):
     short-circuit task (the gate) skips everything downstream when it returns a false value."""
     options = {**(DEPLOYMENT.task_options(stage) if stage else {}), **extra}
     decorator = task.short_circuit if short_circuit else task
-    return lambda function: decorator(**options)(_with_s3_connection(function))
+    return lambda function: decorator(**options)(_with_s3_connection(_failing_permanent_errors_at_once(function)))
 
 
 def stage_task(stage: str, **extra):
     """The decorator for a pipeline stage's task: retries, timeout, pool and placement (the worker, or
     a Kubernetes pod with the stage's image and resources) from the deployment config."""
     if DEPLOYMENT.executor == "kubernetes":
-        return task.kubernetes(**DEPLOYMENT.pod_options(stage), **{**DEPLOYMENT.task_options(stage), **extra})
+        from airflow.providers.common.compat.sdk import task_decorator_factory
+
+        return task_decorator_factory(decorated_operator_class=StagePodOperator, **DEPLOYMENT.pod_options(stage),
+                                      **{**DEPLOYMENT.task_options(stage), **extra})
     return worker_task(stage, **extra)
+
+
+def pod_mount_paths() -> list[str] | None:
+    """Where the task pods mount volumes (None when tasks run in the worker): the configure step
+    refuses a run config that names a local path outside them."""
+    return [mount.path for mount in DEPLOYMENT.pod_mounts("configure")] if DEPLOYMENT.executor == "kubernetes" else None
+
+
+if DEPLOYMENT.executor == "kubernetes":
+    from airflow.providers.cncf.kubernetes.decorators.kubernetes import _KubernetesDecoratedOperator
+    from airflow.sdk.exceptions import AirflowException, AirflowFailException
+
+    class StagePodOperator(_KubernetesDecoratedOperator):
+        """`@task.kubernetes`, applied through `stage_task`.
+
+        The provider ships the task function's source into the pod and strips only the decorator named
+        here from it: under its own name `@task.kubernetes` it would leave `@stage_task(...)` in the
+        shipped script, which fails in the pod with a NameError. A pod that ends with a permanent
+        failure's exit code (pipeline.failures) fails the task at once instead of being retried."""
+
+        custom_operator_name = "@stage_task"
+
+        def cleanup(self, pod, remote_pod, xcom_result=None, context=None) -> None:
+            from pipeline.failures import PERMANENT_EXIT_CODES
+
+            try:
+                super().cleanup(pod, remote_pod, xcom_result, context)
+            except AirflowFailException:
+                raise
+            except AirflowException as failure:
+                if _exit_code(remote_pod, self.base_container_name) in PERMANENT_EXIT_CODES:
+                    raise AirflowFailException(f"{failure}\na permanent failure (config, contract, parity or "
+                                               "gate): not retried") from failure
+                raise
+
+
+def _exit_code(pod, container_name: str) -> int | None:
+    statuses = (pod.status.container_statuses if pod is not None and pod.status else None) or []
+    for status in statuses:
+        if status.name == container_name and status.state and status.state.terminated:
+            return status.state.terminated.exit_code
+    return None

@@ -13,7 +13,8 @@ import logging
 
 import pendulum
 from airflow.sdk import Asset, Param, dag
-from drafter_support import report_failure, retrain_schedule, show_report, stage_task, with_report_link, worker_task
+from drafter_support import (DEPLOYMENT, configured, pod_mount_paths, report_failure, retrain_schedule, show_report,
+                             stage_task, with_report_link, worker_task)
 
 DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
@@ -27,8 +28,9 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
     tags=["drafter"],
     default_args={"on_failure_callback": report_failure},
     params={
-        "config": Param("configs/local.yaml", type="string", minLength=1, title="Run config",
-                        description="Run config YAML on the workers (e.g. configs/kimi-k2.5.yaml)"),
+        "config": Param(DEPLOYMENT.run_config, type="string", minLength=1, title="Run config",
+                        description="Run config YAML in the task pods' image or config volume; scheduled "
+                                    "runs use this default (the deployment config's run_config)"),
         "dataset_uri": Param(None, type=["null", "string"], title="Dataset URI",
                              description="Empty: the triggering dataset, else the newest one of the target"),
         "epochs": Param(None, type=["null", "integer"], minimum=1, maximum=100, title="Epochs",
@@ -51,19 +53,25 @@ def drafter_train():
         from pipeline.tasks import plan_training
 
         extras = [event.extra for stream in (triggering_asset_events or {}).values() for event in stream]
-        return plan_training(params, dag_run.run_id, extras)
+        return plan_training(params, dag_run.run_id, extras, DEPLOYMENT.run_config)
+
+    @stage_task("configure")
+    def configure(request: dict, mount_paths: list | None) -> dict:
+        from pipeline.tasks import configure_training
+
+        return configure_training(request, mount_paths)
 
     @stage_task("train")
     def train(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("train", run["config"], run["run_id"], run["overrides"], dataset_uri=run["dataset_uri"])
+        return run_stage("train", run["config"], run["run_id"], dataset_uri=run["dataset_uri"])
 
     @stage_task("evaluate")
     def evaluate(run: dict, trained: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("evaluate", run["config"], run["run_id"], run["overrides"],
+        return run_stage("evaluate", run["config"], run["run_id"],
                          dataset_uri=run["dataset_uri"], train_uri=trained["uri"])
 
     # skips only its direct downstream (benchmark); promote follows by its trigger rule, report still runs
@@ -71,7 +79,7 @@ def drafter_train():
     def gate(run: dict, evaluation: dict):
         from pipeline.tasks import gate_decision
 
-        decision = gate_decision(run["config"], run["run_id"], run["overrides"], eval_uri=evaluation["uri"])
+        decision = gate_decision(run["config"], run["run_id"], eval_uri=evaluation["uri"])
         if not decision["passed"]:
             logging.getLogger("drafter.gate").warning("%s\nnot promoting: benchmark and promote are skipped",
                                                       decision["reasons"])
@@ -82,23 +90,24 @@ def drafter_train():
     def benchmark(run: dict, trained: dict, evaluation: dict, gated: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("benchmark", run["config"], run["run_id"], run["overrides"], train_uri=trained["uri"],
+        return run_stage("benchmark", run["config"], run["run_id"], train_uri=trained["uri"],
                          eval_uri=evaluation["uri"], prompts_uri=run["prompts_uri"])
 
     @stage_task("promote")
     def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("promote", run["config"], run["run_id"], run["overrides"], train_uri=trained["uri"],
+        return run_stage("promote", run["config"], run["run_id"], train_uri=trained["uri"],
                          eval_uri=evaluation["uri"], gate_uri=gated["uri"], bench_uri=bench["uri"])
 
     @worker_task("report")
-    def report(run: dict, ti=None) -> dict:
+    def report(run: dict | None, ti=None) -> dict:
         from pipeline.tasks import run_stage
 
-        return show_report(ti, run_stage("report", run["config"], run["run_id"], run["overrides"]))
+        run = configured(run)
+        return show_report(ti, run_stage("report", run["config"], run["run_id"]))
 
-    run = plan()
+    run = configure(plan(), pod_mount_paths())
     trained = train(run)
     evaluation = evaluate(run, trained)
     gated = gate(run, evaluation)

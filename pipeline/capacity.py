@@ -132,7 +132,7 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
     shape = target_shape(config)
     servers = {"generate": generate_servers or engine_servers(config.generate),
                "capture": capture_servers or engine_servers(config.capture)}
-    nodes = train_nodes or _hostfile_nodes(config) or assumptions.train_nodes
+    nodes = train_nodes or (config.train.nodes if config.train.nodes > 1 else assumptions.train_nodes)
     train_gpus = nodes * config.train.nproc
 
     response_tokens = min(assumptions.response_tokens_mean, config.generate.max_new_tokens * assumptions.assistant_turns)
@@ -170,14 +170,6 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
                   "s3_usd": s3, "usd": round(gpu_hours * assumptions.gpu_hour_usd + s3["total_usd"])},
         "assumptions": assumptions.model_dump(),
     }
-
-
-def _hostfile_nodes(config: RunConfig) -> int | None:
-    if not config.train.hostfile or not Path(config.train.hostfile).is_file():
-        return None
-    lines = [line for line in Path(config.train.hostfile).read_text().splitlines() if line.strip()
-             and not line.lstrip().startswith("#")]
-    return len(lines) or None
 
 
 def _gpu_stage(tokens: float, tokens_per_second: float, gpus: int, layout: str) -> dict[str, Any]:

@@ -104,16 +104,43 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]],
     return text, spans
 
 
-def tokenize_with_loss_mask(tokenizer, messages: list[dict[str, str]], max_length: int | None = None,
-                            generation_prompt: bool = False) -> tuple[list[int], list[int]]:
-    """Token ids of the conversation and a mask that is 1 exactly on assistant-generated tokens."""
-    text, spans = assistant_spans(tokenizer, messages, generation_prompt)
+def _mask_from_offsets(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = list(encoded["input_ids"])
     mask = []
     for start, end in encoded["offset_mapping"]:
         inside = end > start and any(s <= start and end <= e for s, e in spans)
         mask.append(1 if inside else 0)
+    return list(encoded["input_ids"]), mask
+
+
+def _mask_from_pieces(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """For tokenizers without character offsets (Python ones, such as Kimi's tiktoken tokenizer): the text
+    tokenized piece by piece, cut at the span edges. That equals tokenizing it whole when every edge is a
+    token edge, as where a turn starts after a special token and ends with one; checked, never assumed."""
+    def encode(piece: str) -> list[int]:
+        return list(tokenizer(piece, add_special_tokens=False)["input_ids"]) if piece else []
+
+    ids: list[int] = []
+    mask: list[int] = []
+    cursor = 0
+    for start, end in [*spans, (len(text), len(text))]:
+        for piece, inside in ((text[cursor:start], 0), (text[start:end], 1)):
+            piece_ids = encode(piece)
+            ids += piece_ids
+            mask += [inside] * len(piece_ids)
+        cursor = end
+    if ids != encode(text):
+        raise ValueError("the tokenizer gives no character offsets and the assistant turns do not start and end "
+                         "on token boundaries, so the loss mask cannot be placed")
+    return ids, mask
+
+
+def tokenize_with_loss_mask(tokenizer, messages: list[dict[str, str]], max_length: int | None = None,
+                            generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+    """Token ids of the conversation and a mask that is 1 exactly on assistant-generated tokens."""
+    text, spans = assistant_spans(tokenizer, messages, generation_prompt)
+    mask_of = _mask_from_offsets if tokenizer.is_fast else _mask_from_pieces
+    ids, mask = mask_of(tokenizer, text, spans)
     if max_length is not None:
         ids, mask = ids[:max_length], mask[:max_length]
     return ids, mask

@@ -15,9 +15,7 @@ import logging
 import os
 import sys
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_GATE = 3
+from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE
 
 
 def quiet_libraries() -> None:
@@ -83,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target name (default: the config's)")
     p.add_argument("--alias", default="production", help="alias or version")
     p.add_argument("--dest", required=True)
+    p.add_argument("--flags-file", help="also write the version's SGLang serving flags to this file (one line), for "
+                                        "a server started from it: `launch_server ... $(cat FILE)`")
     p = sub.add_parser("rollback", help="point production back at previous")
     _common(p, run_id=False)
     p = sub.add_parser("list", help="list drafter versions and aliases")
@@ -98,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, required=True, help="conversations to generate and capture")
     p.add_argument("--generate-servers", type=int, help="SGLang generation servers (default: generate.sglang.urls)")
     p.add_argument("--capture-servers", type=int, help="SGLang capture servers (default: capture.sglang.urls)")
-    p.add_argument("--train-nodes", type=int, help="training nodes (default: train.hostfile, else plan.train_nodes)")
+    p.add_argument("--train-nodes", type=int,
+                   help="training nodes (default: train.nodes when above 1, else plan.train_nodes)")
     p.add_argument("--measured-from", metavar="RUN_ID",
                    help="take token counts and rates measured by this finished run (a pilot) over the config's")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -155,6 +156,8 @@ def dispatch(args) -> int:
         flags = registry.serving_flags(str(dest), manifest["serving"])
         print(f"pulled {target} {manifest['version']} into {dest}")
         print("serve with: python -m sglang.launch_server --model-path <target> " + " ".join(flags))
+        if args.flags_file:
+            registry.write_serving_flags(args.flags_file, flags)
         return 0
     if args.command == "rollback":
         record = registry.rollback(store, target)

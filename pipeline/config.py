@@ -45,13 +45,38 @@ class StorageConfig(Strict):
         return root
 
 
+class TinyDeepseekV3Shape(Strict):
+    """MLA and MoE sizes of a DeepSeek-V3-architecture tiny target (Kimi-K2.5's text backbone)."""
+
+    q_lora_rank: int = Field(32, ge=1, description="MLA: rank of the compressed query")
+    kv_lora_rank: int = Field(16, ge=1, description="MLA: rank of the compressed key/value")
+    qk_nope_head_dim: int = Field(8, ge=1, description="MLA: per-head query/key dims without rotary embedding")
+    qk_rope_head_dim: int = Field(8, ge=2, multiple_of=2, description="MLA: per-head rotary dims")
+    v_head_dim: int = Field(16, ge=1)
+    n_routed_experts: int = Field(4, ge=2)
+    n_shared_experts: int = Field(1, ge=1)
+    num_experts_per_tok: int = Field(2, ge=1, description="routed experts per token")
+    moe_intermediate_size: int = Field(64, ge=8, description="MLP width of each expert")
+    first_k_dense_replace: int = Field(1, ge=0, description="leading layers with a dense MLP instead of experts")
+
+    @model_validator(mode="after")
+    def _experts_fit(self) -> "TinyDeepseekV3Shape":
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts "
+                             f"{self.n_routed_experts}")
+        return self
+
+
 class TinyTargetRecipe(Strict):
     """How the embedded tiny target is built; its hash names the cached build."""
 
+    architecture: Literal["llama", "deepseek_v3"] = Field(
+        "llama", description="deepseek_v3: MLA + MoE shipped like Kimi-K2.5, with its own model and tiktoken "
+                             "tokenizer code (needs target.trust_remote_code)")
     num_layers: int = Field(8, ge=2)
     hidden_size: int = Field(128, ge=16)
     num_heads: int = Field(4, ge=1)
-    intermediate_size: int = Field(384, ge=16)
+    intermediate_size: int = Field(384, ge=16, description="MLP width (deepseek_v3: of the dense layers)")
     vocab_size: int = Field(2048, ge=300)
     seq_len: int = Field(192, ge=32)
     batch_size: int = Field(32, ge=1)
@@ -59,6 +84,18 @@ class TinyTargetRecipe(Strict):
     learning_rate: float = 3e-3
     seed: int = 0
     max_corpus_modules: int | None = Field(None, description="cap for quick test builds")
+    deepseek_v3: TinyDeepseekV3Shape | None = Field(None, description="architecture deepseek_v3 only; defaults "
+                                                                      "when left out")
+
+    @model_validator(mode="after")
+    def _shape_of_the_architecture(self) -> "TinyTargetRecipe":
+        if self.architecture == "llama" and self.deepseek_v3 is not None:
+            raise ValueError("target.tiny.deepseek_v3 is set but target.tiny.architecture is 'llama'")
+        if self.architecture == "deepseek_v3" and self.deepseek_v3 is None:
+            self.deepseek_v3 = TinyDeepseekV3Shape()
+        if self.deepseek_v3 is not None and self.deepseek_v3.first_k_dense_replace >= self.num_layers:
+            raise ValueError("target.tiny.deepseek_v3.first_k_dense_replace leaves no MoE layer")
+        return self
 
 
 class TargetConfig(Strict):
@@ -67,6 +104,10 @@ class TargetConfig(Strict):
     model_path: str | None = Field(None, description="local HF directory (source: hf)")
     revision: str | None = None
     tiny: TinyTargetRecipe | None = None
+    trust_remote_code: bool = Field(
+        False, description="run the Python code the model directory ships (auto_map in config.json or "
+                           "tokenizer_config.json), as Kimi-K2.5 needs; transformers' trust_remote_code, "
+                           "SGLang's --trust-remote-code")
     num_layers: int | None = Field(None, description="expected; checked against the model config")
     hidden_size: int | None = None
     vocab_size: int | None = None
@@ -83,6 +124,9 @@ class TargetConfig(Strict):
             self.tiny = TinyTargetRecipe()
         if self.source == "hf" and not self.model_path:
             raise ValueError("target.source 'hf' needs target.model_path")
+        if self.source == "tiny" and self.tiny.architecture == "deepseek_v3" and not self.trust_remote_code:
+            raise ValueError("target.tiny.architecture 'deepseek_v3' ships its own code, like Kimi-K2.5: "
+                             "set target.trust_remote_code: true")
         return self
 
 
@@ -107,6 +151,10 @@ class PromptsConfig(Strict):
     max_prompt_tokens: int = Field(256, ge=1)
     near_dedup: bool = Field(True, description="drop prompts whose text nearly duplicates an earlier one "
                                                "(MinHash LSH, Jaccard ~0.8 on word 5-grams)")
+    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0,
+                                    description="share of the records read that may be lines that are not JSON; "
+                                                "up to it they are skipped and counted (rejected.malformed_json), "
+                                                "past it the stage fails naming file:line")
     seed: int = 0
 
 
@@ -196,6 +244,13 @@ class PlateauConfig(Strict):
     min_gain: float = Field(0.01, ge=0.0, description="cond_acc_0 gain needed over the window")
 
 
+# DeepSpeed's multi-node runner reached nodes over SSH (pdsh), which lost the pods' environment (IRSA's S3
+# credentials among it); every node now runs the same torchrun command instead.
+_SSH_LAUNCHER_GONE = ("the SSH (pdsh) multi-node launcher: set train.nodes, train.rendezvous_endpoint and "
+                      "train.rendezvous_port; every node runs the same torchrun command with c10d rendezvous "
+                      "(train.launcher kubernetes creates their pods from infra/k8s/trainer-workers.yaml)")
+
+
 class TrainConfig(Strict):
     epochs: int = Field(4, ge=1)
     micro_batch_size: int = Field(8, ge=1)
@@ -209,9 +264,23 @@ class TrainConfig(Strict):
     attention_chunk: int = Field(512, ge=1, description="query chunk of the TTT attention")
     cache_gb: float = Field(50.0, gt=0, description="local shard cache budget per rank (LRU)")
     prefetch_shards: int = Field(2, ge=0, description="shards fetched ahead of the one being trained on")
-    nproc: int = Field(2, ge=1)
-    launcher: Literal["torchrun", "deepspeed"] = "torchrun"
-    hostfile: str | None = Field(None, description="deepspeed launcher hostfile for multi-node runs")
+    nproc: int = Field(2, ge=1, description="ranks per node: GPUs per node, or CPU processes without GPUs")
+    nodes: int = Field(1, ge=1, description="training nodes, one torchrun agent each, all running the same "
+                                            "command and meeting at the c10d rendezvous (rendezvous_endpoint:"
+                                            "rendezvous_port); one node started here runs `--standalone`")
+    launcher: Literal["torchrun", "kubernetes"] = Field(
+        "torchrun", description="who starts the node agents: torchrun: this process, on this machine (several "
+                                "nodes here are the local rehearsal of a cluster run); kubernetes: the pods of "
+                                "the Indexed Job in kubernetes_job, created by the train stage, which waits for it")
+    rendezvous_endpoint: str | None = Field(
+        None, description="host of the c10d rendezvous, reachable from every node (several nodes or launcher "
+                          "kubernetes): 127.0.0.1 on one machine; in Kubernetes node 0's name under the "
+                          "headless Service, <job>-0.<service>")
+    rendezvous_port: int = Field(29400, ge=1, le=65535, description="port of the rendezvous store on the endpoint")
+    rendezvous_timeout_s: int = Field(900, ge=1, description="how long a node waits for all nodes to join; pods "
+                                                             "on freshly scaled GPU nodes start minutes apart")
+    kubernetes_job: str = Field("infra/k8s/trainer-workers.yaml",
+                                description="launcher kubernetes: the manifest of the Indexed Job of node pods")
     deepspeed_config: str = "configs/deepspeed/zero2-cpu.json"
     precision: Literal["fp32", "bf16"] = "fp32"
     teacher: Literal["auto", "last_hidden", "topk"] = Field(
@@ -223,10 +292,28 @@ class TrainConfig(Strict):
     init_from: str | None = None
     plateau: PlateauConfig = Field(default_factory=PlateauConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_removed_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            if "hostfile" in data:
+                raise ValueError(f"train.hostfile was removed with {_SSH_LAUNCHER_GONE}")
+            if data.get("launcher") == "deepspeed":
+                raise ValueError(f"train.launcher 'deepspeed' was removed with {_SSH_LAUNCHER_GONE}")
+        return data
+
     @model_validator(mode="after")
     def _warm_needs_source(self) -> "TrainConfig":
         if self.init == "warm" and not self.init_from:
             raise ValueError("train.init 'warm' needs train.init_from (a drafter directory or registry uri)")
+        return self
+
+    @model_validator(mode="after")
+    def _rendezvous_for_several_nodes(self) -> "TrainConfig":
+        if (self.nodes > 1 or self.launcher == "kubernetes") and not self.rendezvous_endpoint:
+            raise ValueError("several nodes (train.nodes > 1) or train.launcher 'kubernetes' need "
+                             "train.rendezvous_endpoint (127.0.0.1 on one machine; <job>-0.<headless service> "
+                             "in Kubernetes)")
         return self
 
 
@@ -315,7 +402,7 @@ class PlanAssumptions(Strict):
     capture_tok_s_per_server: float = Field(1000, gt=0, description="captured tok/s of one capture server, "
                                                                     "hidden-state transfer and parsing included")
     train_tok_s_per_gpu: float = Field(2500, gt=0, description="trained tok/s per GPU, all TTT steps included")
-    train_nodes: int = Field(1, ge=1, description="training nodes when train.hostfile does not say")
+    train_nodes: int = Field(1, ge=1, description="nodes planned for when train.nodes is 1")
     text_bytes_per_token: float = Field(5, gt=0, description="JSONL bytes per token of prompts and responses")
     gpu_hour_usd: float = Field(2.5, ge=0)
     s3_gb_month_usd: float = Field(0.023, ge=0)

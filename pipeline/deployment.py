@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.config import ConfigError, Strict, resolve_project_path
 from pipeline.stages import STAGES
@@ -28,6 +28,18 @@ class PodMount(Strict):
     name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
     path: str = Field(pattern=r"^/")
     read_only: bool = True
+
+
+class Toleration(Strict):
+    key: str
+    operator: Literal["Exists", "Equal"] = "Exists"
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+
+
+# Steps placed like stages that are not stages of a run themselves: `configure` reads the run config
+# (mounted in pods) once, so nothing downstream needs the file.
+PLACED_STEPS = ("configure", *STAGES)
 
 
 class StageResources(Strict):
@@ -48,14 +60,39 @@ class KubernetesPlacement(Strict):
     images: dict[Literal["pipeline", "trainer", "sglang"], str]
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     node_selector_gpu: dict[str, str] = Field(default_factory=dict)
+    gpu_tolerations: list[Toleration] = Field(
+        default_factory=list, description="GPU node pools are usually tainted (nvidia.com/gpu:NoSchedule)")
+    gpu_shm_size: str | None = Field("64Gi", description="a memory-backed /dev/shm of this size on GPU pods "
+                                                        "(NCCL and data loaders; the runtime's default is 64 MB)")
+    schedule_timeout_seconds: int = Field(1800, ge=1, description="how long a pod may wait for a node: a GPU "
+                                                                 "node scale-up takes minutes")
+    startup_timeout_seconds: int = Field(1800, ge=1, description="how long a scheduled pod may take to start: "
+                                                                "pulling a multi-GB image takes minutes")
+    volumes: list[PodMount] = Field(default_factory=list, description="volumes every task pod mounts: the "
+                                                                      "model weights and prompt files the run "
+                                                                      "configs name")
     config_volume_claim: str | None = Field(None, description="PVC with run configs, mounted at /etc/drafter")
     cache_volume_claim: str | None = Field(None, description="PVC for storage.local_cache (shared by the training "
                                                              "launcher and workers), mounted at cache_path")
     cache_path: str = "/data/drafter-cache"
 
+    def common_mounts(self) -> list[PodMount]:
+        """What every task pod mounts, whatever its stage."""
+        mounts = list(self.volumes)
+        if self.config_volume_claim:
+            mounts.append(PodMount(kind="pvc", name=self.config_volume_claim, path=CONFIG_MOUNT_PATH))
+        if self.cache_volume_claim:
+            mounts.append(PodMount(kind="pvc", name=self.cache_volume_claim, path=self.cache_path, read_only=False))
+        return mounts
+
+
+CONFIG_MOUNT_PATH = "/etc/drafter"
+
 
 class DeploymentConfig(Strict):
     executor: Literal["local", "kubernetes"] = "local"
+    run_config: str = Field("configs/local.yaml", description="the run config of scheduled runs (the retraining "
+                                                              "cron) and the trigger form's default")
     gpu_pool: str = Field("drafter_gpu", description="Airflow pool that GPU-bound tasks share")
     retry_delay_seconds: int = Field(60, ge=0)
     aws_conn_id: str | None = Field("aws_default", description="connection holding S3 credentials (local executor)")
@@ -67,13 +104,19 @@ class DeploymentConfig(Strict):
     @field_validator("stages")
     @classmethod
     def _known_stages(cls, stages: dict[str, StageResources]) -> dict[str, StageResources]:
-        unknown = sorted(set(stages) - set(STAGES))
+        unknown = sorted(set(stages) - set(PLACED_STEPS))
         if unknown:
-            raise ValueError(f"unknown stages {unknown}; stages are {', '.join(STAGES)}")
+            raise ValueError(f"unknown stages {unknown}; stages are {', '.join(PLACED_STEPS)}")
         return stages
 
+    @model_validator(mode="after")
+    def _kubernetes_has_placement(self) -> "DeploymentConfig":
+        if self.executor == "kubernetes" and self.kubernetes is None:
+            raise ValueError("executor 'kubernetes' needs a kubernetes section (images, namespace, volumes)")
+        return self
+
     def stage(self, name: str) -> StageResources:
-        if name not in STAGES:
+        if name not in PLACED_STEPS:
             raise ConfigError(f"unknown stage {name!r}")
         return self.stages.get(name, StageResources())
 
@@ -88,8 +131,14 @@ class DeploymentConfig(Strict):
             options["pool"] = self.gpu_pool
         return options
 
+    def pod_mounts(self, name: str) -> list[PodMount]:
+        """Every volume a stage's pod mounts (the common ones, then the stage's own)."""
+        if self.kubernetes is None:
+            return []
+        return self.kubernetes.common_mounts() + list(self.stage(name).mounts)
+
     def pod_options(self, name: str) -> dict[str, Any]:
-        """Arguments of a Kubernetes pod for a stage (image, namespace, resources, GPU placement)."""
+        """Arguments of a Kubernetes pod for a stage (image, namespace, resources, GPU placement, volumes)."""
         if self.kubernetes is None:
             raise ConfigError("the kubernetes executor needs a kubernetes section in the deployment config")
         from kubernetes.client import models as k8s
@@ -98,26 +147,45 @@ class DeploymentConfig(Strict):
         limits = {"cpu": stage.cpu, "memory": stage.memory}
         if stage.gpus:
             limits["nvidia.com/gpu"] = str(stage.gpus)
+        from pipeline.failures import POD_EXIT_CODES_ENV
+
         options: dict[str, Any] = {
             "image": placement.images[stage.image], "namespace": placement.namespace,
             "service_account_name": placement.service_account, "image_pull_policy": placement.image_pull_policy,
             "container_resources": k8s.V1ResourceRequirements(requests=dict(limits), limits=limits),
-            "name": f"drafter-{name}", "env_vars": {"DS_ACCELERATOR": "cuda" if stage.gpus else "cpu", **stage.env},
+            "name": f"drafter-{name}",
+            # DeepSpeed's accelerator is found in the pod (pipeline.stages.train): a GPU request is not a GPU
+            "env_vars": {POD_EXIT_CODES_ENV: "1", **stage.env},
             "get_logs": True, "do_xcom_push": True,
+            "schedule_timeout_seconds": placement.schedule_timeout_seconds,
+            "startup_timeout_seconds": placement.startup_timeout_seconds,
         }
-        if stage.gpus and placement.node_selector_gpu:
-            options["node_selector"] = placement.node_selector_gpu
-        mounts = list(stage.mounts)
-        if placement.config_volume_claim:
-            mounts.append(PodMount(kind="pvc", name=placement.config_volume_claim, path="/etc/drafter"))
-        if placement.cache_volume_claim:
-            mounts.append(PodMount(kind="pvc", name=placement.cache_volume_claim, path=placement.cache_path,
-                                   read_only=False))
-        if mounts:
-            options["volumes"] = [_volume(k8s, f"mount-{i}", mount) for i, mount in enumerate(mounts)]
-            options["volume_mounts"] = [k8s.V1VolumeMount(name=f"mount-{i}", mount_path=mount.path,
-                                                          read_only=mount.read_only) for i, mount in enumerate(mounts)]
+        volumes = [_volume(k8s, f"mount-{i}", mount) for i, mount in enumerate(self.pod_mounts(name))]
+        volume_mounts = [k8s.V1VolumeMount(name=f"mount-{i}", mount_path=mount.path, read_only=mount.read_only)
+                         for i, mount in enumerate(self.pod_mounts(name))]
+        if stage.gpus:
+            if placement.node_selector_gpu:
+                options["node_selector"] = placement.node_selector_gpu
+            if placement.gpu_tolerations:
+                options["tolerations"] = [k8s.V1Toleration(**t.model_dump()) for t in placement.gpu_tolerations]
+            if placement.gpu_shm_size:
+                volumes.append(k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(
+                    medium="Memory", size_limit=placement.gpu_shm_size)))
+                volume_mounts.append(k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
+        if volumes:
+            options["volumes"], options["volume_mounts"] = volumes, volume_mounts
         return options
+
+    def unmounted_paths(self, paths: list[str]) -> list[str]:
+        """The absolute paths (from a run config) that no volume common to every task pod holds.
+
+        A path that is read in a pod but mounted nowhere fails there, mid-run; this says so before
+        any stage starts. Relative paths are the image's own files (configs/, the DeepSpeed configs)."""
+        if self.executor != "kubernetes" or self.kubernetes is None:
+            return []
+        mounted = [mount.path.rstrip("/") + "/" for mount in self.kubernetes.common_mounts()]
+        return [path for path in paths if path.startswith("/")
+                and not any((path.rstrip("/") + "/").startswith(root) for root in mounted)]
 
 
 def _volume(k8s, name: str, mount: PodMount):

@@ -26,6 +26,16 @@ def run_prefix(run_id: str) -> str:
     return f"runs/{validate_id(run_id, 'run id')}"
 
 
+def train_prefix(run_id: str) -> str:
+    """The train stage's published drafter, metrics and result."""
+    return f"{run_prefix(run_id)}/train"
+
+
+def train_worker_spec_key(run_id: str) -> str:
+    """What every training node reads first: no filesystem is shared for it."""
+    return f"{train_prefix(run_id)}/worker_spec.json"
+
+
 def drafter_versions_prefix(target: str) -> str:
     return f"drafters/{validate_id(target, 'target')}/versions"
 

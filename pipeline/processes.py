@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+
 
 def die_with_parent() -> None:
     """Linux: have the kernel SIGKILL this process when its parent dies, so a killed `drafter train`
     (a task timeout, a preempted pod) leaves no training processes behind. A no-op elsewhere."""
     import ctypes
-    import signal
     import sys
 
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def start_process_group(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """A child leading its own process group, so it can be stopped (or killed) without its siblings, that
+    dies with this process. Its stdout and stderr come back merged as text lines.
+
+    Call from the main thread: the kernel ties the parent-death signal to the thread that forked."""
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=die_with_parent)
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the group a `start_process_group` child leads; SIGKILL it if it is still there after grace_s."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        process.wait()

@@ -44,6 +44,17 @@ def serving_flags(drafter_path: str, serving: dict[str, int]) -> list[str]:
     return sglang_flags(drafter_path, serving["steps"], serving.get("topk", 1), serving.get("draft_tokens"))
 
 
+def write_serving_flags(path: str | Path, flags: list[str]) -> None:
+    """The flags as one shell-quoted line, replaced atomically (a server reading it sees all or nothing)."""
+    import shlex
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(shlex.join(flags) + "\n")
+    os.replace(partial, path)
+
+
 def model_card(target: str, version: str, lineage: dict[str, Any], flags: list[str]) -> str:
     evaluation = lineage.get("eval", {})
     bench = lineage.get("bench", {})

@@ -7,7 +7,7 @@ GET /server_info, GET /health. With --aux-layer-ids it behaves like a server sta
 --enable-return-aux-hidden-states; with --speculative-algorithm NGRAM or EAGLE3 it decodes with the
 reference speculative decoder and reports the spec_* meta_info fields.
 
-    python -m pipeline.sglang_standin --model-path DIR --port 30000 [--aux-layer-ids 1 3 4]
+    python -m pipeline.sglang_standin --model-path DIR --port 30000 [--trust-remote-code] [--aux-layer-ids 1 3 4]
         [--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 3 ...]
 """
 
@@ -77,10 +77,16 @@ class Batcher:
 
 class StandinBackend:
     def __init__(self, model_dir: Path, aux_layer_ids: list[int] | None, algorithm: str | None = None,
-                 draft_dir: Path | None = None, num_steps: int = 3, topk: int = 1, draft_tokens: int | None = None):
+                 draft_dir: Path | None = None, num_steps: int = 3, topk: int = 1, draft_tokens: int | None = None,
+                 trust_remote_code: bool = False):
         from pipeline.engines.hf import HFEngine
 
-        self.engine = HFEngine(model_dir)
+        if algorithm == "EAGLE3":  # refuse, before loading anything, a draft SGLang 0.5.23 would not serve
+            from pipeline.sglang_draft_checks import SpeculativeArgs, require_loadable_draft
+
+            require_loadable_draft(model_dir, draft_dir, SpeculativeArgs(algorithm, num_steps, topk, draft_tokens),
+                                   trust_remote_code=trust_remote_code)
+        self.engine = HFEngine(model_dir, trust_remote_code=trust_remote_code)
         self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
         self.aux_layer_ids = aux_layer_ids
         self.algorithm = algorithm
@@ -225,6 +231,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", "--model-dir", dest="model_path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the code the model directory ships (SGLang's flag of the same name)")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--aux-layer-ids", "--return-aux-hidden-state-layer-ids", dest="aux_layer_ids", type=int, nargs=3)
     parser.add_argument("--speculative-algorithm", choices=["NGRAM", "EAGLE3"])
@@ -232,12 +240,32 @@ def main() -> None:
     parser.add_argument("--speculative-num-steps", type=int, default=3)
     parser.add_argument("--speculative-eagle-topk", type=int, default=1)
     parser.add_argument("--speculative-num-draft-tokens", type=int)
+    parser.add_argument("--enable-return-aux-hidden-states", action="store_true",
+                        help="a capture server: with EAGLE3 and no draft path, SGLang 0.5.23 returns aux states")
     args, _ = parser.parse_known_args()
-    if args.host != "127.0.0.1":
-        raise SystemExit("the stand-in server only listens on 127.0.0.1")
-    backend = StandinBackend(Path(args.model_path), args.aux_layer_ids, args.speculative_algorithm,
-                             Path(args.speculative_draft_model_path) if args.speculative_draft_model_path else None,
-                             args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    algorithm = args.speculative_algorithm
+    if args.enable_return_aux_hidden_states:
+        # a capture server decodes nothing speculatively: EAGLE3 there only switches the aux capture on
+        if args.speculative_draft_model_path:
+            raise SystemExit("--enable-return-aux-hidden-states takes no --speculative-draft-model-path "
+                             "(reference/sglang-contract.md)")
+        algorithm = None
+        if args.aux_layer_ids is None:
+            from pipeline.config import default_aux_layer_ids
+            from pipeline.target import text_config
+
+            args.aux_layer_ids = default_aux_layer_ids(int(text_config(Path(args.model_path))["num_hidden_layers"]))
+    if args.host != "127.0.0.1":  # a manifest's --host 0.0.0.0: the stand-in never leaves this machine's loopback
+        print(f"stand-in: --host {args.host} asked; listening on 127.0.0.1 only", flush=True)
+    from pipeline.sglang_draft_checks import DraftModelRefused
+
+    try:
+        backend = StandinBackend(Path(args.model_path), args.aux_layer_ids, algorithm,
+                                 Path(args.speculative_draft_model_path) if args.speculative_draft_model_path else None,
+                                 args.speculative_num_steps, args.speculative_eagle_topk,
+                                 args.speculative_num_draft_tokens, args.trust_remote_code)
+    except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
+        raise SystemExit(str(refused)) from None
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(backend))
     print(f"stand-in SGLang server on http://127.0.0.1:{server.server_port}", flush=True)
     server.serve_forever()

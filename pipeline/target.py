@@ -58,13 +58,48 @@ def text_config(model_dir: Path) -> dict[str, Any]:
     return config.get("text_config", config)
 
 
-def _tokenizer_hash(model_dir: Path) -> str:
-    digest = hashlib.sha256()
-    for name in ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt"):
+def remote_code_files(model_dir: Path, config_name: str) -> list[str]:
+    """The Python files a config file's auto_map names, e.g. config.json -> configuration_deepseek.py.
+
+    Entries are "module.Class", a [slow, fast] pair for tokenizers, or "org/repo--module.Class" for
+    code kept in another repository (then not in this directory; listed all the same).
+    """
+    path = model_dir / config_name
+    if not path.is_file():
+        return []
+    auto_map = json.loads(path.read_text()).get("auto_map") or {}
+    references = [ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value]) if ref]
+    return sorted({ref.split("--")[-1].rsplit(".", 1)[0] + ".py" for ref in references})
+
+
+def _digest_files(digest, model_dir: Path, names: list[str]) -> None:
+    for name in names:
         path = model_dir / name
         if path.is_file():
             digest.update(name.encode())
             digest.update(path.read_bytes())
+
+
+def _tokenizer_hash(model_dir: Path) -> str:
+    """Vocabulary files and, for a tokenizer shipped as code (Kimi's tiktoken one), that code."""
+    digest = hashlib.sha256()
+    vocabulary = ["tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json", "merges.txt"]
+    _digest_files(digest, model_dir, vocabulary)
+    _digest_files(digest, model_dir, remote_code_files(model_dir, "tokenizer_config.json"))
+    return digest.hexdigest()
+
+
+def _config_hash(model_dir: Path) -> str:
+    """config.json and the configuration/modeling code it names: that code defines what its settings mean.
+
+    Without such code the hash is that of config.json alone, as it always was.
+    """
+    canonical = json.dumps(_canonical_config(model_dir), sort_keys=True)
+    code = remote_code_files(model_dir, "config.json")
+    if not code:
+        return _sha256_text(canonical)
+    digest = hashlib.sha256(canonical.encode())
+    _digest_files(digest, model_dir, code)
     return digest.hexdigest()
 
 
@@ -94,7 +129,7 @@ def describe_target(config: RunConfig, model_dir: Path | None = None) -> TargetI
             "source": config.target.source,
             "model_path": str(config.target.model_path or model_dir.name),
             "revision": config.target.revision,
-            "config_sha256": _sha256_text(json.dumps(_canonical_config(model_dir), sort_keys=True)),
+            "config_sha256": _config_hash(model_dir),
             "tokenizer_sha256": _tokenizer_hash(model_dir),
             "chat_template_sha256": _sha256_text(chat_template_of(model_dir)),
         },
@@ -106,17 +141,36 @@ def describe_target(config: RunConfig, model_dir: Path | None = None) -> TargetI
     return info
 
 
-def load_tokenizer(model_dir: Path):
+def require_trust_for_shipped_code(model_dir: Path, trust_remote_code: bool) -> None:
+    """A directory that ships its own code (Kimi-K2.5 does) loads only when the config allows running it.
+
+    Checked here because transformers' own refusal names its argument, not the setting to change.
+    """
+    if trust_remote_code:
+        return
+    shipped = {name: remote_code_files(model_dir, name) for name in ("config.json", "tokenizer_config.json")}
+    shipped = {name: files for name, files in shipped.items() if files}
+    if shipped:
+        listing = "; ".join(f"{name} auto_map names {', '.join(files)}" for name, files in shipped.items())
+        raise TargetError(f"the target at {model_dir} ships its own code ({listing}); loading it runs that code, "
+                          "so it needs target.trust_remote_code: true in the run config (servers: "
+                          "--trust-remote-code)")
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    require_trust_for_shipped_code(model_dir, trust_remote_code)
+    return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
 
 
-def load_model(model_dir: Path, dtype: str = "float32"):
+def load_model(model_dir: Path, dtype: str = "float32", trust_remote_code: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+    require_trust_for_shipped_code(model_dir, trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
+                                                 trust_remote_code=trust_remote_code)
     model.eval()
     return model
 

@@ -8,10 +8,15 @@ from typing import Any
 
 from pipeline import layout, registry
 from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.failures import report_permanent_failures_by_exit_code
 from pipeline.stages import STAGES, StageResult
 from pipeline.storage import ObjectStore, open_store
 
 SHARD_STAGES = ("generate", "capture")
+
+# A task pod runs a script that imports this module and calls one function of it; a permanent failure
+# there must end the pod with its own exit code so the scheduler does not retry it.
+report_permanent_failures_by_exit_code()
 
 
 def _out(result: StageResult) -> dict[str, Any]:
@@ -31,15 +36,14 @@ def _defaults(config: RunConfig, store: ObjectStore, run_id: str, snapshot: str)
     }
 
 
-def run_stage(stage: str, config: RunConfig | str, run_id: str, overrides: list[str] | None = None,
+def run_stage(stage: str, config: RunConfig | str | dict[str, Any], run_id: str, overrides: list[str] | None = None,
               snapshot: str | None = None, **uris: str | None) -> dict[str, Any]:
     """Run one stage. Inputs not given default to the artifacts of `snapshot` (data) and `run_id`."""
     from pipeline.stages import benchmark, capture, evaluate, gate, generate, promote, prompts, train
 
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
-    if isinstance(config, str):
-        config = load_config(config, overrides)
+    config = _as_config(config, overrides)
     store = open_store(config.storage)
     snapshot = snapshot or run_id
     inputs = {**_defaults(config, store, run_id, snapshot), **{k: v for k, v in uris.items() if v}}
@@ -77,7 +81,7 @@ def run_stage(stage: str, config: RunConfig | str, run_id: str, overrides: list[
     return {**_out(result), "promoted": result.manifest.get("promoted"), "version": result.manifest.get("version")}
 
 
-def gate_decision(config: RunConfig | str, run_id: str, overrides: list[str] | None = None,
+def gate_decision(config: RunConfig | str | dict[str, Any], run_id: str, overrides: list[str] | None = None,
                   **uris: str | None) -> dict[str, Any]:
     """The gate as a decision instead of an error: a scheduler skips promotion when `passed` is false.
     The decision record is stored either way."""
@@ -89,15 +93,14 @@ def gate_decision(config: RunConfig | str, run_id: str, overrides: list[str] | N
         return {"passed": False, "reasons": str(failed)}
 
 
-def run_shard(stage: str, config: RunConfig | str, snapshot: str, shard: str, overrides: list[str] | None = None,
+def run_shard(stage: str, config: RunConfig | str | dict[str, Any], snapshot: str, shard: str, overrides: list[str] | None = None,
               **uris: str | None) -> dict[str, Any]:
     """One shard of generate or capture (a mapped task); the plain stage publishes when all are done."""
     from pipeline.stages import capture, generate
 
     if stage not in SHARD_STAGES:
         raise ValueError(f"stage {stage!r} is not run per shard; shard stages: {', '.join(SHARD_STAGES)}")
-    if isinstance(config, str):
-        config = load_config(config, overrides)
+    config = _as_config(config, overrides)
     store = open_store(config.storage)
     inputs = {**_defaults(config, store, snapshot, snapshot), **{k: v for k, v in uris.items() if v}}
     if stage == "generate":
@@ -126,55 +129,101 @@ def param_overrides(params: dict[str, Any]) -> list[str]:
     return overrides + list(params.get("overrides") or [])
 
 
-def plan_run(params: dict[str, Any], scheduler_run_id: str) -> dict[str, Any]:
-    """What every task of a data run needs: the config path, its overrides and a safe run id.
-    The config is loaded here once so a bad trigger form fails the first task, clearly."""
+def plan_run(params: dict[str, Any], scheduler_run_id: str, default_config: str) -> dict[str, Any]:
+    """What a run asks for, from its trigger form (a scheduled run's form holds the defaults): the run
+    config to load, its overrides and a safe run id. Reads no file: `configure_run` loads the config
+    where the run's volumes are mounted."""
     from pipeline.ids import safe_id
 
-    overrides = param_overrides(params)
-    config = load_config(params["config"], overrides)
-    if params.get("num_shards"):  # a shard count is a shard size for this many conversations
-        if params.get("shard_size"):
-            raise ConfigError("give either a shard size or a number of shards, not both")
-        size = max(1, -(-config.prompts.num_samples // params["num_shards"]))
-        overrides.append(f"prompts.shard_size={size}")
-        load_config(params["config"], overrides)
-    return {"config": params["config"], "overrides": overrides, "run_id": safe_id(scheduler_run_id)}
+    if params.get("num_shards") and params.get("shard_size"):
+        raise ConfigError("give either a shard size or a number of shards, not both")
+    return {"config_path": params.get("config") or default_config, "overrides": param_overrides(params),
+            "num_shards": params.get("num_shards"), "run_id": safe_id(scheduler_run_id)}
 
 
-def plan_training(params: dict[str, Any], scheduler_run_id: str, asset_extras: list[dict[str, Any]]) -> dict[str, Any]:
-    """A training run's plan. Triggered by a published dataset, it trains on that dataset with the
-    config that made it; triggered by hand or by the cron, on the given or the newest dataset."""
-    run = plan_run(params, scheduler_run_id)
-    if asset_extras and not params.get("dataset_uri"):
+def configure_run(plan: dict[str, Any], mount_paths: list[str] | None = None) -> dict[str, Any]:
+    """Load and check the run config once; every later task gets it resolved (`config`, a dict) and
+    needs no config file. With `mount_paths` (tasks in pods), a local path the config names outside
+    every mounted volume is refused here, before a stage fails on it mid-run."""
+    overrides = list(plan["overrides"])
+    config = load_config(plan["config_path"], overrides)
+    if plan.get("num_shards"):  # a shard count is a shard size for this many conversations
+        overrides.append(f"prompts.shard_size={max(1, -(-config.prompts.num_samples // plan['num_shards']))}")
+        config = load_config(plan["config_path"], overrides)
+    if mount_paths is not None:
+        _require_mounted(config, plan["config_path"], mount_paths)
+    return {"run_id": plan["run_id"], "config": config.dump(),
+            "source": {"config": plan["config_path"], "overrides": overrides}}
+
+
+def local_paths_read(config: RunConfig) -> list[str]:
+    """The local files and directories a run config makes its stages read or write."""
+    paths = [config.storage.local_cache, config.train.deepspeed_config]
+    if config.target.source == "hf" and config.target.model_path:
+        paths.append(config.target.model_path)
+    paths += [source.path for source in config.prompts.sources
+              if source.path and not source.path.startswith("s3://")]
+    if config.benchmark.sglang is not None:
+        paths.append(config.benchmark.sglang.model_path)
+    return [path[len("file://"):] if path.startswith("file://") else path for path in paths]
+
+
+def _require_mounted(config: RunConfig, config_path: str, mount_paths: list[str]) -> None:
+    roots = [path.rstrip("/") + "/" for path in mount_paths]
+    outside = [path for path in local_paths_read(config)
+               if path.startswith("/") and not any((path.rstrip("/") + "/").startswith(root) for root in roots)]
+    if outside:
+        raise ConfigError(f"run config {config_path} names local paths that no task pod mounts: {outside}; the pods "
+                          f"mount {sorted(mount_paths)} (kubernetes.volumes in the deployment config)")
+
+
+def plan_training(params: dict[str, Any], scheduler_run_id: str, asset_extras: list[dict[str, Any]],
+                  default_config: str) -> dict[str, Any]:
+    """A training run's request. Triggered by a published dataset, it trains on that dataset with the
+    config that made it; triggered by hand or by the cron, on the given or else the newest dataset."""
+    plan = plan_run(params, scheduler_run_id, default_config)
+    plan["dataset_uri"] = params.get("dataset_uri") or None
+    if asset_extras and not plan["dataset_uri"]:
         made_by = asset_extras[-1]
-        run["config"] = made_by.get("config", run["config"])
-        run["overrides"] = list(made_by.get("overrides") or []) + run["overrides"]
-        dataset_uri = made_by["dataset_uri"]
-    else:
-        dataset_uri = resolve_dataset(run["config"], run["overrides"], params.get("dataset_uri") or None)
-    run["dataset_uri"] = dataset_uri
-    run["prompts_uri"] = prompts_uri_of(run["config"], run["overrides"], dataset_uri)
+        plan["config_path"] = made_by.get("config", plan["config_path"])
+        plan["overrides"] = list(made_by.get("overrides") or []) + plan["overrides"]
+        plan["dataset_uri"] = made_by["dataset_uri"]
+    return plan
+
+
+def configure_training(plan: dict[str, Any], mount_paths: list[str] | None = None) -> dict[str, Any]:
+    """`configure_run`, plus the dataset to train on and the prompts its benchmark uses."""
+    run = configure_run(plan, mount_paths)
+    run["dataset_uri"] = resolve_dataset(run["config"], None, plan.get("dataset_uri"))
+    run["prompts_uri"] = prompts_uri_of(run["config"], None, run["dataset_uri"])
     return run
 
 
-def resolve_dataset(config: RunConfig | str, overrides: list[str] | None, dataset_uri: str | None) -> str:
+def _as_config(config: RunConfig | str | dict[str, Any], overrides: list[str] | None) -> RunConfig:
+    """A run config given as a loaded config, a file, or a resolved dict (what `configure_run` returns)."""
+    if isinstance(config, RunConfig):
+        return config
+    if isinstance(config, dict):
+        return load_config(data=config, overrides=overrides)
+    return load_config(config, overrides)
+
+
+def resolve_dataset(config: RunConfig | str | dict[str, Any], overrides: list[str] | None,
+                    dataset_uri: str | None) -> str:
     """The dataset to train on: the given one, else the newest published dataset of the target."""
     from pipeline.stages.capture import latest_dataset
 
-    if isinstance(config, str):
-        config = load_config(config, overrides)
+    config = _as_config(config, overrides)
     if dataset_uri:
         return dataset_uri
     return latest_dataset(config, open_store(config.storage))
 
 
-def prompts_uri_of(config: RunConfig | str, overrides: list[str] | None, dataset_uri: str) -> str:
+def prompts_uri_of(config: RunConfig | str | dict[str, Any], overrides: list[str] | None, dataset_uri: str) -> str:
     """The prompt snapshot a dataset was made from (its held-out prompts feed the benchmark)."""
     from pipeline.manifest import read_manifest
 
-    if isinstance(config, str):
-        config = load_config(config, overrides)
+    config = _as_config(config, overrides)
     store = open_store(config.storage)
     dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
     capture = read_manifest(store, store.key_for(dataset["captures"][0]), kind="capture")

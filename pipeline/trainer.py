@@ -1,8 +1,9 @@
-"""The training worker: one process per rank, started by torchrun or the deepspeed launcher.
+"""The training worker: one process per rank, started by a node's torchrun agent (pipeline.train_nodes).
 
 The launcher side (pipeline.stages.train) checks the contract, fixes the draft vocabulary, writes a
-worker spec and starts this as a separate process group; nothing here runs inside an Airflow worker.
-Each rank streams its shards from the object store (pipeline.train_data).
+worker spec to the object store and starts the nodes; nothing here runs inside an Airflow worker.
+Each rank reads the spec and streams its shards from the object store (pipeline.train_data). Checkpoints,
+metrics and the exported drafter go to the spec's work dir, which every node sees (one volume).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def choose_teacher(requested: str, available: set[str]) -> str:
     """The teacher signal to train on: the requested one, or (auto) last_hidden when stored, else top-k."""
     if requested != "auto":
         if requested not in available:
-            raise ValueError(f"train.teacher {requested!r} is not in every capture shard (they carry {sorted(available)})")
+            raise ValueError(f"train.teacher {requested!r} is not in every capture shard "
+                             f"(they carry {sorted(available)})")
         return requested
     for kind in ("last_hidden", "topk"):
         if kind in available:
@@ -338,7 +340,8 @@ class Trainer:
             self.run_epoch(progress)
         progress.close()
         result = {"stop_reason": state["stop_reason"] or "completed", "epochs_run": state["epoch"],
-                  "global_steps": state["global_step"], "world_size": self.world, "history": state["history"],
+                  "global_steps": state["global_step"], "world_size": self.world, "nodes": _nodes(),
+                  "history": state["history"],
                   "draft_vocab_size": self.model.arch.draft_vocab_size, "teacher": self.teacher,
                   "train_samples": sum(s.samples for s in self.shards),
                   "seconds_this_attempt": round(time.monotonic() - started, 1),
@@ -352,15 +355,41 @@ class Trainer:
         return result
 
 
+def _nodes() -> int:
+    """How many torchrun agents (nodes) this run's ranks came from."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+
+
 def train(spec: dict[str, Any]) -> dict[str, Any]:
     return Trainer(spec).run()
 
 
-def worker_main(spec_path: str) -> None:
+def read_worker_spec(location: str) -> dict[str, Any]:
+    """The worker spec from a local path, a file:// URI or an s3:// URI.
+
+    Every rank reads it itself, so no node needs another's filesystem for it. An s3:// spec is read with
+    the standard AWS environment the node's agent handed on (credentials, region, and AWS_ENDPOINT_URL_S3
+    for an S3-compatible server); the config inside it says where everything else is."""
+    if not location.startswith("s3://"):
+        return json.loads(Path(location.removeprefix("file://")).read_text())
+    from botocore.exceptions import NoCredentialsError
+
+    from pipeline.storage import S3Store
+
+    bucket, _, key = location.removeprefix("s3://").partition("/")
+    try:
+        return json.loads(S3Store(bucket, "").get_bytes(key))
+    except NoCredentialsError as err:
+        raise RuntimeError(f"cannot read the worker spec {location}: this rank has no AWS credentials; its "
+                           "node's torchrun agent hands on its own environment, so start the agent with "
+                           "them (the pod's IRSA role, or AWS_* variables)") from err
+
+
+def worker_main(spec_location: str) -> None:
     from pipeline.processes import die_with_parent
 
     die_with_parent()  # the launcher (torchrun) starts workers in their own sessions; they must not outlive it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = json.loads(Path(spec_path).read_text())
+    spec = read_worker_spec(spec_location)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     train(spec)

@@ -77,14 +77,12 @@ def test_responses_are_capped_by_the_generation_limit(kimi):
     assert capped["tokens"]["per_sample"] == kimi.capture.max_length
 
 
-def test_bad_plan_input_is_refused(kimi, tmp_path):
+def test_bad_plan_input_is_refused(kimi):
     with pytest.raises(PlanError):
         plan(kimi, 0)
     with pytest.raises(ConfigError, match="gpu_hours_usd"):
         load_config(KIMI, ["plan.gpu_hours_usd=3"])  # a misspelt assumption is an error, not a silent default
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("# nodes\nnode-a slots=8\nnode-b slots=8\nnode-c slots=8\n")
-    three = plan(load_config(KIMI, [f"train.hostfile={hostfile}"]), 1000)
+    three = plan(load_config(KIMI, ["train.nodes=3", "train.launcher=kubernetes"]), 1000)
     assert three["stages"]["train"]["gpus"] == 24
 
 

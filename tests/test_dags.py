@@ -58,8 +58,8 @@ def test_dags_import_without_a_database(tmp_path):
 def test_schedules_mapping_and_asset(dagbag):
     train = dagbag.dags["drafter_train"]
     assert type(train.timetable).__name__ == "AssetOrTimeSchedule"
-    assert [t.task_id for t in train.topological_sort()] == ["plan", "train", "evaluate", "gate", "benchmark",
-                                                            "promote", "report"]
+    assert [t.task_id for t in train.topological_sort()] == ["plan", "configure", "train", "evaluate", "gate",
+                                                            "benchmark", "promote", "report"]
     report = train.get_task("report")
     # a teardown without setups runs once everything upstream is done, whatever its state
     assert report.is_teardown and report.trigger_rule == "all_done_setup_success"
@@ -120,40 +120,174 @@ bag = DagBag(dag_folder=sys.argv[1])
 assert not bag.import_errors, bag.import_errors
 pods = {}
 for dag_id, task_id in [("drafter_train", "train"), ("drafter_train", "promote"), ("drafter_data", "prompts")]:
-    pods[task_id] = ApiClient().sanitize_for_serialization(bag.dags[dag_id].get_task(task_id).build_pod_request_obj())
+    operator = bag.dags[dag_id].get_task(task_id)
+    pods[task_id] = ApiClient().sanitize_for_serialization(operator.build_pod_request_obj())
+    pods[task_id]["waits"] = [operator.schedule_timeout_seconds, operator.startup_timeout_seconds]
 print(json.dumps(pods))
 """
+
+
+def _kubernetes_env(tmp_path) -> dict:
+    (tmp_path / "kubeconfig").write_text(KUBECONFIG)
+    return dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig"), AIRFLOW_HOME=str(tmp_path),
+                DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/kubernetes.yaml"), AIRFLOW__CORE__LOAD_EXAMPLES="False")
 
 
 def test_kubernetes_deployment_renders_valid_pod_specs(tmp_path):
     from kubernetes.client import ApiClient, V1Pod
 
-    (tmp_path / "kubeconfig").write_text(KUBECONFIG)
-    env = dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig"), AIRFLOW_HOME=str(tmp_path),
-               DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/kubernetes.yaml"),
-               AIRFLOW__CORE__LOAD_EXAMPLES="False")
-    out = subprocess.run([sys.executable, "-c", RENDER, str(DAGS)], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=REPO)
+    out = subprocess.run([sys.executable, "-c", RENDER, str(DAGS)], env=_kubernetes_env(tmp_path), capture_output=True,
+                         text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     pods = json.loads(out.stdout.strip().splitlines()[-1])
     deployment = yaml.safe_load((REPO / "configs/deployment/kubernetes.yaml").read_text())
+    placement = deployment["kubernetes"]
     train = pods["train"]
     container = train["spec"]["containers"][0]
     assert train["kind"] == "Pod" and train["metadata"]["namespace"] == "drafter"
     assert train["spec"]["serviceAccountName"] == "drafter-pipeline"
-    assert container["image"] == deployment["kubernetes"]["images"]["trainer"]
+    assert container["image"] == placement["images"]["trainer"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    assert train["spec"]["nodeSelector"] == deployment["kubernetes"]["node_selector_gpu"]
-    assert {"name": "DS_ACCELERATOR", "value": "cuda"} in container["env"]
-    assert any(m["mountPath"] == "/etc/drafter" for m in container["volumeMounts"])
-    promote = pods["promote"]["spec"]["containers"][0]
-    assert promote["image"] == deployment["kubernetes"]["images"]["pipeline"]
-    assert "nvidia.com/gpu" not in promote["resources"]["limits"]
+    assert train["spec"]["nodeSelector"] == placement["node_selector_gpu"]
+    assert train["spec"]["tolerations"] == placement["gpu_tolerations"]
+    shm = next(v for v in train["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": placement["gpu_shm_size"]}
+    assert {"name": "DRAFTER_PERMANENT_EXIT_CODES", "value": "1"} in container["env"]
+    mounted = {m["mountPath"] for m in container["volumeMounts"]}
+    assert {"/etc/drafter", "/dev/shm", "/data/drafter-cache"} | {v["path"] for v in placement["volumes"]} <= mounted
+    # a GPU node scale-up or a multi-GB image pull takes longer than the provider's default 120 s
+    assert train["waits"] == [placement["schedule_timeout_seconds"], placement["startup_timeout_seconds"]]
+    assert min(train["waits"]) >= 900
+    # one node needs no SSH key or hostfile: nothing the runbook does not create is mounted
+    assert not any("secret" in volume or "configMap" in volume for volume in train["spec"]["volumes"])
+    promote = pods["promote"]["spec"]
+    assert promote["containers"][0]["image"] == placement["images"]["pipeline"]
+    assert "nvidia.com/gpu" not in promote["containers"][0]["resources"]["limits"]
+    assert not promote.get("nodeSelector") and not promote.get("tolerations")  # CPU pods go anywhere
     for pod in pods.values():  # each renders back into the Kubernetes model without loss
+        pod.pop("waits")
+
         class Response:
             data = json.dumps(pod)
         assert ApiClient().deserialize(Response, V1Pod).to_dict()["spec"]["containers"][0]["image"]
     assert not any("AWS_SECRET" in json.dumps(pod) for pod in pods.values())
+
+
+SHIPPED = """
+import ast, json, os, sys, tempfile, types
+sys.path.insert(0, sys.argv[1])
+from airflow.dag_processing.dagbag import DagBag
+from airflow.providers.cncf.kubernetes.python_kubernetes_script import write_python_script
+bag = DagBag(dag_folder=sys.argv[1])
+assert not bag.import_errors, bag.import_errors
+shipped = {}
+for dag_id in ("drafter_data", "drafter_train"):
+    for task in bag.dags[dag_id].tasks:
+        mapped = hasattr(task, "partial_kwargs")
+        kind = task.operator_class if mapped else type(task)
+        if "Pod" not in kind.__name__:
+            continue
+        callable_ = task.python_callable
+        # the provider's own get_python_source, on the operator class the task was built with
+        source = kind.get_python_source(types.SimpleNamespace(python_callable=callable_,
+                                                              custom_operator_name=kind.custom_operator_name))
+        path = os.path.join(tempfile.mkdtemp(), "script.py")
+        # what the decorator's execute() renders into the pod, with the provider's own template
+        write_python_script(jinja_context={"op_args": [], "op_kwargs": {"run": {}}, "pickling_library": "pickle",
+                                           "python_callable": callable_.__name__, "python_callable_source": source,
+                                           "string_args_global": False}, filename=path)
+        shipped[f"{dag_id}.{task.task_id}"] = open(path).read()
+print(json.dumps(shipped))
+"""
+
+
+def test_every_pod_task_ships_source_that_compiles_and_carries_no_decorator(tmp_path):
+    import ast
+
+    out = subprocess.run([sys.executable, "-c", SHIPPED, str(DAGS)], env=_kubernetes_env(tmp_path), capture_output=True,
+                         text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shipped = json.loads(out.stdout.strip().splitlines()[-1])
+    expected = {"drafter_data.configure", "drafter_data.prompts", "drafter_data.generate_shard",
+                "drafter_data.responses", "drafter_data.parity", "drafter_data.capture_shard", "drafter_data.captures",
+                "drafter_train.configure", "drafter_train.train", "drafter_train.evaluate", "drafter_train.benchmark",
+                "drafter_train.promote"}
+    assert set(shipped) == expected
+    for task, script in shipped.items():
+        tree = ast.parse(script, filename=task)
+        functions = [node for node in tree.body if isinstance(node, ast.FunctionDef)]
+        assert len(functions) == 1 and functions[0].decorator_list == [], task
+        assert "@" not in script, task
+        # defining the function runs nothing but its (absent) decorators: no NameError in the pod
+        definitions = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.Import,
+                                                                             ast.ImportFrom))], type_ignores=[])
+        exec(compile(definitions, task, "exec"), {"__name__": "pod_script"})
+
+
+def test_scheduled_runs_take_the_deployments_run_config():
+    from pipeline.deployment import load_deployment
+    from pipeline.tasks import plan_training
+
+    for name in ("local", "kubernetes"):
+        deployment = load_deployment(REPO / "configs" / "deployment" / f"{name}.yaml")
+        # a cron run has no trigger form: its params are the form's defaults, so the default is what it runs
+        plan = plan_training({"config": deployment.run_config}, "scheduled__2026-12-06T04:00:00+00:00", [],
+                             deployment.run_config)
+        assert plan["config_path"] == deployment.run_config and plan["dataset_uri"] is None
+    assert load_deployment(REPO / "configs/deployment/kubernetes.yaml").run_config == "/etc/drafter/kimi-k2.5.yaml"
+
+
+def test_the_trigger_forms_default_is_the_deployments_run_config(dagbag):
+    from pipeline.deployment import load_deployment
+
+    deployment = load_deployment(REPO / "configs/deployment/local.yaml")
+    for dag_id in ("drafter_data", "drafter_train"):
+        assert dagbag.dags[dag_id].params["config"] == deployment.run_config
+
+
+def test_configure_refuses_local_paths_no_pod_mounts():
+    from pipeline.config import ConfigError
+    from pipeline.deployment import load_deployment
+    from pipeline.tasks import configure_run, plan_run
+
+    deployment = load_deployment(REPO / "configs/deployment/kubernetes.yaml")
+    mounts = [mount.path for mount in deployment.pod_mounts("configure")]
+    plan = plan_run({"config": str(REPO / "configs" / "kimi-k2.5.yaml")}, "r1", deployment.run_config)
+    run = configure_run(plan, mounts)  # the production config reads only mounted paths
+    assert run["config"]["target"]["model_path"] == "/models/Kimi-K2.5" and "overrides" not in run
+    moved = plan_run({"config": str(REPO / "configs" / "kimi-k2.5.yaml"),
+                      "overrides": ["target.model_path=/mnt/weights/Kimi-K2.5"]}, "r1", deployment.run_config)
+    with pytest.raises(ConfigError, match="/mnt/weights/Kimi-K2.5"):
+        configure_run(moved, mounts)
+    configure_run(moved, None)  # tasks in the worker: nothing to check
+
+
+def test_permanent_failures_fail_the_task_at_once(dagbag):
+    from airflow.sdk.exceptions import AirflowFailException
+
+    plan = dagbag.dags["drafter_data"].get_task("plan").python_callable
+
+    class DagRun:
+        run_id = "manual__1"
+
+    with pytest.raises(AirflowFailException, match="not both"):  # a ConfigError: no retry can fix it
+        plan(params={"config": "configs/local.yaml", "num_shards": 2, "shard_size": 3}, dag_run=DagRun())
+
+
+POD_FAILURE = """
+import sys
+from pipeline.tasks import run_stage
+run_stage(sys.argv[1], "configs/local.yaml", "r1", ["train.epochs=0"])
+"""
+
+
+@pytest.mark.parametrize("pod, code", [("1", 2), ("", 1)])
+def test_a_pod_ends_a_permanent_failure_with_its_exit_code(pod, code):
+    env = dict(os.environ, DRAFTER_PERMANENT_EXIT_CODES=pod)
+    out = subprocess.run([sys.executable, "-c", POD_FAILURE, "gate"], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == code, out.stderr[-2000:]
+    assert "ConfigError" in out.stderr  # the traceback is still printed
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +334,7 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
     run = dagbag.dags["drafter_train"].test(run_conf={"config": str(config_path), "epochs": 1,
                                                       "min_tau_simulated": 50})
     states = {ti.task_id: ti.state for ti in run.get_task_instances()}
-    assert states == {"plan": "success", "train": "success", "evaluate": "success", "gate": "success",
+    assert states == {"plan": "success", "configure": "success", "train": "success", "evaluate": "success", "gate": "success",
                       "benchmark": "skipped", "promote": "skipped", "report": "success"}
     assert run.state == "success"
     page = (store_root / "runs" / safe_id(run.run_id) / "report" / "report.html").read_text()
@@ -212,11 +346,14 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
 
 def test_a_shard_count_becomes_a_shard_size():
     from pipeline.config import ConfigError
-    from pipeline.tasks import plan_run
+    from pipeline.tasks import configure_run, plan_run
 
     config = str(REPO / "configs" / "local.yaml")
-    run = plan_run({"config": config, "num_samples": 48, "num_shards": 5}, "manual__2026-11-30T00:00:00+00:00")
-    assert "prompts.num_samples=48" in run["overrides"] and run["overrides"][-1] == "prompts.shard_size=10"
-    assert run["run_id"].startswith("manual__2026-11-30T00-00-00")
+    plan = plan_run({"config": config, "num_samples": 48, "num_shards": 5}, "manual__2026-11-30T00:00:00+00:00",
+                    "configs/local.yaml")
+    assert plan["run_id"].startswith("manual__2026-11-30T00-00-00")
+    run = configure_run(plan)
+    assert run["config"]["prompts"]["num_samples"] == 48 and run["config"]["prompts"]["shard_size"] == 10
+    assert run["source"]["overrides"][-1] == "prompts.shard_size=10"
     with pytest.raises(ConfigError, match="not both"):
-        plan_run({"config": config, "num_shards": 5, "shard_size": 10}, "r")
+        plan_run({"config": config, "num_shards": 5, "shard_size": 10}, "r", "configs/local.yaml")

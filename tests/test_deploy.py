@@ -89,7 +89,9 @@ def test_dockerfiles_pin_what_pyproject_pins():
 
     trainer = _dockerfile("trainer")
     assert f'"{torch_pin}"' in trainer and "pip install --no-cache-dir ." in trainer
-    assert "pdsh" in trainer and "openssh-server" in trainer  # the multi-node workers' launcher path
+    # nodes start no one over SSH; the train stage creates the node Job from the manifest in the image
+    assert not re.search(r"pdsh|openssh|sshd", trainer)
+    assert "COPY infra/k8s/trainer-workers.yaml ./infra/k8s/trainer-workers.yaml" in trainer
 
     sglang = _dockerfile("sglang")
     assert re.search(rf"^ARG SGLANG_VERSION={re.escape(SGLANG_VERSION)}$", sglang, flags=re.M)
@@ -104,6 +106,7 @@ def test_dockerfiles_pin_what_pyproject_pins():
 
 MODELS = {"Namespace": "V1Namespace", "Service": "V1Service", "StatefulSet": "V1StatefulSet",
           "Deployment": "V1Deployment", "ConfigMap": "V1ConfigMap", "ServiceAccount": "V1ServiceAccount",
+          "Job": "V1Job",
           "PersistentVolumeClaim": "V1PersistentVolumeClaim", "Role": "V1Role", "RoleBinding": "V1RoleBinding"}
 
 
@@ -179,49 +182,99 @@ def test_config_urls_are_the_statefulset_pods(section, statefulset):
     assert service["spec"]["clusterIP"] == "None"  # headless: one DNS name per pod
 
 
-def test_serving_pulls_production_and_uses_the_promoted_flags():
-    from pipeline.registry import sglang_flags
+def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_path):
+    import shlex
+    import subprocess
+
+    from pipeline.registry import sglang_flags, write_serving_flags
 
     serving = _workload("Deployment", "kimi-k2-5-eagle3")
     pull = serving["spec"]["template"]["spec"]["initContainers"][0]["command"]
     assert pull[:2] == ["drafter", "pull"] and pull[pull.index("--alias") + 1] == KIMI["registry"]["alias"]
-    dest = pull[pull.index("--dest") + 1]
-    bench = KIMI["benchmark"]["sglang"]
-    flags = sglang_flags(dest, bench["steps"], bench["topk"], bench["draft_tokens"])
-    args = _sglang_args("Deployment", "kimi-k2-5-eagle3")
-    assert " ".join(flags) in " ".join(args)
+    dest, flags_file = pull[pull.index("--dest") + 1], pull[pull.index("--flags-file") + 1]
     assert serving["spec"]["template"]["spec"]["serviceAccountName"] == "drafter-reader"
+    # the server's command line, with the flags file the pull writes, is SGLang's plus exactly those flags
+    sglang = next(c for c in _containers(serving) if c["name"] == "sglang")
+    flags = sglang_flags(dest, 3, 1, 4)
+    write_serving_flags(tmp_path / "serving-flags", flags)
+    script = sglang["args"][0].replace(flags_file, str(tmp_path / "serving-flags")).replace("exec python", "printf '%s\\n'")
+    argv = subprocess.run(sglang["command"] + [script], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and argv[-len(flags):] == flags
+    assert shlex.split((tmp_path / "serving-flags").read_text()) == flags
 
 
-def test_trainer_hostfile_lists_every_worker_with_its_gpus():
-    workers = _workload("StatefulSet", "drafter-trainer")
-    hostfile = _workload("ConfigMap", "drafter-trainer-hostfile")["data"]["hostfile"].split("\n")
-    gpus = workers["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
-    namespace = workers["metadata"]["namespace"]
-    assert [line for line in hostfile if line] == [
-        f"drafter-trainer-{i}.{workers['spec']['serviceName']}.{namespace}.svc slots={gpus}"
-        for i in range(workers["spec"]["replicas"])]
-    # the launcher (the train task's pod) mounts the hostfile, the SSH key and the same cache volume
-    train = K8S_DEPLOYMENT["stages"]["train"]
-    assert {m["name"] for m in train["mounts"]} == {"drafter-trainer-hostfile", "drafter-trainer-ssh"}
-    cache_claims = {v["persistentVolumeClaim"]["claimName"] for v in workers["spec"]["template"]["spec"]["volumes"]
-                    if "persistentVolumeClaim" in v}
-    assert K8S_DEPLOYMENT["kubernetes"]["cache_volume_claim"] in cache_claims
+def _trainer_job() -> tuple[dict, dict, dict]:
+    job = _workload("Job", "drafter-trainer")
+    pod = job["spec"]["template"]["spec"]
+    return job, pod, next(c for c in pod["containers"] if c["name"] == "node")
+
+
+def test_every_trainer_node_runs_the_same_torchrun_command_meeting_at_the_headless_service():
+    from pipeline.config import load_config
+    from pipeline.train_nodes import job_for_run
+
+    job, pod, node = _trainer_job()
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["backoffLimit"] == 0
+    service = _workload("Service", pod["subdomain"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    # pod 0 of the Job under the headless Service is where every node meets
+    kimi = load_config(REPO / "configs" / "kimi-k2.5.yaml", ["train.nodes=4", "train.launcher=kubernetes"])
+    assert kimi.train.rendezvous_endpoint == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert kimi.train.rendezvous_port == service["spec"]["ports"][0]["port"] == node["ports"][0]["containerPort"]
+    # one command for every pod, the one the train settings make; the run fills in what differs per run
+    run = job_for_run(job, kimi.train, "s3://drafter-pipeline/kimi/runs/r/train/worker_spec.json", "r")
+    assert run["spec"]["completions"] == run["spec"]["parallelism"] == 4
+    annotations = run["spec"]["template"]["metadata"]["annotations"]
+    read = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in node["env"]}
+    assert {name: annotations[path.split("'")[1]] for name, path in read.items()} == {
+        "DRAFTER_RUN_ID": "r", "DRAFTER_WORKER_SPEC": "s3://drafter-pipeline/kimi/runs/r/train/worker_spec.json",
+        "DRAFTER_NODES": "4"}
+    assert all(f"$({name})" in node["args"] for name in read)
+    # the train task's pod (the stage that creates the Job) may create it
+    binding = _workload("RoleBinding", "drafter-train-task-launches-trainer-job")
+    service_account = K8S_DEPLOYMENT["kubernetes"]["service_account"]
+    assert binding["subjects"][0]["name"] == service_account == pod["serviceAccountName"]
+    rules = _workload("Role", binding["roleRef"]["name"])["rules"]
+    assert {"batch"} == set(rules[0]["apiGroups"]) and {"create", "get", "delete"} <= set(rules[0]["verbs"])
+
+
+def test_trainer_nodes_start_no_ssh_and_get_eight_big_gpus_shared_memory_and_the_shared_checkpoints():
     from pipeline.deployment import load_deployment
 
+    objects = yaml.safe_dump([doc for file, doc in _documents() if file.startswith("trainer-")])  # no comments
+    assert not re.search(r"ssh|pdsh|hostfile|2222", objects, flags=re.I)
+    job, pod, node = _trainer_job()
+    assert node["resources"]["limits"]["nvidia.com/gpu"] == str(KIMI["train"]["nproc"]) == "8"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}  # >= 140 GB per GPU
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in node["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    # the checkpoints: storage.local_cache on the ReadWriteMany cache claim, mounted where the train task has it
     placement = load_deployment(REPO / "configs" / "deployment" / "kubernetes.yaml").kubernetes
-    assert placement.cache_path == KIMI["storage"]["local_cache"]
-    mounts = workers["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
-    assert {"name": "cache", "mountPath": placement.cache_path} in mounts
+    cache = volumes[mounts[KIMI["storage"]["local_cache"]]]["persistentVolumeClaim"]["claimName"]
+    assert cache == placement.cache_volume_claim and placement.cache_path == KIMI["storage"]["local_cache"]
+    assert _workload("PersistentVolumeClaim", cache)["spec"]["accessModes"] == ["ReadWriteMany"]
+    weights = [path for path in mounts if KIMI["target"]["model_path"].startswith(path + "/")]
+    claim = volumes[mounts[weights[0]]]["persistentVolumeClaim"]
+    assert claim["readOnly"] and _workload("PersistentVolumeClaim", claim["claimName"])["metadata"]["namespace"] == \
+        job["metadata"]["namespace"]
 
 
 def test_deployment_objects_and_roles_exist_in_the_manifests():
-    names = {(doc["kind"], doc["metadata"]["name"]) for _, doc in _documents()}
+    names = {(doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"]) for _, doc in _documents()}
     placement = K8S_DEPLOYMENT["kubernetes"]
-    assert ("Namespace", placement["namespace"]) in names
-    assert ("ServiceAccount", placement["service_account"]) in names
-    for claim in (placement["config_volume_claim"], placement["cache_volume_claim"]):
-        assert ("PersistentVolumeClaim", claim) in names
+    namespace = placement["namespace"]
+    assert ("Namespace", None, namespace) in names
+    assert ("ServiceAccount", namespace, placement["service_account"]) in names
+    # every claim a task pod mounts exists in the pods' own namespace (a claim is namespaced)
+    claims = [placement["config_volume_claim"], placement["cache_volume_claim"]]
+    claims += [v["name"] for v in placement["volumes"] if v["kind"] == "pvc"]
+    claims += [m["name"] for stage in K8S_DEPLOYMENT["stages"].values() for m in stage.get("mounts", [])
+               if m["kind"] == "pvc"]
+    for claim in claims:
+        assert ("PersistentVolumeClaim", namespace, claim) in names, claim
     binding = _workload("RoleBinding", "airflow-workers-launch-drafter-pods")
     assert binding["subjects"][0]["name"] == HELM_VALUES["workers"]["serviceAccount"]["name"]
     assert HELM_VALUES["executor"] == "KubernetesExecutor"
@@ -264,3 +317,22 @@ def test_every_dockerfile_copies_what_the_pipeline_needs():
             assert needed in text.replace("--chown=airflow ", ""), (name, needed)
     assert "COPY --chown=airflow dags /opt/airflow/dags" in _dockerfile("pipeline")
     assert Path(REPO / "configs" / "deployment" / "kubernetes.yaml").is_file()
+
+
+# GPU memory per product (GB): Kimi-K2.5 at TP 8 needs >= 140 GB per GPU (SGLang's Kimi-K2.5 recipe)
+GPU_MEMORY_GB = {"NVIDIA-H100-80GB-HBM3": 80, "NVIDIA-A100-SXM4-80GB": 80, "NVIDIA-H200": 141, "NVIDIA-B200": 180}
+
+
+def test_gpu_pods_fit_kimi_and_tolerate_gpu_taints():
+    selectors = [K8S_DEPLOYMENT["kubernetes"]["node_selector_gpu"]]
+    tolerations = [K8S_DEPLOYMENT["kubernetes"]["gpu_tolerations"]]
+    for _, doc in _documents():
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        if any("nvidia.com/gpu" in (c.get("resources", {}).get("limits") or {}) for c in spec.get("containers", [])):
+            selectors.append(spec.get("nodeSelector") or {})
+            tolerations.append(spec.get("tolerations") or [])
+    assert len(selectors) >= 4
+    for selector in selectors:
+        assert GPU_MEMORY_GB.get(selector.get("nvidia.com/gpu.product"), 0) >= 140, selector
+    for toleration in tolerations:
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in toleration

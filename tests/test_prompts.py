@@ -1,6 +1,7 @@
 """The prompts stage: normalization, dedup, length filter, bad-record accounting, split, shards."""
 
 import json
+import uuid
 
 import pytest
 
@@ -125,3 +126,63 @@ def test_near_duplicates_are_dropped_and_counted(store, storage, tmp_path):
     assert counts["kept"] == 2 and counts["rejected.near_duplicate"] == 2
     data["prompts"]["near_dedup"] = False
     assert prompts.run(load_config(data=data), "near-off", store).manifest["counts"]["kept"] == 4
+
+
+def put_objects(s3_endpoint, bodies: dict[str, bytes]) -> None:
+    """Upload small objects in parallel: one PUT at a time would dominate a test with a thousand of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    from botocore.config import Config
+
+    from tests.conftest import BUCKET
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint, config=Config(max_pool_connections=16))
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda item: client.put_object(Bucket=BUCKET, Key=item[0], Body=item[1]), bodies.items()))
+
+
+def s3_source_run(s3_endpoint, tmp_path, tiny_target_dir, source_uri, **settings):
+    """The prompts stage over one jsonl source on S3, downloading into this test's own cache."""
+    from pipeline.storage import open_store
+    from tests.conftest import storage_config
+
+    storage = storage_config("file", tmp_path, None)
+    storage.update(endpoint_url=s3_endpoint, local_cache=str(tmp_path / "cache"))
+    data = tiny_config_dict(storage)
+    data["target"] = {"name": "tiny-test", "source": "hf", "model_path": str(tiny_target_dir)}
+    data["prompts"] = {"sources": [{"kind": "jsonl", "path": source_uri}], "max_prompt_tokens": 200,
+                       "eval_fraction": 0.1, **settings}
+    config = load_config(data=data)
+    return prompts.run(config, "s3-source", open_store(config.storage)).manifest
+
+
+def test_an_s3_prefix_is_read_whole_past_one_listing_page(s3_endpoint, tmp_path, tiny_target_dir):
+    from tests.conftest import BUCKET
+
+    objects = 1005  # a listing page holds at most 1,000 keys
+    prefix = f"many-{uuid.uuid4().hex[:8]}"
+    put_objects(s3_endpoint, {f"{prefix}/part-{i:04d}.jsonl": json.dumps(conversation(i, "def many_")).encode()
+                              for i in range(objects)})
+    source = f"s3://{BUCKET}/{prefix}/"
+    manifest = s3_source_run(s3_endpoint, tmp_path, tiny_target_dir, source, num_samples=2 * objects,
+                             shard_size=2 * objects, near_dedup=False)
+    assert manifest["counts"]["read"] == manifest["counts"]["kept"] == objects
+    assert manifest["kept_per_source"] == {source: objects}
+    assert len(list((tmp_path / "cache" / "sources").iterdir())) == objects  # no partial download left behind
+
+
+def test_unparseable_lines_under_the_limit_are_skipped_and_named_by_s3_uri(s3_endpoint, tmp_path, tiny_target_dir):
+    from tests.conftest import BUCKET
+
+    good = [json.dumps(conversation(i, "def bad_neighbour_")) for i in range(30)]
+    broken = [f'{{"messages": [{{"role": "user", "content": "cut off {i}' for i in range(12)]
+    key = f"bad-{uuid.uuid4().hex[:8]}/part-0.jsonl"
+    put_objects(s3_endpoint, {key: "\n".join(good[:2] + broken + good[2:]).encode()})
+    manifest = s3_source_run(s3_endpoint, tmp_path, tiny_target_dir, f"s3://{BUCKET}/{key}", max_bad_fraction=0.5)
+    counts = manifest["counts"]
+    assert counts["kept"] == 30 and counts["rejected.malformed_json"] == 12
+    assert sum(v for k, v in counts.items() if k != "read") == counts["read"]
+    examples = manifest["rejected_examples"]["malformed_json"]
+    broken_lines = [f"s3://{BUCKET}/{key}:{line}" for line in range(3, 3 + len(broken))]
+    assert 0 < len(examples) < len(broken) and examples == broken_lines[:len(examples)]  # the first few, by URI

@@ -1,5 +1,6 @@
 """The trainer end to end on a small captured dataset: learning, exact resume after SIGKILL, warm start
-(reusing the old mapping, refusing another contract), plateau stop, launcher commands."""
+(reusing the old mapping, refusing another contract), plateau stop, the node command and the settings
+the SSH launcher left behind. Several nodes: tests/test_multinode.py."""
 
 import json
 import os
@@ -8,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from pipeline.config import load_config
 from pipeline.contract import ContractMismatch
 from pipeline.stages import capture, generate, prompts, train
-from pipeline.stages.train import launch_command, training_fingerprint
+from pipeline.stages.train import training_fingerprint
+from pipeline.train_nodes import torchrun_args
 from pipeline.storage import open_store
 from tests.conftest import REPO, storage_config, tiny_config_dict
 
@@ -99,7 +100,8 @@ def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
     resumed_history = read_manifest(store, "runs/killed/train", kind="train")["history"]
     straight = read_manifest(store, "runs/uninterrupted/train", kind="train")["history"]
     assert resumed_history == straight
-    weights = [load_file(str(workdir(setup, run) / "drafter" / "model.safetensors")) for run in ("killed", "uninterrupted")]
+    weights = [load_file(str(workdir(setup, run) / "drafter" / "model.safetensors"))
+               for run in ("killed", "uninterrupted")]
     assert all((weights[0][name] == weights[1][name]).all() for name in weights[1])
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len([line for line in lines if line["kind"] == "interval"]) == len({line["global_step"] for line in lines
@@ -112,7 +114,8 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
                                                           "init_from": str(source), "epochs": 1},
                                "drafter": {**setup["data"]["drafter"], "draft_vocab_size": 100}})
     result = train.run(config, setup["dataset"], "warm", setup["store"])
-    old, new = (load_file(str(path / "model.safetensors")) for path in (source, workdir(setup, "warm", config) / "drafter"))
+    old, new = (load_file(str(path / "model.safetensors"))
+                for path in (source, workdir(setup, "warm", config) / "drafter"))
     assert (old["d2t"] == new["d2t"]).all() and new["lm_head.weight"].shape[0] == old["lm_head.weight"].shape[0] != 100
     assert result.manifest["init_from"] == str(source)
     other = setup["tmp"] / "other-contract"
@@ -138,13 +141,42 @@ def test_training_stops_on_a_plateau(setup):
     assert result.manifest["result"]["epochs_run"] == 2
 
 
-def test_launch_commands(tmp_path):
-    config = load_config(data={"storage": {"root": str(tmp_path)}, "target": {"name": "t"},
-                               "train": {"nproc": 8, "launcher": "deepspeed", "hostfile": "/etc/hosts.ds"}})
-    assert launch_command(config.train, Path("/w/spec.json")) == [
-        "deepspeed", "--num_gpus", "8", "--hostfile", "/etc/hosts.ds", "--module", "pipeline.cli", "train-worker",
-        "--spec", "/w/spec.json"]
-    config.train.launcher = "torchrun"
-    command = launch_command(config.train, Path("/w/spec.json"))
-    assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
-    assert command[-4:] == ["pipeline.cli", "train-worker", "--spec", "/w/spec.json"]
+def test_one_node_runs_standalone_and_several_meet_at_the_rendezvous(tmp_path):
+    def settings(**train):
+        return load_config(data={"storage": {"root": str(tmp_path)}, "target": {"name": "t"}, "train": train}).train
+
+    worker = ["--module", "pipeline.cli", "train-worker", "--spec", "s3://b/runs/r/train/worker_spec.json"]
+    assert torchrun_args(settings(nproc=8), worker[-1], "r") == ["--standalone", "--nproc-per-node", "8"] + worker
+    several = settings(nproc=8, nodes=4, rendezvous_endpoint="drafter-trainer-0.drafter-trainer",
+                       rendezvous_timeout_s=1800)
+    assert torchrun_args(several, worker[-1], "r") == [
+        "--nnodes", "4", "--nproc-per-node", "8", "--max-restarts", "0", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "drafter-trainer-0.drafter-trainer:29400", "--rdzv-id", "r",
+        "--rdzv-conf", "join_timeout=1800,read_timeout=1800"] + worker
+
+
+@pytest.mark.parametrize("removed, instead", [
+    ("train.hostfile=/etc/drafter-hostfile/hostfile", "train.hostfile was removed"),
+    ("train.launcher=deepspeed", "train.launcher 'deepspeed' was removed"),
+])
+def test_settings_of_the_ssh_launcher_are_refused_with_what_to_use_instead(tmp_path, removed, instead):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=instead) as refused:
+        load_config(REPO / "configs" / "local.yaml", [removed])
+    assert "train.nodes, train.rendezvous_endpoint and train.rendezvous_port" in str(refused.value)
+    with pytest.raises(ConfigError, match="need train.rendezvous_endpoint"):
+        load_config(REPO / "configs" / "local.yaml", ["train.nodes=2"])
+
+
+def test_placement_settings_keep_the_checkpoints_of_a_run(tmp_path):
+    """A rerun whose nodes meet on another port resumes the same work dir; another node count does not."""
+    data = {"storage": {"root": str(tmp_path)}, "target": {"name": "t"},
+            "train": {"nodes": 2, "rendezvous_endpoint": "127.0.0.1"}}
+    dataset = {"uri": "u", "created_at": "c", "train_shards": [{"sha256": "s"}]}
+
+    def fingerprint(**train):
+        return training_fingerprint(load_config(data={**data, "train": {**data["train"], **train}}), dataset)
+
+    assert fingerprint(rendezvous_port=29401) == fingerprint(rendezvous_port=29402, launcher="kubernetes")
+    assert fingerprint(nodes=3) != fingerprint()

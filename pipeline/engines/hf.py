@@ -13,12 +13,12 @@ from pipeline.target import load_model, load_tokenizer
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model_dir: Path, dtype: str = "float32"):
+    def __init__(self, model_dir: Path, dtype: str = "float32", trust_remote_code: bool = False):
         import transformers
 
         self.version = f"transformers-{transformers.__version__}"
-        self.model = load_model(model_dir, dtype)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_model(model_dir, dtype, trust_remote_code)
+        self.tokenizer = load_tokenizer(model_dir, trust_remote_code)
         self.num_layers = int(self.model.config.get_text_config().num_hidden_layers)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_id = self.tokenizer.eos_token_id

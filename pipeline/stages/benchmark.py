@@ -199,7 +199,7 @@ def local_record(config: RunConfig, target, tokenizer, drafter_dirs: dict[str, P
     settings = config.benchmark
     frozen = load_frozen_tensors(target.model_dir)
     drafters = {name: load_drafter(path, frozen["embed"].float())[0] for name, path in drafter_dirs.items()}
-    model = load_model(target.model_dir)
+    model = load_model(target.model_dir, trust_remote_code=config.target.trust_remote_code)
     chosen, ranked, costs, calibration = choose_setting(evaluation, model, tokenizer, drafters["candidate"], prompts,
                                                         aux_layer_ids, settings)
     methods = compare_methods(model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen)
@@ -229,7 +229,7 @@ def run(config: RunConfig, train_uri: str, eval_uri: str, prompts_uri: str, run_
     store = store or open_store(config.storage)
     settings = config.benchmark
     target = describe_target(config)
-    tokenizer = load_tokenizer(target.model_dir)
+    tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
     drafter_dirs = {"candidate": local_drafter_dir(store, store.key_for(train_uri), config.storage.run_workdir(run_id))}
     if incumbent_dir is not None:
         drafter_dirs["incumbent"] = incumbent_dir

@@ -45,7 +45,7 @@ def aux_layer_ids(config: RunConfig, num_layers: int) -> list[int]:
 
 def make_engine(config: RunConfig, target: TargetInfo) -> CaptureEngine:
     if config.capture.engine == "hf":
-        return HFEngine(target.model_dir)
+        return HFEngine(target.model_dir, trust_remote_code=config.target.trust_remote_code)
     from pipeline.engines.sglang import SGLangEngine
 
     assert config.capture.sglang is not None
@@ -139,7 +139,7 @@ def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore
         log.info("capture %s already published; reusing it", store.uri(prefix))
         return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="capture"))
     target = describe_target(config)
-    tokenizer = load_tokenizer(target.model_dir)
+    tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
     unfinished = [s for s in responses["shards"] if _finished_marker(store, prefix, s, contract) is None]
@@ -196,7 +196,8 @@ def verify_engine(config: RunConfig, engine: CaptureEngine, target: TargetInfo, 
     records = decode_jsonl(read_listed(store, responses_prefix, responses, first))[:settings.samples]
     sequences = [capture_sequence(tokenizer, r["messages"], (r.get("generation") or {}).get("last_output_ids"),
                                   config.capture.max_length)[0] for r in records]
-    reference = engine.model if isinstance(engine, HFEngine) else load_model(target.model_dir)
+    reference = engine.model if isinstance(engine, HFEngine) else load_model(
+        target.model_dir, trust_remote_code=config.target.trust_remote_code)
     report = check_parity(engine, reference, sequences, contract["aux_layer_ids"], teacher, settings.tolerance)
     if not report.passed:
         raise ParityFailed("capture engine disagrees with the reference forward:\n  " + "\n  ".join(report.problems))
@@ -220,7 +221,8 @@ def run_shard(config: RunConfig, responses_uri: str, snapshot: str, shard_name: 
         with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
             marker = _capture_shard(store, prefix, shard, decode_jsonl(read_listed(store, in_prefix, responses,
                                                                                    shard_name)),
-                                    engine, load_tokenizer(target.model_dir), config, target, contract, Path(tmp),
+                                    engine, load_tokenizer(target.model_dir, config.target.trust_remote_code),
+                                    config, target, contract, Path(tmp),
                                     progress)
         progress.close()
     return {"shard": shard_name, "counts": marker["counts"]}
@@ -234,8 +236,8 @@ def parity(config: RunConfig, responses_uri: str, store: ObjectStore | None = No
     target = describe_target(config)
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
-    return verify_engine(config, engine, target, contract, load_tokenizer(target.model_dir), store, in_prefix,
-                         responses)
+    tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
+    return verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
 
 
 def _marker_key(prefix: str, response_shard: dict[str, Any]) -> str:

@@ -33,7 +33,7 @@ def make_engine(config: RunConfig) -> GenerationEngine:
     if config.generate.engine == "hf":
         from pipeline.engines.hf import HFEngine
 
-        return HFEngine(resolve_model_dir(config))
+        return HFEngine(resolve_model_dir(config), trust_remote_code=config.target.trust_remote_code)
     from pipeline.engines.sglang import SGLangEngine
 
     assert config.generate.sglang is not None
@@ -163,7 +163,8 @@ def run_shard(config: RunConfig, prompts_uri: str, snapshot: str, shard_name: st
         progress = Progress(total=shard["samples"], desc=f"generate {shard_name}", unit="conv")
         records = decode_jsonl(read_listed(store, in_prefix, prompts, shard_name))
         marker = generate_shard(store, prefix, shard, records, make_engine(config),
-                                load_tokenizer(resolve_model_dir(config)), config, progress)
+                                load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code), config,
+                                progress)
         progress.close()
     return {"shard": shard_name, "samples": marker["shard"]["samples"], "failed": len(marker["failures"])}
 
@@ -178,7 +179,7 @@ def run(config: RunConfig, prompts_uri: str, snapshot: str, store: ObjectStore |
         return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="responses"))
     from pipeline.target import load_tokenizer
 
-    tokenizer = load_tokenizer(resolve_model_dir(config))
+    tokenizer = load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code)
     engine = None
     objects: list[ObjectInfo] = []
     shards, failures = [], []

@@ -5,9 +5,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import tempfile
+import uuid
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
+
+import orjson
 
 from pipeline import layout
 from pipeline.chat import BadRecord, normalize_conversation
@@ -35,41 +39,110 @@ def _hash_order(record: dict[str, Any]) -> str:
 
 SOURCE_SUFFIXES = {"jsonl": (".jsonl", ".json"), "json": (".json", ".jsonl"), "parquet": (".parquet",),
                    "arrow": (".arrow",)}
-DATASETS_BUILDER = {"jsonl": "json", "json": "json", "parquet": "parquet", "arrow": "arrow"}
+DATASETS_BUILDER = {"json": "json", "parquet": "parquet", "arrow": "arrow"}
+# Objects of an s3:// source downloaded at once; sources can hold thousands of small files.
+S3_DOWNLOAD_CONCURRENCY = 16
 
 
-def _s3_source_files(uri: str, kind: str, storage: StorageConfig) -> list[Path]:
-    """Download an s3:// object, or every object of the source's kind under an s3:// prefix, to the cache.
+@dataclass(frozen=True)
+class SourceFile:
+    path: Path  # the local file that is read
+    name: str  # what errors and the manifest call it: the s3:// URI of a downloaded object, else the path
 
-    Files are cached under a hash of their URI and ETag, so a rerun downloads nothing new.
+
+class SourceRecord(NamedTuple):
+    """A record of a prompt source and where it is: `file:line` in JSON lines, `source[index]` otherwise."""
+
+    where: str
+    record: Any  # the parsed record, or a BadRecord for a line that is not JSON
+
+
+class _AsListed:
+    """A transfer subscriber handing over the listed size and ETag, sparing a HEAD request per object.
+
+    The ETag also keeps a ranged download of a large object from mixing versions if it is rewritten meanwhile.
     """
+
+    def __init__(self, listed: dict[str, Any]):
+        self.listed = listed
+
+    def on_queued(self, future, **kwargs) -> None:
+        future.meta.provide_transfer_size(self.listed["Size"])
+        future.meta.provide_object_etag(self.listed["ETag"])
+
+
+def _s3_client(storage: StorageConfig):
     import boto3
+    from botocore.config import Config
+
+    # standard retries ride out throttling (503 SlowDown), 5xx and dropped connections, as the store does
+    config = Config(retries={"mode": "standard", "max_attempts": storage.max_attempts},
+                    max_pool_connections=S3_DOWNLOAD_CONCURRENCY)
+    return boto3.client("s3", endpoint_url=storage.endpoint_url, region_name=storage.region, config=config)
+
+
+def _list_source_objects(client, bucket: str, key: str, kind: str) -> list[dict[str, Any]]:
+    """The object `key`, or every object of the kind under the prefix `key`, over all listing pages."""
+    under_prefix = key.endswith("/") or not key
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
+    return sorted((obj for page in pages for obj in page.get("Contents", [])
+                   if obj["Key"] == key or under_prefix and obj["Key"].endswith(SOURCE_SUFFIXES[kind])),
+                  key=lambda obj: obj["Key"])
+
+
+def _cache_path(storage: StorageConfig, uri: str, etag: str) -> Path:
+    """Named by URI and ETag, so a rerun downloads nothing new and a rewritten object is fetched again."""
+    name = hashlib.sha256(f"{uri}@{etag}".encode()).hexdigest()[:24]
+    return Path(storage.local_cache) / "sources" / (name + Path(uri).suffix)
+
+
+def _download_missing(client, bucket: str, objects: list[dict[str, Any]], files: list[SourceFile],
+                      max_attempts: int) -> None:
+    """Download the listed objects not cached yet, several at a time.
+
+    Each lands under its cache name only once complete, through a partial name of its own, because
+    workers on one machine share the cache and may fetch the same source at the same time.
+    """
+    from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+    transfer = TransferConfig(max_concurrency=S3_DOWNLOAD_CONCURRENCY, num_download_attempts=max_attempts)
+    pending = []
+    try:
+        with create_transfer_manager(client, transfer) as manager:
+            for obj, file in zip(objects, files):
+                if file.path.exists():
+                    continue
+                file.path.parent.mkdir(parents=True, exist_ok=True)
+                partial = file.path.with_name(f"{file.path.name}.{uuid.uuid4().hex[:8]}.part")
+                download = manager.download(bucket, obj["Key"], str(partial), subscribers=[_AsListed(obj)])
+                pending.append((download, partial, file.path))
+            for download, partial, path in pending:
+                download.result()
+                partial.replace(path)
+    finally:
+        for _, partial, _ in pending:
+            partial.unlink(missing_ok=True)
+
+
+def _s3_source_files(uri: str, kind: str, storage: StorageConfig) -> list[SourceFile]:
+    """Download an s3:// object, or every object of the source's kind under an s3:// prefix, to the cache."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     bucket, _, key = uri[len("s3://"):].partition("/")
-    client = boto3.client("s3", endpoint_url=storage.endpoint_url, region_name=storage.region)
+    client = _s3_client(storage)
     try:
-        listing = client.list_objects_v2(Bucket=bucket, Prefix=key)
-        objects = [o for o in listing.get("Contents", [])
-                   if o["Key"] == key or (key.endswith("/") or not key) and o["Key"].endswith(SOURCE_SUFFIXES[kind])]
+        objects = _list_source_objects(client, bucket, key, kind)
         if not objects:
             raise PromptSourceError(f"prompt source {uri}: no {kind} objects there")
-        files = []
-        for obj in sorted(objects, key=lambda o: o["Key"]):
-            name = hashlib.sha256(f"s3://{bucket}/{obj['Key']}@{obj['ETag']}".encode()).hexdigest()[:24]
-            path = Path(storage.local_cache) / "sources" / (name + Path(obj["Key"]).suffix)
-            if not path.exists():
-                path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(".part")
-                client.download_file(bucket, obj["Key"], str(partial))
-                partial.replace(path)
-            files.append(path)
+        files = [SourceFile(_cache_path(storage, f"s3://{bucket}/{obj['Key']}", obj["ETag"]),
+                            f"s3://{bucket}/{obj['Key']}") for obj in objects]
+        _download_missing(client, bucket, objects, files, storage.max_attempts)
         return files
     except (BotoCoreError, ClientError) as err:
         raise PromptSourceError(f"cannot read prompt source {uri}: {err}") from err
 
 
-def _local_source_files(path: str, kind: str) -> list[Path]:
+def _local_source_files(path: str, kind: str) -> list[SourceFile]:
     local = Path(path[len("file://"):] if path.startswith("file://") else path)
     if local.is_dir():
         files = sorted(p for p in local.rglob("*") if p.suffix in SOURCE_SUFFIXES[kind])
@@ -79,34 +152,67 @@ def _local_source_files(path: str, kind: str) -> list[Path]:
         files = [local] if local.exists() else []
     if not files:
         raise PromptSourceError(f"prompt source {path!r} does not exist or holds no {kind} files")
-    return files
+    return [SourceFile(file, str(file)) for file in files]
 
 
-def iter_source(source: PromptSource, storage: StorageConfig) -> Iterator[Any]:
-    """Records of one source, streamed (a file is never loaded whole)."""
-    if source.kind == "demo":
-        from pipeline.tiny_target import demo_conversations
-
-        yield from sorted(demo_conversations(), key=_hash_order)
-        return
+def _source_files(source: PromptSource, storage: StorageConfig) -> list[SourceFile]:
     path = source.path or ""
     if path.startswith("s3://"):
-        files = _s3_source_files(path, source.kind, storage)
-    elif "://" in path and not path.startswith("file://"):
+        return _s3_source_files(path, source.kind, storage)
+    if "://" in path and not path.startswith("file://"):
         raise PromptSourceError(f"prompt source {path!r}: use a local path, file:// or s3://")
-    else:
-        files = _local_source_files(path, source.kind)
+    return _local_source_files(path, source.kind)
+
+
+def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
+    """One record per non-blank line; a line that is not JSON becomes a BadRecord, so the rest still counts."""
+    try:
+        with open(file.path, "rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = f"{file.name}:{number}"
+                try:
+                    yield SourceRecord(where, orjson.loads(line))
+                except orjson.JSONDecodeError as err:
+                    yield SourceRecord(where, BadRecord("malformed_json", f"{err.msg} at column {err.colno}"))
+    except OSError as err:
+        raise PromptSourceError(f"cannot read prompt file {file.name}: {err}") from err
+
+
+def _iter_with_datasets(files: list[SourceFile], source: PromptSource) -> Iterator[SourceRecord]:
+    """JSON documents and tables, streamed by `datasets`; an unreadable file fails the source, named."""
     import datasets
 
     try:
-        stream = datasets.load_dataset(DATASETS_BUILDER[source.kind], data_files=[str(f) for f in files],
+        stream = datasets.load_dataset(DATASETS_BUILDER[source.kind], data_files=[str(f.path) for f in files],
                                        split="train", streaming=True)
-        yield from stream
+        for index, record in enumerate(stream):
+            yield SourceRecord(f"{source.path}[{index}]", record)
     except Exception as err:  # datasets raises many types for unreadable files
-        raise PromptSourceError(f"cannot read prompt source {path!r} as {source.kind}: {err}") from err
+        message = str(err)
+        for file in files:  # errors name the cached copy of an S3 object; name the object instead
+            message = message.replace(str(file.path), file.name)
+        raise PromptSourceError(f"cannot read prompt source {source.path!r} as {source.kind}: {message}") from err
 
 
-def mix_sources(sources: list[PromptSource], storage: StorageConfig) -> Iterator[tuple[int, Any]]:
+def iter_source(source: PromptSource, storage: StorageConfig) -> Iterator[SourceRecord]:
+    """Records of one source, streamed (a file is never loaded whole, except a JSON array of kind json)."""
+    if source.kind == "demo":
+        from pipeline.tiny_target import demo_conversations
+
+        for index, record in enumerate(sorted(demo_conversations(), key=_hash_order)):
+            yield SourceRecord(f"demo[{index}]", record)
+        return
+    files = _source_files(source, storage)
+    if source.kind == "jsonl":
+        for file in files:
+            yield from _iter_json_lines(file)
+    else:
+        yield from _iter_with_datasets(files, source)
+
+
+def mix_sources(sources: list[PromptSource], storage: StorageConfig) -> Iterator[tuple[int, SourceRecord]]:
     """Interleave sources in proportion to their weights (smooth weighted round robin)."""
     iterators = {i: iter_source(s, storage) for i, s in enumerate(sources)}
     credit = {i: 0.0 for i in iterators}
@@ -177,6 +283,9 @@ class PromptFilter:
         verdicts: list[Any] = []
         candidates = []
         for record in records:
+            if isinstance(record, BadRecord):  # refused by the reader already (a line that is not JSON)
+                verdicts.append(record)
+                continue
             try:
                 messages = normalize_conversation(record)
             except BadRecord as bad:
@@ -215,6 +324,35 @@ def _batched(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
+class RejectedExamples:
+    """Where the first few rejected records of each reason are, and why the first of each was rejected."""
+
+    def __init__(self, per_reason: int = 10):
+        self.per_reason = per_reason
+        self.places: dict[str, list[str]] = {}
+        self.first_detail: dict[str, str] = {}
+
+    def add(self, bad: BadRecord, where: str) -> None:
+        places = self.places.setdefault(bad.reason, [])
+        if not places:
+            self.first_detail[bad.reason] = str(bad)
+        if len(places) < self.per_reason:
+            places.append(where)
+
+
+def _check_malformed_share(counts: Counter, examples: RejectedExamples, max_bad_fraction: float) -> None:
+    """Fail when more of the records read than prompts.max_bad_fraction could not be parsed at all."""
+    malformed, read = counts["rejected.malformed_json"], counts["read"]
+    if malformed <= max_bad_fraction * read:
+        return
+    first = examples.places["malformed_json"]
+    raise PromptSourceError(
+        f"{malformed} of {read} prompt records read are not valid JSON ({malformed / read:.1%}, more than "
+        f"prompts.max_bad_fraction={max_bad_fraction}): {', '.join(first[:3])}"
+        f"{', ...' if malformed > 3 else ''} (the first: {examples.first_detail['malformed_json']}); fix or remove "
+        "those lines, or raise prompts.max_bad_fraction to skip them (a file holding one JSON array is kind json)")
+
+
 def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> StageResult:
     store = store or open_store(config.storage)
     prefix = layout.prompts_prefix(snapshot)
@@ -222,30 +360,35 @@ def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> S
         log.info("prompts snapshot %s already published; reusing it", store.uri(prefix))
         return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="prompts"))
     settings = config.prompts
-    judge = PromptFilter(settings, load_tokenizer(resolve_model_dir(config)))
+    judge = PromptFilter(settings, load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code))
     counts: Counter = Counter()
     kept_per_source: Counter = Counter()
+    rejected_examples = RejectedExamples()
     with tempfile.TemporaryDirectory(prefix="prompts-") as tmp:
         writer = ShardWriter(store, prefix, settings.shard_size, Path(tmp))
         progress = Progress(total=settings.num_samples, desc="prompts", unit="conv")
         for batch in _batched(mix_sources(settings.sources, config.storage), JUDGE_BATCH):
-            for (source_index, record), verdict in zip(batch, judge.judge([record for _, record in batch])):
+            verdicts = judge.judge([item.record for _, item in batch])
+            for (source_index, item), verdict in zip(batch, verdicts):
                 if counts["kept"] >= settings.num_samples:
                     break
                 counts["read"] += 1
                 if isinstance(verdict, BadRecord):
                     counts[f"rejected.{verdict.reason}"] += 1
+                    rejected_examples.add(verdict, item.where)
                     continue
                 sample_id, messages = verdict
                 source = settings.sources[source_index]
                 writer.add({"id": sample_id, "split": split_of(sample_id, settings.eval_fraction),
-                            "source": record.get("source") or source.path or source.kind, "messages": messages})
+                            "source": item.record.get("source") or source.path or source.kind,
+                            "messages": messages})
                 counts["kept"] += 1
                 kept_per_source[source_index] += 1
                 progress.update(1)
             if counts["kept"] >= settings.num_samples:
                 break
         progress.close()
+        _check_malformed_share(counts, rejected_examples, settings.max_bad_fraction)
         writer.close()
     if counts["kept"] == 0:
         raise PromptSourceError(f"no usable conversations in the prompt sources; counts: {dict(counts)}")
@@ -253,6 +396,7 @@ def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> S
         "snapshot": snapshot,
         "config": settings.model_dump(mode="json"),
         "counts": dict(counts),
+        "rejected_examples": rejected_examples.places,
         "kept_per_source": {settings.sources[i].path or settings.sources[i].kind: n
                             for i, n in kept_per_source.items()},
         "shards": writer.shards,

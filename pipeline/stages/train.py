@@ -1,10 +1,11 @@
 """train: a dataset snapshot -> a trained, exported drafter and its metrics in runs/<run_id>/train/.
 
 This side stays light: it checks the capture contract, fixes the draft vocabulary (counting assistant
-tokens with ranged reads, or reusing a warm start's mapping), writes a worker spec, and launches the
-training process group
-(torchrun or the deepspeed launcher running `drafter train-worker`). Training never runs inside the
-calling process, so an Airflow worker only supervises it.
+tokens with ranged reads, or reusing a warm start's mapping), writes the worker spec to the object store,
+starts the training nodes through a launcher (pipeline.train_nodes: torchrun agents running
+`drafter train-worker` on this machine, or in the pods of a Kubernetes Job) and waits for them. Training
+never runs inside the calling process, so an Airflow worker only supervises it. This process is also
+the one that publishes: the drafter, metrics and result rank 0 wrote into the work directory.
 """
 
 from __future__ import annotations
@@ -12,14 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 from pipeline import layout
-from pipeline.config import RunConfig, TrainConfig
+from pipeline.config import RunConfig
 from pipeline.contract import build_contract, require_same_contract
 from pipeline.export import DRAFTER_FILES
 from pipeline.manifest import manifest_exists, publish, read_manifest
@@ -29,14 +27,11 @@ from pipeline.storage import ObjectStore, open_store
 from pipeline.export import read_drafter_dir
 from pipeline.target import describe_target
 from pipeline.train_data import ShardRef, assistant_token_counts
+from pipeline.train_nodes import TrainingFailed, node_launcher
 from pipeline.trainer import check_warm_start_contract
 from pipeline.vocab import build_mapping, mapping_from_d2t
 
 log = logging.getLogger(__name__)
-
-
-class TrainingFailed(RuntimeError):
-    pass
 
 
 def expected_contract(config: RunConfig) -> dict[str, Any]:
@@ -46,7 +41,8 @@ def expected_contract(config: RunConfig) -> dict[str, Any]:
                           target.vocab_size, target.identity, {"name": "any", "version": "any"}).model_dump()
 
 
-def draft_vocabulary(config: RunConfig, store: ObjectStore, dataset: dict[str, Any], init_dir: Path | None) -> list[int]:
+def draft_vocabulary(config: RunConfig, store: ObjectStore, dataset: dict[str, Any],
+                     init_dir: Path | None) -> list[int]:
     """Target ids of the draft vocabulary: a warm start's own mapping, else the most frequent assistant tokens."""
     vocab_size = dataset["contract"]["vocab_size"]
     if init_dir is not None:
@@ -58,52 +54,17 @@ def draft_vocabulary(config: RunConfig, store: ObjectStore, dataset: dict[str, A
     return build_mapping(counts, config.drafter.draft_vocab_size).used_ids.tolist()
 
 
-def launch_command(settings: TrainConfig, spec_path: Path) -> list[str]:
-    worker = ["pipeline.cli", "train-worker", "--spec", str(spec_path)]
-    if settings.launcher == "deepspeed":
-        command = ["deepspeed", "--num_gpus", str(settings.nproc)]
-        if settings.hostfile:
-            command += ["--hostfile", settings.hostfile]
-        return command + ["--module"] + worker
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-            str(settings.nproc), "--module"] + worker
-
-
-def _run_process_group(command: list[str], log_path: Path) -> int:
-    env = dict(os.environ)
-    env.setdefault("DS_ACCELERATOR", _accelerator())
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    log.info("launching training: %s", " ".join(command))
-    with open(log_path, "a") as log_file:
-        from pipeline.processes import die_with_parent
-
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   preexec_fn=die_with_parent)
-        assert process.stdout is not None
-        for line in process.stdout:
-            log_file.write(line)
-            if _worth_showing(line):
-                sys.stderr.write(line)
-        return process.wait()
-
-
-def _accelerator() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _worth_showing(line: str) -> bool:
-    noisy = ("UserWarning", "warnings.warn", "return func(", "OMP_NUM_THREADS", "*****", "[WARNING]",
-             "Setting OMP", "[INFO] [", "Loading weights")
-    return bool(line.strip()) and not any(marker in line for marker in noisy)
+# Who starts the nodes and where they meet change nothing that is trained: an attempt on another
+# rendezvous port resumes the same checkpoints. The node and rank counts do count (one ZeRO shard per rank).
+PLACEMENT_SETTINGS = {"launcher", "rendezvous_endpoint", "rendezvous_port", "rendezvous_timeout_s", "kubernetes_job"}
 
 
 def training_fingerprint(config: RunConfig, dataset: dict[str, Any]) -> str:
     """What a training run depends on. Checkpoints in a work dir are resumed only under the same one,
     so a rerun with another dataset or other settings never continues someone else's optimizer state."""
     inputs = {"dataset": dataset["uri"], "dataset_created": dataset["created_at"],
-              "shards": [s["sha256"] for s in dataset["train_shards"]], "train": config.train.model_dump(mode="json"),
+              "shards": [s["sha256"] for s in dataset["train_shards"]],
+              "train": config.train.model_dump(mode="json", exclude=PLACEMENT_SETTINGS),
               "drafter": config.drafter.model_dump(mode="json")}
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -123,40 +84,57 @@ def resolve_init_dir(config: RunConfig, store: ObjectStore, workdir: Path) -> Pa
     return path
 
 
+def worker_spec(config: RunConfig, store: ObjectStore, dataset: dict[str, Any], run_id: str,
+                workdir: Path) -> dict[str, Any]:
+    """What every rank needs. Its local paths (work dir, shard cache, target, warm start) are the same on
+    every node: the node pods mount the cache and weight volumes where this pod does."""
+    init_dir = resolve_init_dir(config, store, workdir)
+    return {
+        "config": config.dump(), "run_id": run_id, "workdir": str(workdir),
+        "train_shards": dataset["train_shards"],
+        "shard_cache": str((Path(config.storage.local_cache) / "shards").resolve()),
+        "target_dir": str(describe_target(config).model_dir.resolve()), "contract": dataset["contract"],
+        "init_dir": str(init_dir.resolve()) if init_dir else None,
+        "draft_vocab": draft_vocabulary(config, store, dataset, init_dir),
+    }
+
+
 def run(config: RunConfig, dataset_uri: str, run_id: str, store: ObjectStore | None = None) -> StageResult:
     store = store or open_store(config.storage)
     dataset_prefix = store.key_for(dataset_uri)
     dataset = read_manifest(store, dataset_prefix, kind="dataset")
     require_same_contract(expected_contract(config), dataset["contract"], f"training on {dataset_uri}")
-    prefix = f"{layout.run_prefix(run_id)}/train"
+    prefix = layout.train_prefix(run_id)
     if manifest_exists(store, prefix):
         log.info("training of run %s already published; reusing it", run_id)
         return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="train"))
-    cache = Path(config.storage.local_cache)
     workdir = (config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}").resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    init_dir = resolve_init_dir(config, store, workdir)
-    spec = {
-        "config": config.dump(), "run_id": run_id, "workdir": str(workdir),
-        "train_shards": dataset["train_shards"], "shard_cache": str((cache / "shards").resolve()),
-        "target_dir": str(describe_target(config).model_dir.resolve()), "contract": dataset["contract"],
-        "init_dir": str(init_dir.resolve()) if init_dir else None,
-        "draft_vocab": draft_vocabulary(config, store, dataset, init_dir),
-    }
-    spec_path = workdir / "worker_spec.json"
-    spec_path.write_text(json.dumps(spec, indent=2))
+    spec = worker_spec(config, store, dataset, run_id, workdir)
+    spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), json.dumps(spec, indent=2).encode())
     (workdir / "train_result.json").unlink(missing_ok=True)
-    code = _run_process_group(launch_command(config.train, spec_path), workdir / "train.log")
-    if code != 0 or not (workdir / "train_result.json").exists():
+    code = node_launcher(config.train).train(store.uri(spec_object.key), run_id, workdir / "train.log")
+    if code != 0:
         raise TrainingFailed(f"training exited with code {code}; full log: {workdir / 'train.log'}")
+    if not (workdir / "train_result.json").exists():
+        raise TrainingFailed(f"training finished without rank 0's result in {workdir}: the nodes must write the "
+                             "work dir this process reads (storage.local_cache on the volume every node mounts)")
+    return _publish(config, store, prefix, workdir, [spec_object], {
+        "run_id": run_id, "dataset": store.uri(dataset_prefix), "contract": dataset["contract"],
+        "init_from": config.train.init_from if spec["init_dir"] else None})
+
+
+def _publish(config: RunConfig, store: ObjectStore, prefix: str, workdir: Path, objects: list,
+             fields: dict[str, Any]) -> StageResult:
+    """Rank 0's drafter, metrics and result, then the manifest listing them."""
     result = json.loads((workdir / "train_result.json").read_text())
-    objects = [store.put_file(f"{prefix}/drafter/{name}", workdir / "drafter" / name) for name in DRAFTER_FILES]
+    objects = objects + [store.put_file(f"{prefix}/drafter/{name}", workdir / "drafter" / name)
+                         for name in DRAFTER_FILES]
     objects.append(store.put_file(f"{prefix}/metrics.jsonl", workdir / "metrics.jsonl"))
     objects.append(store.put_file(f"{prefix}/train_result.json", workdir / "train_result.json"))
     manifest = publish(store, prefix, "train", objects, {
-        "run_id": run_id, "dataset": store.uri(dataset_prefix), "contract": dataset["contract"],
-        "config": config.train.model_dump(mode="json"), "drafter_config": config.drafter.model_dump(mode="json"),
+        **fields, "config": config.train.model_dump(mode="json"),
+        "drafter_config": config.drafter.model_dump(mode="json"),
         "result": {k: v for k, v in result.items() if k != "history"}, "history": result["history"],
-        "init_from": config.train.init_from if init_dir else None,
     })
     return StageResult(store.uri(prefix), manifest)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -67,14 +68,14 @@ def test_object_keys_that_escape_the_root_are_refused(store, key, record):
     record("bad input", f"object key {key!r} (path traversal)", "InvalidIdError before any write")
 
 
-def _prompts(tmp_path, lines):
+def _prompts(tmp_path, lines, **settings):
     from pipeline.stages import prompts
     from pipeline.storage import open_store
 
     source = tmp_path / "prompts.jsonl"
     source.write_text("\n".join(lines) + "\n")
     data = tiny_config_dict(storage_config("file", tmp_path, None))
-    data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(source)}], "eval_fraction": 0.0}
+    data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(source)}], "eval_fraction": 0.0, **settings}
     config = load_config(data=data)
     return prompts.run(config, "bad-input", open_store(config.storage)).manifest
 
@@ -97,11 +98,25 @@ def test_malformed_prompt_records_are_counted_and_skipped(tmp_path, record):
 def test_an_unparseable_prompt_file_is_a_clear_error(tmp_path, record):
     from pipeline.stages.prompts import PromptSourceError
 
-    with pytest.raises(PromptSourceError, match=r"prompts.jsonl.*row 5"):
-        _prompts(tmp_path, GOOD[:5] + ["{not json"] + GOOD[5:])
+    bad_line = re.escape(f"{tmp_path / 'prompts.jsonl'}:6")
+    with pytest.raises(PromptSourceError, match=rf"{bad_line}\b.*raise prompts\.max_bad_fraction"):
+        _prompts(tmp_path, GOOD[:5] + ["{not json"] + GOOD[5:], max_bad_fraction=0.05)
     assert not (tmp_path / "store" / "prompts").exists()
-    record("bad input", "a prompt file with a line that is not JSON",
-           "PromptSourceError naming the file and the row; nothing published")
+    record("bad input", "a prompt file with 1 line in 11 that is not JSON, more than prompts.max_bad_fraction (5%)",
+           "PromptSourceError naming file:line of the bad line and the setting to raise; nothing published")
+
+
+def test_a_few_unparseable_prompt_lines_are_counted_and_skipped(tmp_path, record):
+    cut_off = '{"messages": [{"role": "user", "content": "def cut(x'
+    manifest = _prompts(tmp_path, GOOD[:3] + ["{not json"] + GOOD[3:7] + [cut_off] + GOOD[7:], max_bad_fraction=0.2)
+    counts = manifest["counts"]
+    assert counts["kept"] == 10 and counts["rejected.malformed_json"] == 2, counts
+    assert sum(v for k, v in counts.items() if k != "read") == counts["read"]  # nothing vanishes
+    source = tmp_path / "prompts.jsonl"
+    assert manifest["rejected_examples"]["malformed_json"] == [f"{source}:4", f"{source}:9"]
+    record("bad input", "a prompt file with 2 lines in 12 that are not JSON, within prompts.max_bad_fraction (20%)",
+           "the 10 good ones kept; the 2 counted as rejected.malformed_json, their file:line in the manifest",
+           tried=2)
 
 
 @pytest.mark.parametrize("damage, message, what", [

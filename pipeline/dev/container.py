@@ -1,0 +1,98 @@
+"""The inside of one local container: builds its root filesystem in a private mount namespace, enters
+it and executes the container's command. Run by `LocalContainerRuntime` (pipeline.dev.cluster) as
+the first process of new mount and PID namespaces (`unshare --mount --pid --fork`), as root.
+
+The root holds only what a pod on a cluster would see: the host's system directories standing in for
+the image's operating system (read-only), the image's own files (the project and its Python,
+read-only, where the image has them), the pod's volumes at their mount paths, a fresh /tmp and /proc. Everything else of this machine (other work trees, caches, test directories) is absent, so a
+path that the pod reads without mounting it fails there as it would on a cluster.
+
+    python -m pipeline.dev.container SPEC.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr")
+
+
+def _mount(*args: str) -> None:
+    subprocess.run(["mount", *args], check=True)
+
+
+def _bind(source: str, target: Path, read_only: bool, recursive: bool = False) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    _mount("--rbind" if recursive else "--bind", source, str(target))
+    if read_only:
+        _mount("-o", "remount,bind,ro", str(target))
+
+
+def _system(root: Path) -> None:
+    """The operating system of the image: this machine's, read-only; /etc is copy-on-write."""
+    for name in SYSTEM_DIRS:
+        host = Path("/") / name
+        if host.is_symlink():
+            (root / name).symlink_to(os.readlink(host))
+        elif host.is_dir():
+            _bind(str(host), root / name, read_only=True)
+    layers = root / ".layers" / "etc"
+    (layers / "upper").mkdir(parents=True)
+    (layers / "work").mkdir()
+    (root / "etc").mkdir()
+    _mount("-t", "overlay", "overlay", "-o", f"lowerdir=/etc,upperdir={layers / 'upper'},workdir={layers / 'work'}",
+           str(root / "etc"))
+    _bind("/dev", root / "dev", read_only=False, recursive=True)
+    _bind("/sys", root / "sys", read_only=True, recursive=True)
+    (root / "proc").mkdir()
+    _mount("-t", "proc", "proc", str(root / "proc"))
+    (root / "tmp").mkdir(mode=0o1777)
+    _mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(root / "tmp"))
+
+
+def _image(root: Path, files: dict[str, str], masked: list[str]) -> None:
+    for inside, host in files.items():
+        _bind(host, root / inside.lstrip("/"), read_only=True)
+    for path in masked:  # inside the image's paths but not part of the image (caches of this machine)
+        if Path(path).is_dir():
+            _mount("-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(root / path.lstrip("/")))
+
+
+def _volumes(root: Path, mounts: list[dict]) -> None:
+    for mount in mounts:
+        target = root / mount["target"].lstrip("/")
+        if mount.get("tmpfs"):
+            target.mkdir(parents=True, exist_ok=True)
+            size = f",size={mount['size']}" if mount.get("size") else ""
+            _mount("-t", "tmpfs", "-o", f"mode=1777{size}", "tmpfs", str(target))
+        else:
+            _bind(mount["source"], target, read_only=mount["read_only"])
+
+
+def enter(spec: dict) -> None:
+    root = Path(spec["rootfs"])
+    root.mkdir(parents=True, exist_ok=True)
+    _mount("-t", "tmpfs", "tmpfs", str(root))
+    _system(root)
+    _image(root, spec["image_files"], spec["masked"])
+    _volumes(root, spec["mounts"])
+    os.chroot(root)
+    os.chdir(spec["workdir"])
+    os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    try:
+        enter(spec)
+    except (OSError, subprocess.CalledProcessError) as err:
+        print(f"container {spec.get('name')}: cannot start: {err}", file=sys.stderr, flush=True)
+        sys.exit(128)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,602 @@
+"""The production rehearsal: the Kubernetes + Kimi-K2.5 path, end to end, on this machine.
+
+    python -m pipeline.dev.rehearsal [--workspace DIR] [--keep]      (make rehearsal)
+
+What runs, in the order docs/RUNBOOK.md gives it to a user:
+1. the cluster objects: `infra/k8s/drafter-namespace.yaml` and `infra/k8s/sglang-serve.yaml` applied to a
+   local cluster (pipeline.dev.cluster: pods run in containers of their own, with only their env, their
+   volumes and the image's files); the weights volume holds a tiny Kimi-like target under
+   /models/Kimi-K2.5, the prompts volume ShareGPT/UltraChat-style files, the run-config volume
+   configs/rehearsal.yaml as kimi-k2.5.yaml (configs/deployment/kubernetes.yaml's run_config);
+2. S3 and IAM: the bucket on a local S3 server (127.0.0.1), reached by pods through IAM roles for their
+   service accounts; no access key exists anywhere;
+3. the SGLang generation and capture fleets: stand-in servers (SGLang needs CUDA) with the flags of
+   infra/k8s/sglang-generate.yaml and sglang-capture.yaml;
+4. Airflow with `DRAFTER_DEPLOYMENT=configs/deployment/kubernetes.yaml`, unchanged: every
+   `@task.kubernetes` task is rendered and run by the cncf provider's own code against the local
+   cluster. drafter_data publishes the dataset Asset; drafter_train, given the Asset's dataset, trains,
+   gates, benchmarks (the SGLang runner, its servers started in the benchmark's own pod) and promotes
+   into S3; a run with a broken config fails at once without a retry; a cron-scheduled drafter_train
+   run (no trigger form) trains on the newest dataset with the deployment's run config;
+5. serving: the `kimi-k2-5-eagle3` Deployment's pod, as the manifest states it: its init container runs
+   `drafter pull` with the read-only role, and the server starts with exactly the flags the pull wrote.
+The last line printed is `rehearsal=passed`, after the stages and pods that ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import PROJECT_ROOT, TinyTargetRecipe
+from pipeline.dev.cluster import LocalCluster, LocalImage, LocalNode, use_local_cluster
+
+log = logging.getLogger("drafter.rehearsal")
+
+DEPLOYMENT = PROJECT_ROOT / "configs" / "deployment" / "kubernetes.yaml"
+REHEARSAL_CONFIG = PROJECT_ROOT / "configs" / "rehearsal.yaml"
+SHIM = PROJECT_ROOT / "pipeline" / "dev" / "sglang_shim"
+BUCKET = "drafter-pipeline"
+ACCOUNT = "123456789012"
+# the tiny Kimi-like target: DeepSeek-V3 architecture (MLA + MoE), its own code and tiktoken tokenizer
+TARGET_RECIPE = TinyTargetRecipe(architecture="deepseek_v3", num_layers=8, hidden_size=64, num_heads=4,
+                                 intermediate_size=192, vocab_size=1024, seq_len=96, batch_size=16, train_steps=200,
+                                 learning_rate=0.008, max_corpus_modules=60)
+GENERATE_PORTS = (30101, 30102)
+CAPTURE_PORT = 30111
+SERVING_PORT = 30000
+
+
+class RehearsalFailed(RuntimeError):
+    pass
+
+
+def _check(condition: bool, what: str) -> None:
+    if not condition:
+        raise RehearsalFailed(what)
+    log.info("ok: %s", what)
+
+
+def _images() -> dict[str, LocalImage]:
+    """The three images of configs/deployment/kubernetes.yaml, as this machine has them: the project at
+    /opt/drafter (the Dockerfiles' WORKDIR) and at its own path (its virtualenv points there), and the
+    Python it runs on. The SGLang image's `sglang` is the stand-in (pipeline/dev/sglang_shim)."""
+    from airflow.providers.cncf.kubernetes.utils.xcom_sidecar import PodDefaults
+
+    deployment = yaml.safe_load(DEPLOYMENT.read_text())["kubernetes"]["images"]
+    python_home = str(Path(sys.base_prefix).resolve())
+    files = {"/opt/drafter": str(PROJECT_ROOT), str(PROJECT_ROOT): str(PROJECT_ROOT), python_home: python_home}
+    masked = tuple(str(PROJECT_ROOT / name) for name in (".drafter", ".git", "test-artifacts"))
+    masked += tuple(f"/opt/drafter/{name}" for name in (".drafter", ".git", "test-artifacts"))
+    path = f"{PROJECT_ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin"
+    base = {"PATH": path, "PYTHONUNBUFFERED": "1", "HOME": "/root", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "DRAFTER_HOME": "/opt/drafter"}
+    pipeline = LocalImage(files, "/opt/drafter", base, masked)
+    sglang = LocalImage({**files, "/opt/sglang-shim": str(SHIM)}, "/opt/drafter",
+                        {**base, "PYTHONPATH": "/opt/sglang-shim"}, masked)
+    sidecar = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})
+    return {deployment["pipeline"]: pipeline, deployment["trainer"]: pipeline, deployment["sglang"]: sglang,
+            PodDefaults.SIDECAR_CONTAINER.image: sidecar}
+
+
+NODES = (
+    LocalNode("cpu-node", {"kubernetes.io/os": "linux"}, (), {"cpu": "64", "memory": "512Gi"}),
+    # an 8 x H200 node as cloud providers offer it (p5en.48xlarge), GPUs tainted for GPU pods only
+    LocalNode("gpu-node", {"kubernetes.io/os": "linux", "nvidia.com/gpu.product": "NVIDIA-H200"},
+              ({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
+              {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8"}),
+)
+
+
+RUNBOOK = PROJECT_ROOT / "docs" / "RUNBOOK.md"
+REHEARSED, REAL_CLUSTER = "# [rehearsed]", "# [real cluster]"
+
+
+def runbook_commands(marker: str = REHEARSED) -> list[str]:
+    """The commands docs/RUNBOOK.md gives a user, marked with `marker`, in the runbook's order."""
+    return [line.split(marker)[0].strip() for line in RUNBOOK.read_text().splitlines() if line.rstrip().endswith(marker)]
+
+
+class Runbook:
+    """The runbook's [rehearsed] commands, each run the way this machine can: `drafter` commands exactly
+    as written, `kubectl apply` and `aws s3api` as the same calls to the local cluster and S3 server,
+    `airflow` commands with the rehearsal's Airflow. Every one of them must have run by the end."""
+
+    HANDLED = ("aws s3api", "kubectl apply", "kubectl -n airflow exec", "curl", "drafter ",
+               "kubectl -n sglang rollout restart")
+
+    def __init__(self, handlers: dict[str, Any]):
+        if set(handlers) != set(self.HANDLED):
+            raise RehearsalFailed(f"runbook handlers {sorted(handlers)} differ from {sorted(self.HANDLED)}")
+        self.handlers = handlers
+        self.commands = runbook_commands()
+        self.ran: list[str] = []
+
+    def run(self, command: str, **values: str) -> str:
+        if command not in self.commands:
+            raise RehearsalFailed(f"docs/RUNBOOK.md gives no [rehearsed] command {command!r}")
+        literal = command
+        for name, value in values.items():
+            literal = literal.replace(f"<{name}>", value)
+        handler = next((h for prefix, h in self.handlers.items() if command.startswith(prefix)), None)
+        if handler is None:
+            raise RehearsalFailed(f"the rehearsal has no way to run the runbook's {command!r}")
+        output = handler(literal)
+        self.ran.append(command)
+        log.info("runbook: %s", literal)
+        return output
+
+    def missed(self) -> list[str]:
+        """The runbook's [rehearsed] commands not run (as often as the runbook gives them)."""
+        from collections import Counter
+
+        return list((Counter(self.commands) - Counter(self.ran)).elements())
+
+
+def run_drafter(command: str) -> str:
+    """A `drafter ...` command of the runbook, as written, where the Airflow worker runs (its identity)."""
+    import shlex
+
+    argv = shlex.split(command)
+    out = subprocess.run([str(PROJECT_ROOT / ".venv" / "bin" / argv[0]) if (PROJECT_ROOT / ".venv").is_dir()
+                          else argv[0], *argv[1:]], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=600)
+    if out.returncode != 0:
+        raise RehearsalFailed(f"`{command}` exited {out.returncode}: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def start_s3() -> tuple[Any, str]:
+    """The local S3 (and STS) server: AWS's endpoints for everything in the rehearsal."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    return server, f"http://{host}:{port}"
+
+
+def aws_s3api(endpoint: str):
+    """`aws s3api` as the runbook's bucket owner runs it: the same S3 calls."""
+    import shlex
+
+    import boto3
+
+    admin = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bucket-owner",
+                         aws_secret_access_key="bucket-owner")
+
+    def run(command: str) -> str:
+        argv = shlex.split(command)
+        options = dict(zip(argv[3::2], argv[4::2]))
+        bucket = options["--bucket"]
+        if argv[2] == "create-bucket":
+            admin.create_bucket(Bucket=bucket)
+        elif argv[2] == "put-bucket-policy":
+            policy = _file_argument(options["--policy"]).replace("ACCOUNT_ID", ACCOUNT)
+            admin.put_bucket_policy(Bucket=bucket, Policy=policy)
+        elif argv[2] == "put-bucket-lifecycle-configuration":
+            rules = json.loads(_file_argument(options["--lifecycle-configuration"]))
+            admin.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration=rules)
+        else:
+            raise RehearsalFailed(f"no S3 call for `{command}`")
+        return ""
+
+    return run
+
+
+def _file_argument(value: str) -> str:
+    return (PROJECT_ROOT / value.removeprefix("file://")).read_text()
+
+
+def kubectl_apply(cluster: LocalCluster):
+    def run(command: str) -> str:
+        argv = command.split()
+        created = [obj for i, arg in enumerate(argv) if arg == "-f" for obj in cluster.apply(PROJECT_ROOT / argv[i + 1])]
+        return "\n".join(created)
+
+    return run
+
+
+def airflow_command(command: str) -> str:
+    """The `airflow ...` part of a `kubectl exec ... -- airflow ...`, run with the rehearsal's Airflow."""
+    import shlex
+
+    argv = shlex.split(command.split(" -- ", 1)[1])
+    out = subprocess.run([str(Path(sys.executable).with_name("airflow")), *argv[1:]], capture_output=True, text=True,
+                         timeout=300)
+    if out.returncode != 0:
+        raise RehearsalFailed(f"`{' '.join(argv)}` exited {out.returncode}: {out.stderr[-2000:]}")
+    return out.stdout
+
+
+def capture_server_info(command: str) -> str:
+    """`curl` of a capture server's /server_info: the capture stand-in, with the fields the runbook names."""
+    import requests
+
+    info = requests.get(f"http://127.0.0.1:{CAPTURE_PORT}/server_info", timeout=30).json()
+    _check(info.get("enable_return_aux_hidden_states") is True and info.get("disable_radix_cache") is True
+           and info.get("chunked_prefill_size") == -1 and str(info.get("version", "")).startswith("0.5.23"),
+           f"the capture server reports the settings the runbook asks for: {info}")
+    return json.dumps(info)
+
+
+def worker_identity(workspace: Path, endpoint: str) -> None:
+    """This process is the Airflow worker: the identity its service account's role gives it (IRSA)."""
+    token = workspace / "airflow-worker-token"
+    token.write_text("local-web-identity-token-airflow-worker")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        os.environ.pop(name, None)
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/drafter-pipeline-writer",
+                       "AWS_WEB_IDENTITY_TOKEN_FILE": str(token), "AWS_ROLE_SESSION_NAME": "airflow-worker"})
+
+
+def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
+    """What the runbook has the user put on the volumes: the weights, the prompt files, the run config."""
+    from pipeline.tiny_target import ensure_tiny_target
+
+    model = ensure_tiny_target(TARGET_RECIPE, cache)
+    for namespace in ("drafter", "sglang"):
+        weights = cluster.volume_dir("pvc", namespace, "kimi-k2-5-weights")
+        weights.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(model, weights / "Kimi-K2.5", dirs_exist_ok=True)
+    write_prompt_files(cluster.volume_dir("pvc", "drafter", "drafter-prompts"))
+    configs = cluster.volume_dir("pvc", "drafter", "drafter-run-configs")
+    shutil.copy(REHEARSAL_CONFIG, configs / "kimi-k2.5.yaml")
+    return cluster.volume_dir("pvc", "drafter", "kimi-k2-5-weights") / "Kimi-K2.5"
+
+
+MALFORMED_LINE = '{"conversations": [{"from": "human", "value": "an export cut off mid-rec'
+
+
+def write_prompt_files(directory: Path) -> None:
+    """sharegpt.jsonl (with one truncated line, as exports have) and ultrachat.parquet (OpenAI form)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.tiny_target import demo_conversations
+
+    conversations = demo_conversations()
+    sharegpt = [json.dumps(c) for c in conversations[0::2]]
+    sharegpt.insert(len(sharegpt) // 2, MALFORMED_LINE)
+    (directory / "sharegpt.jsonl").write_text("\n".join(sharegpt) + "\n")
+    rows = [{"messages": [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                          for t in c["conversations"]]} for c in conversations[1::2]]
+    pq.write_table(pa.Table.from_pylist(rows), directory / "ultrachat.parquet")
+
+
+def _manifest_args(path: Path, kind: str, name: str) -> list[str]:
+    doc = next(d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == kind
+               and d["metadata"]["name"] == name)
+    container = doc["spec"]["template"]["spec"]["containers"][0]
+    return list(container.get("args") or [])
+
+
+def start_fleets(model_dir: Path, workspace: Path, processes: list[subprocess.Popen]) -> None:
+    """The generation and capture servers, with their StatefulSets' flags. What differs is size: the
+    model path and port are local, and the aux layers are the tiny target's (the config's contract)."""
+    from pipeline.config import default_aux_layer_ids, load_config
+    from pipeline.target import text_config
+
+    config = load_config(REHEARSAL_CONFIG)
+    aux_ids = config.capture.aux_layer_ids or default_aux_layer_ids(int(text_config(model_dir)["num_hidden_layers"]))
+    fleets = [("sglang-generate.yaml", "sglang-generate", port) for port in GENERATE_PORTS]
+    fleets.append(("sglang-capture.yaml", "sglang-capture-aux", CAPTURE_PORT))
+    for manifest, name, port in fleets:
+        args = _manifest_args(PROJECT_ROOT / "infra" / "k8s" / manifest, "StatefulSet", name)
+        args[args.index("--model-path") + 1] = str(model_dir)
+        args[args.index("--port") + 1] = str(port)
+        if "--return-aux-hidden-state-layer-ids" in args:
+            at = args.index("--return-aux-hidden-state-layer-ids") + 1
+            args[at:at + 3] = [str(i) for i in aux_ids]
+        log_file = open(workspace / f"{name}-{port}.log", "w")
+        processes.append(subprocess.Popen([sys.executable, "-m", "pipeline.sglang_standin", *args],
+                                          stdout=log_file, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT))
+    for port, process in zip([*GENERATE_PORTS, CAPTURE_PORT], processes):
+        _await_health(f"http://127.0.0.1:{port}", process, 300)
+
+
+def _await_health(url: str, process: subprocess.Popen | None, timeout_s: float) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RehearsalFailed(f"the server for {url} exited with code {process.returncode}")
+        try:
+            if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    raise RehearsalFailed(f"{url} was not healthy within {timeout_s:.0f} s")
+
+
+def airflow_environment(workspace: Path) -> None:
+    """Airflow's settings, before anything imports Airflow (it reads them once, on import)."""
+    if "airflow" in sys.modules:
+        raise RehearsalFailed("Airflow was imported before the rehearsal set its environment")
+    home = workspace / "airflow"
+    home.mkdir(parents=True, exist_ok=True)
+    os.environ.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+                       "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
+                       "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+                       "DRAFTER_DEPLOYMENT": str(DEPLOYMENT)})
+
+
+def start_airflow(workspace: Path, cluster: LocalCluster):
+    """Airflow's metadata database and the DAGs, parsed with the Kubernetes deployment."""
+    if str(PROJECT_ROOT / "dags") not in sys.path:
+        sys.path.insert(0, str(PROJECT_ROOT / "dags"))
+    migrate = subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], capture_output=True,
+                             text=True, timeout=600)
+    if migrate.returncode != 0:
+        raise RehearsalFailed(f"airflow db migrate failed: {migrate.stderr[-2000:]}")
+    use_local_cluster(cluster)
+    parsed_dag("drafter_data")
+
+
+def parsed_dag(dag_id: str):
+    """The DAG as a worker parses it for a new run. Parsed afresh each time: dag.test() leaves a run's
+    trigger form in the DAG object's params, where a scheduler's next run would not see it."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    bag = DagBag(dag_folder=str(PROJECT_ROOT / "dags"))
+    if bag.import_errors:
+        raise RehearsalFailed(f"the DAGs do not parse: {bag.import_errors}")
+    return bag.dags[dag_id]
+
+
+def task_states(run) -> dict[str, str]:
+    states: dict[str, str] = {}
+    for ti in run.get_task_instances():
+        key = ti.task_id if ti.map_index < 0 else f"{ti.task_id}[{ti.map_index}]"
+        states[key] = str(ti.state)
+    return states
+
+
+def dataset_events() -> list[dict[str, Any]]:
+    """The extras of the drafter_dataset Asset's events (what the scheduler hands drafter_train)."""
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.settings import Session
+    from sqlalchemy import select
+
+    with Session() as session:
+        rows = session.execute(select(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+                               .where(AssetModel.name == "drafter_dataset").order_by(AssetEvent.id)).scalars()
+        return [dict(event.extra or {}) for event in rows]
+
+
+def scheduled_run(dag, cron: str):
+    """A run of `dag` as the scheduler makes one on its cron: run type scheduled, triggered by the
+    timetable at its latest tick, no trigger form (its params are the form's defaults). dag.test() would
+    make a manual run; only the run's creation is swapped, the tasks run as in any dag.test()."""
+    from unittest import mock
+
+    import airflow.models.dagrun as dagrun_module
+    from airflow.utils.state import DagRunState
+    from airflow.utils.types import DagRunTriggeredByType, DagRunType
+    from croniter import croniter
+
+    tick = croniter(cron, dt.datetime.now(dt.timezone.utc)).get_prev(dt.datetime)
+
+    def create_scheduled(*, dag, logical_date, data_interval, run_after, session, **_):
+        run_id = dagrun_module.DagRun.generate_run_id(run_type=DagRunType.SCHEDULED, logical_date=logical_date,
+                                                      run_after=run_after)
+        return dag.create_dagrun(run_id=run_id, logical_date=logical_date, data_interval=data_interval,
+                                 run_after=run_after, conf=None, run_type=DagRunType.SCHEDULED,
+                                 state=DagRunState.RUNNING, triggered_by=DagRunTriggeredByType.TIMETABLE,
+                                 triggering_user_name=None, start_date=logical_date, session=session)
+
+    with mock.patch.object(dagrun_module, "get_or_create_dagrun", create_scheduled):
+        return dag.test(logical_date=tick, run_after=tick)
+
+
+class ServingDeployment:
+    """The `kimi-k2-5-eagle3` Deployment of infra/k8s/sglang-serve.yaml, one replica, on the cluster:
+    `kubectl rollout restart` replaces its pod, whose init container pulls `production` again."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.doc = next(d for d in yaml.safe_load_all((PROJECT_ROOT / "infra/k8s/sglang-serve.yaml").read_text())
+                        if d and d["kind"] == "Deployment")
+        self.generation = 0
+        self.pod = None
+
+    def restart(self, command: str = "") -> str:
+        if self.pod is not None:
+            self.cluster.delete_pod(self.doc["metadata"]["namespace"], self.pod.name)
+        self.generation += 1
+        template = self.doc["spec"]["template"]
+        self.pod = self.cluster.create_pod({
+            "apiVersion": "v1", "kind": "Pod", "spec": json.loads(json.dumps(template["spec"])),
+            "metadata": {"name": f"{self.doc['metadata']['name']}-{self.generation}",
+                         "namespace": self.doc["metadata"]["namespace"], "labels": template["metadata"]["labels"]}})
+        self._await_ready(f"http://127.0.0.1:{SERVING_PORT}", 600)
+        return f"pod {self.pod.name} serves {self.served_version()}"
+
+    def _await_ready(self, url: str, timeout_s: float) -> None:
+        import requests
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.pod.phase != "Failed":
+            server = self.pod.containers.get("sglang")
+            if server is not None and not server.running:
+                break
+            if server is not None:
+                try:
+                    if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                        return
+                except requests.RequestException:
+                    pass
+            time.sleep(1)
+        logs = [path.read_text()[-3000:] for path in sorted(self.pod.directory.glob("*.log"))]
+        raise RehearsalFailed(f"the serving pod did not become ready: {self.pod.events[-2:]}\n" + "\n".join(logs))
+
+    def served_version(self) -> str:
+        manifest = self.pod.directory / "volumes" / "drafter" / "current" / "manifest.json"
+        return json.loads(manifest.read_text())["version"]
+
+    def flags(self) -> str:
+        return (self.pod.directory / "volumes" / "drafter" / "serving-flags").read_text().strip()
+
+    def stop(self) -> None:
+        if self.pod is not None:
+            self.cluster.delete_pod(self.doc["metadata"]["namespace"], self.pod.name)
+            self.pod = None
+
+
+def check_serving(serving: ServingDeployment, expected_version: str, reference_url: str) -> str:
+    """One request to the serving pod: EAGLE3 with the expected version, greedy output unchanged."""
+    import requests
+
+    url = f"http://127.0.0.1:{SERVING_PORT}"
+    info = requests.get(f"{url}/server_info", timeout=30).json()
+    prompt = {"input_ids": list(range(10, 30)), "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
+    speculative = requests.post(f"{url}/generate", json=prompt, timeout=300).json()
+    plain = requests.post(f"{reference_url}/generate", json=prompt, timeout=300).json()
+    _check(serving.served_version() == expected_version, f"the serving pod pulled version {expected_version}")
+    _check(info.get("speculative_algorithm") == "EAGLE3", "the serving server runs EAGLE3 with the pulled drafter")
+    _check(speculative["output_ids"] == plain["output_ids"],
+           "the speculative output equals the plain server's greedy output token for token")
+    accept = speculative["meta_info"].get("spec_accept_length", 0)
+    _check(accept > 1.0, f"the served drafter is accepted: {accept:.2f} tokens per verify step")
+    return f"serving {expected_version}: EAGLE3 accept length {accept:.2f} with flags {serving.flags()}"
+
+
+def rehearse(workspace: Path, cache: Path) -> list[str]:
+    """Run everything, in the runbook's order; returns the summary lines. Raises on any failure."""
+    airflow_environment(workspace)
+    server, endpoint = start_s3()
+    cluster = LocalCluster(workspace / "cluster", _images(), NODES, aws_endpoint=endpoint)
+    serving = ServingDeployment(cluster)
+    runbook = Runbook({"aws s3api": aws_s3api(endpoint), "kubectl apply": kubectl_apply(cluster),
+                                "kubectl -n airflow exec": airflow_command, "curl": capture_server_info,
+                                "drafter ": run_drafter, "kubectl -n sglang rollout restart": serving.restart})
+    fleets: list[subprocess.Popen] = []
+    try:
+        worker_identity(workspace, endpoint)
+        for command in runbook_commands():  # §1: S3 and IAM, the cluster objects
+            if command.startswith(("aws s3api", "kubectl apply")):
+                runbook.run(command)
+        model_dir = fill_volumes(cluster, cache)
+        start_fleets(model_dir, workspace, fleets)  # the caller stops them, started or not
+        runbook.run("curl http://sglang-capture-aux-0.sglang-capture-aux.sglang.svc:30000/server_info")
+        start_airflow(workspace, cluster)
+        runbook.run('kubectl -n airflow exec deploy/airflow-scheduler -- airflow pools set drafter_gpu 2 '
+                    '"GPU-bound drafter tasks"')
+        lines = run_dags(runbook, serving)
+        missed = runbook.missed()
+        _check(not missed, f"every [rehearsed] command of docs/RUNBOOK.md ran (missed: {missed})")
+        return lines + pod_lines(cluster)
+    finally:
+        serving.stop()
+        cluster.shutdown()
+        for process in fleets:
+            process.kill()
+            process.wait()
+        server.stop()
+
+
+def run_dags(runbook: Runbook, serving: ServingDeployment) -> list[str]:
+    """§2 to §6 of the runbook: the first run, serving it, a failing run, the cron, rollback, status."""
+    from drafter_support import DEPLOYMENT
+    from pipeline.ids import safe_id
+
+    lines = []
+    runbook.run("drafter plan --config configs/kimi-k2.5.yaml --samples 37000")
+    data = parsed_dag("drafter_data").test(run_conf={"num_shards": 2})
+    lines.append(f"drafter_data {data.run_id}: {data.state} {task_states(data)}")
+    _check(str(data.state) == "success", "drafter_data ran every stage task as a pod and succeeded")
+    events = dataset_events()
+    _check(len(events) == 1 and events[0].get("dataset_uri", "").startswith(f"s3://{BUCKET}/"),
+           f"drafter_data published the drafter_dataset Asset: {events}")
+
+    first = parsed_dag("drafter_train").test(run_conf={"dataset_uri": events[0]["dataset_uri"]})
+    lines.append(f"drafter_train {first.run_id}: {first.state} {task_states(first)}")
+    _check(str(first.state) == "success" and task_states(first)["promote"] == "success",
+           "drafter_train on the published dataset trained, gated, benchmarked and promoted into S3")
+    runbook.run("drafter list --config configs/kimi-k2.5.yaml")
+    runbook.run("drafter plan --config configs/kimi-k2.5.yaml --samples 200000 --measured-from <the train run id>",
+                **{"the train run id": safe_id(first.run_id)})
+    first_version = promoted_version(first)
+    runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
+    lines.append(check_serving(serving, first_version, f"http://127.0.0.1:{GENERATE_PORTS[0]}"))
+
+    broken = parsed_dag("drafter_train").test(run_conf={"overrides": ["train.epochs=0"]})
+    configure = next(ti for ti in broken.get_task_instances() if ti.task_id == "configure")
+    lines.append(f"drafter_train {broken.run_id} (train.epochs=0): {broken.state} {task_states(broken)}")
+    _check(str(configure.state) == "failed" and configure.try_number == 1 and configure.max_tries >= 1,
+           "a config error failed its pod's task at once, without the retries a transient fault gets")
+
+    cron = scheduled_run(parsed_dag("drafter_train"), DEPLOYMENT.retrain_cron)
+    lines.append(f"drafter_train {cron.run_id} (cron {DEPLOYMENT.retrain_cron}): {cron.state} {task_states(cron)}")
+    _check(cron.run_id.startswith("scheduled__") and str(cron.state) == "success",
+           "the cron-scheduled drafter_train run (no trigger form) trained with the deployment's run config")
+    second_version = promoted_version(cron)
+    _check(second_version != first_version, f"the cron run promoted a new version {second_version}")
+
+    runbook.run("drafter rollback --config configs/kimi-k2.5.yaml")
+    runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
+    lines.append(check_serving(serving, first_version, f"http://127.0.0.1:{GENERATE_PORTS[0]}"))
+    status = runbook.run("drafter status --config configs/kimi-k2.5.yaml")
+    lines.append("status: " + " | ".join(line.strip() for line in status.splitlines() if line.strip()))
+    return lines
+
+
+def promoted_version(run) -> str:
+    promote = next(ti for ti in run.get_task_instances() if ti.task_id == "promote")
+    result = promote.xcom_pull(task_ids="promote") or {}
+    _check(bool(result.get("promoted")) and bool(result.get("version")), f"{run.run_id} promoted: {result}")
+    return result["version"]
+
+
+def pod_lines(cluster: LocalCluster) -> list[str]:
+    lines = []
+    for row in cluster.pods_run():
+        lines.append(f"pod {row['pod']}: {row['dag_id'] or '-'}.{row['task_id'] or '-'} on {row['node']} "
+                     f"image {row['image']} exit {row['exit_code']}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workspace", type=Path, help="where the cluster, volumes and Airflow live (default: temp)")
+    parser.add_argument("--cache", type=Path, default=PROJECT_ROOT / ".drafter" / "cache",
+                        help="where the tiny target is built once")
+    parser.add_argument("--keep", action="store_true", help="keep the workspace afterwards")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.geteuid() != 0:
+        raise SystemExit("the rehearsal's containers need root (mount and PID namespaces)")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and pods on the way out
+    workspace = (args.workspace or Path(tempfile.mkdtemp(prefix="drafter-rehearsal-"))).resolve()
+    workspace.mkdir(parents=True, exist_ok=True)
+    try:
+        lines = rehearse(workspace, args.cache.resolve())
+    except Exception as failure:
+        print(f"rehearsal=failed: {type(failure).__name__}: {failure}", flush=True)
+        raise
+    finally:
+        if not args.keep:
+            shutil.rmtree(workspace, ignore_errors=True)
+    for line in lines:
+        print(line)
+    print("rehearsal=passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

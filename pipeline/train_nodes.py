@@ -1,0 +1,315 @@
+"""The training nodes: the one command every node runs, and the launchers that start the nodes.
+
+Every node runs a torchrun agent, which starts `drafter train-worker --spec <uri>` once per rank. One node
+runs `--standalone`; several meet at a c10d rendezvous on node 0 (rendezvous_endpoint:rendezvous_port).
+An agent hands its own environment to its ranks, so the credentials of the pod (IRSA) or of the Airflow
+worker reach every rank; nothing is started over SSH. Ranks read the worker spec from the object store, so
+the spec needs no filesystem shared between nodes; the checkpoints do (infra/k8s/trainer-workers.yaml).
+
+The train stage is the caller: it writes the spec, starts the nodes through a launcher, waits for them and
+publishes what rank 0 wrote into the work directory.
+- LocalAgents (train.launcher torchrun): the agents are child process groups of the caller, on this
+  machine; several of them meeting on 127.0.0.1 rehearse a cluster run.
+- KubernetesJob (train.launcher kubernetes): the agents run in the pods of the Indexed Job in
+  train.kubernetes_job, which the caller creates in the cluster it runs in and waits for.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from pipeline.config import TrainConfig, resolve_project_path
+from pipeline.processes import start_process_group, stop_process_group
+
+log = logging.getLogger(__name__)
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+def torchrun_args(settings: TrainConfig, spec_uri: str, run_id: str, nodes: str | None = None) -> list[str]:
+    """torchrun's arguments, the same on every node. `nodes` stands in for settings.nodes where the count
+    arrives later (the Kubernetes pods read it from their annotations)."""
+    worker = ["--module", "pipeline.cli", "train-worker", "--spec", spec_uri]
+    if settings.launcher == "torchrun" and settings.nodes == 1:
+        return ["--standalone", "--nproc-per-node", str(settings.nproc)] + worker
+    endpoint = f"{settings.rendezvous_endpoint}:{settings.rendezvous_port}"
+    # No restarts: a lost node fails every node, and the next attempt resumes all of them from the last
+    # committed checkpoint. A node started before node 0 keeps trying to reach its store for the read
+    # timeout, then waits for the others for the join timeout.
+    timeout = settings.rendezvous_timeout_s
+    return ["--nnodes", nodes or str(settings.nodes), "--nproc-per-node", str(settings.nproc), "--max-restarts", "0",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--rdzv-conf", f"join_timeout={timeout},read_timeout={timeout}"] + worker
+
+
+class NodeLauncher(Protocol):
+    def train(self, spec_uri: str, run_id: str, log_path: Path) -> int:
+        """Start every node and wait for all of them; 0 when every node finished training."""
+
+
+def node_launcher(settings: TrainConfig) -> NodeLauncher:
+    return KubernetesJob(settings) if settings.launcher == "kubernetes" else LocalAgents(settings)
+
+
+class LocalAgents:
+    """Every node's agent as a child process group of this process, on this machine."""
+
+    stop_grace_s = 15.0  # for an agent to stop its workers after SIGTERM
+
+    def __init__(self, settings: TrainConfig):
+        self.settings = settings
+
+    def train(self, spec_uri: str, run_id: str, log_path: Path) -> int:
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(self.settings, spec_uri, run_id)]
+        log.info("launching training, %d node(s) here: %s", self.settings.nodes, " ".join(command))
+        environment = _agent_environment()
+        agents = []
+        try:
+            for _ in range(self.settings.nodes):
+                agents.append(start_process_group(command, environment))
+            readers = [_copy_output(agent, log_path, f"[node {i}] " if len(agents) > 1 else "")
+                       for i, agent in enumerate(agents)]
+            code = _first_failure(agents)
+        finally:
+            # a job missing a node cannot finish: the first failure stops the others
+            for agent in agents:
+                stop_process_group(agent, self.stop_grace_s)
+        for reader in readers:
+            reader.join(timeout=self.stop_grace_s)
+        return code
+
+
+def _agent_environment() -> dict[str, str]:
+    """This process's environment, S3 credentials included: every agent hands it on to its ranks."""
+    environment = dict(os.environ)
+    environment.setdefault("DS_ACCELERATOR", _accelerator())
+    environment.setdefault("PYTHONUNBUFFERED", "1")
+    return environment
+
+
+def _accelerator() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _first_failure(agents: list) -> int:
+    """0 once every agent exited cleanly, else the exit code of the first one seen failing."""
+    while True:
+        codes = [agent.poll() for agent in agents]
+        for node, code in enumerate(codes):
+            if code not in (None, 0):
+                if len(agents) > 1:
+                    log.error("node %d's agent exited with code %d; stopping the other nodes", node, code)
+                return code
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(0.2)
+
+
+def _copy_output(agent, log_path: Path, prefix: str) -> threading.Thread:
+    """A thread appending the agent's lines to the log (whole lines, so agents can share it) and showing
+    the informative ones."""
+
+    def copy() -> None:
+        with open(log_path, "a", buffering=1) as log_file:
+            for line in agent.stdout:
+                log_file.write(prefix + line)
+                if _worth_showing(line):
+                    sys.stderr.write(prefix + line)
+
+    reader = threading.Thread(target=copy, name=f"train-output-{agent.pid}", daemon=True)
+    reader.start()
+    return reader
+
+
+def _worth_showing(line: str) -> bool:
+    noisy = ("UserWarning", "warnings.warn", "return func(", "OMP_NUM_THREADS", "*****", "[WARNING]",
+             "Setting OMP", "[INFO] [", "Loading weights")
+    return bool(line.strip()) and not any(marker in line for marker in noisy)
+
+
+# The pods of the Job read the run's values from these annotations (the manifest's downward API); torchrun's
+# arguments in the manifest name them as the environment variables Kubernetes expands.
+RUN_ID_ANNOTATION = "drafter/run-id"
+SPEC_ANNOTATION = "drafter/worker-spec"
+NODES_ANNOTATION = "drafter/nodes"
+POD_RUN_ID, POD_SPEC, POD_NODES = "$(DRAFTER_RUN_ID)", "$(DRAFTER_WORKER_SPEC)", "$(DRAFTER_NODES)"
+NODE_CONTAINER = "node"
+
+
+def load_job_manifest(path: str) -> dict[str, Any]:
+    location = resolve_project_path(path)
+    jobs = [doc for doc in yaml.safe_load_all(location.read_text()) if doc and doc.get("kind") == "Job"]
+    if len(jobs) != 1 or jobs[0]["spec"].get("completionMode") != "Indexed":
+        raise TrainingFailed(f"{location} must hold exactly one Job, with completionMode Indexed")
+    return jobs[0]
+
+
+def node_container(job: dict[str, Any]) -> dict[str, Any]:
+    containers = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == NODE_CONTAINER]
+    if len(containers) != 1:
+        raise TrainingFailed(f"Job {job['metadata']['name']} has no container named {NODE_CONTAINER!r}")
+    return containers[0]
+
+
+def job_for_run(job: dict[str, Any], settings: TrainConfig, spec_uri: str, run_id: str) -> dict[str, Any]:
+    """The manifest's Job for one run: as many pods as nodes, and the annotations they read the run id, the
+    spec URI and the node count from. Its node command must be the one these settings make."""
+    container = node_container(job)
+    expected = ["torchrun", *torchrun_args(settings, POD_SPEC, POD_RUN_ID, POD_NODES)]
+    found = container.get("command", []) + container.get("args", [])
+    if found != expected:
+        raise TrainingFailed(f"the node command of Job {job['metadata']['name']} ({settings.kubernetes_job}) "
+                             f"disagrees with the train settings:\n  manifest: {' '.join(found)}\n  "
+                             f"settings: {' '.join(expected)}")
+    job = copy.deepcopy(job)
+    job["spec"]["completions"] = job["spec"]["parallelism"] = settings.nodes
+    job["metadata"].setdefault("annotations", {})[RUN_ID_ANNOTATION] = run_id
+    pod = job["spec"]["template"].setdefault("metadata", {})
+    pod.setdefault("annotations", {}).update({RUN_ID_ANNOTATION: run_id, SPEC_ANNOTATION: spec_uri,
+                                              NODES_ANNOTATION: str(settings.nodes)})
+    return job
+
+
+def job_outcome(job: dict[str, Any]) -> str | None:
+    """Complete or Failed once the Job has finished, else None."""
+    for condition in (job.get("status") or {}).get("conditions") or []:
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return condition["type"]
+    return None
+
+
+class KubernetesJob:
+    """The node agents in the pods of an Indexed Job, created by this process in its own cluster.
+
+    A Job that failed is kept for its pods' logs until the next attempt replaces it; one of the same run
+    that is still running (its supervisor died) is waited for instead of started twice."""
+
+    api_errors_tolerated = 10  # consecutive failed status reads (an API server upgrade) before giving up
+
+    def __init__(self, settings: TrainConfig, api: KubernetesApi | None = None, poll_s: float = 30.0):
+        self.settings, self.api, self.poll_s = settings, api, poll_s
+
+    def train(self, spec_uri: str, run_id: str, log_path: Path) -> int:
+        job = job_for_run(load_job_manifest(self.settings.kubernetes_job), self.settings, spec_uri, run_id)
+        namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        api = self.api or KubernetesApi.in_cluster()
+        with open(log_path, "a", buffering=1) as log_file:
+            started = self._start(api, job, run_id)
+            _note(log_file, f"{started} Job {namespace}/{name}: {self.settings.nodes} node(s) x "
+                            f"{self.settings.nproc} ranks; node logs: kubectl -n {namespace} logs "
+                            f"-l batch.kubernetes.io/job-name={name} --prefix")
+            outcome = self._wait(api, namespace, name)
+            _note(log_file, f"Job {namespace}/{name}: {outcome}")
+        if outcome != "Complete":
+            return 1
+        api.delete_job(namespace, name)
+        return 0
+
+    def _start(self, api: KubernetesApi, job: dict[str, Any], run_id: str) -> str:
+        namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
+        for _ in range(3):
+            if api.create_job(namespace, job):
+                return "created"
+            existing = api.read_job(namespace, name)
+            owner = (existing["metadata"].get("annotations") or {}).get(RUN_ID_ANNOTATION)
+            if job_outcome(existing) is None:
+                if owner == run_id:
+                    return "waiting for the running"
+                raise TrainingFailed(f"Job {namespace}/{name} is training run {owner}; one multi-node training "
+                                     f"runs at a time: wait for it, or delete it to stop it")
+            api.delete_job(namespace, name)  # a finished attempt's Job, kept until now for its logs
+            time.sleep(self.poll_s)
+        raise TrainingFailed(f"Job {namespace}/{name} from an earlier attempt is still being deleted")
+
+    def _wait(self, api: KubernetesApi, namespace: str, name: str) -> str:
+        errors = 0
+        while True:
+            try:
+                outcome = job_outcome(api.read_job(namespace, name))
+                errors = 0
+            except KubernetesApiError as err:
+                errors += 1
+                if not err.transient or errors > self.api_errors_tolerated:
+                    raise TrainingFailed(f"lost track of Job {namespace}/{name}: {err}") from err
+                log.warning("reading Job %s/%s failed (%s); trying again", namespace, name, err)
+                outcome = None
+            if outcome:
+                return outcome
+            time.sleep(self.poll_s)
+
+
+def _note(log_file, message: str) -> None:
+    log.info("%s", message)
+    log_file.write(message + "\n")
+
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class KubernetesApiError(RuntimeError):
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def transient(self) -> bool:
+        return self.status is None or self.status >= 500
+
+
+class KubernetesApi:
+    """The Job calls of the launcher, as this pod's service account. The token is read for every call: the
+    kubelet rotates it on disk, and a training run outlives one token."""
+
+    def __init__(self, server: str, token_file: Path, ca_file: Path | None):
+        self.server, self.token_file, self.ca_file = server.rstrip("/"), token_file, ca_file
+
+    @classmethod
+    def in_cluster(cls) -> KubernetesApi:
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host or not (SERVICE_ACCOUNT_DIR / "token").is_file():
+            raise TrainingFailed("train.launcher 'kubernetes' creates the node Job from a pod of the cluster, and "
+                                 "this process runs outside one; here use train.launcher torchrun")
+        return cls(f"https://{host}:{port}", SERVICE_ACCOUNT_DIR / "token", SERVICE_ACCOUNT_DIR / "ca.crt")
+
+    def create_job(self, namespace: str, job: dict[str, Any]) -> bool:
+        """False when a Job of that name exists already."""
+        response = self._call("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", job, allowed=(409,))
+        return response.status_code != 409
+
+    def read_job(self, namespace: str, name: str) -> dict[str, Any]:
+        return self._call("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}").json()
+
+    def delete_job(self, namespace: str, name: str) -> None:
+        # Background: the Job goes at once, its pods after it
+        self._call("DELETE", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}",
+                   {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}, allowed=(404,))
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, allowed: tuple[int, ...] = ()):
+        import requests
+
+        headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
+        try:
+            response = requests.request(method, self.server + path, json=body, headers=headers, timeout=30,
+                                        verify=str(self.ca_file) if self.ca_file else True)
+        except requests.RequestException as err:
+            raise KubernetesApiError(f"{method} {path}: {type(err).__name__}: {err}") from err
+        if response.status_code >= 400 and response.status_code not in allowed:
+            try:
+                reason = response.json().get("message", "")
+            except ValueError:
+                reason = response.text[:200]
+            raise KubernetesApiError(f"{method} {path}: HTTP {response.status_code} {reason}", response.status_code)
+        return response
