@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from pipeline.config import TrainConfig, resolve_project_path
+from pipeline.config import StorageConfig, TrainConfig, resolve_project_path
 from pipeline.processes import start_process_group, stop_process_group
 
 log = logging.getLogger(__name__)
@@ -58,8 +58,22 @@ class NodeLauncher(Protocol):
         """Start every node and wait for all of them; 0 when every node finished training."""
 
 
-def node_launcher(settings: TrainConfig) -> NodeLauncher:
-    return KubernetesJob(settings) if settings.launcher == "kubernetes" else LocalAgents(settings)
+def node_launcher(settings: TrainConfig, storage: StorageConfig | None = None) -> NodeLauncher:
+    environment = storage_environment(storage) if storage is not None else {}
+    if settings.launcher == "kubernetes":
+        return KubernetesJob(settings, environment=environment)
+    return LocalAgents(settings, environment)
+
+
+def storage_environment(storage: StorageConfig) -> dict[str, str]:
+    """What every rank needs, besides credentials, to read the worker spec from the configured store: an
+    S3-compatible endpoint and the region, as the standard AWS variables (the spec holds the rest)."""
+    environment = {}
+    if storage.endpoint_url:
+        environment["AWS_ENDPOINT_URL_S3"] = storage.endpoint_url
+    if storage.region:
+        environment["AWS_DEFAULT_REGION"] = storage.region
+    return environment
 
 
 class LocalAgents:
@@ -67,13 +81,13 @@ class LocalAgents:
 
     stop_grace_s = 15.0  # for an agent to stop its workers after SIGTERM
 
-    def __init__(self, settings: TrainConfig):
-        self.settings = settings
+    def __init__(self, settings: TrainConfig, environment: dict[str, str] | None = None):
+        self.settings, self.environment = settings, environment or {}
 
     def train(self, spec_uri: str, run_id: str, log_path: Path) -> int:
         command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(self.settings, spec_uri, run_id)]
         log.info("launching training, %d node(s) here: %s", self.settings.nodes, " ".join(command))
-        environment = _agent_environment()
+        environment = {**_agent_environment(), **self.environment}
         agents = []
         try:
             for _ in range(self.settings.nodes):
@@ -164,9 +178,11 @@ def node_container(job: dict[str, Any]) -> dict[str, Any]:
     return containers[0]
 
 
-def job_for_run(job: dict[str, Any], settings: TrainConfig, spec_uri: str, run_id: str) -> dict[str, Any]:
-    """The manifest's Job for one run: as many pods as nodes, and the annotations they read the run id, the
-    spec URI and the node count from. Its node command must be the one these settings make."""
+def job_for_run(job: dict[str, Any], settings: TrainConfig, spec_uri: str, run_id: str,
+                environment: dict[str, str] | None = None) -> dict[str, Any]:
+    """The manifest's Job for one run: as many pods as nodes, the annotations they read the run id, the
+    spec URI and the node count from, and `environment` on the node container. Its node command must be
+    the one these settings make."""
     container = node_container(job)
     expected = ["torchrun", *torchrun_args(settings, POD_SPEC, POD_RUN_ID, POD_NODES)]
     found = container.get("command", []) + container.get("args", [])
@@ -175,6 +191,10 @@ def job_for_run(job: dict[str, Any], settings: TrainConfig, spec_uri: str, run_i
                              f"disagrees with the train settings:\n  manifest: {' '.join(found)}\n  "
                              f"settings: {' '.join(expected)}")
     job = copy.deepcopy(job)
+    if environment:
+        node = node_container(job)
+        node["env"] = [v for v in node.get("env", []) if v["name"] not in environment]
+        node["env"] += [{"name": name, "value": value} for name, value in environment.items()]
     job["spec"]["completions"] = job["spec"]["parallelism"] = settings.nodes
     job["metadata"].setdefault("annotations", {})[RUN_ID_ANNOTATION] = run_id
     pod = job["spec"]["template"].setdefault("metadata", {})
@@ -199,11 +219,13 @@ class KubernetesJob:
 
     api_errors_tolerated = 10  # consecutive failed status reads (an API server upgrade) before giving up
 
-    def __init__(self, settings: TrainConfig, api: KubernetesApi | None = None, poll_s: float = 30.0):
-        self.settings, self.api, self.poll_s = settings, api, poll_s
+    def __init__(self, settings: TrainConfig, api: KubernetesApi | None = None, poll_s: float = 30.0,
+                 environment: dict[str, str] | None = None):
+        self.settings, self.api, self.poll_s, self.environment = settings, api, poll_s, environment or {}
 
     def train(self, spec_uri: str, run_id: str, log_path: Path) -> int:
-        job = job_for_run(load_job_manifest(self.settings.kubernetes_job), self.settings, spec_uri, run_id)
+        job = job_for_run(load_job_manifest(self.settings.kubernetes_job), self.settings, spec_uri, run_id,
+                          self.environment)
         namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
         api = self.api or KubernetesApi.in_cluster()
         with open(log_path, "a", buffering=1) as log_file:

@@ -130,7 +130,8 @@ print(json.dumps(pods))
 def _kubernetes_env(tmp_path) -> dict:
     (tmp_path / "kubeconfig").write_text(KUBECONFIG)
     return dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig"), AIRFLOW_HOME=str(tmp_path),
-                DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/kubernetes.yaml"), AIRFLOW__CORE__LOAD_EXAMPLES="False")
+                DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/kubernetes.yaml"),
+                AIRFLOW__CORE__LOAD_EXAMPLES="False")
 
 
 def test_kubernetes_deployment_renders_valid_pod_specs(tmp_path):
@@ -334,7 +335,8 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
     run = dagbag.dags["drafter_train"].test(run_conf={"config": str(config_path), "epochs": 1,
                                                       "min_tau_simulated": 50})
     states = {ti.task_id: ti.state for ti in run.get_task_instances()}
-    assert states == {"plan": "success", "configure": "success", "train": "success", "evaluate": "success", "gate": "success",
+    assert states == {"plan": "success", "configure": "success", "train": "success", "evaluate": "success",
+                      "gate": "success",
                       "benchmark": "skipped", "promote": "skipped", "report": "success"}
     assert run.state == "success"
     page = (store_root / "runs" / safe_id(run.run_id) / "report" / "report.html").read_text()

@@ -197,7 +197,8 @@ def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_p
     sglang = next(c for c in _containers(serving) if c["name"] == "sglang")
     flags = sglang_flags(dest, 3, 1, 4)
     write_serving_flags(tmp_path / "serving-flags", flags)
-    script = sglang["args"][0].replace(flags_file, str(tmp_path / "serving-flags")).replace("exec python", "printf '%s\\n'")
+    script = sglang["args"][0].replace(flags_file, str(tmp_path / "serving-flags"))
+    script = script.replace("exec python", "printf '%s\\n'")
     argv = subprocess.run(sglang["command"] + [script], capture_output=True, text=True, check=True).stdout.splitlines()
     assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and argv[-len(flags):] == flags
     assert shlex.split((tmp_path / "serving-flags").read_text()) == flags

@@ -41,8 +41,9 @@ def cluster(tmp_path):
     manifest = tmp_path / "objects.yaml"
     manifest.write_text(yaml.safe_dump_all([
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}},
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "writer", "namespace": "ns", "annotations": {
-            "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/writer"}}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {
+            "name": "writer", "namespace": "ns",
+            "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/writer"}}},
         {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data", "namespace": "ns"},
          "spec": {"accessModes": ["ReadWriteMany"]}},
     ]))

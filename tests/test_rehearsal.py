@@ -27,7 +27,9 @@ def test_the_production_path_runs_end_to_end_on_a_local_cluster(tmp_path):
     ran = {(line.split()[2].rsplit(".", 1)[0], line.split()[2].rsplit(".", 1)[1]) for line in pods}
     for dag_id, tasks in POD_TASKS.items():
         assert {(dag_id, task) for task in tasks} <= ran, (dag_id, sorted(ran))
-    assert any(line.startswith("serving: EAGLE3") for line in lines)
+    # served twice: the first promotion, then again after the cron run's promotion was rolled back
+    served = [line for line in lines if line.startswith("serving ") and "EAGLE3" in line]
+    assert len(served) == 2 and served[0].split(":")[0] == served[1].split(":")[0], served
     assert not (tmp_path / "ws").exists() or not any((tmp_path / "ws").iterdir())  # the workspace is removed
 
 

@@ -4,7 +4,8 @@ the first process of new mount and PID namespaces (`unshare --mount --pid --fork
 
 The root holds only what a pod on a cluster would see: the host's system directories standing in for
 the image's operating system (read-only), the image's own files (the project and its Python,
-read-only, where the image has them), the pod's volumes at their mount paths, a fresh /tmp and /proc. Everything else of this machine (other work trees, caches, test directories) is absent, so a
+read-only, where the image has them), the pod's volumes at their mount paths, a fresh /tmp and /proc.
+Everything else of this machine (other work trees, caches, test directories) is absent, so a
 path that the pod reads without mounting it fails there as it would on a cluster.
 
     python -m pipeline.dev.container SPEC.json

@@ -107,7 +107,8 @@ REHEARSED, REAL_CLUSTER = "# [rehearsed]", "# [real cluster]"
 
 def runbook_commands(marker: str = REHEARSED) -> list[str]:
     """The commands docs/RUNBOOK.md gives a user, marked with `marker`, in the runbook's order."""
-    return [line.split(marker)[0].strip() for line in RUNBOOK.read_text().splitlines() if line.rstrip().endswith(marker)]
+    lines = RUNBOOK.read_text().splitlines()
+    return [line.split(marker)[0].strip() for line in lines if line.rstrip().endswith(marker)]
 
 
 class Runbook:
@@ -203,7 +204,8 @@ def _file_argument(value: str) -> str:
 def kubectl_apply(cluster: LocalCluster):
     def run(command: str) -> str:
         argv = command.split()
-        created = [obj for i, arg in enumerate(argv) if arg == "-f" for obj in cluster.apply(PROJECT_ROOT / argv[i + 1])]
+        files = [PROJECT_ROOT / argv[i + 1] for i, arg in enumerate(argv) if arg == "-f"]
+        created = [obj for path in files for obj in cluster.apply(path)]
         return "\n".join(created)
 
     return run
@@ -305,16 +307,18 @@ def start_fleets(model_dir: Path, workspace: Path, processes: list[subprocess.Po
         processes.append(subprocess.Popen([sys.executable, "-m", "pipeline.sglang_standin", *args],
                                           stdout=log_file, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT))
     for port, process in zip([*GENERATE_PORTS, CAPTURE_PORT], processes):
-        _await_health(f"http://127.0.0.1:{port}", process, 300)
+        _await_health(f"http://127.0.0.1:{port}", _exited(process), 300)
 
 
-def _await_health(url: str, process: subprocess.Popen | None, timeout_s: float) -> None:
+def _await_health(url: str, gone, timeout_s: float) -> None:
+    """Wait for `url`/health to answer 200; `gone()` says why the server will never come (else None)."""
     import requests
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RehearsalFailed(f"the server for {url} exited with code {process.returncode}")
+        reason = gone()
+        if reason:
+            raise RehearsalFailed(f"{url}: {reason}")
         try:
             if requests.get(f"{url}/health", timeout=5).status_code == 200:
                 return
@@ -322,6 +326,10 @@ def _await_health(url: str, process: subprocess.Popen | None, timeout_s: float) 
             pass
         time.sleep(1)
     raise RehearsalFailed(f"{url} was not healthy within {timeout_s:.0f} s")
+
+
+def _exited(process: subprocess.Popen):
+    return lambda: f"the server exited with code {process.returncode}" if process.poll() is not None else None
 
 
 def airflow_environment(workspace: Path) -> None:
@@ -428,22 +436,18 @@ class ServingDeployment:
         return f"pod {self.pod.name} serves {self.served_version()}"
 
     def _await_ready(self, url: str, timeout_s: float) -> None:
-        import requests
+        try:
+            _await_health(url, self._gone, timeout_s)
+        except RehearsalFailed as failure:
+            logs = [path.read_text()[-3000:] for path in sorted(self.pod.directory.glob("*.log"))]
+            raise RehearsalFailed(f"the serving pod did not become ready: {failure}; events "
+                                  f"{self.pod.events[-2:]}\n" + "\n".join(logs)) from failure
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.pod.phase != "Failed":
-            server = self.pod.containers.get("sglang")
-            if server is not None and not server.running:
-                break
-            if server is not None:
-                try:
-                    if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                        return
-                except requests.RequestException:
-                    pass
-            time.sleep(1)
-        logs = [path.read_text()[-3000:] for path in sorted(self.pod.directory.glob("*.log"))]
-        raise RehearsalFailed(f"the serving pod did not become ready: {self.pod.events[-2:]}\n" + "\n".join(logs))
+    def _gone(self) -> str | None:
+        server = self.pod.containers.get("sglang")
+        if self.pod.phase == "Failed":
+            return f"the pod failed ({self.pod.reason})"
+        return f"the server exited with code {server.exit_code}" if server is not None and not server.running else None
 
     def served_version(self) -> str:
         manifest = self.pod.directory / "volumes" / "drafter" / "current" / "manifest.json"
@@ -584,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and pods on the way out
     workspace = (args.workspace or Path(tempfile.mkdtemp(prefix="drafter-rehearsal-"))).resolve()
     workspace.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
     try:
         lines = rehearse(workspace, args.cache.resolve())
     except Exception as failure:
@@ -594,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workspace, ignore_errors=True)
     for line in lines:
         print(line)
+    print(f"rehearsal_seconds={time.monotonic() - started:.0f}")
     print("rehearsal=passed", flush=True)
     return 0
 

@@ -113,7 +113,7 @@ def run(config: RunConfig, dataset_uri: str, run_id: str, store: ObjectStore | N
     spec = worker_spec(config, store, dataset, run_id, workdir)
     spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), json.dumps(spec, indent=2).encode())
     (workdir / "train_result.json").unlink(missing_ok=True)
-    code = node_launcher(config.train).train(store.uri(spec_object.key), run_id, workdir / "train.log")
+    code = node_launcher(config.train, config.storage).train(store.uri(spec_object.key), run_id, workdir / "train.log")
     if code != 0:
         raise TrainingFailed(f"training exited with code {code}; full log: {workdir / 'train.log'}")
     if not (workdir / "train_result.json").exists():
