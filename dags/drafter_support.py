@@ -137,7 +137,9 @@ def stage_task(stage: str, **extra):
 def pod_mount_paths() -> list[str] | None:
     """Where the task pods mount volumes (None when tasks run in the worker): the configure step
     refuses a run config that names a local path outside them."""
-    return [mount.path for mount in DEPLOYMENT.pod_mounts("configure")] if DEPLOYMENT.executor == "kubernetes" else None
+    if DEPLOYMENT.executor != "kubernetes":
+        return None
+    return [mount.path for mount in DEPLOYMENT.pod_mounts("configure")]
 
 
 if DEPLOYMENT.executor == "kubernetes":

@@ -2,8 +2,8 @@
 
 This is read when DAGs are parsed (from the file named by DRAFTER_DEPLOYMENT, default
 configs/deployment/local.yaml), so it holds only placement: images, namespace, service account,
-resources per stage, the Airflow pool of GPU-bound tasks, retries and timeouts. What a run does
-stays in the run config the user picks when triggering.
+resources per stage, volumes, the Airflow pool of GPU-bound tasks, retries and timeouts, and the run
+config scheduled runs use. What a run does stays in that run config (or the one picked when triggering).
 """
 
 from __future__ import annotations
@@ -175,17 +175,6 @@ class DeploymentConfig(Strict):
         if volumes:
             options["volumes"], options["volume_mounts"] = volumes, volume_mounts
         return options
-
-    def unmounted_paths(self, paths: list[str]) -> list[str]:
-        """The absolute paths (from a run config) that no volume common to every task pod holds.
-
-        A path that is read in a pod but mounted nowhere fails there, mid-run; this says so before
-        any stage starts. Relative paths are the image's own files (configs/, the DeepSpeed configs)."""
-        if self.executor != "kubernetes" or self.kubernetes is None:
-            return []
-        mounted = [mount.path.rstrip("/") + "/" for mount in self.kubernetes.common_mounts()]
-        return [path for path in paths if path.startswith("/")
-                and not any((path.rstrip("/") + "/").startswith(root) for root in mounted)]
 
 
 def _volume(k8s, name: str, mount: PodMount):

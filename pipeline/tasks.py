@@ -93,8 +93,8 @@ def gate_decision(config: RunConfig | str | dict[str, Any], run_id: str, overrid
         return {"passed": False, "reasons": str(failed)}
 
 
-def run_shard(stage: str, config: RunConfig | str | dict[str, Any], snapshot: str, shard: str, overrides: list[str] | None = None,
-              **uris: str | None) -> dict[str, Any]:
+def run_shard(stage: str, config: RunConfig | str | dict[str, Any], snapshot: str, shard: str,
+              overrides: list[str] | None = None, **uris: str | None) -> dict[str, Any]:
     """One shard of generate or capture (a mapped task); the plain stage publishes when all are done."""
     from pipeline.stages import capture, generate
 
@@ -165,6 +165,8 @@ def local_paths_read(config: RunConfig) -> list[str]:
               if source.path and not source.path.startswith("s3://")]
     if config.benchmark.sglang is not None:
         paths.append(config.benchmark.sglang.model_path)
+    if config.train.init_from and not config.train.init_from.startswith("registry:"):
+        paths.append(config.train.init_from)
     return [path[len("file://"):] if path.startswith("file://") else path for path in paths]
 
 
