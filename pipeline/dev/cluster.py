@@ -368,9 +368,9 @@ class LocalCluster:
         pod = self.pods.pop((namespace, name), None)
         if pod is None:
             return
+        self._record(pod, "deleted")  # before the kill: a server still running was not a failure
         for run in pod.containers.values():
             run.kill()
-        self._record(pod, "deleted")
         shutil.rmtree(pod.directory / "rootfs", ignore_errors=True)
 
     def _record(self, pod: LocalPod, what: str) -> None:

@@ -570,8 +570,9 @@ def promoted_version(run) -> str:
 def pod_lines(cluster: LocalCluster) -> list[str]:
     lines = []
     for row in cluster.pods_run():
+        ended = "running until deleted" if row["exit_code"] is None else f"exit {row['exit_code']}"
         lines.append(f"pod {row['pod']}: {row['dag_id'] or '-'}.{row['task_id'] or '-'} on {row['node']} "
-                     f"image {row['image']} exit {row['exit_code']}")
+                     f"image {row['image']} {ended}")
     return lines
 
 
