@@ -1,6 +1,8 @@
 """drafter_data: prompts -> the target's own responses (mapped over shards) -> parity check ->
 hidden-state capture (mapped over shards) -> a dataset snapshot, published as the `drafter_dataset`
-Asset that schedules drafter_train. Every task calls a pipeline stage; no pipeline logic lives here."""
+Asset that schedules drafter_train. The SGLang fleets generation and capture call are scaled up before
+their stage and back to 0 after it by setup/teardown tasks (pipeline.fleets; a teardown runs however
+its stage ended). Every task calls a pipeline function; no pipeline logic lives here."""
 
 from __future__ import annotations
 
@@ -75,6 +77,18 @@ def drafter_data():
 
         return run_stage("generate", run["config"], run["run_id"])
 
+    @stage_task("fleet")
+    def fleet_up(run: dict, stage: str, fleet: dict | None) -> dict:
+        from pipeline.tasks import scale_fleet_up
+
+        return scale_fleet_up(run["config"], stage, fleet)
+
+    @stage_task("fleet")
+    def fleet_down(stage: str, fleet: dict | None) -> dict:
+        from pipeline.tasks import scale_fleet_down
+
+        return scale_fleet_down(stage, fleet)
+
     @stage_task("parity")
     def parity(run: dict, regenerated: dict) -> dict:
         from pipeline.tasks import run_stage
@@ -103,15 +117,25 @@ def drafter_data():
 
     run = configure(plan(), pod_mount_paths())
     shards = shards_of(prompts(run))
+    # the generation servers load while the prompts stage runs
+    generate_fleet = fleet_up.override(task_id="generate_fleet_up")(run, "generate", DEPLOYMENT.fleet("generate"))
     # the shard tasks' outputs are not passed on (a pod's arguments are pickled, a lazy sequence of
     # mapped results is not): the whole stage reads what the shards published
     generated = generate_shard.partial(run=run).expand(shard=shards)
+    generate_fleet >> generated
     regenerated = responses(run)
     generated >> regenerated
+    regenerated >> fleet_down.override(task_id="generate_fleet_down")(
+        "generate", DEPLOYMENT.fleet("generate")).as_teardown(setups=generate_fleet, on_failure_fail_dagrun=True)
+    capture_fleet = fleet_up.override(task_id="capture_fleet_up")(run, "capture", DEPLOYMENT.fleet("capture"))
+    regenerated >> capture_fleet
     checked = parity(run, regenerated)
+    capture_fleet >> checked
     captured_shards = capture_shard.partial(run=run, checked=checked).expand(shard=shards)
     captured = captures(run)
     captured_shards >> captured
+    captured >> fleet_down.override(task_id="capture_fleet_down")(
+        "capture", DEPLOYMENT.fleet("capture")).as_teardown(setups=capture_fleet, on_failure_fail_dagrun=True)
     publish_dataset(run, captured)
 
 

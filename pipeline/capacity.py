@@ -151,6 +151,7 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
                             train_gpus, f"{nodes} node(s) x {config.train.nproc} GPUs, {config.train.epochs} epochs"),
     }
     gpu_hours = sum(stage["gpu_hours"] for stage in stages.values())
+    fleets = _fleets(stages, servers, shape.gpus_per_server, assumptions)
     chosen = storage["encodings"][storage["chosen"]]
     s3 = _s3_cost(chosen["bytes"], storage["text_bytes"], config, assumptions, samples)
     return {
@@ -164,12 +165,34 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
                          for key in ("prompt_tokens_mean", "response_tokens_mean", "generate_tok_s_per_server",
                                      "capture_tok_s_per_server", "train_tok_s_per_gpu")},
         "measured_from": (measured or {}).get("source"),
-        "storage": storage, "stages": stages,
+        "storage": storage, "stages": stages, "fleets": fleets,
         "total": {"gpu_hours": round(gpu_hours, 1), "gpu_usd": round(gpu_hours * assumptions.gpu_hour_usd),
                   "wall_hours": round(sum(stage["wall_hours"] for stage in stages.values()), 1),
                   "s3_usd": s3, "usd": round(gpu_hours * assumptions.gpu_hour_usd + s3["total_usd"])},
         "assumptions": assumptions.model_dump(),
     }
+
+
+WEEK_HOURS = 7 * 24
+
+
+def _fleets(stages: dict[str, Any], servers: dict[str, int], gpus_per_server: int,
+            assumptions: PlanAssumptions) -> dict[str, Any]:
+    """The SGLang fleets exist only around their stage (pipeline.fleets): each is up for its stage's wall
+    time plus the servers' load time. Kept up around the clock instead, they would hold their GPUs idle
+    between runs: `idle_gpu_hours_per_week` is that cost, which scaling to 0 avoids."""
+    load_hours = assumptions.server_load_minutes / 60
+    rows = {}
+    for name in ("generate", "capture"):
+        gpus = servers[name] * gpus_per_server
+        rows[name] = {"gpus": gpus, "up_hours": round(stages[name]["wall_hours"] + load_hours, 1),
+                      "load_gpu_hours": round(load_hours * gpus, 1)}
+    gpus = sum(row["gpus"] for row in rows.values())
+    up_gpu_hours = sum(row["gpus"] * row["up_hours"] for row in rows.values())
+    return {"servers": rows, "load_gpu_hours": round(sum(row["load_gpu_hours"] for row in rows.values()), 1),
+            "always_on_gpus": gpus, "always_on_gpu_hours_per_week": gpus * WEEK_HOURS,
+            "always_on_usd_per_week": round(gpus * WEEK_HOURS * assumptions.gpu_hour_usd),
+            "idle_gpu_hours_per_week": round(max(gpus * WEEK_HOURS - up_gpu_hours, 0.0), 1)}
 
 
 def _gpu_stage(tokens: float, tokens_per_second: float, gpus: int, layout: str) -> dict[str, Any]:
@@ -214,6 +237,15 @@ def _s3_cost(capture_bytes: float, text_bytes: float, config: RunConfig, assumpt
             "total_usd": round(storage_usd + requests_usd)}
 
 
+def _fleet_line(fleets: dict[str, Any], gpu_hour_usd: float) -> str:
+    up = ", ".join(f"{name} {row['gpus']} GPUs up {row['up_hours']:,} h" for name, row in fleets["servers"].items())
+    return (f"SGLang fleets, scaled to 0 between runs: {up}, loading included ({fleets['load_gpu_hours']:,} "
+            f"GPU-hours, not in the total); left up around the clock they would hold "
+            f"{fleets['always_on_gpus']} GPUs: {fleets['always_on_gpu_hours_per_week']:,} GPU-hours "
+            f"(${fleets['always_on_usd_per_week']:,}) a week, {fleets['idle_gpu_hours_per_week']:,} of them idle "
+            "in a week with one such run")
+
+
 def format_plan(report: dict[str, Any]) -> str:
     """The plan as a readable text table."""
     lines = [f"capacity plan: {report['target']}, {report['samples']:,} conversations",
@@ -238,6 +270,7 @@ def format_plan(report: dict[str, Any]) -> str:
               f"S3: ${s3['storage_usd']:,} storage for {report['assumptions']['retention_months']:g} month(s) + "
               f"${s3['requests_usd']:,} requests "
               f"({s3['put_requests']:,} PUT, {s3['get_requests']:,} GET); all in: ${total['usd']:,}",
+              _fleet_line(report["fleets"], report["assumptions"]["gpu_hour_usd"]),
               "rates: " + ", ".join(f"{k} {v:,} ({report['rates_source'][k]})" for k, v in report["rates"].items())]
     if report["measured_from"]:
         lines.append(f"measured from run {report['measured_from']['run_id']} ({report['measured_from']['dataset']})")

@@ -403,6 +403,8 @@ class PlanAssumptions(Strict):
                                                                     "hidden-state transfer and parsing included")
     train_tok_s_per_gpu: float = Field(2500, gt=0, description="trained tok/s per GPU, all TTT steps included")
     train_nodes: int = Field(1, ge=1, description="nodes planned for when train.nodes is 1")
+    server_load_minutes: float = Field(20, ge=0, description="from a fleet's scale-up to its servers answering: "
+                                                            "node, image pull, weights onto the GPUs")
     text_bytes_per_token: float = Field(5, gt=0, description="JSONL bytes per token of prompts and responses")
     gpu_hour_usd: float = Field(2.5, ge=0)
     s3_gb_month_usd: float = Field(0.023, ge=0)

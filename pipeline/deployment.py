@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.config import ConfigError, Strict, resolve_project_path
+from pipeline.fleets import ServerFleet
 from pipeline.stages import STAGES
 
 DEFAULT_DEPLOYMENT = "configs/deployment/local.yaml"
@@ -38,8 +39,9 @@ class Toleration(Strict):
 
 
 # Steps placed like stages that are not stages of a run themselves: `configure` reads the run config
-# (mounted in pods) once, so nothing downstream needs the file.
-PLACED_STEPS = ("configure", *STAGES)
+# (mounted in pods) once, so nothing downstream needs the file; `fleet` scales an SGLang fleet up
+# before its stage and down after it (pipeline.fleets).
+PLACED_STEPS = ("configure", "fleet", *STAGES)
 
 
 class StageResources(Strict):
@@ -75,6 +77,9 @@ class KubernetesPlacement(Strict):
     cache_volume_claim: str | None = Field(None, description="PVC for storage.local_cache (shared by the training "
                                                              "launcher and workers), mounted at cache_path")
     cache_path: str = "/data/drafter-cache"
+    fleets: dict[Literal["generate", "capture"], ServerFleet] = Field(
+        default_factory=dict, description="SGLang StatefulSets kept at 0 replicas between runs: scaled up to the "
+                                          "stage's sglang.urls before the stage and back to 0 after it")
 
     def common_mounts(self) -> list[PodMount]:
         """What every task pod mounts, whatever its stage."""
@@ -130,6 +135,12 @@ class DeploymentConfig(Strict):
         if stage.use_pool if stage.use_pool is not None else stage.gpus > 0:
             options["pool"] = self.gpu_pool
         return options
+
+    def fleet(self, stage: str) -> dict[str, Any] | None:
+        """The StatefulSet serving a stage's SGLang URLs (None: no fleet to scale, the servers are
+        managed elsewhere), as plain data for a task's arguments."""
+        fleets = self.kubernetes.fleets if self.kubernetes else {}
+        return fleets[stage].model_dump() if stage in fleets else None
 
     def pod_mounts(self, name: str) -> list[PodMount]:
         """Every volume a stage's pod mounts (the common ones, then the stage's own)."""

@@ -41,6 +41,10 @@ def exit_code_for(error: BaseException) -> int:
         return EXIT_GATE
     if isinstance(error, _bad_input_types()):
         return EXIT_BAD_INPUT
+    from pipeline.kube_api import KubernetesApiError
+
+    if isinstance(error, KubernetesApiError) and not error.transient:  # RBAC refused, no such object
+        return EXIT_BAD_INPUT
     return EXIT_FAILED
 
 

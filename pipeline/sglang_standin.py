@@ -14,6 +14,8 @@ reference speculative decoder and reports the spec_* meta_info fields.
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import os
 import queue
 import threading
 import time
@@ -226,6 +228,18 @@ def serve(backend: StandinBackend, port: int = 0) -> ThreadingHTTPServer:
     return server
 
 
+def listen_address(host: str) -> str:
+    """Where a server asked to listen on `host` listens: the stand-in never leaves this machine's loopback.
+    In a pod of the local cluster (pipeline.dev.cluster) a wildcard host is the pod's own loopback address
+    (DRAFTER_LOCAL_POD_IP, its network namespace there); anywhere else 127.0.0.1."""
+    pod_ip = os.environ.get("DRAFTER_LOCAL_POD_IP", "")
+    try:
+        loopback = ipaddress.ip_address(pod_ip).is_loopback
+    except ValueError:
+        loopback = False
+    return pod_ip if host in ("0.0.0.0", "::") and loopback else "127.0.0.1"
+
+
 def main() -> None:
     """Accepts the SGLang launch flags the pipeline uses (others are ignored, as a stand-in should)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -255,8 +269,9 @@ def main() -> None:
             from pipeline.target import text_config
 
             args.aux_layer_ids = default_aux_layer_ids(int(text_config(Path(args.model_path))["num_hidden_layers"]))
-    if args.host != "127.0.0.1":  # a manifest's --host 0.0.0.0: the stand-in never leaves this machine's loopback
-        print(f"stand-in: --host {args.host} asked; listening on 127.0.0.1 only", flush=True)
+    address = listen_address(args.host)
+    if args.host != address:  # a manifest's --host 0.0.0.0
+        print(f"stand-in: --host {args.host} asked; listening on {address} only", flush=True)
     from pipeline.sglang_draft_checks import DraftModelRefused
 
     try:
@@ -266,8 +281,8 @@ def main() -> None:
                                  args.speculative_num_draft_tokens, args.trust_remote_code)
     except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
         raise SystemExit(str(refused)) from None
-    server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(backend))
-    print(f"stand-in SGLang server on http://127.0.0.1:{server.server_port}", flush=True)
+    server = ThreadingHTTPServer((address, args.port), make_handler(backend))
+    print(f"stand-in SGLang server on http://{address}:{server.server_port}", flush=True)
     server.serve_forever()
 
 

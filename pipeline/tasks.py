@@ -231,3 +231,22 @@ def prompts_uri_of(config: RunConfig | str | dict[str, Any], overrides: list[str
     capture = read_manifest(store, store.key_for(dataset["captures"][0]), kind="capture")
     responses = read_manifest(store, store.key_for(capture["responses"]), kind="responses")
     return responses["prompts"]
+
+
+def scale_fleet_up(config: RunConfig | str | dict[str, Any], stage: str, fleet: dict[str, Any] | None) -> dict[str, Any]:
+    """Before an SGLang stage: its server fleet up and ready (pipeline.fleets). Without a fleet in the
+    deployment config the servers are managed elsewhere and nothing is scaled."""
+    from pipeline.fleets import ServerFleet, scale_up
+
+    if fleet is None:
+        return {"stage": stage, "replicas": 0, "scaled": False}
+    return scale_up(_as_config(config, None), stage, ServerFleet.model_validate(fleet))
+
+
+def scale_fleet_down(stage: str, fleet: dict[str, Any] | None) -> dict[str, Any]:
+    """After an SGLang stage, however it ended: its server fleet back to 0 replicas."""
+    from pipeline.fleets import ServerFleet, scale_down
+
+    if fleet is None:
+        return {"stage": stage, "replicas": 0, "scaled": False}
+    return {"stage": stage, **scale_down(ServerFleet.model_validate(fleet))}

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import yaml
 
 from pipeline.config import StorageConfig, TrainConfig, resolve_project_path
+from pipeline.kube_api import KubernetesApi, KubernetesApiError, NotInCluster
 from pipeline.processes import start_process_group, stop_process_group
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,7 @@ class KubernetesJob:
 
     api_errors_tolerated = 10  # consecutive failed status reads (an API server upgrade) before giving up
 
-    def __init__(self, settings: TrainConfig, api: KubernetesApi | None = None, poll_s: float = 30.0,
+    def __init__(self, settings: TrainConfig, api: KubernetesApi | None = None, poll_s: float = 10.0,
                  environment: dict[str, str] | None = None):
         self.settings, self.api, self.poll_s, self.environment = settings, api, poll_s, environment or {}
 
@@ -227,7 +228,7 @@ class KubernetesJob:
         job = job_for_run(load_job_manifest(self.settings.kubernetes_job), self.settings, spec_uri, run_id,
                           self.environment)
         namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
-        api = self.api or KubernetesApi.in_cluster()
+        api = self.api or _in_cluster_api()
         with open(log_path, "a", buffering=1) as log_file:
             started = self._start(api, job, run_id)
             _note(log_file, f"{started} Job {namespace}/{name}: {self.settings.nodes} node(s) x "
@@ -278,60 +279,9 @@ def _note(log_file, message: str) -> None:
     log_file.write(message + "\n")
 
 
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-class KubernetesApiError(RuntimeError):
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-    @property
-    def transient(self) -> bool:
-        return self.status is None or self.status >= 500
-
-
-class KubernetesApi:
-    """The Job calls of the launcher, as this pod's service account. The token is read for every call: the
-    kubelet rotates it on disk, and a training run outlives one token."""
-
-    def __init__(self, server: str, token_file: Path, ca_file: Path | None):
-        self.server, self.token_file, self.ca_file = server.rstrip("/"), token_file, ca_file
-
-    @classmethod
-    def in_cluster(cls) -> KubernetesApi:
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        if not host or not (SERVICE_ACCOUNT_DIR / "token").is_file():
-            raise TrainingFailed("train.launcher 'kubernetes' creates the node Job from a pod of the cluster, and "
-                                 "this process runs outside one; here use train.launcher torchrun")
-        return cls(f"https://{host}:{port}", SERVICE_ACCOUNT_DIR / "token", SERVICE_ACCOUNT_DIR / "ca.crt")
-
-    def create_job(self, namespace: str, job: dict[str, Any]) -> bool:
-        """False when a Job of that name exists already."""
-        response = self._call("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", job, allowed=(409,))
-        return response.status_code != 409
-
-    def read_job(self, namespace: str, name: str) -> dict[str, Any]:
-        return self._call("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}").json()
-
-    def delete_job(self, namespace: str, name: str) -> None:
-        # Background: the Job goes at once, its pods after it
-        self._call("DELETE", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}",
-                   {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}, allowed=(404,))
-
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, allowed: tuple[int, ...] = ()):
-        import requests
-
-        headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}"}
-        try:
-            response = requests.request(method, self.server + path, json=body, headers=headers, timeout=30,
-                                        verify=str(self.ca_file) if self.ca_file else True)
-        except requests.RequestException as err:
-            raise KubernetesApiError(f"{method} {path}: {type(err).__name__}: {err}") from err
-        if response.status_code >= 400 and response.status_code not in allowed:
-            try:
-                reason = response.json().get("message", "")
-            except ValueError:
-                reason = response.text[:200]
-            raise KubernetesApiError(f"{method} {path}: HTTP {response.status_code} {reason}", response.status_code)
-        return response
+def _in_cluster_api() -> KubernetesApi:
+    try:
+        return KubernetesApi.in_cluster()
+    except NotInCluster as err:
+        raise TrainingFailed("train.launcher 'kubernetes' creates the node Job from a pod of the cluster, and "
+                             "this process runs outside one; here use train.launcher torchrun") from err

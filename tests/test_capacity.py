@@ -54,6 +54,18 @@ def test_kimi_200k_plan_is_consistent(kimi, kimi_plan):
     assert total["usd"] >= total["gpu_usd"] + total["s3_usd"]["storage_usd"] - 1
 
 
+def test_fleets_cost_their_stage_plus_loading_and_would_idle_left_up(kimi_plan):
+    fleets, stages = kimi_plan["fleets"], kimi_plan["stages"]
+    load_hours = kimi_plan["assumptions"]["server_load_minutes"] / 60
+    for name in ("generate", "capture"):
+        row = fleets["servers"][name]
+        assert row["gpus"] == stages[name]["gpus"]
+        assert row["up_hours"] == pytest.approx(stages[name]["wall_hours"] + load_hours, abs=0.1)
+    assert fleets["always_on_gpus"] == 48 and fleets["always_on_gpu_hours_per_week"] == 48 * 168
+    up = sum(row["gpus"] * row["up_hours"] for row in fleets["servers"].values())
+    assert fleets["idle_gpu_hours_per_week"] == pytest.approx(48 * 168 - up, abs=0.5)
+
+
 def test_replicas_trade_wall_time_not_gpu_hours(kimi, kimi_plan):
     wider = plan(kimi, 200_000, generate_servers=8, capture_servers=4, train_nodes=2)
     for stage in ("generate", "capture", "train"):

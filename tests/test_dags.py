@@ -71,6 +71,18 @@ def test_schedules_mapping_and_asset(dagbag):
     assert [o.name for o in data.get_task("publish_dataset").outlets] == ["drafter_dataset"]
 
 
+def test_server_fleets_are_up_only_around_the_stages_that_call_them(dagbag):
+    data = dagbag.dags["drafter_data"]
+    for stage, first, last in (("generate", "generate_shard", "responses"), ("capture", "parity", "captures")):
+        up, down = data.get_task(f"{stage}_fleet_up"), data.get_task(f"{stage}_fleet_down")
+        assert up.is_setup and down.is_teardown and down.trigger_rule == "all_done_setup_success"
+        assert up.task_id in data.get_task(first).upstream_task_ids
+        # scaled down once its last task is done however it ended, and a failed scale-down fails the run
+        assert {last, up.task_id} <= down.upstream_task_ids and down._on_failure_fail_dagrun
+    # the capture servers come up once generation is over: the two fleets do not hold GPUs at once
+    assert "responses" in data.get_task("capture_fleet_up").upstream_task_ids
+
+
 def test_tasks_get_retries_timeouts_pool_and_failure_callbacks(dagbag):
     train = dagbag.dags["drafter_train"].get_task("train")
     assert train.pool == "drafter_gpu" and train.retries == 1
@@ -210,6 +222,8 @@ def test_every_pod_task_ships_source_that_compiles_and_carries_no_decorator(tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     shipped = json.loads(out.stdout.strip().splitlines()[-1])
     expected = {"drafter_data.configure", "drafter_data.prompts", "drafter_data.generate_shard",
+                "drafter_data.generate_fleet_up", "drafter_data.generate_fleet_down", "drafter_data.capture_fleet_up",
+                "drafter_data.capture_fleet_down",
                 "drafter_data.responses", "drafter_data.parity", "drafter_data.capture_shard", "drafter_data.captures",
                 "drafter_train.configure", "drafter_train.train", "drafter_train.evaluate", "drafter_train.benchmark",
                 "drafter_train.promote"}

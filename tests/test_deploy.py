@@ -172,14 +172,29 @@ def test_capture_servers_start_with_the_capture_contracts_flags():
 
 
 @pytest.mark.parametrize("section, statefulset", [("generate", "sglang-generate"), ("capture", "sglang-capture-aux")])
-def test_config_urls_are_the_statefulset_pods(section, statefulset):
+def test_config_urls_are_the_pods_of_the_fleet_the_dag_scales(section, statefulset):
+    from pipeline.deployment import load_deployment
+    from pipeline.fleets import ServerFleet, replicas_for
+
     workload = _workload("StatefulSet", statefulset)
     service = _workload("Service", workload["spec"]["serviceName"])
     namespace, port = workload["metadata"]["namespace"], service["spec"]["ports"][0]["port"]
-    expected = [f"http://{statefulset}-{i}.{service['metadata']['name']}.{namespace}.svc:{port}"
-                for i in range(workload["spec"]["replicas"])]
-    assert KIMI[section]["sglang"]["urls"] == expected
+    urls = KIMI[section]["sglang"]["urls"]
+    assert urls == [f"http://{statefulset}-{i}.{service['metadata']['name']}.{namespace}.svc:{port}"
+                    for i in range(len(urls))]
     assert service["spec"]["clusterIP"] == "None"  # headless: one DNS name per pod
+    assert workload["spec"]["replicas"] == 0  # no GPUs held between runs: the DAG scales it
+    deployment = load_deployment(REPO / "configs" / "deployment" / "kubernetes.yaml")
+    fleet = ServerFleet.model_validate(deployment.fleet(section))
+    assert (fleet.namespace, fleet.statefulset) == (namespace, statefulset)
+    assert replicas_for(urls, fleet, section) == len(urls)
+    # the pipeline's pods may scale exactly these StatefulSets
+    role, binding = _workload("Role", "drafter-fleet-scaler"), _workload("RoleBinding", "drafter-pipeline-scales-fleets")
+    scale_rule = next(rule for rule in role["rules"] if rule["resources"] == ["statefulsets/scale"])
+    assert statefulset in scale_rule["resourceNames"] and "patch" in scale_rule["verbs"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": K8S_DEPLOYMENT["kubernetes"]["service_account"],
+                                    "namespace": K8S_DEPLOYMENT["kubernetes"]["namespace"]}]
 
 
 def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_path):

@@ -28,7 +28,8 @@ from pipeline.manifest import read_listed, read_manifest
 from pipeline.stages import capture, generate, prompts
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
-from pipeline.train_nodes import (KubernetesApi, KubernetesJob, TrainingFailed, job_for_run, load_job_manifest,
+from pipeline.kube_api import KubernetesApi
+from pipeline.train_nodes import (KubernetesJob, TrainingFailed, job_for_run, load_job_manifest,
                                   node_launcher)
 from tests.conftest import REPO, storage_config, tiny_config_dict
 
@@ -357,4 +358,4 @@ def test_the_kubernetes_launcher_refuses_a_manifest_that_disagrees_and_a_machine
             SPEC, "r1", tmp_path / "train.log")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(TrainingFailed, match="outside one; here use train.launcher torchrun"):
-        KubernetesApi.in_cluster()
+        KubernetesJob(_kubernetes_settings(tmp_path), poll_s=0.01).train(SPEC, "r1", tmp_path / "train.log")

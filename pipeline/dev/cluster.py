@@ -4,8 +4,11 @@ It speaks the part of the Kubernetes API that Airflow's cncf provider uses to ru
 read, list and patch pods, their logs and events, exec into a container, delete), so the provider's
 own code renders every pod spec, ships every task script and reads every return value; only the
 transport to a cluster is replaced. A pod is run as the spec states it: each container's command
-and args, its env, its volume mounts, in a container of its own (pipeline.dev.container: private
-mount and PID namespaces, a root filesystem holding the image's files and the pod's volumes only).
+and args (`$(NAME)` expanded from its env, as Kubernetes expands it), its env (values, and fieldRefs of
+the downward API: metadata.name, metadata.namespace, metadata.annotations['KEY'], metadata.labels['KEY'],
+status.podIP, spec.nodeName, spec.serviceAccountName), its volume mounts, in a container of its own
+(pipeline.dev.container: private mount, UTS and PID namespaces, a root filesystem holding the image's
+files and the pod's volumes only, and the pod's hostname: spec.hostname, else its name).
 
 What stands in for what:
 - images: named local file sets (this project, its virtualenv and Python) with their env and workdir;
@@ -18,6 +21,41 @@ What stands in for what:
   web-identity env and token file that EKS's webhook injects, so boto3 assumes the role through STS;
   no pod ever holds access keys. AWS's endpoints (S3, STS) are one local server, named to every pod by
   the standard AWS_ENDPOINT_URL variable.
+- the API server, for clients inside pods (`start_api`, pipeline.dev.cluster_api): HTTPS on 127.0.0.1 with
+  a certificate made at start. Every pod created after it started gets, as on a cluster, its service
+  account's token (random, one per account; the namespace's `default` account always exists), ca.crt and
+  namespace read-only at /var/run/secrets/kubernetes.io/serviceaccount and KUBERNETES_SERVICE_HOST,
+  KUBERNETES_SERVICE_PORT and KUBERNETES_SERVICE_PORT_HTTPS naming the server (none of it when the pod
+  spec sets automountServiceAccountToken: false). Requests are authorized by the applied Roles,
+  ClusterRoles and RoleBindings, default deny;
+- StatefulSets and their headless Services: applying one, or scaling it through the API, runs its pods
+  `<name>-0` .. `<name>-(replicas-1)` from its template (hostname the pod name, subdomain its
+  serviceName) and deletes those at or above replicas, highest first, all at once as with
+  podManagementPolicy Parallel; a changed template reaches only pods created after it, a failed pod
+  stays failed (nothing restarts). A container's readinessProbe.httpGet is probed at the pod's address
+  and makes the pod ready while it answers; a container without one is ready while it runs;
+- Jobs (batch/v1, through the API or `create_job`): Indexed ones only (job_problems says what else is
+  refused), restartPolicy Never. Their controller runs up to parallelism pods at once, one per index not yet
+  succeeded, `<job>-<index>-<5 random letters>` with hostname `<job>-<index>` (the template's subdomain),
+  the job-name and completion-index labels, the index annotation and JOB_COMPLETION_INDEX; a failed pod's
+  index gets a new pod at once (no backoff delay) until more pods failed than backoffLimit: then the Job
+  is Failed (BackoffLimitExceeded) and its pods still running are deleted. It is Complete once every index
+  succeeded. A pod that cannot start (FailedScheduling, FailedMount) counts as failed here, where a cluster
+  would keep it Pending; ttlSecondsAfterFinished is not acted on. Deleting a Job deletes its pods too
+  (propagationPolicy Background or Foreground) or leaves them running (Orphan). `kill_pod` kills a pod's
+  containers as losing its node does (exit code 137; the pod stays, Failed);
+- the pod network: all pods share this machine's network namespace, so each pod has its own loopback
+  address 127.0.0.N (N from 10 up; Linux routes all of 127.0.0.0/8 to lo) standing in for its own
+  network namespace: status.podIP, and DRAFTER_LOCAL_POD_IP in every container, where a server that a
+  manifest starts on 0.0.0.0 listens (pipeline.sglang_standin does); a port bound on 0.0.0.0 is bound
+  on every pod's address at once. Cluster DNS is hosts files, replaced whole as pods come and go: each
+  pod's own /etc/hosts holds, as the kubelet writes it, localhost and the pod's address by its hostname
+  (and full name, with a subdomain), so its hostname resolves to its own address; then every pod that has
+  not terminated and whose subdomain is a Service of its namespace, by `<hostname>.<subdomain>.<namespace>
+  .svc` and `.svc.cluster.local`, and pods of its own namespace also by `<hostname>.<subdomain>` (through
+  its search domains). A pod is listed from its creation, ready or not, as a Service with
+  publishNotReadyAddresses: true lists it (under another Service a cluster would wait for readiness).
+  `hosts_file` holds every listed pod's full names; `address_of` resolves them on this machine.
 The containers run on this machine's CPUs: a GPU request is scheduled against the node's capacity
 but no GPU exists, so DeepSpeed in a "GPU" pod finds no CUDA and uses its CPU accelerator.
 """
@@ -25,9 +63,14 @@ but no GPU exists, so DeepSpeed in a "GPU" pod finds no CUDA and uses its CPU ac
 from __future__ import annotations
 
 import datetime as dt
+import hmac
+import http.client
+import ipaddress
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -36,15 +79,25 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import yaml
+
+from pipeline.dev.cluster_api import ApiServer, Rbac
 
 log = logging.getLogger(__name__)
 
 IRSA_ROLE_ANNOTATION = "eks.amazonaws.com/role-arn"
 IRSA_TOKEN_DIR = "/var/run/secrets/eks.amazonaws.com/serviceaccount"
 VOLUME_KINDS = {"persistentVolumeClaim": "pvc", "configMap": "configmap", "secret": "secret"}
+SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+FIRST_POD_ADDRESS = 10  # pods get 127.0.0.10, 127.0.0.11, ...
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+JOB_INDEX_KEY = "batch.kubernetes.io/job-completion-index"  # a label and an annotation of every Job pod
+JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"
+POD_NAME_CHARACTERS = "bcdfghjklmnpqrstvwxz"  # a Job pod's random name suffix: lowercase, no vowels, no words
+UNSUPPORTED_JOB_FIELDS = ("suspend", "activeDeadlineSeconds", "podFailurePolicy", "backoffLimitPerIndex",
+                          "successPolicy")
 
 
 class ClusterError(RuntimeError):
@@ -111,6 +164,33 @@ def _tolerates(toleration: dict[str, Any], taint: dict[str, str]) -> bool:
     return toleration.get("key") == taint["key"] and toleration.get("value") == taint.get("value")
 
 
+def _http_probe(container: dict[str, Any]) -> dict[str, Any] | None:
+    return (container.get("readinessProbe") or {}).get("httpGet")
+
+
+def _probe_port(container: dict[str, Any]) -> int:
+    """The port of a container's readinessProbe.httpGet: a number, or the name of one of its ports."""
+    port = _http_probe(container)["port"]
+    if isinstance(port, int):
+        return port
+    named = {entry.get("name"): entry["containerPort"] for entry in container.get("ports") or []}
+    if port not in named:
+        raise ClusterError(f"container {container['name']}: readinessProbe port {port!r} is none of its ports")
+    return named[port]
+
+
+def _answers(host: str, port: int, path: str, timeout: float) -> bool:
+    """Whether an HTTP GET succeeds as a Kubernetes probe counts success (a status from 200 to 399)."""
+    connection = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        connection.request("GET", path)
+        return 200 <= connection.getresponse().status < 400
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        connection.close()
+
+
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
@@ -119,17 +199,57 @@ def _timestamp(moment: dt.datetime) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class ContainerRun:
-    """One container process (its own namespaces) and its timestamped log."""
+_REFERENCE = re.compile(r"\$(?:\((?P<name>[^)]*)\)|(?P<other>.))", re.DOTALL)
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], spec_path: Path, log_path: Path):
-        self.name, self.env, self.log_path = name, env, log_path
+
+def expand_variables(text: str, defined: Mapping[str, str]) -> str:
+    """Kubernetes' expansion of a container's command, args and env values: `$(NAME)` is NAME's value where
+    NAME is defined, else left as it is; `$$` is a literal `$` (so `$$(NAME)` is `$(NAME)`); any other `$`
+    stays."""
+    def replace(found: re.Match[str]) -> str:
+        if found["name"] is not None:
+            return defined.get(found["name"], found[0])
+        return "$" if found["other"] == "$" else found[0]
+
+    return _REFERENCE.sub(replace, text)
+
+
+_SUBSCRIPTED_FIELD = re.compile(r"metadata\.(annotations|labels)\['([^']*)'\]")
+
+
+def job_problems(job: dict[str, Any]) -> list[str]:
+    """Why the local Job controller would not run a Job as stated (empty: it runs)."""
+    spec = job.get("spec") or {}
+    problems = [] if (job.get("metadata") or {}).get("name") else ["metadata.name is required"]
+    if spec.get("completionMode") != "Indexed":
+        problems.append("only Indexed Jobs run here (spec.completionMode: Indexed)")
+    if "completions" not in spec:
+        problems.append("spec.completions is required for an Indexed Job")
+    for key in ("completions", "parallelism", "backoffLimit"):
+        value = spec.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            problems.append(f"spec.{key} must be a whole number >= 0, not {value!r}")
+    template = (spec.get("template") or {}).get("spec") or {}
+    if not template.get("containers"):
+        problems.append("spec.template.spec.containers is required")
+    if template.get("restartPolicy") != "Never":
+        problems.append("spec.template.spec.restartPolicy must be Never (nothing restarts a container here)")
+    return problems + [f"spec.{key} is not supported here" for key in UNSUPPORTED_JOB_FIELDS
+                       if spec.get(key) not in (None, False)]
+
+
+class ContainerRun:
+    """One container process (its own namespaces), its timestamped log, and on_exit, called once it ended."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], spec_path: Path, log_path: Path,
+                 on_exit: Callable[[], None]):
+        self.name, self.env, self.log_path, self._on_exit = name, env, log_path, on_exit
         self.started_at = _now()
         self.finished_at: dt.datetime | None = None
         self.exit_code: int | None = None
         launcher_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(sys.path)}
         self.process = subprocess.Popen(
-            ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
+            ["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "--propagation", "private",
              sys.executable, "-m", "pipeline.dev.container", str(spec_path)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=launcher_env,
             start_new_session=True)
@@ -143,8 +263,10 @@ class ContainerRun:
             for raw in self.process.stdout:
                 out.write(f"{_timestamp(_now())} {raw.decode('utf-8', errors='backslashreplace')}")
                 out.flush()
-        self.exit_code = self.process.wait()
+        code = self.process.wait()
+        self.exit_code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as Kubernetes reports it
         self.finished_at = _now()
+        self._on_exit()
 
     @property
     def running(self) -> bool:
@@ -178,21 +300,98 @@ class LocalPod:
     events: list[dict[str, str]] = field(default_factory=list)
     created_at: dt.datetime = field(default_factory=_now)
     node: str | None = None
+    ip: str = ""
+    probed: dict[str, bool] = field(default_factory=dict)  # container -> its readiness probe's last answer
 
     @property
     def name(self) -> str:
         return self.manifest["metadata"]["name"]
 
+    @property
+    def namespace(self) -> str:
+        return self.manifest["metadata"].get("namespace", "default")
+
+    @property
+    def hostname(self) -> str:
+        """spec.hostname, else the pod's name as the kubelet cuts it (63 characters, no trailing - or .)."""
+        return self.manifest["spec"].get("hostname") or self.name[:63].rstrip("-.")
+
+    def field_value(self, path: str) -> str:
+        """A fieldRef of the downward API: metadata.name, metadata.namespace, metadata.annotations['KEY'],
+        metadata.labels['KEY'] (empty if absent), status.podIP, spec.nodeName or spec.serviceAccountName."""
+        meta, spec = self.manifest["metadata"], self.manifest["spec"]
+        fields = {"metadata.name": self.name, "metadata.namespace": self.namespace, "status.podIP": self.ip,
+                  "spec.nodeName": self.node or "",
+                  "spec.serviceAccountName": spec.get("serviceAccountName") or "default"}
+        if path in fields:
+            return fields[path]
+        if found := _SUBSCRIPTED_FIELD.fullmatch(path):
+            return str((meta.get(found[1]) or {}).get(found[2], ""))
+        raise ClusterError(f"pod {self.name}: fieldRef {path!r} is not one the local cluster resolves")
+
+    def terminated(self) -> bool:
+        return self.current_phase() in ("Succeeded", "Failed")
+
+    def container_ready(self, name: str) -> bool:
+        run = self.containers.get(name)
+        return run is not None and run.running and self.probed.get(name, True)
+
+    def ready(self) -> bool:
+        return all(self.container_ready(container["name"]) for container in self.manifest["spec"]["containers"])
+
     def current_phase(self) -> str:
-        if self.phase in ("Pending", "Failed") and not self.containers:
+        runs = list(self.containers.values())  # a copy: the pod's start may be adding to them
+        if self.phase in ("Pending", "Failed") and not runs:
             return self.phase
-        if any(run.running for run in self.containers.values()):
+        if any(run.running for run in runs):
             return "Running"
-        return "Succeeded" if all(run.exit_code == 0 for run in self.containers.values()) else "Failed"
+        return "Succeeded" if all(run.exit_code == 0 for run in runs) else "Failed"
+
+
+@dataclass
+class LocalJob:
+    """An Indexed Job and what its controller counted: the pod of each index that has one running, the
+    indexes that succeeded, the pods that failed and, once the Job finished, its Complete or Failed condition."""
+
+    manifest: dict[str, Any]
+    active: dict[int, LocalPod] = field(default_factory=dict)
+    succeeded: set[int] = field(default_factory=set)
+    failed: int = 0
+    started_at: dt.datetime = field(default_factory=_now)
+    completed_at: dt.datetime | None = None
+    condition: dict[str, str] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.manifest["metadata"]["name"]
+
+    @property
+    def namespace(self) -> str:
+        return self.manifest["metadata"]["namespace"]
+
+    def finish(self, kind: str, reason: str, message: str) -> None:
+        """Set the Complete or Failed condition; a Job that completed has a completionTime, a failed one not."""
+        moment = _now()
+        self.condition = {"type": kind, "status": "True", "reason": reason, "message": message,
+                          "lastProbeTime": _timestamp(moment), "lastTransitionTime": _timestamp(moment)}
+        if kind == "Complete":
+            self.completed_at = moment
+
+    def status(self) -> dict[str, Any]:
+        """Its status as the API returns it (counts of zero left out, as Kubernetes leaves them out)."""
+        counts = {"active": len(self.active), "succeeded": len(self.succeeded), "failed": self.failed}
+        status: dict[str, Any] = {"startTime": _timestamp(self.started_at),
+                                  **{key: count for key, count in counts.items() if count}}
+        if self.condition:
+            status["conditions"] = [self.condition]
+        if self.completed_at:
+            status["completionTime"] = _timestamp(self.completed_at)
+        return status
 
 
 class LocalCluster:
-    """The node, its applied objects (namespaces, service accounts, volumes) and the pods it ran."""
+    """The node, its applied objects (namespaces, service accounts, volumes, RBAC, StatefulSets and
+    Services), its Jobs, the pods it ran and, once started, its API server."""
 
     def __init__(self, workspace: Path, images: dict[str, LocalImage], nodes: tuple[LocalNode, ...],
                  aws_endpoint: str | None = None, region: str = "us-east-1"):
@@ -204,7 +403,20 @@ class LocalCluster:
         self.applied: list[str] = []
         self.pods: dict[tuple[str, str], LocalPod] = {}
         self.history: list[dict[str, Any]] = []
+        self.statefulsets: dict[tuple[str, str], dict[str, Any]] = {}
+        self.services: dict[tuple[str, str], dict[str, Any]] = {}
+        self.jobs: dict[tuple[str, str], LocalJob] = {}
+        self.rbac = Rbac()
+        self.api: ApiServer | None = None
         self.lock = threading.Lock()
+        self._tokens: dict[tuple[str, str], str] = {}
+        self._addresses: set[str] = set()
+        self._reconciling = threading.Lock()
+        self._closed = False
+        self._hosts_lock = threading.Lock()
+        self.hosts_file = self.workspace / "hosts"
+        self.workspace.mkdir(parents=True, exist_ok=True)
+        self._write_hosts()
         self.core_v1 = LocalCoreV1Api(self)
 
     # -- objects ---------------------------------------------------------------------------------
@@ -212,8 +424,9 @@ class LocalCluster:
         return self.workspace / "volumes" / namespace / kind / name
 
     def apply(self, path: Path) -> list[str]:
-        """Create what a manifest declares (`kubectl apply -f`): namespaces, service accounts, claims,
-        config maps and secrets become local state; other kinds are recorded as applied."""
+        """Create or update what a manifest declares (`kubectl apply -f`): namespaces, service accounts,
+        claims, config maps, secrets, RBAC objects, Services and StatefulSets (whose pods then follow its
+        replicas) become local state; other kinds are recorded as applied."""
         created = []
         for doc in yaml.safe_load_all(Path(path).read_text()):
             if not doc:
@@ -231,9 +444,271 @@ class LocalCluster:
                 directory.mkdir(parents=True, exist_ok=True)
                 for key, value in (doc.get("data") or doc.get("stringData") or {}).items():
                     (directory / key).write_text(value)
+            elif kind in ("Role", "ClusterRole", "RoleBinding"):
+                self.rbac.record(doc)
+            elif kind == "Service":
+                self.services[(namespace, name)] = doc
+            elif kind == "StatefulSet":
+                self.statefulsets[(namespace, name)] = doc
+                self._reconcile_later(namespace, name)
             created.append(f"{kind}/{namespace}/{name}")
         self.applied += created
+        self._write_hosts()  # a Service gives names to the pods of its subdomain
         return created
+
+    # -- the API server and service accounts -----------------------------------------------------
+    def start_api(self) -> str:
+        """Serve the Kubernetes API to pods (pipeline.dev.cluster_api); pods created from now on get their
+        service account's token, the CA and the KUBERNETES_SERVICE_* env. Returns its base URL."""
+        if self.api is None:
+            self.api = ApiServer(self, self.workspace / "api")
+        return self.api.url
+
+    def service_account_token(self, namespace: str, account: str) -> str:
+        """A service account's bearer token (made on first use), the one its pods find in their token file."""
+        if namespace not in self.namespaces or (account != "default"
+                                                and (namespace, account) not in self.service_accounts):
+            raise ClusterError(f"service account {namespace}/{account} does not exist")
+        with self.lock:
+            return self._tokens.setdefault((namespace, account), secrets.token_urlsafe(32))
+
+    def authenticate(self, token: str) -> tuple[str, str] | None:
+        """The service account (namespace, name) whose token this is; None for a token the cluster never issued."""
+        for account, known in list(self._tokens.items()):
+            if hmac.compare_digest(known.encode(), token.encode()):
+                return account
+        return None
+
+    def _api_access(self, pod: LocalPod) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """The env and token volume that let a pod call the API server as its service account."""
+        if self.api is None or pod.manifest["spec"].get("automountServiceAccountToken") is False:
+            return {}, []
+        account = pod.manifest["spec"].get("serviceAccountName") or "default"
+        directory = pod.directory / "serviceaccount"
+        directory.mkdir(exist_ok=True)
+        (directory / "token").write_text(self.service_account_token(pod.namespace, account))
+        (directory / "namespace").write_text(pod.namespace)
+        shutil.copyfile(self.api.ca_file, directory / "ca.crt")
+        port = str(self.api.port)
+        env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port,
+               "KUBERNETES_SERVICE_PORT_HTTPS": port}
+        return env, [{"source": str(directory), "target": SERVICE_ACCOUNT_DIR, "read_only": True}]
+
+    # -- StatefulSets ----------------------------------------------------------------------------
+    def scale_statefulset(self, namespace: str, name: str, replicas: int) -> None:
+        """Set a StatefulSet's replicas; its pods are created and deleted in the background."""
+        self._statefulset(namespace, name)["spec"]["replicas"] = replicas
+        self._reconcile_later(namespace, name)
+
+    def statefulset_status(self, namespace: str, name: str) -> dict[str, int]:
+        """replicas (its pods that exist), readyReplicas and availableReplicas (those ready)."""
+        self._statefulset(namespace, name)
+        pods = self._stateful_pods(namespace, name).values()
+        ready = sum(pod.ready() for pod in pods)
+        return {"replicas": len(pods), "readyReplicas": ready, "availableReplicas": ready}
+
+    def _statefulset(self, namespace: str, name: str) -> dict[str, Any]:
+        statefulset = self.statefulsets.get((namespace, name))
+        if statefulset is None:
+            raise ClusterError(f"statefulset {namespace}/{name} does not exist")
+        return statefulset
+
+    def _stateful_pods(self, namespace: str, name: str) -> dict[int, LocalPod]:
+        ordinal = re.compile(rf"{re.escape(name)}-(0|[1-9][0-9]*)")
+        return {int(found[1]): pod for (pod_namespace, pod_name), pod in list(self.pods.items())
+                if pod_namespace == namespace and (found := ordinal.fullmatch(pod_name))}
+
+    def _reconcile_later(self, namespace: str, name: str) -> None:
+        threading.Thread(target=self._reconcile, args=(namespace, name), daemon=True).start()
+
+    def _reconcile(self, namespace: str, name: str) -> None:
+        """The StatefulSet controller: pods for the missing ordinals below replicas, and none at or above."""
+        with self._reconciling:
+            if self._closed:
+                return
+            statefulset = self.statefulsets[(namespace, name)]
+            replicas = statefulset["spec"].get("replicas", 1)
+            present = self._stateful_pods(namespace, name)
+            try:
+                for ordinal in range(replicas):
+                    if ordinal not in present:
+                        self.create_pod(self._stateful_pod(statefulset, ordinal))
+            except ClusterError as err:
+                log.warning("statefulset %s/%s: %s", namespace, name, err)
+            for ordinal in sorted((o for o in present if o >= replicas), reverse=True):
+                self.delete_pod(namespace, f"{name}-{ordinal}")
+
+    @staticmethod
+    def _stateful_pod(statefulset: dict[str, Any], ordinal: int) -> dict[str, Any]:
+        meta, spec = statefulset["metadata"], statefulset["spec"]
+        template = json.loads(json.dumps(spec["template"]))
+        name = f"{meta['name']}-{ordinal}"
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "namespace": meta.get("namespace", "default"), "uid": str(uuid.uuid4()),
+                             "labels": (template.get("metadata") or {}).get("labels") or {}},
+                "spec": {**template["spec"], "hostname": name, "subdomain": spec.get("serviceName")}}
+
+    # -- Jobs (batch/v1, Indexed) -----------------------------------------------------------------
+    def create_job(self, manifest: dict[str, Any]) -> LocalJob | None:
+        """Start an Indexed Job in its namespace (None: a Job of that name exists). Raises ClusterError for
+        one the local controller does not run as stated (job_problems) or a namespace that does not exist."""
+        problems = job_problems(manifest)
+        if problems:
+            raise ClusterError("; ".join(problems))
+        job = json.loads(json.dumps(manifest))
+        meta, spec = job["metadata"], job["spec"]
+        namespace = meta.setdefault("namespace", "default")
+        if namespace not in self.namespaces:
+            raise ClusterError(f"namespace {namespace!r} does not exist")
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_timestamp(_now()))
+        spec.setdefault("parallelism", 1)
+        spec.setdefault("backoffLimit", 6)
+        with self.lock:
+            if (namespace, meta["name"]) in self.jobs:
+                return None
+            local = self.jobs[(namespace, meta["name"])] = LocalJob(job)
+        threading.Thread(target=self._control_job, args=(local,), daemon=True).start()
+        return local
+
+    def delete_job(self, namespace: str, name: str, with_pods: bool) -> LocalJob | None:
+        """Delete a Job at once (None: there is none). with_pods (propagationPolicy Background or Foreground):
+        its pods too, those still running killed; without, they are orphaned and run on (Orphan, the API's
+        default for a Job)."""
+        with self._reconciling:  # from now on its controller starts no pod
+            job = self.jobs.pop((namespace, name), None)
+        if job is not None and with_pods:
+            uid = job.manifest["metadata"]["uid"]
+            for pod in list(self.pods.values()):
+                if pod.namespace == namespace and (pod.manifest["metadata"].get("labels") or {}).get(
+                        JOB_UID_LABEL) == uid:
+                    self.delete_pod(namespace, pod.name)
+        return job
+
+    def pods_labelled(self, namespace: str, key: str, value: str) -> list[LocalPod]:
+        """The namespace's pods with the label key=value (`kubectl -l key=value`), oldest first."""
+        return [pod for pod in list(self.pods.values())
+                if pod.namespace == namespace and (pod.manifest["metadata"].get("labels") or {}).get(key) == value]
+
+    def job_pods(self, namespace: str, job: str) -> list[LocalPod]:
+        """The pods labelled as the Job's (batch.kubernetes.io/job-name), by completion index, oldest first."""
+        pods = self.pods_labelled(namespace, JOB_NAME_LABEL, job)
+        return sorted(pods, key=lambda pod: int((pod.manifest["metadata"].get("labels") or {}).get(JOB_INDEX_KEY, -1)))
+
+    def kill_pod(self, namespace: str, name: str) -> None:
+        """SIGKILL every container of a pod, as losing its node does: the pod stays, Failed, with exit code 137."""
+        pod = self.pods.get((namespace, name))
+        if pod is None or not pod.containers:
+            raise ClusterError(f"pod {namespace}/{name} has no started containers to kill")
+        for run in list(pod.containers.values()):
+            run.kill()
+
+    def _control_job(self, job: LocalJob) -> None:
+        """The Job controller for one Job, every 0.2 s until the Job finished or was deleted."""
+        while True:
+            with self._reconciling:
+                if self._closed or self.jobs.get((job.namespace, job.name)) is not job:
+                    return
+                stopping = self._sync_job(job)
+            for pod in stopping:
+                self.delete_pod(pod.namespace, pod.name)
+            if job.condition:
+                return
+            time.sleep(0.2)
+
+    def _sync_job(self, job: LocalJob) -> list[LocalPod]:
+        """Count the pods that finished, then finish the Job or start a pod for each index without one (a new
+        pod for an index whose pod failed: no backoff delay here). Returns the pods to delete: those still
+        running when the Job failed, which count as failed, as Kubernetes counts them."""
+        self._count_finished(job)
+        spec = job.manifest["spec"]
+        if job.failed > spec["backoffLimit"]:
+            stopping = list(job.active.values())
+            job.failed += len(stopping)
+            job.active.clear()
+            job.finish("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+            return stopping
+        if len(job.succeeded) == spec["completions"]:
+            job.finish("Complete", "CompletionsReached", "Reached expected number of succeeded pods")
+            return []
+        waiting = [index for index in range(spec["completions"])
+                   if index not in job.succeeded and index not in job.active]
+        for index in waiting[:max(spec["parallelism"] - len(job.active), 0)]:
+            job.active[index] = self.create_pod(self._job_pod(job, index))
+        return []
+
+    def _count_finished(self, job: LocalJob) -> None:
+        """Move the Job's pods that terminated from active to succeeded or failed. A pod that cannot start
+        (FailedScheduling, FailedMount) fails here, where a cluster would keep it Pending."""
+        for index, pod in list(job.active.items()):
+            phase = pod.current_phase()
+            if phase in ("Pending", "Running") and self.pods.get((pod.namespace, pod.name)) is not pod:
+                phase = "Failed"  # deleted before it finished
+            if phase == "Succeeded":
+                job.succeeded.add(index)
+            elif phase == "Failed":
+                job.failed += 1
+            if phase in ("Succeeded", "Failed"):
+                del job.active[index]
+
+    @staticmethod
+    def _job_pod(job: LocalJob, index: int) -> dict[str, Any]:
+        """The pod of an index as the Indexed Job controller makes it: named <job>-<index>-<5 random
+        characters>, hostname <job>-<index>, the index in a label, an annotation and JOB_COMPLETION_INDEX."""
+        template = json.loads(json.dumps(job.manifest["spec"]["template"]))
+        meta, uid = template.get("metadata") or {}, job.manifest["metadata"]["uid"]
+        suffix = "".join(secrets.choice(POD_NAME_CHARACTERS) for _ in range(5))
+        labels = {**(meta.get("labels") or {}), JOB_NAME_LABEL: job.name, "job-name": job.name,
+                  JOB_INDEX_KEY: str(index), JOB_UID_LABEL: uid, "controller-uid": uid}
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": job.name, "uid": uid, "controller": True,
+                 "blockOwnerDeletion": True}
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"{job.name}-{index}-{suffix}", "namespace": job.namespace,
+                             "uid": str(uuid.uuid4()), "labels": labels,
+                             "annotations": {**(meta.get("annotations") or {}), JOB_INDEX_KEY: str(index)},
+                             "ownerReferences": [owner]},
+                "spec": {**_with_completion_index(template["spec"]), "hostname": f"{job.name}-{index}"}}
+
+    # -- pod network and DNS ---------------------------------------------------------------------
+    def _allocate_address(self) -> str:
+        """The lowest free pod address from 127.0.0.10 up (held under self.lock)."""
+        number = FIRST_POD_ADDRESS
+        while (address := str(ipaddress.IPv4Address("127.0.0.0") + number)) in self._addresses:
+            number += 1
+        self._addresses.add(address)
+        return address
+
+    def _dns_records(self) -> list[tuple[str, str, list[str]]]:
+        """Cluster DNS as (namespace, address, names): each pod that has not terminated and whose subdomain is
+        a Service of its namespace (a StatefulSet's or a Job's pods under their headless Service), by
+        <hostname>.<subdomain>.<namespace>.svc.cluster.local, <...>.svc and, last, <hostname>.<subdomain>: what
+        pods of that namespace resolve through their search domains. A pod is listed from its creation on,
+        ready or not, as a Service with publishNotReadyAddresses: true lists it (others would wait)."""
+        records = []
+        for pod in list(self.pods.values()):
+            hostname, subdomain = pod.manifest["spec"].get("hostname"), pod.manifest["spec"].get("subdomain")
+            if hostname and (pod.namespace, subdomain) in self.services and not pod.terminated():
+                fqdn = f"{hostname}.{subdomain}.{pod.namespace}.svc"
+                records.append((pod.namespace, pod.ip, [f"{fqdn}.cluster.local", fqdn, f"{hostname}.{subdomain}"]))
+        return records
+
+    def address_of(self, hostname: str) -> str | None:
+        """The address a pod's DNS name (<hostname>.<subdomain>.<namespace>.svc, optionally .cluster.local)
+        resolves to in the pods' /etc/hosts, for callers on this machine."""
+        addresses = {name: ip for _, ip, names in reversed(self._dns_records()) for name in names[:-1]}
+        return addresses.get(hostname.rstrip("."))
+
+    def _write_hosts(self) -> None:
+        """Rewrite the cluster's DNS: self.hosts_file (the full names of every listed pod) and each pod's
+        /etc/hosts, which holds what the kubelet writes there (localhost, the pod's own address and names) and
+        then the cluster DNS records; the short names <hostname>.<subdomain> only of its own namespace's pods,
+        so two namespaces' pods of the same hostname and subdomain never compete for one. Each file is replaced
+        whole: a reader sees the old one or the new one."""
+        with self._hosts_lock:
+            records = self._dns_records()
+            _replace(self.hosts_file, _hosts_text([(ip, names[:-1]) for _, ip, names in records]))
+            for pod in list(self.pods.values()):
+                others = [(ip, names if namespace == pod.namespace else names[:-1]) for namespace, ip, names in records]
+                _replace(pod.directory / "dns" / "hosts", _hosts_text([(pod.ip, _own_names(pod)), *others]))
 
     # -- pods ------------------------------------------------------------------------------------
     def create_pod(self, manifest: dict[str, Any]) -> LocalPod:
@@ -244,17 +719,28 @@ class LocalCluster:
         with self.lock:
             if (namespace, name) in self.pods:
                 raise ClusterError(f"pod {namespace}/{name} already exists")
-            directory = self.workspace / "pods" / f"{namespace}-{name}"
-            directory.mkdir(parents=True)
-            pod = self.pods[(namespace, name)] = LocalPod(manifest, directory)
+            pod = self.pods[(namespace, name)] = LocalPod(manifest, self._pod_directory(namespace, name),
+                                                          ip=self._allocate_address())
+        self._write_hosts()
         self._record(pod, "created")
         threading.Thread(target=self._start, args=(pod,), daemon=True).start()
         return pod
+
+    def _pod_directory(self, namespace: str, name: str) -> Path:
+        """A new directory for the pod; a pod named as one that ran before (a StatefulSet's, scaled down and
+        up again) gets its own, apart from its predecessor's logs ("_" is in no pod name)."""
+        directory, incarnation = self.workspace / "pods" / f"{namespace}-{name}", 1
+        while directory.exists():
+            incarnation += 1
+            directory = self.workspace / "pods" / f"{namespace}-{name}_{incarnation}"
+        directory.mkdir(parents=True)
+        return directory
 
     def _fail(self, pod: LocalPod, reason: str, message: str) -> None:
         pod.phase, pod.reason = "Failed", reason
         pod.events.append({"type": "Warning", "reason": reason, "message": message})
         log.warning("pod %s: %s: %s", pod.name, reason, message)
+        self._write_hosts()  # a terminated pod has no DNS name
 
     def _start(self, pod: LocalPod) -> None:
         spec = pod.manifest["spec"]
@@ -274,6 +760,9 @@ class LocalCluster:
                 if run.exit_code != 0:
                     self._fail(pod, "InitContainerFailed", f"{container['name']} exited {run.exit_code}")
                     return
+            probed = {container["name"]: _probe_port(container) for container in spec["containers"]
+                      if _http_probe(container)}
+            pod.probed = dict.fromkeys(probed, False)
             for container in spec["containers"]:
                 pod.containers[container["name"]] = self._run_container(pod, container, volumes)
         except ClusterError as err:
@@ -281,6 +770,27 @@ class LocalCluster:
                 run.kill()
             pod.containers.clear()
             self._fail(pod, "FailedMount" if "volume" in str(err) else "CreateContainerError", str(err))
+            return
+        if self.pods.get((pod.namespace, pod.name)) is not pod:  # deleted while its containers started
+            for run in pod.containers.values():
+                run.kill()
+            return
+        for container in spec["containers"]:
+            if container["name"] in probed:
+                threading.Thread(target=self._probe_readiness, args=(pod, container, probed[container["name"]]),
+                                 daemon=True).start()
+
+    def _probe_readiness(self, pod: LocalPod, container: dict[str, Any], port: int) -> None:
+        """Probe a container's readinessProbe.httpGet at the pod's address while it runs. periodSeconds is
+        capped at 2 s and initialDelaySeconds at 0: the manifests size them for SGLang loading a model onto
+        GPUs for minutes, the local stand-ins start in seconds."""
+        probe = container["readinessProbe"]
+        period = min(float(probe.get("periodSeconds", 10)), 2.0)
+        path, timeout = _http_probe(container).get("path", "/"), float(probe.get("timeoutSeconds", 1))
+        run = pod.containers[container["name"]]
+        while self.pods.get((pod.namespace, pod.name)) is pod and run.running:
+            pod.probed[container["name"]] = _answers(pod.ip, port, path, timeout)
+            time.sleep(period)
 
     def _volumes(self, pod: LocalPod) -> dict[str, dict[str, Any]]:
         namespace = pod.manifest["metadata"].get("namespace", "default")
@@ -332,21 +842,28 @@ class LocalCluster:
                "AWS_REGION": self.region, "AWS_DEFAULT_REGION": self.region}
         return env, [{"source": str(token), "target": IRSA_TOKEN_DIR, "read_only": True}]
 
-    def _run_container(self, pod: LocalPod, container: dict[str, Any], volumes: dict[str, dict[str, Any]]):
-        image = self._image(container)
-        argv = list(container.get("command") or []) + list(container.get("args") or [])
-        if not argv:
-            raise ClusterError(f"container {container['name']}: no command (the local images have no entrypoint)")
+    def _container_env(self, pod: LocalPod, container: dict[str, Any]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+        """The env Kubernetes gives a container (not the image's own, nor HOSTNAME, which the container runtime
+        sets), with which `$(NAME)` in its command and args expands, and the token volumes that go with it:
+        IRSA's and the API server's env, then the spec's env in order, each value expanded with those before."""
         identity_env, identity_mounts = self._identity(pod)
+        api_env, api_mounts = self._api_access(pod)
         # AWS's public endpoints are the local S3 (and STS) server here
         aws = {"AWS_ENDPOINT_URL": self.aws_endpoint} if self.aws_endpoint else {}
-        env = {**image.env, "HOSTNAME": pod.name, **aws, **identity_env}
+        # DRAFTER_LOCAL_POD_IP: the pod's own address, standing in for its own network namespace
+        env = {**aws, **identity_env, **api_env, "DRAFTER_LOCAL_POD_IP": pod.ip}
         for variable in container.get("env") or []:
-            if "value" not in variable:
-                raise ClusterError(f"container {container['name']}: env {variable['name']} uses valueFrom, "
-                                   "which the local cluster does not resolve")
-            env[variable["name"]] = variable["value"] or ""
-        mounts = list(identity_mounts)
+            env[variable["name"]] = _env_value(pod, container["name"], variable, env)
+        return env, identity_mounts + api_mounts
+
+    def _run_container(self, pod: LocalPod, container: dict[str, Any], volumes: dict[str, dict[str, Any]]):
+        image = self._image(container)
+        defined, mounts = self._container_env(pod, container)
+        argv = [expand_variables(part, defined) for part in [*(container.get("command") or []),
+                                                             *(container.get("args") or [])]]
+        if not argv:
+            raise ClusterError(f"container {container['name']}: no command (the local images have no entrypoint)")
+        env = {**image.env, "HOSTNAME": pod.hostname, **defined}
         for mount in container.get("volumeMounts") or []:
             if mount["name"] not in volumes:
                 raise ClusterError(f"container {container['name']} mounts volume {mount['name']!r}, "
@@ -359,18 +876,23 @@ class LocalCluster:
         spec_path = pod.directory / f"{container['name']}.json"
         spec_path.write_text(json.dumps({
             "name": f"{pod.name}/{container['name']}", "rootfs": str(pod.directory / "rootfs" / container["name"]),
-            "image_files": image.files, "masked": list(image.masked), "mounts": mounts,
-            "workdir": container.get("workingDir") or image.workdir, "env": env, "argv": argv}))
+            "image_files": image.files, "masked": list(image.masked), "mounts": mounts, "hostname": pod.hostname,
+            "dns": str(pod.directory / "dns"), "workdir": container.get("workingDir") or image.workdir, "env": env,
+            "argv": argv}))
         pod.events.append({"type": "Normal", "reason": "Started", "message": f"started container {container['name']}"})
-        return ContainerRun(container["name"], argv, env, spec_path, pod.directory / f"{container['name']}.log")
+        return ContainerRun(container["name"], argv, env, spec_path, pod.directory / f"{container['name']}.log",
+                            on_exit=self._write_hosts)
 
     def delete_pod(self, namespace: str, name: str) -> None:
         pod = self.pods.pop((namespace, name), None)
         if pod is None:
             return
+        self._write_hosts()
         self._record(pod, "deleted")  # before the kill: a server still running was not a failure
-        for run in pod.containers.values():
+        for run in list(pod.containers.values()):
             run.kill()
+        with self.lock:
+            self._addresses.discard(pod.ip)  # free once nothing of the pod listens on it
         shutil.rmtree(pod.directory / "rootfs", ignore_errors=True)
 
     def _record(self, pod: LocalPod, what: str) -> None:
@@ -383,12 +905,68 @@ class LocalCluster:
                              "image": pod.manifest["spec"]["containers"][0].get("image")})
 
     def shutdown(self) -> None:
+        with self._reconciling:  # no StatefulSet creates pods from now on
+            self._closed = True
         for namespace, name in list(self.pods):
             self.delete_pod(namespace, name)
+        if self.api is not None:
+            self.api.stop()
+            self.api = None
 
     def pods_run(self) -> list[dict[str, Any]]:
         """One row per pod that was deleted after running, in order."""
         return [row for row in self.history if row["event"] == "deleted"]
+
+
+def _env_value(pod: LocalPod, container: str, variable: dict[str, Any], defined: Mapping[str, str]) -> str:
+    """An env entry's value: `value` expanded with the variables defined before it, or a fieldRef's field."""
+    source = variable.get("valueFrom")
+    if source is None:
+        return expand_variables(variable.get("value") or "", defined)
+    if set(source) != {"fieldRef"}:
+        raise ClusterError(f"container {container}: env {variable['name']} uses valueFrom {sorted(source)}, which "
+                           "the local cluster does not resolve (fieldRef only)")
+    return pod.field_value(source["fieldRef"]["fieldPath"])
+
+
+def _with_completion_index(spec: dict[str, Any]) -> dict[str, Any]:
+    """The pod spec with JOB_COMPLETION_INDEX, from the pod's index annotation, in every container (init
+    containers too) that does not set it itself, as the Job controller adds it."""
+    variable = {"name": "JOB_COMPLETION_INDEX",
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{JOB_INDEX_KEY}']"}}}
+    for container in [*spec["containers"], *(spec.get("initContainers") or [])]:
+        env = container.get("env") or []
+        if all(entry["name"] != variable["name"] for entry in env):
+            container["env"] = [*env, variable]
+    return spec
+
+
+def _own_names(pod: LocalPod) -> list[str]:
+    """The names the kubelet gives a pod's own address in its /etc/hosts."""
+    subdomain = pod.manifest["spec"].get("subdomain")
+    full = [f"{pod.hostname}.{subdomain}.{pod.namespace}.svc.cluster.local"] if subdomain else []
+    return [*full, pod.hostname]
+
+
+def _hosts_text(entries: list[tuple[str, list[str]]]) -> str:
+    """A hosts file: localhost, then each address with its names, a name on its first line only (the same name
+    twice is one hostname and subdomain twice in a namespace, an orphaned Job pod and its successor's: the
+    older keeps it, where cluster DNS would answer both addresses)."""
+    taken, lines = {"localhost"}, ["127.0.0.1 localhost"]
+    for address, names in entries:
+        fresh = [name for name in names if name not in taken]
+        taken.update(fresh)
+        if fresh:
+            lines.append(" ".join([address, *fresh]))
+    return "\n".join(lines) + "\n"
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write a file by renaming a new one over it: a reader sees the whole old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".new")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
 class LogStream:
@@ -448,7 +1026,8 @@ class ExecSession:
 
     def __init__(self, run: ContainerRun, command: list[str], stdin: bool):
         self.process = subprocess.Popen(
-            ["nsenter", "--target", str(run.init_pid()), "--mount", "--pid", "--root", "--wd", "--", *command],
+            ["nsenter", "--target", str(run.init_pid()), "--mount", "--uts", "--pid", "--root", "--wd", "--",
+             *command],
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             env=run.env)
         self._out: dict[str, list[str]] = {"stdout": [], "stderr": []}
@@ -559,10 +1138,12 @@ class LocalCoreV1Api:
                                      "Error", "startedAt": _timestamp(run.started_at),
                                      "finishedAt": _timestamp(run.finished_at)}})
             statuses.append({"name": container["name"], "image": container.get("image"), "imageID": "",
-                             "ready": run.running, "restartCount": 0, "started": run.running, "state": state})
+                             "ready": pod.container_ready(container["name"]), "restartCount": 0,
+                             "started": run.running, "state": state})
+        conditions = [] if pod.reason == "FailedScheduling" else [{"type": "PodScheduled", "status": "True"},
+                                                                   {"type": "Ready", "status": str(pod.ready())}]
         status: dict[str, Any] = {"phase": pod.current_phase(), "startTime": _timestamp(pod.created_at),
-                                  "conditions": [] if pod.reason == "FailedScheduling" else
-                                  [{"type": "PodScheduled", "status": "True"}]}
+                                  "podIP": pod.ip, "podIPs": [{"ip": pod.ip}], "conditions": conditions}
         if pod.reason:
             status["reason"] = pod.reason
         if statuses:

@@ -1,10 +1,13 @@
 """The inside of one local container: builds its root filesystem in a private mount namespace, enters
-it and executes the container's command. Run by `LocalContainerRuntime` (pipeline.dev.cluster) as
-the first process of new mount and PID namespaces (`unshare --mount --pid --fork`), as root.
+it, under the pod's hostname, and executes the container's command. Run by `ContainerRun`
+(pipeline.dev.cluster) as the first process of new mount, UTS and PID namespaces (`unshare --mount --uts
+--pid --fork`), as root.
 
 The root holds only what a pod on a cluster would see: the host's system directories standing in for
 the image's operating system (read-only), the image's own files (the project and its Python,
-read-only, where the image has them), the pod's volumes at their mount paths, a fresh /tmp and /proc.
+read-only, where the image has them), the pod's volumes at their mount paths, a fresh /tmp and /proc,
+/etc/hostname, and /etc/hosts: a link to `hosts` in the pod's DNS directory, bound read-only at
+/run/cluster-dns, where the cluster replaces the file whole as pods come and go (its DNS).
 Everything else of this machine (other work trees, caches, test directories) is absent, so a
 path that the pod reads without mounting it fails there as it would on a cluster.
 
@@ -15,11 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 SYSTEM_DIRS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32", "usr")
+DNS_DIR = "/run/cluster-dns"
 
 
 def _mount(*args: str) -> None:
@@ -27,7 +32,11 @@ def _mount(*args: str) -> None:
 
 
 def _bind(source: str, target: Path, read_only: bool, recursive: bool = False) -> None:
-    target.mkdir(parents=True, exist_ok=True)
+    if Path(source).is_dir():
+        target.mkdir(parents=True, exist_ok=True)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.touch()
     _mount("--rbind" if recursive else "--bind", source, str(target))
     if read_only:
         _mount("-o", "remount,bind,ro", str(target))
@@ -55,6 +64,16 @@ def _system(root: Path) -> None:
     _mount("-t", "tmpfs", "-o", "mode=1777", "tmpfs", str(root / "tmp"))
 
 
+def _names(root: Path, hostname: str, dns: str) -> None:
+    """The pod's hostname (this UTS namespace's), /etc/hostname, and /etc/hosts from the pod's DNS directory."""
+    socket.sethostname(hostname)
+    (root / "etc" / "hostname").write_text(hostname + "\n")
+    _bind(dns, root / DNS_DIR.lstrip("/"), read_only=True)
+    hosts = root / "etc" / "hosts"
+    hosts.unlink(missing_ok=True)
+    hosts.symlink_to(f"{DNS_DIR}/hosts")
+
+
 def _image(root: Path, files: dict[str, str], masked: list[str]) -> None:
     for inside, host in files.items():
         _bind(host, root / inside.lstrip("/"), read_only=True)
@@ -79,6 +98,7 @@ def enter(spec: dict) -> None:
     root.mkdir(parents=True, exist_ok=True)
     _mount("-t", "tmpfs", "tmpfs", str(root))
     _system(root)
+    _names(root, spec["hostname"], spec["dns"])
     _image(root, spec["image_files"], spec["masked"])
     _volumes(root, spec["mounts"])
     os.chroot(root)

@@ -3,15 +3,18 @@
     python -m pipeline.dev.rehearsal [--workspace DIR] [--keep]      (make rehearsal)
 
 What runs, in the order docs/RUNBOOK.md gives it to a user:
-1. the cluster objects: `infra/k8s/drafter-namespace.yaml` and `infra/k8s/sglang-serve.yaml` applied to a
-   local cluster (pipeline.dev.cluster: pods run in containers of their own, with only their env, their
-   volumes and the image's files); the weights volume holds a tiny Kimi-like target under
+1. the cluster objects: the runbook's manifests applied to a local cluster (pipeline.dev.cluster: pods
+   run in containers of their own, with only their env, their volumes and the image's files; pods call
+   its API over HTTPS as their service accounts, under the manifests' RBAC); the weights volume holds a
+   tiny Kimi-like target under
    /models/Kimi-K2.5, the prompts volume ShareGPT/UltraChat-style files, the run-config volume
    configs/rehearsal.yaml as kimi-k2.5.yaml (configs/deployment/kubernetes.yaml's run_config);
 2. S3 and IAM: the bucket on a local S3 server (127.0.0.1), reached by pods through IAM roles for their
    service accounts; no access key exists anywhere;
-3. the SGLang generation and capture fleets: stand-in servers (SGLang needs CUDA) with the flags of
-   infra/k8s/sglang-generate.yaml and sglang-capture.yaml;
+3. the SGLang generation and capture fleets: the StatefulSets of infra/k8s/sglang-generate.yaml and
+   sglang-capture.yaml at 0 replicas; their pods run stand-in servers (SGLang needs CUDA) with the
+   manifests' flags, the capture servers' aux layers being the tiny target's. drafter_data scales each
+   fleet up before its stage and back to 0 after it, from its own task pods;
 4. Airflow with `DRAFTER_DEPLOYMENT=configs/deployment/kubernetes.yaml`, unchanged: every
    `@task.kubernetes` task is rendered and run by the cncf provider's own code against the local
    cluster. drafter_data publishes the dataset Asset; drafter_train, given the Asset's dataset, trains,
@@ -35,6 +38,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,8 +59,14 @@ ACCOUNT = "123456789012"
 TARGET_RECIPE = TinyTargetRecipe(architecture="deepseek_v3", num_layers=8, hidden_size=64, num_heads=4,
                                  intermediate_size=192, vocab_size=1024, seq_len=96, batch_size=16, train_steps=200,
                                  learning_rate=0.008, max_corpus_modules=60)
-GENERATE_PORTS = (30101, 30102)
-CAPTURE_PORT = 30111
+# a plain server the rehearsal itself compares the serving pod's output with (not part of the cluster)
+REFERENCE_PORT = 30101
+FLEETS = {"generate": "sglang-generate", "capture": "sglang-capture-aux"}
+# the first training run: 2 nodes x 1 rank, the Indexed Job of infra/k8s/trainer-workers.yaml (sized: one
+# rank per node), from the run-config volume where the train pod reads it
+TRAINER_JOB = "drafter-trainer"
+TRAINER_MANIFEST = "/etc/drafter/trainer-workers.yaml"
+MULTI_NODE = ["train.nodes=2", "train.nproc=1", "train.launcher=kubernetes", f"train.kubernetes_job={TRAINER_MANIFEST}"]
 SERVING_PORT = 30000
 
 
@@ -117,7 +127,8 @@ class Runbook:
     `airflow` commands with the rehearsal's Airflow. Every one of them must have run by the end."""
 
     HANDLED = ("aws s3api", "kubectl apply", "kubectl -n airflow exec", "curl", "drafter ",
-               "kubectl -n sglang rollout restart")
+               "kubectl -n sglang rollout restart", "kubectl -n sglang scale", "kubectl -n sglang rollout status",
+               "kubectl -n drafter logs")
 
     def __init__(self, handlers: dict[str, Any]):
         if set(handlers) != set(self.HANDLED):
@@ -201,12 +212,70 @@ def _file_argument(value: str) -> str:
     return (PROJECT_ROOT / value.removeprefix("file://")).read_text()
 
 
-def kubectl_apply(cluster: LocalCluster):
+def kubectl_apply(cluster: LocalCluster, workspace: Path):
     def run(command: str) -> str:
         argv = command.split()
         files = [PROJECT_ROOT / argv[i + 1] for i, arg in enumerate(argv) if arg == "-f"]
-        created = [obj for path in files for obj in cluster.apply(path)]
+        created = [obj for path in files for obj in cluster.apply(sized_for_the_tiny_target(path, workspace))]
         return "\n".join(created)
+
+    return run
+
+
+def sized_for_the_tiny_target(path: Path, workspace: Path) -> Path:
+    """The manifest as applied here. One thing differs, and only for size: the capture servers return the
+    aux layers of the tiny target's contract (Kimi's 1 29 57 do not exist in an 8-layer model)."""
+    from pipeline.config import default_aux_layer_ids, load_config
+
+    if path.name != "sglang-capture.yaml":
+        return path
+    config = load_config(REHEARSAL_CONFIG)
+    aux_ids = config.capture.aux_layer_ids or default_aux_layer_ids(TARGET_RECIPE.num_layers)
+    docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+    for doc in docs:
+        for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            args = container.get("args") or []
+            if "--return-aux-hidden-state-layer-ids" in args:
+                at = args.index("--return-aux-hidden-state-layer-ids") + 1
+                args[at:at + len(aux_ids)] = [str(i) for i in aux_ids]
+    sized = workspace / "manifests" / path.name
+    sized.parent.mkdir(parents=True, exist_ok=True)
+    sized.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return sized
+
+
+def one_rank_per_node(path: Path) -> str:
+    """The node Job as the rehearsal runs it. Only its size differs: one rank per node, not 8."""
+    job = yaml.safe_load(path.read_text())
+    args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+    args[args.index("--nproc-per-node") + 1] = "1"
+    return yaml.safe_dump(job, sort_keys=False)
+
+
+def kubectl_scale(cluster: LocalCluster):
+    """`kubectl -n NS scale statefulset/NAME --replicas=N`."""
+    def run(command: str) -> str:
+        argv = command.split()
+        namespace, name = argv[argv.index("-n") + 1], argv[argv.index("scale") + 1].split("/", 1)[1]
+        replicas = int(next(arg for arg in argv if arg.startswith("--replicas=")).split("=", 1)[1])
+        cluster.scale_statefulset(namespace, name, replicas)
+        return f"statefulset.apps/{name} scaled"
+
+    return run
+
+
+def kubectl_rollout_status(cluster: LocalCluster):
+    """`kubectl -n NS rollout status statefulset/NAME --timeout=...`: wait until every replica is ready."""
+    def run(command: str) -> str:
+        argv = command.split()
+        namespace, name = argv[argv.index("-n") + 1], argv[argv.index("status") + 1].split("/", 1)[1]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            status = cluster.statefulset_status(namespace, name)
+            if status["readyReplicas"] >= status["replicas"] > 0:
+                return f"partitioned roll out complete: {status['readyReplicas']} new pods have been updated..."
+            time.sleep(1)
+        raise RehearsalFailed(f"statefulset {namespace}/{name} was not ready within 300 s: {status}")
 
     return run
 
@@ -223,11 +292,23 @@ def airflow_command(command: str) -> str:
     return out.stdout
 
 
-def capture_server_info(command: str) -> str:
-    """`curl` of a capture server's /server_info: the capture stand-in, with the fields the runbook names."""
+def capture_server_info(cluster: LocalCluster):
+    """`curl` of a capture server's /server_info, by its pod's DNS name, with the fields the runbook names."""
+    def run(command: str) -> str:
+        from urllib.parse import urlsplit
+
+        url = urlsplit(command.split()[-1])
+        address = cluster.address_of(url.hostname)
+        _check(address is not None, f"{url.hostname} resolves to a running pod")
+        return _checked_server_info(f"http://{address}:{url.port}{url.path}")
+
+    return run
+
+
+def _checked_server_info(url: str) -> str:
     import requests
 
-    info = requests.get(f"http://127.0.0.1:{CAPTURE_PORT}/server_info", timeout=30).json()
+    info = requests.get(url, timeout=30).json()
     _check(info.get("enable_return_aux_hidden_states") is True and info.get("disable_radix_cache") is True
            and info.get("chunked_prefill_size") == -1 and str(info.get("version", "")).startswith("0.5.23"),
            f"the capture server reports the settings the runbook asks for: {info}")
@@ -257,6 +338,7 @@ def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
     write_prompt_files(cluster.volume_dir("pvc", "drafter", "drafter-prompts"))
     configs = cluster.volume_dir("pvc", "drafter", "drafter-run-configs")
     shutil.copy(REHEARSAL_CONFIG, configs / "kimi-k2.5.yaml")
+    (configs / Path(TRAINER_MANIFEST).name).write_text(one_rank_per_node(PROJECT_ROOT / "infra/k8s/trainer-workers.yaml"))
     return cluster.volume_dir("pvc", "drafter", "kimi-k2-5-weights") / "Kimi-K2.5"
 
 
@@ -279,35 +361,17 @@ def write_prompt_files(directory: Path) -> None:
     pq.write_table(pa.Table.from_pylist(rows), directory / "ultrachat.parquet")
 
 
-def _manifest_args(path: Path, kind: str, name: str) -> list[str]:
-    doc = next(d for d in yaml.safe_load_all(path.read_text()) if d and d["kind"] == kind
-               and d["metadata"]["name"] == name)
-    container = doc["spec"]["template"]["spec"]["containers"][0]
-    return list(container.get("args") or [])
-
-
-def start_fleets(model_dir: Path, workspace: Path, processes: list[subprocess.Popen]) -> None:
-    """The generation and capture servers, with their StatefulSets' flags. What differs is size: the
-    model path and port are local, and the aux layers are the tiny target's (the config's contract)."""
-    from pipeline.config import default_aux_layer_ids, load_config
-    from pipeline.target import text_config
-
-    config = load_config(REHEARSAL_CONFIG)
-    aux_ids = config.capture.aux_layer_ids or default_aux_layer_ids(int(text_config(model_dir)["num_hidden_layers"]))
-    fleets = [("sglang-generate.yaml", "sglang-generate", port) for port in GENERATE_PORTS]
-    fleets.append(("sglang-capture.yaml", "sglang-capture-aux", CAPTURE_PORT))
-    for manifest, name, port in fleets:
-        args = _manifest_args(PROJECT_ROOT / "infra" / "k8s" / manifest, "StatefulSet", name)
-        args[args.index("--model-path") + 1] = str(model_dir)
-        args[args.index("--port") + 1] = str(port)
-        if "--return-aux-hidden-state-layer-ids" in args:
-            at = args.index("--return-aux-hidden-state-layer-ids") + 1
-            args[at:at + 3] = [str(i) for i in aux_ids]
-        log_file = open(workspace / f"{name}-{port}.log", "w")
-        processes.append(subprocess.Popen([sys.executable, "-m", "pipeline.sglang_standin", *args],
-                                          stdout=log_file, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT))
-    for port, process in zip([*GENERATE_PORTS, CAPTURE_PORT], processes):
-        _await_health(f"http://127.0.0.1:{port}", _exited(process), 300)
+def start_reference_server(model_dir: Path, workspace: Path, processes: list[subprocess.Popen]) -> str:
+    """A plain (non-speculative) server of the target on this machine: what the serving pod's greedy
+    output is compared with. The rehearsal's own instrument, not part of the deployment."""
+    log_file = open(workspace / "reference-server.log", "w")
+    process = subprocess.Popen([sys.executable, "-m", "pipeline.sglang_standin", "--model-path", str(model_dir),
+                                "--port", str(REFERENCE_PORT), "--trust-remote-code"],
+                               stdout=log_file, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT)
+    processes.append(process)
+    url = f"http://127.0.0.1:{REFERENCE_PORT}"
+    _await_health(url, _exited(process), 300)
+    return url
 
 
 def _await_health(url: str, gone, timeout_s: float) -> None:
@@ -432,7 +496,7 @@ class ServingDeployment:
             "apiVersion": "v1", "kind": "Pod", "spec": json.loads(json.dumps(template["spec"])),
             "metadata": {"name": f"{self.doc['metadata']['name']}-{self.generation}",
                          "namespace": self.doc["metadata"]["namespace"], "labels": template["metadata"]["labels"]}})
-        self._await_ready(f"http://127.0.0.1:{SERVING_PORT}", 600)
+        self._await_ready(self.url, 600)
         return f"pod {self.pod.name} serves {self.served_version()}"
 
     def _await_ready(self, url: str, timeout_s: float) -> None:
@@ -448,6 +512,11 @@ class ServingDeployment:
         if self.pod.phase == "Failed":
             return f"the pod failed ({self.pod.reason})"
         return f"the server exited with code {server.exit_code}" if server is not None and not server.running else None
+
+    @property
+    def url(self) -> str:
+        """The server in the pod, on the pod's own address (the Deployment's pods have no DNS name)."""
+        return f"http://{self.pod.ip}:{SERVING_PORT}"
 
     def served_version(self) -> str:
         manifest = self.pod.directory / "volumes" / "drafter" / "current" / "manifest.json"
@@ -466,7 +535,7 @@ def check_serving(serving: ServingDeployment, expected_version: str, reference_u
     """One request to the serving pod: EAGLE3 with the expected version, greedy output unchanged."""
     import requests
 
-    url = f"http://127.0.0.1:{SERVING_PORT}"
+    url = serving.url
     info = requests.get(f"{url}/server_info", timeout=30).json()
     prompt = {"input_ids": list(range(10, 30)), "sampling_params": {"max_new_tokens": 32, "temperature": 0}}
     speculative = requests.post(f"{url}/generate", json=prompt, timeout=300).json()
@@ -486,35 +555,183 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
     server, endpoint = start_s3()
     cluster = LocalCluster(workspace / "cluster", _images(), NODES, aws_endpoint=endpoint)
     serving = ServingDeployment(cluster)
-    runbook = Runbook({"aws s3api": aws_s3api(endpoint), "kubectl apply": kubectl_apply(cluster),
-                                "kubectl -n airflow exec": airflow_command, "curl": capture_server_info,
-                                "drafter ": run_drafter, "kubectl -n sglang rollout restart": serving.restart})
-    fleets: list[subprocess.Popen] = []
+    runbook = Runbook({"aws s3api": aws_s3api(endpoint), "kubectl apply": kubectl_apply(cluster, workspace),
+                       "kubectl -n sglang scale": kubectl_scale(cluster),
+                       "kubectl -n sglang rollout status": kubectl_rollout_status(cluster),
+                       "kubectl -n drafter logs": kubectl_logs(cluster),
+                       "kubectl -n airflow exec": airflow_command, "curl": capture_server_info(cluster),
+                       "drafter ": run_drafter, "kubectl -n sglang rollout restart": serving.restart})
+    processes: list[subprocess.Popen] = []
     try:
+        cluster.start_api()
         worker_identity(workspace, endpoint)
         for command in runbook_commands():  # §1: S3 and IAM, the cluster objects
             if command.startswith(("aws s3api", "kubectl apply")):
                 runbook.run(command)
         model_dir = fill_volumes(cluster, cache)
-        start_fleets(model_dir, workspace, fleets)  # the caller stops them, started or not
-        runbook.run("curl http://sglang-capture-aux-0.sglang-capture-aux.sglang.svc:30000/server_info")
+        reference_url = start_reference_server(model_dir, workspace, processes)  # stopped below, started or not
+        check_fleets_at_rest(cluster, "the manifests were applied")
+        for command in runbook_commands():  # §1.5: one capture server up for a look at its flags, then down
+            if command.startswith(("kubectl -n sglang scale", "kubectl -n sglang rollout status", "curl")):
+                runbook.run(command)
         start_airflow(workspace, cluster)
         runbook.run('kubectl -n airflow exec deploy/airflow-scheduler -- airflow pools set drafter_gpu 2 '
                     '"GPU-bound drafter tasks"')
-        lines = run_dags(runbook, serving)
+        lines = run_dags(runbook, serving, cluster, reference_url, workspace)
         missed = runbook.missed()
         _check(not missed, f"every [rehearsed] command of docs/RUNBOOK.md ran (missed: {missed})")
         return lines + pod_lines(cluster)
     finally:
         serving.stop()
         cluster.shutdown()
-        for process in fleets:
+        for process in processes:
             process.kill()
             process.wait()
         server.stop()
 
 
-def run_dags(runbook: Runbook, serving: ServingDeployment) -> list[str]:
+class NodeLoss:
+    """Loses node 1 of the multi-node training mid-epoch, once the trainer has committed a checkpoint: its
+    pod's processes are killed, as when a node goes away. Then, with the Job failed, its nodes' logs are
+    read with the runbook's command before the retry replaces the Job."""
+
+    def __init__(self, cluster: LocalCluster, runbook: Runbook, workspace: Path):
+        self.cluster, self.runbook = cluster, runbook
+        self.api = _api_as(cluster, "drafter", "drafter-pipeline", workspace)
+        self.killed: dict[str, Any] = {}
+        self.failed_job_logs = ""
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="node-loss", daemon=True)
+
+    def __enter__(self) -> NodeLoss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _watch(self) -> None:
+        try:
+            if self._kill_node_after_a_checkpoint():
+                self._read_logs_of_the_failed_job()
+        except BaseException as error:  # reported by the caller's checks
+            self.error = error
+
+    def _kill_node_after_a_checkpoint(self) -> bool:
+        cache = self.cluster.volume_dir("pvc", "drafter", "drafter-cache")
+        while not self._stop.wait(0.2):
+            pods = {pod.manifest["metadata"]["labels"].get("batch.kubernetes.io/job-completion-index"): pod
+                    for pod in self.cluster.job_pods("drafter", TRAINER_JOB)}
+            committed = [path.read_text().strip() for path in cache.glob("runs/*/train-*/checkpoints/latest")]
+            # a step checkpoint (not an epoch's end): the loss comes mid-epoch
+            if committed and committed[0].startswith("step-") and "1" in pods and pods["1"].current_phase() == "Running":
+                tag = committed[0]
+                self.cluster.kill_pod("drafter", pods["1"].name)
+                self.killed = {"pod": pods["1"].name, "checkpoint": tag}
+                log.info("lost node 1 (pod %s) after checkpoint %s was committed", pods["1"].name, tag)
+                return True
+        return False
+
+    def _read_logs_of_the_failed_job(self) -> None:
+        from pipeline.train_nodes import job_outcome
+
+        while not self._stop.wait(0.5):
+            try:
+                outcome = job_outcome(self.api.read_job("drafter", TRAINER_JOB))
+            except Exception:  # replaced by the retry already
+                return
+            if outcome == "Failed":
+                self.failed_job_logs = self.runbook.run(
+                    f"kubectl -n drafter logs -l batch.kubernetes.io/job-name={TRAINER_JOB} --prefix")
+                return
+
+
+def _api_as(cluster: LocalCluster, namespace: str, account: str, workspace: Path):
+    """The cluster's API as a service account (what `kubectl` with that account's token would use)."""
+    from pipeline.kube_api import KubernetesApi
+
+    token = workspace / f"token-{namespace}-{account}"
+    token.write_text(cluster.service_account_token(namespace, account))
+    return KubernetesApi(cluster.api.url, token, Path(cluster.api.ca_file))
+
+
+def kubectl_logs(cluster: LocalCluster):
+    """`kubectl -n NS logs -l KEY=VALUE --prefix`: every container log of the pods with that label."""
+    def run(command: str) -> str:
+        argv = command.split()
+        namespace = argv[argv.index("-n") + 1]
+        key, value = argv[argv.index("-l") + 1].split("=", 1)
+        lines = []
+        for pod in cluster.pods_labelled(namespace, key, value):
+            for path in sorted(pod.directory.glob("*.log")):
+                prefix = f"[pod/{pod.name}/{path.stem}] "
+                lines += [prefix + line for line in path.read_text(errors="replace").splitlines()]
+        return "\n".join(lines)
+
+    return run
+
+
+def check_multi_node_training(run, node_loss: NodeLoss) -> str:
+    """The first attempt lost a node after a committed checkpoint; the retry resumed both nodes from it."""
+    _check(node_loss.error is None, f"the node-loss watcher ran without error ({node_loss.error!r})")
+    _check(bool(node_loss.killed), "node 1 of the 2-node training was lost after a checkpoint was committed")
+    _check("[pod/" in node_loss.failed_job_logs and "node" in node_loss.failed_job_logs,
+           "the failed Job's node logs were read with the runbook's kubectl logs command")
+    train = next(ti for ti in run.get_task_instances() if ti.task_id == "train")
+    _check(train.try_number == 2, f"the train task failed once (the lost node) and its retry succeeded "
+                                  f"(try {train.try_number})")
+    result = _train_result(train.xcom_pull(task_ids="train")["uri"])
+    resumed_at = result["global_steps"] - result["steps_this_attempt"]
+    tag = node_loss.killed["checkpoint"]
+    _check(result["nodes"] == 2 and result["world_size"] == 2,
+           f"the retry trained on 2 nodes x 1 rank ({result['nodes']} nodes, world size {result['world_size']})")
+    _check(0 < resumed_at < result["global_steps"] and resumed_at == int(tag.split("-")[1]),
+           f"the retry resumed from the committed checkpoint {tag} (step {resumed_at} of {result['global_steps']}), "
+           "not from scratch")
+    return (f"multi-node training: 2 nodes x 1 rank as Indexed Job {TRAINER_JOB}; node 1 ({node_loss.killed['pod']}) "
+            f"lost after checkpoint {tag}; the retry resumed at step {resumed_at} and finished at step "
+            f"{result['global_steps']} ({result['steps_this_attempt']} steps this attempt)")
+
+
+def _train_result(train_uri: str) -> dict[str, Any]:
+    """runs/<id>/train/train_result.json, read from S3 as the worker's role."""
+    import boto3
+
+    bucket, key = train_uri[len("s3://"):].split("/", 1)
+    body = boto3.client("s3").get_object(Bucket=bucket, Key=f"{key}/train_result.json")["Body"].read()
+    return json.loads(body)
+
+
+def check_fleets_at_rest(cluster: LocalCluster, when: str) -> None:
+    """Neither SGLang fleet holds a pod (or GPUs)."""
+    for name in FLEETS.values():
+        status = cluster.statefulset_status("sglang", name)
+        _check(status["replicas"] == 0, f"{when}: StatefulSet sglang/{name} is at 0 replicas ({status})")
+
+
+def check_fleets_followed_their_stages(run, cluster: LocalCluster) -> str:
+    """Each fleet was scaled to its stage's servers by a task pod, its servers answered the stage, and a
+    teardown task put it back to 0."""
+    states = task_states(run)
+    summary = []
+    for stage, name in FLEETS.items():
+        up = next(ti for ti in run.get_task_instances() if ti.task_id == f"{stage}_fleet_up")
+        scaled = up.xcom_pull(task_ids=up.task_id) or {}
+        _check(states[f"{stage}_fleet_down"] == "success" and scaled.get("scaled") is True,
+               f"{run.run_id}: the {stage} fleet was scaled up ({scaled}) and back down by its tasks")
+        pods = sorted({row["pod"] for row in cluster.history if row["pod"].startswith(f"{name}-")
+                       and row["event"] == "deleted"})
+        _check(len(pods) >= scaled["replicas"], f"{stage} fleet pods ran and were deleted: {pods}")
+        summary.append(f"{stage} fleet {scaled['statefulset']}: {scaled['replicas']} replica(s) ready in "
+                       f"{scaled['ready_seconds']} s, pods {', '.join(pods)}, back to 0")
+    check_fleets_at_rest(cluster, f"after {run.run_id}")
+    return "; ".join(summary)
+
+
+def run_dags(runbook: Runbook, serving: ServingDeployment, cluster: LocalCluster, reference_url: str,
+             workspace: Path) -> list[str]:
     """§2 to §6 of the runbook: the first run, serving it, a failing run, the cron, rollback, status."""
     from drafter_support import DEPLOYMENT
     from pipeline.ids import safe_id
@@ -524,20 +741,24 @@ def run_dags(runbook: Runbook, serving: ServingDeployment) -> list[str]:
     data = parsed_dag("drafter_data").test(run_conf={"num_shards": 2})
     lines.append(f"drafter_data {data.run_id}: {data.state} {task_states(data)}")
     _check(str(data.state) == "success", "drafter_data ran every stage task as a pod and succeeded")
+    lines.append(check_fleets_followed_their_stages(data, cluster))
     events = dataset_events()
     _check(len(events) == 1 and events[0].get("dataset_uri", "").startswith(f"s3://{BUCKET}/"),
            f"drafter_data published the drafter_dataset Asset: {events}")
 
-    first = parsed_dag("drafter_train").test(run_conf={"dataset_uri": events[0]["dataset_uri"]})
-    lines.append(f"drafter_train {first.run_id}: {first.state} {task_states(first)}")
+    with NodeLoss(cluster, runbook, workspace) as node_loss:
+        first = parsed_dag("drafter_train").test(run_conf={"dataset_uri": events[0]["dataset_uri"],
+                                                          "overrides": MULTI_NODE})
+    lines.append(f"drafter_train {first.run_id} ({' '.join(MULTI_NODE)}): {first.state} {task_states(first)}")
     _check(str(first.state) == "success" and task_states(first)["promote"] == "success",
            "drafter_train on the published dataset trained, gated, benchmarked and promoted into S3")
+    lines.append(check_multi_node_training(first, node_loss))
     runbook.run("drafter list --config configs/kimi-k2.5.yaml")
     runbook.run("drafter plan --config configs/kimi-k2.5.yaml --samples 200000 --measured-from <the train run id>",
                 **{"the train run id": safe_id(first.run_id)})
     first_version = promoted_version(first)
     runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
-    lines.append(check_serving(serving, first_version, f"http://127.0.0.1:{GENERATE_PORTS[0]}"))
+    lines.append(check_serving(serving, first_version, reference_url))
 
     broken = parsed_dag("drafter_train").test(run_conf={"overrides": ["train.epochs=0"]})
     configure = next(ti for ti in broken.get_task_instances() if ti.task_id == "configure")
@@ -554,7 +775,7 @@ def run_dags(runbook: Runbook, serving: ServingDeployment) -> list[str]:
 
     runbook.run("drafter rollback --config configs/kimi-k2.5.yaml")
     runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
-    lines.append(check_serving(serving, first_version, f"http://127.0.0.1:{GENERATE_PORTS[0]}"))
+    lines.append(check_serving(serving, first_version, reference_url))
     status = runbook.run("drafter status --config configs/kimi-k2.5.yaml")
     lines.append("status: " + " | ".join(line.strip() for line in status.splitlines() if line.strip()))
     return lines
