@@ -18,11 +18,11 @@ from support import report, scratch_config
 def bare_capture(config, responses_uri, store) -> float:
     """Seconds for the engine alone over every sample, batched as the stage batches them."""
     from pipeline.chat import capture_sequence
+    from pipeline.config import default_aux_layer_ids
+    from pipeline.engines.hf import HFEngine
     from pipeline.manifest import read_listed, read_manifest
     from pipeline.records import decode_jsonl
     from pipeline.stages.capture import teacher_request
-    from pipeline.engines.hf import HFEngine
-    from pipeline.config import default_aux_layer_ids
     from pipeline.target import describe_target, load_tokenizer
 
     target = describe_target(config)
@@ -32,8 +32,12 @@ def bare_capture(config, responses_uri, store) -> float:
     shards = []
     for shard in manifest["shards"]:
         records = decode_jsonl(read_listed(store, prefix, manifest, shard["name"]))
-        sequences = [capture_sequence(tokenizer, r["messages"], r["generation"]["last_output_ids"],
-                                      config.capture.max_length)[0] for r in records]
+        sequences = [
+            capture_sequence(
+                tokenizer, r["messages"], r["generation"]["last_output_ids"], config.capture.max_length
+            )[0]
+            for r in records
+        ]
         shards.append(sorted(sequences, key=len))
     layers = config.capture.aux_layer_ids or default_aux_layer_ids(target.num_layers)
     teacher = teacher_request(config)
@@ -42,7 +46,7 @@ def bare_capture(config, responses_uri, store) -> float:
     size = config.capture.batch_size
     for sequences in shards:
         for start in range(0, len(sequences), size):
-            engine.capture(sequences[start:start + size], layers, teacher)
+            engine.capture(sequences[start : start + size], layers, teacher)
     return time.perf_counter() - started
 
 
@@ -64,9 +68,14 @@ def main() -> None:
         manifest = capture.run(config, responses.uri, f"bench-{round_}", store).manifest
         staged.append(time.perf_counter() - started)
     bare_s, stage_s = sum(bare) / len(bare), sum(staged) / len(staged)
-    report(samples=manifest["totals"]["samples"], tokens=manifest["totals"]["tokens"],
-           encoding=config.capture.encoding, bare_engine_seconds=bare_s, capture_stage_seconds=stage_s,
-           capture_overhead_ratio=stage_s / bare_s)
+    report(
+        samples=manifest["totals"]["samples"],
+        tokens=manifest["totals"]["tokens"],
+        encoding=config.capture.encoding,
+        bare_engine_seconds=bare_s,
+        capture_stage_seconds=stage_s,
+        capture_overhead_ratio=stage_s / bare_s,
+    )
 
 
 if __name__ == "__main__":

@@ -16,14 +16,23 @@ from pathlib import Path
 from support import report, scratch_config
 
 
-def kimi_shape_bytes_per_token(encoding: str, teacher_topk: int, tokens: int = 64, hidden: int = 7168) -> float:
+def kimi_shape_bytes_per_token(
+    encoding: str, teacher_topk: int, tokens: int = 64, hidden: int = 7168
+) -> float:
     import torch
 
     from pipeline.capture_shard import CaptureSample, write_shard
 
     logprobs = torch.log_softmax(torch.randn(tokens, 1000), -1).topk(teacher_topk, -1)
-    sample = CaptureSample("kimi", torch.randint(0, 163840, (tokens,)), torch.ones(tokens, dtype=torch.uint8),
-                           torch.randn(tokens, 3 * hidden), None, logprobs.indices, logprobs.values)
+    sample = CaptureSample(
+        "kimi",
+        torch.randint(0, 163840, (tokens,)),
+        torch.ones(tokens, dtype=torch.uint8),
+        torch.randn(tokens, 3 * hidden),
+        None,
+        logprobs.indices,
+        logprobs.values,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "kimi.safetensors"
         write_shard([sample], path, encoding)
@@ -54,13 +63,20 @@ def main() -> None:
     plain_layout = (3 + 1) * hidden * 2
     ours = bytes_per_token(default)
     kimi = kimi_shape_bytes_per_token(config.capture.encoding, config.capture.teacher_topk)
-    report(samples=default["totals"]["samples"], tokens=default["totals"]["tokens"], hidden_size=hidden,
-           default_encoding=f"{config.capture.encoding}+{'+'.join(config.capture.teacher)}"
-                            f"{config.capture.teacher_topk if 'topk' in config.capture.teacher else ''}",
-           default_bytes_per_token=ours, bf16_last_hidden_shard_bytes_per_token=bytes_per_token(plain),
-           plain_bf16_bytes_per_token=plain_layout, kimi_default_bytes_per_token=kimi,
-           kimi_plain_bf16_bytes_per_token=(3 + 1) * 7168 * 2, kimi_bytes_per_token_ratio=kimi / ((3 + 1) * 7168 * 2),
-           bytes_per_token_ratio=ours / plain_layout)
+    report(
+        samples=default["totals"]["samples"],
+        tokens=default["totals"]["tokens"],
+        hidden_size=hidden,
+        default_encoding=f"{config.capture.encoding}+{'+'.join(config.capture.teacher)}"
+        f"{config.capture.teacher_topk if 'topk' in config.capture.teacher else ''}",
+        default_bytes_per_token=ours,
+        bf16_last_hidden_shard_bytes_per_token=bytes_per_token(plain),
+        plain_bf16_bytes_per_token=plain_layout,
+        kimi_default_bytes_per_token=kimi,
+        kimi_plain_bf16_bytes_per_token=(3 + 1) * 7168 * 2,
+        kimi_bytes_per_token_ratio=kimi / ((3 + 1) * 7168 * 2),
+        bytes_per_token_ratio=ours / plain_layout,
+    )
 
 
 if __name__ == "__main__":

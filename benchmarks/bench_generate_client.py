@@ -30,8 +30,10 @@ def main() -> None:
 
     model_dir = resolve_model_dir(config)
     tokenizer = load_tokenizer(model_dir, config.target.trust_remote_code)
-    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": c["conversations"][0]["value"]}])
-               for c in demo_conversations()[:args.requests]]
+    prompts = [
+        prompt_ids(tokenizer, [{"role": "user", "content": c["conversations"][0]["value"]}])
+        for c in demo_conversations()[: args.requests]
+    ]
     server = serve(StandinBackend(model_dir, None, trust_remote_code=config.target.trust_remote_code))
     url = f"http://127.0.0.1:{server.server_port}"
     params = SamplingParams(args.max_new_tokens, 0.0)
@@ -46,8 +48,13 @@ def main() -> None:
             results[concurrency] = max(results.get(concurrency, 0.0), rps)
     finally:
         server.shutdown()
-    report(requests=len(prompts), max_new_tokens=args.max_new_tokens, rps_c1=results[1],
-           speedup_c16_over_c1=results[16] / results[1], rps_c16=results[16])
+    report(
+        requests=len(prompts),
+        max_new_tokens=args.max_new_tokens,
+        rps_c1=results[1],
+        speedup_c16_over_c1=results[16] / results[1],
+        rps_c16=results[16],
+    )
 
 
 if __name__ == "__main__":

@@ -24,11 +24,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=300)
     args = parser.parse_args()
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.update(
+        {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    )
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
-
-    import logging
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -37,8 +39,9 @@ def main() -> None:
     endpoint = f"http://{host}:{port}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench-loader")
     try:
-        config, store, dataset_uri = captured_dataset(args.samples, ["storage.root=s3://bench-loader/run",
-                                                                      f"storage.endpoint_url={endpoint}"])
+        config, store, dataset_uri = captured_dataset(
+            args.samples, ["storage.root=s3://bench-loader/run", f"storage.endpoint_url={endpoint}"]
+        )
         import torch
 
         from pipeline.manifest import read_manifest
@@ -52,18 +55,31 @@ def main() -> None:
         settings = config.train
         plan = epoch_plan(shards, settings.seed, 0, 0, 1, settings.micro_batch_size)
         with tempfile.TemporaryDirectory() as cache_dir:
-            stream = StreamingShards(shards, ShardCache(store, Path(cache_dir), 1 << 34), settings.max_length,
-                                     settings.prefetch_shards)
+            stream = StreamingShards(
+                shards,
+                ShardCache(store, Path(cache_dir), 1 << 34),
+                settings.max_length,
+                settings.prefetch_shards,
+            )
             started = time.perf_counter()
             batches = [collate(samples, torch.float32) for samples in stream.batches(plan)]
             loader_s = time.perf_counter() - started
             teacher = choose_teacher(settings.teacher, stream.teachers())
             stream.close()
-        spec = {"target_dir": str(describe_target(config).model_dir), "contract": dataset["contract"],
-                "draft_vocab": draft_vocabulary(config, store, dataset, None)}
+        spec = {
+            "target_dir": str(describe_target(config).model_dir),
+            "contract": dataset["contract"],
+            "draft_vocab": draft_vocabulary(config, store, dataset, None),
+        }
         frozen = load_frozen_tensors(Path(spec["target_dir"]))
-        objective = DraftObjective(build_model(config, spec, frozen), frozen["lm_head"].float(), teacher,
-                                   settings.ttt_steps, settings.loss_decay, settings.attention_chunk)
+        objective = DraftObjective(
+            build_model(config, spec, frozen),
+            frozen["lm_head"].float(),
+            teacher,
+            settings.ttt_steps,
+            settings.loss_decay,
+            settings.attention_chunk,
+        )
         optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=1e-4)
         started = time.perf_counter()
         for batch in batches:
@@ -75,9 +91,14 @@ def main() -> None:
     finally:
         server.stop()
     samples = sum(len(b) for b in plan)
-    report(samples=samples, shards=len(shards), shard_mb=round(sum(s.bytes for s in shards) / len(shards) / 2 ** 20, 2),
-           loader_samples_per_s=samples / loader_s, trainer_samples_per_s=samples / train_s,
-           loader_ratio=(samples / loader_s) / (samples / train_s))
+    report(
+        samples=samples,
+        shards=len(shards),
+        shard_mb=round(sum(s.bytes for s in shards) / len(shards) / 2**20, 2),
+        loader_samples_per_s=samples / loader_s,
+        trainer_samples_per_s=samples / train_s,
+        loader_ratio=(samples / loader_s) / (samples / train_s),
+    )
 
 
 if __name__ == "__main__":

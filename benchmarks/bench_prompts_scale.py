@@ -26,7 +26,7 @@ from support import REPO, report, scratch_config
 
 def synthetic_corpus(path: Path, n: int, seed: int = 0) -> None:
     rng = random.Random(seed)
-    words = [f"w{rng.randrange(10 ** 6)}" for _ in range(20000)]
+    words = [f"w{rng.randrange(10**6)}" for _ in range(20000)]
     written = []
     with open(path, "w") as out:
         for index in range(n):
@@ -39,19 +39,33 @@ def synthetic_corpus(path: Path, n: int, seed: int = 0) -> None:
                 key = "content" if "messages" in record else "value"
                 turns[0][key] += " please"
             elif roll < 0.05:
-                record = {"messages": [{"role": "user", "content": ""}]} if index % 2 else {"conversations": [{"value": "x"}]}
+                record = (
+                    {"messages": [{"role": "user", "content": ""}]}
+                    if index % 2
+                    else {"conversations": [{"value": "x"}]}
+                )
             else:
                 text = " ".join(rng.choice(words) for _ in range(rng.randint(20, 80)))
-                record = ({"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]}
-                          if index % 2 else {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]})
+                record = (
+                    {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "ok"}]}
+                    if index % 2
+                    else {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "ok"}]}
+                )
                 if len(written) < 5000:
                     written.append(record)
             out.write(json.dumps(record) + "\n")
 
 
 def child(source: str, n: int) -> None:
-    config = scratch_config([f"prompts.sources=[{{kind: jsonl, path: {source}}}]", f"prompts.num_samples={n}",
-                             "prompts.shard_size=2000", "prompts.max_prompt_tokens=1024", "prompts.eval_fraction=0.01"])
+    config = scratch_config(
+        [
+            f"prompts.sources=[{{kind: jsonl, path: {source}}}]",
+            f"prompts.num_samples={n}",
+            "prompts.shard_size=2000",
+            "prompts.max_prompt_tokens=1024",
+            "prompts.eval_fraction=0.01",
+        ]
+    )
     from pipeline.stages import prompts
     from pipeline.target import resolve_model_dir
 
@@ -64,8 +78,13 @@ def child(source: str, n: int) -> None:
 
 
 def measure(source: Path, n: int) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", str(source), "--n", str(n)], capture_output=True,
-                         text=True, cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(source), "--n", str(n)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -85,9 +104,16 @@ def main() -> None:
         full = measure(full_source, args.n)
     counts = full["counts"]
     rejected = {k.split(".", 1)[1]: v for k, v in counts.items() if k.startswith("rejected.")}
-    report(n=args.n, kept=counts["kept"], rejected=json.dumps(rejected, sort_keys=True).replace(" ", ""),
-           conversations_per_s=args.n / full["seconds"], seconds_quarter=quarter["seconds"],
-           peak_rss_mb_quarter=quarter["peak_rss_mb"], seconds=full["seconds"], peak_rss_mb=full["peak_rss_mb"])
+    report(
+        n=args.n,
+        kept=counts["kept"],
+        rejected=json.dumps(rejected, sort_keys=True).replace(" ", ""),
+        conversations_per_s=args.n / full["seconds"],
+        seconds_quarter=quarter["seconds"],
+        peak_rss_mb_quarter=quarter["peak_rss_mb"],
+        seconds=full["seconds"],
+        peak_rss_mb=full["peak_rss_mb"],
+    )
 
 
 if __name__ == "__main__":

@@ -33,21 +33,33 @@ def main() -> None:
 
     dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
     workdir = Path(config.storage.local_cache) / "bench-train-step"
-    spec = {"config": config.dump(), "workdir": str(workdir), "train_shards": dataset["train_shards"],
-            "shard_cache": str(Path(config.storage.local_cache) / "shards"),
-            "target_dir": str(describe_target(config).model_dir), "contract": dataset["contract"], "init_dir": None,
-            "draft_vocab": draft_vocabulary(config, store, dataset, None)}
+    spec = {
+        "config": config.dump(),
+        "workdir": str(workdir),
+        "train_shards": dataset["train_shards"],
+        "shard_cache": str(Path(config.storage.local_cache) / "shards"),
+        "target_dir": str(describe_target(config).model_dir),
+        "contract": dataset["contract"],
+        "init_dir": None,
+        "draft_vocab": draft_vocabulary(config, store, dataset, None),
+    }
     import shutil
 
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     trainer = Trainer(spec)
-    plan = trainer.plan(0)[:args.steps]
+    plan = trainer.plan(0)[: args.steps]
     frozen = load_frozen_tensors(Path(spec["target_dir"]))
     settings = config.train
     # the same model math, outside DeepSpeed (its gradient hooks are attached to the engine's copy)
-    objective = DraftObjective(build_model(config, spec, frozen), frozen["lm_head"].float(), trainer.teacher,
-                               settings.ttt_steps, settings.loss_decay, settings.attention_chunk)
+    objective = DraftObjective(
+        build_model(config, spec, frozen),
+        frozen["lm_head"].float(),
+        trainer.teacher,
+        settings.ttt_steps,
+        settings.loss_decay,
+        settings.attention_chunk,
+    )
     batches = [collate(samples, trainer.dtype) for samples in trainer.stream.batches(plan)]
 
     def bare() -> float:
@@ -69,10 +81,16 @@ def main() -> None:
     full_s = min(full(), full())
     trainer.stream.close()
     torch.distributed.destroy_process_group()
-    report(steps=len(plan), micro_batch=config.train.micro_batch_size, ttt_steps=config.train.ttt_steps,
-           encoding=dataset["contract"]["aux_encoding"], teacher=json.dumps(dataset["contract"]["teacher_kinds"]),
-           bare_seconds_per_step=bare_s / len(plan), full_seconds_per_step=full_s / len(plan),
-           step_overhead_ratio=full_s / bare_s)
+    report(
+        steps=len(plan),
+        micro_batch=config.train.micro_batch_size,
+        ttt_steps=config.train.ttt_steps,
+        encoding=dataset["contract"]["aux_encoding"],
+        teacher=json.dumps(dataset["contract"]["teacher_kinds"]),
+        bare_seconds_per_step=bare_s / len(plan),
+        full_seconds_per_step=full_s / len(plan),
+        step_overhead_ratio=full_s / bare_s,
+    )
 
 
 if __name__ == "__main__":

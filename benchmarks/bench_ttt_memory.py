@@ -29,9 +29,19 @@ def child(length: int, steps: int, hidden: int, dense: bool) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(2)
     if dense:  # swap in the reference, which keeps every step's dense score matrix for backward
-        drafter_model.ttt_attention = lambda q, keys, values, chunk: drafter_model.dense_ttt_attention(q, keys, values)
-    arch = DrafterArch(hidden_size=hidden, num_heads=4, num_kv_heads=4, head_dim=hidden // 4,
-                       intermediate_size=3 * hidden, vocab_size=2048, draft_vocab_size=1024, aux_layer_ids=[1, 3, 4])
+        drafter_model.ttt_attention = lambda q, keys, values, chunk: drafter_model.dense_ttt_attention(
+            q, keys, values
+        )
+    arch = DrafterArch(
+        hidden_size=hidden,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=hidden // 4,
+        intermediate_size=3 * hidden,
+        vocab_size=2048,
+        draft_vocab_size=1024,
+        aux_layer_ids=[1, 3, 4],
+    )
     model = Eagle3Drafter(arch, torch.randn(2048, hidden))
     aux = torch.randn(1, length, 3 * hidden)
     ids = torch.randint(0, 2048, (1, length))
@@ -45,8 +55,13 @@ def child(length: int, steps: int, hidden: int, dense: bool) -> None:
 
 
 def measure(length: int, steps: int, hidden: int, dense: bool) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child", str(length), "--steps", str(steps), "--hidden",
-                          str(hidden)] + (["--dense"] if dense else []), capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(length), "--steps", str(steps), "--hidden", str(hidden)]
+        + (["--dense"] if dense else []),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["mb"]
 
 
@@ -62,9 +77,16 @@ def main() -> None:
         return
     ours = {length: measure(length, args.steps, args.hidden, False) for length in (512, 2048)}
     dense = {length: measure(length, args.steps, args.hidden, True) for length in (512, 2048)}
-    report(ttt_steps=args.steps, hidden=args.hidden, ours_mb_512=ours[512], ours_mb_2048=ours[2048],
-           dense_mb_512=dense[512], dense_mb_2048=dense[2048], dense_mem_ratio=dense[2048] / dense[512],
-           mem_ratio=ours[2048] / ours[512])
+    report(
+        ttt_steps=args.steps,
+        hidden=args.hidden,
+        ours_mb_512=ours[512],
+        ours_mb_2048=ours[2048],
+        dense_mb_512=dense[512],
+        dense_mb_2048=dense[2048],
+        dense_mem_ratio=dense[2048] / dense[512],
+        mem_ratio=ours[2048] / ours[512],
+    )
 
 
 if __name__ == "__main__":

@@ -24,14 +24,20 @@ from support import report, scratch_config
 def captured(config, store, responses_uri: str, snapshot: str) -> str:
     from pipeline.stages import capture
 
-    return capture.publish_dataset(config, [capture.run(config, responses_uri, snapshot, store).uri], snapshot, store).uri
+    return capture.publish_dataset(
+        config, [capture.run(config, responses_uri, snapshot, store).uri], snapshot, store
+    ).uri
 
 
 def trained(config, store, dataset_uri: str, run_id: str, evaluate_it: bool = True):
     from pipeline.stages import evaluate, train
 
     result = train.run(config, dataset_uri, run_id, store)
-    summary = evaluate.run(config, result.uri, dataset_uri, run_id, store).manifest["summary"] if evaluate_it else None
+    summary = (
+        evaluate.run(config, result.uri, dataset_uri, run_id, store).manifest["summary"]
+        if evaluate_it
+        else None
+    )
     return result, summary
 
 
@@ -42,16 +48,27 @@ def main() -> None:
     args = parser.parse_args()
     common = ["prompts.eval_fraction=0.25", "capture.parity.samples=0", "train.plateau.enabled=false"]
     config = scratch_config(common + [f"prompts.num_samples={args.samples}", f"train.epochs={args.epochs}"])
-    other = scratch_config(common + [f"storage.root={config.storage.root}", "target.name=tiny-other",
-                                     "target.tiny.seed=1", "target.tiny.train_steps=160",
-                                     f"prompts.num_samples={args.samples // 2}", "train.epochs=2"])
+    other = scratch_config(
+        common
+        + [
+            f"storage.root={config.storage.root}",
+            "target.name=tiny-other",
+            "target.tiny.seed=1",
+            "target.tiny.train_steps=160",
+            f"prompts.num_samples={args.samples // 2}",
+            "train.epochs=2",
+        ]
+    )
     from pipeline.stages import generate, prompts
     from pipeline.stages.evaluate import local_drafter_dir
     from pipeline.storage import open_store
     from pipeline.target import describe_target
 
     store = open_store(config.storage)
-    assert describe_target(config).identity["tokenizer_sha256"] == describe_target(other).identity["tokenizer_sha256"]
+    assert (
+        describe_target(config).identity["tokenizer_sha256"]
+        == describe_target(other).identity["tokenizer_sha256"]
+    )
     other_responses = generate.run(other, prompts.run(other, "other", store).uri, "other", store).uri
     other_run, _ = trained(other, store, captured(other, store, other_responses, "other"), "other", False)
     other_drafter = local_drafter_dir(store, store.key_for(other_run.uri), other.storage.run_workdir("other"))
@@ -75,14 +92,20 @@ def main() -> None:
     def per_epoch(result, step):
         return json.dumps([round(e["cond_acc"][step], 4) for e in result.manifest["history"]])
 
-    report(samples=args.samples, epochs=args.epochs, heldout_samples=fp8_eval["samples"],
-           scratch_cond_acc0_by_epoch=per_epoch(scratch, 0), scratch_cond_acc1_by_epoch=per_epoch(scratch, 1),
-           warm_cond_acc0_by_epoch=per_epoch(warm, 0), warm_cond_acc1_by_epoch=per_epoch(warm, 1),
-           fp8_heldout_cond_acc=json.dumps(fp8_eval["cond_acc"][:2]),
-           bf16_heldout_cond_acc=json.dumps(bf16_eval["cond_acc"][:2]),
-           bf16_seed1_heldout_cond_acc=json.dumps(reseeded_eval["cond_acc"][:2]),
-           bf16_seed_cond_acc0_delta=reseeded_eval["cond_acc"][0] - bf16_eval["cond_acc"][0],
-           fp8_cond_acc0_delta=fp8_eval["cond_acc"][0] - bf16_eval["cond_acc"][0])
+    report(
+        samples=args.samples,
+        epochs=args.epochs,
+        heldout_samples=fp8_eval["samples"],
+        scratch_cond_acc0_by_epoch=per_epoch(scratch, 0),
+        scratch_cond_acc1_by_epoch=per_epoch(scratch, 1),
+        warm_cond_acc0_by_epoch=per_epoch(warm, 0),
+        warm_cond_acc1_by_epoch=per_epoch(warm, 1),
+        fp8_heldout_cond_acc=json.dumps(fp8_eval["cond_acc"][:2]),
+        bf16_heldout_cond_acc=json.dumps(bf16_eval["cond_acc"][:2]),
+        bf16_seed1_heldout_cond_acc=json.dumps(reseeded_eval["cond_acc"][:2]),
+        bf16_seed_cond_acc0_delta=reseeded_eval["cond_acc"][0] - bf16_eval["cond_acc"][0],
+        fp8_cond_acc0_delta=fp8_eval["cond_acc"][0] - bf16_eval["cond_acc"][0],
+    )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,14 @@ def scratch_config(overrides: list[str] | None = None, config: str = "configs/lo
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     base = load_config(REPO / config)
     root = tempfile.mkdtemp(prefix="drafter-bench-")
-    cache = str((REPO / base.storage.local_cache).resolve()) if not Path(base.storage.local_cache).is_absolute() \
+    cache = (
+        str((REPO / base.storage.local_cache).resolve())
+        if not Path(base.storage.local_cache).is_absolute()
         else base.storage.local_cache
-    return load_config(REPO / config, [f"storage.root={root}/store", f"storage.local_cache={cache}", *(overrides or [])])
+    )
+    return load_config(
+        REPO / config, [f"storage.root={root}/store", f"storage.local_cache={cache}", *(overrides or [])]
+    )
 
 
 def report(**values) -> None:
@@ -37,8 +42,14 @@ def report(**values) -> None:
 
 def captured_dataset(samples: int, overrides: list[str] | None = None):
     """(config, store, dataset uri) of a fresh captured dataset of the tiny target's own answers."""
-    config = scratch_config([f"prompts.num_samples={samples}", "prompts.eval_fraction=0.1",
-                             "capture.parity.samples=0", *(overrides or [])])
+    config = scratch_config(
+        [
+            f"prompts.num_samples={samples}",
+            "prompts.eval_fraction=0.1",
+            "capture.parity.samples=0",
+            *(overrides or []),
+        ]
+    )
     from pipeline.stages import capture, generate, prompts
     from pipeline.storage import open_store
 
@@ -55,5 +66,12 @@ def single_process_group() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0"})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+        }
+    )

@@ -22,24 +22,59 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
     tags=["drafter"],
     default_args={"on_failure_callback": report_failure},
     params={
-        "config": Param(DEPLOYMENT.run_config, type="string", minLength=1, title="Run config",
-                        description="Run config YAML in the task pods' image or config volume "
-                                    "(e.g. configs/kimi-k2.5.yaml or /etc/drafter/kimi-k2.5.yaml)"),
-        "num_samples": Param(None, type=["null", "integer"], minimum=1, title="Conversations",
-                             description="How many conversations to keep (empty: the config's)"),
-        "shard_size": Param(None, type=["null", "integer"], minimum=1, title="Conversations per shard",
-                            description="Shard size; each shard is one generate and one capture task"),
-        "num_shards": Param(None, type=["null", "integer"], minimum=1, maximum=10000, title="Shards",
-                            description="Split the conversations into about this many shards (held-out ones get their own)"),
-        "sources": Param(None, type=["null", "array"], title="Prompt sources",
-                         description='[{"kind": "jsonl", "path": "s3://bucket/prompts.jsonl", "weight": 1}] '
-                                     "(empty: the config's)",
-                         items={"type": "object", "required": ["kind"],
-                                "properties": {"kind": {"enum": ["demo", "jsonl", "json", "parquet", "arrow"]},
-                                               "path": {"type": "string"}, "weight": {"type": "number",
-                                                                                      "exclusiveMinimum": 0}}}),
-        "overrides": Param(None, type=["null", "array"], items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
-                           title="Config overrides", description="Dotted overrides, e.g. generate.max_new_tokens=512"),
+        "config": Param(
+            DEPLOYMENT.run_config,
+            type="string",
+            minLength=1,
+            title="Run config",
+            description="Run config YAML in the task pods' image or config volume "
+            "(e.g. configs/kimi-k2.5.yaml or /etc/drafter/kimi-k2.5.yaml)",
+        ),
+        "num_samples": Param(
+            None,
+            type=["null", "integer"],
+            minimum=1,
+            title="Conversations",
+            description="How many conversations to keep (empty: the config's)",
+        ),
+        "shard_size": Param(
+            None,
+            type=["null", "integer"],
+            minimum=1,
+            title="Conversations per shard",
+            description="Shard size; each shard is one generate and one capture task",
+        ),
+        "num_shards": Param(
+            None,
+            type=["null", "integer"],
+            minimum=1,
+            maximum=10000,
+            title="Shards",
+            description="Split the conversations into about this many shards (held-out ones get their own)",
+        ),
+        "sources": Param(
+            None,
+            type=["null", "array"],
+            title="Prompt sources",
+            description='[{"kind": "jsonl", "path": "s3://bucket/prompts.jsonl", "weight": 1}] '
+            "(empty: the config's)",
+            items={
+                "type": "object",
+                "required": ["kind"],
+                "properties": {
+                    "kind": {"enum": ["demo", "jsonl", "json", "parquet", "arrow"]},
+                    "path": {"type": "string"},
+                    "weight": {"type": "number", "exclusiveMinimum": 0},
+                },
+            },
+        ),
+        "overrides": Param(
+            None,
+            type=["null", "array"],
+            items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
+            title="Config overrides",
+            description="Dotted overrides, e.g. generate.max_new_tokens=512",
+        ),
     },
 )
 def drafter_data():
@@ -118,7 +153,9 @@ def drafter_data():
     run = configure(plan(), pod_mount_paths())
     shards = shards_of(prompts(run))
     # the generation servers load while the prompts stage runs
-    generate_fleet = fleet_up.override(task_id="generate_fleet_up")(run, "generate", DEPLOYMENT.fleet("generate"))
+    generate_fleet = fleet_up.override(task_id="generate_fleet_up")(
+        run, "generate", DEPLOYMENT.fleet("generate")
+    )
     # the shard tasks' outputs are not passed on (a pod's arguments are pickled, a lazy sequence of
     # mapped results is not): the whole stage reads what the shards published
     generated = generate_shard.partial(run=run).expand(shard=shards)
@@ -126,7 +163,8 @@ def drafter_data():
     regenerated = responses(run)
     generated >> regenerated
     regenerated >> fleet_down.override(task_id="generate_fleet_down")(
-        "generate", DEPLOYMENT.fleet("generate")).as_teardown(setups=generate_fleet, on_failure_fail_dagrun=True)
+        "generate", DEPLOYMENT.fleet("generate")
+    ).as_teardown(setups=generate_fleet, on_failure_fail_dagrun=True)
     capture_fleet = fleet_up.override(task_id="capture_fleet_up")(run, "capture", DEPLOYMENT.fleet("capture"))
     regenerated >> capture_fleet
     checked = parity(run, regenerated)
@@ -135,7 +173,8 @@ def drafter_data():
     captured = captures(run)
     captured_shards >> captured
     captured >> fleet_down.override(task_id="capture_fleet_down")(
-        "capture", DEPLOYMENT.fleet("capture")).as_teardown(setups=capture_fleet, on_failure_fail_dagrun=True)
+        "capture", DEPLOYMENT.fleet("capture")
+    ).as_teardown(setups=capture_fleet, on_failure_fail_dagrun=True)
     publish_dataset(run, captured)
 
 

@@ -19,8 +19,12 @@ log = logging.getLogger("drafter.dags")
 def report_failure(context) -> None:
     """One clear line naming what failed; the exception itself is in the task log."""
     ti = context.get("task_instance")
-    log.error("drafter task %s of run %s failed: %s", getattr(ti, "task_id", "?"),
-              getattr(context.get("dag_run"), "run_id", "?"), type(context.get("exception")).__name__)
+    log.error(
+        "drafter task %s of run %s failed: %s",
+        getattr(ti, "task_id", "?"),
+        getattr(context.get("dag_run"), "run_id", "?"),
+        type(context.get("exception")).__name__,
+    )
 
 
 def _failing_permanent_errors_at_once(function):
@@ -55,7 +59,10 @@ def _with_s3_connection(function):
 
             try:
                 connection = Connection.get(conn_id)
-            except (AirflowNotFoundException, AirflowRuntimeError):  # no such connection: keep the environment
+            except (
+                AirflowNotFoundException,
+                AirflowRuntimeError,
+            ):  # no such connection: keep the environment
                 connection = None
             if connection is not None and connection.login:
                 os.environ["AWS_ACCESS_KEY_ID"] = connection.login
@@ -95,7 +102,9 @@ def configured(run: dict | None) -> dict:
     if run is None:
         from airflow.sdk.exceptions import AirflowSkipException
 
-        raise AirflowSkipException("the run config did not resolve (see the configure task): nothing to report")
+        raise AirflowSkipException(
+            "the run config did not resolve (see the configure task): nothing to report"
+        )
     return run
 
 
@@ -111,7 +120,9 @@ def retrain_schedule(asset):
 
     if not DEPLOYMENT.retrain_cron:
         return [asset]
-    return AssetOrTimeSchedule(timetable=CronTriggerTimetable(DEPLOYMENT.retrain_cron, timezone="UTC"), assets=[asset])
+    return AssetOrTimeSchedule(
+        timetable=CronTriggerTimetable(DEPLOYMENT.retrain_cron, timezone="UTC"), assets=[asset]
+    )
 
 
 def worker_task(stage: str | None = None, short_circuit: bool = False, **extra):
@@ -120,7 +131,9 @@ def worker_task(stage: str | None = None, short_circuit: bool = False, **extra):
     short-circuit task (the gate) skips everything downstream when it returns a false value."""
     options = {**(DEPLOYMENT.task_options(stage) if stage else {}), **extra}
     decorator = task.short_circuit if short_circuit else task
-    return lambda function: decorator(**options)(_with_s3_connection(_failing_permanent_errors_at_once(function)))
+    return lambda function: decorator(**options)(
+        _with_s3_connection(_failing_permanent_errors_at_once(function))
+    )
 
 
 def stage_task(stage: str, **extra):
@@ -129,8 +142,11 @@ def stage_task(stage: str, **extra):
     if DEPLOYMENT.executor == "kubernetes":
         from airflow.providers.common.compat.sdk import task_decorator_factory
 
-        return task_decorator_factory(decorated_operator_class=StagePodOperator, **DEPLOYMENT.pod_options(stage),
-                                      **{**DEPLOYMENT.task_options(stage), **extra})
+        return task_decorator_factory(
+            decorated_operator_class=StagePodOperator,
+            **DEPLOYMENT.pod_options(stage),
+            **{**DEPLOYMENT.task_options(stage), **extra},
+        )
     return worker_task(stage, **extra)
 
 
@@ -165,8 +181,9 @@ if DEPLOYMENT.executor == "kubernetes":
                 raise
             except AirflowException as failure:
                 if _exit_code(remote_pod, self.base_container_name) in PERMANENT_EXIT_CODES:
-                    raise AirflowFailException(f"{failure}\na permanent failure (config, contract, parity or "
-                                               "gate): not retried") from failure
+                    raise AirflowFailException(
+                        f"{failure}\na permanent failure (config, contract, parity or gate): not retried"
+                    ) from failure
                 raise
 
 

@@ -13,8 +13,17 @@ import logging
 
 import pendulum
 from airflow.sdk import Asset, Param, dag
-from drafter_support import (DEPLOYMENT, configured, pod_mount_paths, report_failure, retrain_schedule, show_report,
-                             stage_task, with_report_link, worker_task)
+from drafter_support import (
+    DEPLOYMENT,
+    configured,
+    pod_mount_paths,
+    report_failure,
+    retrain_schedule,
+    show_report,
+    stage_task,
+    with_report_link,
+    worker_task,
+)
 
 DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
@@ -28,23 +37,63 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
     tags=["drafter"],
     default_args={"on_failure_callback": report_failure},
     params={
-        "config": Param(DEPLOYMENT.run_config, type="string", minLength=1, title="Run config",
-                        description="Run config YAML in the task pods' image or config volume; scheduled "
-                                    "runs use this default (the deployment config's run_config)"),
-        "dataset_uri": Param(None, type=["null", "string"], title="Dataset URI",
-                             description="Empty: the triggering dataset, else the newest one of the target"),
-        "epochs": Param(None, type=["null", "integer"], minimum=1, maximum=100, title="Epochs",
-                        description="Training epochs (empty: the config's)"),
-        "init": Param("scratch", type="string", enum=["scratch", "warm"], title="Initialization",
-                      description="Train from scratch, or warm-start from an existing drafter"),
-        "init_from": Param(None, type=["null", "string"], title="Warm start from",
-                           description="A drafter directory or registry:<alias> (only with warm start)"),
-        "min_cond_acc_0": Param(None, type=["null", "number"], minimum=0, maximum=1, title="Gate: min cond_acc_0",
-                                description="Override the gate's minimum first-step acceptance"),
-        "min_tau_simulated": Param(None, type=["null", "number"], minimum=1, title="Gate: min acceptance length",
-                                   description="Override the gate's minimum simulated acceptance length"),
-        "overrides": Param(None, type=["null", "array"], items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
-                           title="Config overrides", description="Dotted overrides, e.g. train.learning_rate=1e-4"),
+        "config": Param(
+            DEPLOYMENT.run_config,
+            type="string",
+            minLength=1,
+            title="Run config",
+            description="Run config YAML in the task pods' image or config volume; scheduled "
+            "runs use this default (the deployment config's run_config)",
+        ),
+        "dataset_uri": Param(
+            None,
+            type=["null", "string"],
+            title="Dataset URI",
+            description="Empty: the triggering dataset, else the newest one of the target",
+        ),
+        "epochs": Param(
+            None,
+            type=["null", "integer"],
+            minimum=1,
+            maximum=100,
+            title="Epochs",
+            description="Training epochs (empty: the config's)",
+        ),
+        "init": Param(
+            "scratch",
+            type="string",
+            enum=["scratch", "warm"],
+            title="Initialization",
+            description="Train from scratch, or warm-start from an existing drafter",
+        ),
+        "init_from": Param(
+            None,
+            type=["null", "string"],
+            title="Warm start from",
+            description="A drafter directory or registry:<alias> (only with warm start)",
+        ),
+        "min_cond_acc_0": Param(
+            None,
+            type=["null", "number"],
+            minimum=0,
+            maximum=1,
+            title="Gate: min cond_acc_0",
+            description="Override the gate's minimum first-step acceptance",
+        ),
+        "min_tau_simulated": Param(
+            None,
+            type=["null", "number"],
+            minimum=1,
+            title="Gate: min acceptance length",
+            description="Override the gate's minimum simulated acceptance length",
+        ),
+        "overrides": Param(
+            None,
+            type=["null", "array"],
+            items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
+            title="Config overrides",
+            description="Dotted overrides, e.g. train.learning_rate=1e-4",
+        ),
     },
 )
 def drafter_train():
@@ -71,8 +120,9 @@ def drafter_train():
     def evaluate(run: dict, trained: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("evaluate", run["config"], run["run_id"],
-                         dataset_uri=run["dataset_uri"], train_uri=trained["uri"])
+        return run_stage(
+            "evaluate", run["config"], run["run_id"], dataset_uri=run["dataset_uri"], train_uri=trained["uri"]
+        )
 
     # skips only its direct downstream (benchmark); promote follows by its trigger rule, report still runs
     @worker_task("gate", short_circuit=True, ignore_downstream_trigger_rules=False)
@@ -81,8 +131,9 @@ def drafter_train():
 
         decision = gate_decision(run["config"], run["run_id"], eval_uri=evaluation["uri"])
         if not decision["passed"]:
-            logging.getLogger("drafter.gate").warning("%s\nnot promoting: benchmark and promote are skipped",
-                                                      decision["reasons"])
+            logging.getLogger("drafter.gate").warning(
+                "%s\nnot promoting: benchmark and promote are skipped", decision["reasons"]
+            )
             return None
         return decision
 
@@ -90,15 +141,28 @@ def drafter_train():
     def benchmark(run: dict, trained: dict, evaluation: dict, gated: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("benchmark", run["config"], run["run_id"], train_uri=trained["uri"],
-                         eval_uri=evaluation["uri"], prompts_uri=run["prompts_uri"])
+        return run_stage(
+            "benchmark",
+            run["config"],
+            run["run_id"],
+            train_uri=trained["uri"],
+            eval_uri=evaluation["uri"],
+            prompts_uri=run["prompts_uri"],
+        )
 
     @stage_task("promote")
     def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("promote", run["config"], run["run_id"], train_uri=trained["uri"],
-                         eval_uri=evaluation["uri"], gate_uri=gated["uri"], bench_uri=bench["uri"])
+        return run_stage(
+            "promote",
+            run["config"],
+            run["run_id"],
+            train_uri=trained["uri"],
+            eval_uri=evaluation["uri"],
+            gate_uri=gated["uri"],
+            bench_uri=bench["uri"],
+        )
 
     @worker_task("report")
     def report(run: dict | None, ti=None) -> dict:

@@ -46,7 +46,9 @@ def airflow_env(home: Path, port: int, overrides: dict[str, str | None] | None =
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": f"{USER}:admin",
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(home / "passwords.json"),
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-        "DRAFTER_DEPLOYMENT": os.environ.get("DRAFTER_DEPLOYMENT", str(PROJECT_ROOT / "configs/deployment/local.yaml")),
+        "DRAFTER_DEPLOYMENT": os.environ.get(
+            "DRAFTER_DEPLOYMENT", str(PROJECT_ROOT / "configs/deployment/local.yaml")
+        ),
         "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"),
         "PYTHONUNBUFFERED": "1",
     }
@@ -87,21 +89,28 @@ def wait_healthy(port: int, timeout_s: float) -> None:
     raise RuntimeError(f"Airflow on 127.0.0.1:{port} did not become healthy in {timeout_s:.0f}s")
 
 
-def up(home: Path, port: int, timeout_s: float = 300, env: dict[str, str | None] | None = None) -> dict[str, int]:
+def up(
+    home: Path, port: int, timeout_s: float = 300, env: dict[str, str | None] | None = None
+) -> dict[str, int]:
     """Start the four components; returns their PIDs (also written to <home>/pids.json)."""
     home = home.resolve()
     login_file(home)
     env = airflow_env(home, port, env)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     subprocess.run([_airflow(), "db", "migrate"], env=env, check=True, capture_output=True)
-    subprocess.run([_airflow(), "pools", "set", "drafter_gpu", "1", "GPU-bound drafter tasks"], env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [_airflow(), "pools", "set", "drafter_gpu", "1", "GPU-bound drafter tasks"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     pids = {}
     for name, args in COMPONENTS.items():
         log = open(home / "logs" / f"{name}.log", "ab")
         command = [_airflow()] + [a.format(port=port) for a in args]
-        pids[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT,
-                                      start_new_session=True).pid
+        pids[name] = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT, start_new_session=True
+        ).pid
     (home / "pids.json").write_text(json.dumps({"port": port, "pids": pids}))
     try:
         wait_healthy(port, timeout_s)

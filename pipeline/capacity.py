@@ -47,8 +47,9 @@ def target_shape(config: RunConfig) -> TargetShape:
 
 
 @functools.lru_cache(maxsize=64)
-def shard_bytes_per_token(hidden_size: int, encoding: str, teacher: tuple[str, ...], topk: int,
-                          sample_tokens: int = 256) -> float:
+def shard_bytes_per_token(
+    hidden_size: int, encoding: str, teacher: tuple[str, ...], topk: int, sample_tokens: int = 256
+) -> float:
     """Bytes one captured token costs in a shard: two synthetic samples of different lengths written
     by the real shard writer; the slope is the per-token cost (per-sample headers cancel out)."""
     import torch
@@ -59,10 +60,14 @@ def shard_bytes_per_token(hidden_size: int, encoding: str, teacher: tuple[str, .
         generator = torch.Generator().manual_seed(tokens)
         logprobs = torch.log_softmax(torch.randn(tokens, 4 * topk, generator=generator), -1).topk(topk, -1)
         sample = CaptureSample(
-            "plan", torch.randint(0, 1000, (tokens,), generator=generator), torch.ones(tokens, dtype=torch.uint8),
+            "plan",
+            torch.randint(0, 1000, (tokens,), generator=generator),
+            torch.ones(tokens, dtype=torch.uint8),
             torch.randn(tokens, 3 * hidden_size, generator=generator),
             torch.randn(tokens, hidden_size, generator=generator) if "last_hidden" in teacher else None,
-            logprobs.indices if "topk" in teacher else None, logprobs.values if "topk" in teacher else None)
+            logprobs.indices if "topk" in teacher else None,
+            logprobs.values if "topk" in teacher else None,
+        )
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "plan.safetensors"
             write_shard([sample], path, encoding)
@@ -96,8 +101,10 @@ def measured_rates(config: RunConfig, run_id: str) -> dict[str, Any]:
         "prompt_tokens_mean": (totals["tokens"] - totals["assistant_tokens"]) / totals["samples"],
         "response_tokens_mean": totals["assistant_tokens"] / totals["samples"],
     }
-    captured = {shard["name"].replace(".safetensors", ".jsonl"): shard
-                for shard in dataset["train_shards"] + dataset["eval_shards"]}
+    captured = {
+        shard["name"].replace(".safetensors", ".jsonl"): shard
+        for shard in dataset["train_shards"] + dataset["eval_shards"]
+    }
     generate_rates, capture_rates = [], []
     for shard in responses["shards"]:
         stats = captured.get(shard["name"])
@@ -118,24 +125,40 @@ def measured_rates(config: RunConfig, run_id: str) -> dict[str, Any]:
     if steps and seconds and result.get("steps_per_epoch"):
         epochs = steps / result["steps_per_epoch"]
         rates["train_tok_s_per_gpu"] = totals["tokens"] * epochs / seconds / result["world_size"]
-    return {"rates": rates, "source": {"run_id": run_id, "dataset": train["dataset"],
-                                       "generate_shards_timed": len(generate_rates),
-                                       "capture_shards_timed": len(capture_rates)}}
+    return {
+        "rates": rates,
+        "source": {
+            "run_id": run_id,
+            "dataset": train["dataset"],
+            "generate_shards_timed": len(generate_rates),
+            "capture_shards_timed": len(capture_rates),
+        },
+    }
 
 
-def plan(config: RunConfig, samples: int, generate_servers: int | None = None, capture_servers: int | None = None,
-         train_nodes: int | None = None, measured: dict[str, Any] | None = None) -> dict[str, Any]:
+def plan(
+    config: RunConfig,
+    samples: int,
+    generate_servers: int | None = None,
+    capture_servers: int | None = None,
+    train_nodes: int | None = None,
+    measured: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The capacity plan as a dict (numbers rounded for reading)."""
     if samples < 1:
         raise PlanError("--samples must be at least 1")
     assumptions = config.plan.model_copy(update=(measured or {}).get("rates", {}))
     shape = target_shape(config)
-    servers = {"generate": generate_servers or engine_servers(config.generate),
-               "capture": capture_servers or engine_servers(config.capture)}
+    servers = {
+        "generate": generate_servers or engine_servers(config.generate),
+        "capture": capture_servers or engine_servers(config.capture),
+    }
     nodes = train_nodes or (config.train.nodes if config.train.nodes > 1 else assumptions.train_nodes)
     train_gpus = nodes * config.train.nproc
 
-    response_tokens = min(assumptions.response_tokens_mean, config.generate.max_new_tokens * assumptions.assistant_turns)
+    response_tokens = min(
+        assumptions.response_tokens_mean, config.generate.max_new_tokens * assumptions.assistant_turns
+    )
     tokens_per_sample = min(assumptions.prompt_tokens_mean + response_tokens, config.capture.max_length)
     captured_tokens = samples * tokens_per_sample
     train_tokens = captured_tokens * (1 - config.prompts.eval_fraction)
@@ -143,32 +166,65 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
 
     storage = _storage(config, shape, captured_tokens, assumptions)
     stages = {
-        "generate": _gpu_stage(generated_tokens, assumptions.generate_tok_s_per_server * servers["generate"],
-                               servers["generate"] * shape.gpus_per_server, f"{servers['generate']} SGLang servers"),
-        "capture": _gpu_stage(captured_tokens, assumptions.capture_tok_s_per_server * servers["capture"],
-                              servers["capture"] * shape.gpus_per_server, f"{servers['capture']} SGLang servers"),
-        "train": _gpu_stage(train_tokens * config.train.epochs, assumptions.train_tok_s_per_gpu * train_gpus,
-                            train_gpus, f"{nodes} node(s) x {config.train.nproc} GPUs, {config.train.epochs} epochs"),
+        "generate": _gpu_stage(
+            generated_tokens,
+            assumptions.generate_tok_s_per_server * servers["generate"],
+            servers["generate"] * shape.gpus_per_server,
+            f"{servers['generate']} SGLang servers",
+        ),
+        "capture": _gpu_stage(
+            captured_tokens,
+            assumptions.capture_tok_s_per_server * servers["capture"],
+            servers["capture"] * shape.gpus_per_server,
+            f"{servers['capture']} SGLang servers",
+        ),
+        "train": _gpu_stage(
+            train_tokens * config.train.epochs,
+            assumptions.train_tok_s_per_gpu * train_gpus,
+            train_gpus,
+            f"{nodes} node(s) x {config.train.nproc} GPUs, {config.train.epochs} epochs",
+        ),
     }
     gpu_hours = sum(stage["gpu_hours"] for stage in stages.values())
     fleets = _fleets(stages, servers, shape.gpus_per_server, assumptions)
     chosen = storage["encodings"][storage["chosen"]]
     s3 = _s3_cost(chosen["bytes"], storage["text_bytes"], config, assumptions, samples)
     return {
-        "target": config.target.name, "samples": samples,
-        "tokens": {"prompt_mean": round(assumptions.prompt_tokens_mean, 1), "response_mean": round(response_tokens, 1),
-                   "per_sample": round(tokens_per_sample, 1), "captured": round(captured_tokens),
-                   "generated": round(generated_tokens), "trained_per_epoch": round(train_tokens)},
-        "rates": {key: round(getattr(assumptions, key), 2) for key in
-                  ("generate_tok_s_per_server", "capture_tok_s_per_server", "train_tok_s_per_gpu")},
-        "rates_source": {key: ("measured" if key in (measured or {}).get("rates", {}) else "configured")
-                         for key in ("prompt_tokens_mean", "response_tokens_mean", "generate_tok_s_per_server",
-                                     "capture_tok_s_per_server", "train_tok_s_per_gpu")},
+        "target": config.target.name,
+        "samples": samples,
+        "tokens": {
+            "prompt_mean": round(assumptions.prompt_tokens_mean, 1),
+            "response_mean": round(response_tokens, 1),
+            "per_sample": round(tokens_per_sample, 1),
+            "captured": round(captured_tokens),
+            "generated": round(generated_tokens),
+            "trained_per_epoch": round(train_tokens),
+        },
+        "rates": {
+            key: round(getattr(assumptions, key), 2)
+            for key in ("generate_tok_s_per_server", "capture_tok_s_per_server", "train_tok_s_per_gpu")
+        },
+        "rates_source": {
+            key: ("measured" if key in (measured or {}).get("rates", {}) else "configured")
+            for key in (
+                "prompt_tokens_mean",
+                "response_tokens_mean",
+                "generate_tok_s_per_server",
+                "capture_tok_s_per_server",
+                "train_tok_s_per_gpu",
+            )
+        },
         "measured_from": (measured or {}).get("source"),
-        "storage": storage, "stages": stages, "fleets": fleets,
-        "total": {"gpu_hours": round(gpu_hours, 1), "gpu_usd": round(gpu_hours * assumptions.gpu_hour_usd),
-                  "wall_hours": round(sum(stage["wall_hours"] for stage in stages.values()), 1),
-                  "s3_usd": s3, "usd": round(gpu_hours * assumptions.gpu_hour_usd + s3["total_usd"])},
+        "storage": storage,
+        "stages": stages,
+        "fleets": fleets,
+        "total": {
+            "gpu_hours": round(gpu_hours, 1),
+            "gpu_usd": round(gpu_hours * assumptions.gpu_hour_usd),
+            "wall_hours": round(sum(stage["wall_hours"] for stage in stages.values()), 1),
+            "s3_usd": s3,
+            "usd": round(gpu_hours * assumptions.gpu_hour_usd + s3["total_usd"]),
+        },
         "assumptions": assumptions.model_dump(),
     }
 
@@ -176,8 +232,9 @@ def plan(config: RunConfig, samples: int, generate_servers: int | None = None, c
 WEEK_HOURS = 7 * 24
 
 
-def _fleets(stages: dict[str, Any], servers: dict[str, int], gpus_per_server: int,
-            assumptions: PlanAssumptions) -> dict[str, Any]:
+def _fleets(
+    stages: dict[str, Any], servers: dict[str, int], gpus_per_server: int, assumptions: PlanAssumptions
+) -> dict[str, Any]:
     """The SGLang fleets exist only around their stage (pipeline.fleets): each is up for its stage's wall
     time plus the servers' load time. Kept up around the clock instead, they would hold their GPUs idle
     between runs: `idle_gpu_hours_per_week` is that cost, which scaling to 0 avoids."""
@@ -185,27 +242,42 @@ def _fleets(stages: dict[str, Any], servers: dict[str, int], gpus_per_server: in
     rows = {}
     for name in ("generate", "capture"):
         gpus = servers[name] * gpus_per_server
-        rows[name] = {"gpus": gpus, "up_hours": round(stages[name]["wall_hours"] + load_hours, 1),
-                      "load_gpu_hours": round(load_hours * gpus, 1)}
+        rows[name] = {
+            "gpus": gpus,
+            "up_hours": round(stages[name]["wall_hours"] + load_hours, 1),
+            "load_gpu_hours": round(load_hours * gpus, 1),
+        }
     gpus = sum(row["gpus"] for row in rows.values())
     up_gpu_hours = sum(row["gpus"] * row["up_hours"] for row in rows.values())
-    return {"servers": rows, "load_gpu_hours": round(sum(row["load_gpu_hours"] for row in rows.values()), 1),
-            "always_on_gpus": gpus, "always_on_gpu_hours_per_week": gpus * WEEK_HOURS,
-            "always_on_usd_per_week": round(gpus * WEEK_HOURS * assumptions.gpu_hour_usd),
-            "idle_gpu_hours_per_week": round(max(gpus * WEEK_HOURS - up_gpu_hours, 0.0), 1)}
+    return {
+        "servers": rows,
+        "load_gpu_hours": round(sum(row["load_gpu_hours"] for row in rows.values()), 1),
+        "always_on_gpus": gpus,
+        "always_on_gpu_hours_per_week": gpus * WEEK_HOURS,
+        "always_on_usd_per_week": round(gpus * WEEK_HOURS * assumptions.gpu_hour_usd),
+        "idle_gpu_hours_per_week": round(max(gpus * WEEK_HOURS - up_gpu_hours, 0.0), 1),
+    }
 
 
 def _gpu_stage(tokens: float, tokens_per_second: float, gpus: int, layout: str) -> dict[str, Any]:
     wall_hours = tokens / tokens_per_second / 3600
-    return {"tokens": round(tokens), "tok_s": round(tokens_per_second, 1), "gpus": gpus, "layout": layout,
-            "wall_hours": round(wall_hours, 2), "gpu_hours": round(wall_hours * gpus, 1)}
+    return {
+        "tokens": round(tokens),
+        "tok_s": round(tokens_per_second, 1),
+        "gpus": gpus,
+        "layout": layout,
+        "wall_hours": round(wall_hours, 2),
+        "gpu_hours": round(wall_hours * gpus, 1),
+    }
 
 
 def _encoding_name(encoding: str, teacher) -> str:
     return f"{encoding}+{'+'.join(teacher)}"
 
 
-def _storage(config: RunConfig, shape: TargetShape, captured_tokens: float, assumptions: PlanAssumptions) -> dict:
+def _storage(
+    config: RunConfig, shape: TargetShape, captured_tokens: float, assumptions: PlanAssumptions
+) -> dict:
     topk = config.capture.teacher_topk
     encodings = {}
     for encoding, teacher in ENCODINGS + [(config.capture.encoding, tuple(config.capture.teacher))]:
@@ -214,64 +286,104 @@ def _storage(config: RunConfig, shape: TargetShape, captured_tokens: float, assu
             continue
         per_token = shard_bytes_per_token(shape.hidden_size, encoding, teacher, topk)
         total = per_token * captured_tokens
-        encodings[name] = {"bytes_per_token": round(per_token, 1), "bytes": round(total), "tb": round(total / TB, 2),
-                           "usd_per_month": round(total / GB * assumptions.s3_gb_month_usd)}
+        encodings[name] = {
+            "bytes_per_token": round(per_token, 1),
+            "bytes": round(total),
+            "tb": round(total / TB, 2),
+            "usd_per_month": round(total / GB * assumptions.s3_gb_month_usd),
+        }
     plain = (3 + 1) * shape.hidden_size * 2  # 3 aux + the last hidden state in bf16, what other tools store
     text_bytes = captured_tokens * assumptions.text_bytes_per_token * 2  # prompts + responses JSONL
-    return {"encodings": encodings, "chosen": _encoding_name(config.capture.encoding, config.capture.teacher),
-            "plain_bf16_bytes_per_token": plain, "plain_bf16_tb": round(plain * captured_tokens / TB, 2),
-            "text_bytes": round(text_bytes), "text_gb": round(text_bytes / GB, 1)}
+    return {
+        "encodings": encodings,
+        "chosen": _encoding_name(config.capture.encoding, config.capture.teacher),
+        "plain_bf16_bytes_per_token": plain,
+        "plain_bf16_tb": round(plain * captured_tokens / TB, 2),
+        "text_bytes": round(text_bytes),
+        "text_gb": round(text_bytes / GB, 1),
+    }
 
 
-def _s3_cost(capture_bytes: float, text_bytes: float, config: RunConfig, assumptions: PlanAssumptions,
-             samples: int) -> dict[str, Any]:
+def _s3_cost(
+    capture_bytes: float, text_bytes: float, config: RunConfig, assumptions: PlanAssumptions, samples: int
+) -> dict[str, Any]:
     part = config.storage.multipart_threshold_mb * 2**20
     shards = -(-samples // config.prompts.shard_size)
     puts = shards * (3 + max(1, capture_bytes / shards / part)) + 4 * shards  # text, capture parts, markers
     # training reads every capture shard once per epoch per node when the shard cache cannot hold it all
     gets = config.train.epochs * max(1, capture_bytes / part)
-    storage_usd = (capture_bytes + text_bytes) / GB * assumptions.s3_gb_month_usd * assumptions.retention_months
-    requests_usd = puts / 1000 * assumptions.s3_put_per_1000_usd + gets / 1000 * assumptions.s3_get_per_1000_usd
-    return {"storage_usd": round(storage_usd), "requests_usd": round(requests_usd, 2),
-            "put_requests": round(puts), "get_requests": round(gets),
-            "total_usd": round(storage_usd + requests_usd)}
+    storage_usd = (
+        (capture_bytes + text_bytes) / GB * assumptions.s3_gb_month_usd * assumptions.retention_months
+    )
+    requests_usd = (
+        puts / 1000 * assumptions.s3_put_per_1000_usd + gets / 1000 * assumptions.s3_get_per_1000_usd
+    )
+    return {
+        "storage_usd": round(storage_usd),
+        "requests_usd": round(requests_usd, 2),
+        "put_requests": round(puts),
+        "get_requests": round(gets),
+        "total_usd": round(storage_usd + requests_usd),
+    }
 
 
 def _fleet_line(fleets: dict[str, Any], gpu_hour_usd: float) -> str:
-    up = ", ".join(f"{name} {row['gpus']} GPUs up {row['up_hours']:,} h" for name, row in fleets["servers"].items())
-    return (f"SGLang fleets, scaled to 0 between runs: {up}, loading included ({fleets['load_gpu_hours']:,} "
-            f"GPU-hours, not in the total); left up around the clock they would hold "
-            f"{fleets['always_on_gpus']} GPUs: {fleets['always_on_gpu_hours_per_week']:,} GPU-hours "
-            f"(${fleets['always_on_usd_per_week']:,}) a week, {fleets['idle_gpu_hours_per_week']:,} of them idle "
-            "in a week with one such run")
+    up = ", ".join(
+        f"{name} {row['gpus']} GPUs up {row['up_hours']:,} h" for name, row in fleets["servers"].items()
+    )
+    return (
+        f"SGLang fleets, scaled to 0 between runs: {up}, loading included ({fleets['load_gpu_hours']:,} "
+        f"GPU-hours, not in the total); left up around the clock they would hold "
+        f"{fleets['always_on_gpus']} GPUs: {fleets['always_on_gpu_hours_per_week']:,} GPU-hours "
+        f"(${fleets['always_on_usd_per_week']:,}) a week, {fleets['idle_gpu_hours_per_week']:,} of them idle "
+        "in a week with one such run"
+    )
 
 
 def format_plan(report: dict[str, Any]) -> str:
     """The plan as a readable text table."""
-    lines = [f"capacity plan: {report['target']}, {report['samples']:,} conversations",
-             f"tokens per conversation: prompt {report['tokens']['prompt_mean']:,} + response "
-             f"{report['tokens']['response_mean']:,} -> {report['tokens']['per_sample']:,} captured; "
-             f"{report['tokens']['captured']:,} captured in all",
-             "", "storage (captures, per encoding):",
-             f"  {'encoding':<24}{'bytes/token':>12}{'TB':>10}{'$/month':>10}"]
+    lines = [
+        f"capacity plan: {report['target']}, {report['samples']:,} conversations",
+        f"tokens per conversation: prompt {report['tokens']['prompt_mean']:,} + response "
+        f"{report['tokens']['response_mean']:,} -> {report['tokens']['per_sample']:,} captured; "
+        f"{report['tokens']['captured']:,} captured in all",
+        "",
+        "storage (captures, per encoding):",
+        f"  {'encoding':<24}{'bytes/token':>12}{'TB':>10}{'$/month':>10}",
+    ]
     for name, row in report["storage"]["encodings"].items():
         mark = "  <- config" if name == report["storage"]["chosen"] else ""
-        lines.append(f"  {name:<24}{row['bytes_per_token']:>12,.0f}{row['tb']:>10,.2f}{row['usd_per_month']:>10,}{mark}")
-    lines.append(f"  {'plain bf16 (3 aux+last)':<24}{report['storage']['plain_bf16_bytes_per_token']:>12,}"
-                 f"{report['storage']['plain_bf16_tb']:>10,.2f}")
-    lines += [f"  prompts + responses JSONL: {report['storage']['text_gb']:,} GB", "",
-              "compute:", f"  {'stage':<10}{'tokens':>16}{'tok/s':>12}{'GPUs':>6}{'wall h':>9}{'GPU h':>10}  layout"]
+        lines.append(
+            f"  {name:<24}{row['bytes_per_token']:>12,.0f}{row['tb']:>10,.2f}{row['usd_per_month']:>10,}{mark}"
+        )
+    lines.append(
+        f"  {'plain bf16 (3 aux+last)':<24}{report['storage']['plain_bf16_bytes_per_token']:>12,}"
+        f"{report['storage']['plain_bf16_tb']:>10,.2f}"
+    )
+    lines += [
+        f"  prompts + responses JSONL: {report['storage']['text_gb']:,} GB",
+        "",
+        "compute:",
+        f"  {'stage':<10}{'tokens':>16}{'tok/s':>12}{'GPUs':>6}{'wall h':>9}{'GPU h':>10}  layout",
+    ]
     for name, stage in report["stages"].items():
-        lines.append(f"  {name:<10}{stage['tokens']:>16,}{stage['tok_s']:>12,.0f}{stage['gpus']:>6}"
-                     f"{stage['wall_hours']:>9,.1f}{stage['gpu_hours']:>10,.1f}  {stage['layout']}")
+        lines.append(
+            f"  {name:<10}{stage['tokens']:>16,}{stage['tok_s']:>12,.0f}{stage['gpus']:>6}"
+            f"{stage['wall_hours']:>9,.1f}{stage['gpu_hours']:>10,.1f}  {stage['layout']}"
+        )
     total, s3 = report["total"], report["total"]["s3_usd"]
-    lines += ["", f"total: {total['gpu_hours']:,} GPU-hours (${total['gpu_usd']:,}), {total['wall_hours']:,} h wall "
-                  f"if the stages run one after another",
-              f"S3: ${s3['storage_usd']:,} storage for {report['assumptions']['retention_months']:g} month(s) + "
-              f"${s3['requests_usd']:,} requests "
-              f"({s3['put_requests']:,} PUT, {s3['get_requests']:,} GET); all in: ${total['usd']:,}",
-              _fleet_line(report["fleets"], report["assumptions"]["gpu_hour_usd"]),
-              "rates: " + ", ".join(f"{k} {v:,} ({report['rates_source'][k]})" for k, v in report["rates"].items())]
+    lines += [
+        "",
+        f"total: {total['gpu_hours']:,} GPU-hours (${total['gpu_usd']:,}), {total['wall_hours']:,} h wall "
+        f"if the stages run one after another",
+        f"S3: ${s3['storage_usd']:,} storage for {report['assumptions']['retention_months']:g} month(s) + "
+        f"${s3['requests_usd']:,} requests "
+        f"({s3['put_requests']:,} PUT, {s3['get_requests']:,} GET); all in: ${total['usd']:,}",
+        _fleet_line(report["fleets"], report["assumptions"]["gpu_hour_usd"]),
+        "rates: " + ", ".join(f"{k} {v:,} ({report['rates_source'][k]})" for k, v in report["rates"].items()),
+    ]
     if report["measured_from"]:
-        lines.append(f"measured from run {report['measured_from']['run_id']} ({report['measured_from']['dataset']})")
+        lines.append(
+            f"measured from run {report['measured_from']['run_id']} ({report['measured_from']['dataset']})"
+        )
     return "\n".join(lines)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -31,9 +31,15 @@ FORMAT = "drafter-capture-shard/2"
 ENCODINGS = ("bf16", "fp8")
 TEACHERS = ("last_hidden", "topk")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_DTYPES = {"I32": (np.int32, torch.int32), "U8": (np.uint8, torch.uint8), "I64": (np.int64, torch.int64),
-           "BF16": (np.uint16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32),
-           "F8_E4M3": (np.uint8, torch.float8_e4m3fn)}
+_DTYPES = {
+    "I32": (np.int32, torch.int32),
+    "U8": (np.uint8, torch.uint8),
+    "I64": (np.int64, torch.int64),
+    "BF16": (np.uint16, torch.bfloat16),
+    "F16": (np.float16, torch.float16),
+    "F32": (np.float32, torch.float32),
+    "F8_E4M3": (np.uint8, torch.float8_e4m3fn),
+}
 
 
 class ShardFormatError(ValueError):
@@ -54,11 +60,19 @@ class CaptureSample:
     def length(self) -> int:
         return int(self.input_ids.numel())
 
-    def truncated(self, length: int) -> "CaptureSample":
+    def truncated(self, length: int) -> CaptureSample:
         def cut(t):
             return None if t is None else t[:length]
-        return CaptureSample(self.sample_id, self.input_ids[:length], self.loss_mask[:length], self.aux[:length],
-                             cut(self.last_hidden), cut(self.topk_ids), cut(self.topk_logprobs))
+
+        return CaptureSample(
+            self.sample_id,
+            self.input_ids[:length],
+            self.loss_mask[:length],
+            self.aux[:length],
+            cut(self.last_hidden),
+            cut(self.topk_ids),
+            cut(self.topk_logprobs),
+        )
 
 
 def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +97,15 @@ def _encode(name: str, values: list[torch.Tensor], encoding: str, groups: int) -
     return {name: quantized, f"{name}_scale": scale}
 
 
-_SAFETENSORS_DTYPES = {torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64", torch.bfloat16: "BF16",
-                       torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+_SAFETENSORS_DTYPES = {
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.int64: "I64",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float8_e4m3fn: "F8_E4M3",
+}
 
 
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
@@ -98,8 +119,11 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
     ordered = sorted(tensors.items())
     for name, tensor in ordered:
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     encoded = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -116,8 +140,11 @@ def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = 
         raise ShardFormatError(f"unsupported aux encoding {encoding!r}; use one of {ENCODINGS}")
     if not samples:
         raise ShardFormatError("refusing to write an empty shard")
-    teachers = [t for t in TEACHERS if all(getattr(s, "last_hidden" if t == "last_hidden" else "topk_ids") is not None
-                                           for s in samples)]
+    teachers = [
+        t
+        for t in TEACHERS
+        if all(getattr(s, "last_hidden" if t == "last_hidden" else "topk_ids") is not None for s in samples)
+    ]
     if not teachers:
         raise ShardFormatError("samples carry no teacher signal (last_hidden or top-k log-probs)")
     lengths = [s.length for s in samples]
@@ -132,11 +159,20 @@ def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = 
     if "topk" in teachers:
         tensors["topk_ids"] = torch.cat([s.topk_ids.to(torch.int32) for s in samples])
         tensors["topk_logprobs"] = torch.cat([s.topk_logprobs.to(torch.float16) for s in samples])
-    metadata = {"format": FORMAT, "encoding": encoding, "teacher": ",".join(teachers),
-                "sample_ids": json.dumps([s.sample_id for s in samples])}
+    metadata = {
+        "format": FORMAT,
+        "encoding": encoding,
+        "teacher": ",".join(teachers),
+        "sample_ids": json.dumps([s.sample_id for s in samples]),
+    }
     write_safetensors(path, tensors, metadata)
-    return {"samples": len(samples), "tokens": int(tensors["offsets"][-1]),
-            "assistant_tokens": int(tensors["loss_mask"].sum()), "teacher": teachers, "encoding": encoding}
+    return {
+        "samples": len(samples),
+        "tokens": int(tensors["offsets"][-1]),
+        "assistant_tokens": int(tensors["loss_mask"].sum()),
+        "teacher": teachers,
+        "encoding": encoding,
+    }
 
 
 class ShardReader:
@@ -150,7 +186,9 @@ class ShardReader:
         header = json.loads(self._read(8, 8 + header_len))
         self.metadata = header.pop("__metadata__", {}) or {}
         if self.metadata.get("format") != FORMAT:
-            raise ShardFormatError(f"not a capture shard of format {FORMAT} (found {self.metadata.get('format')!r})")
+            raise ShardFormatError(
+                f"not a capture shard of format {FORMAT} (found {self.metadata.get('format')!r})"
+            )
         self.entries = header
         self.data_start = 8 + header_len
         self.encoding = self.metadata["encoding"]
@@ -161,7 +199,7 @@ class ShardReader:
             raise ShardFormatError("offsets and sample ids disagree")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ShardReader":
+    def from_file(cls, path: str | Path) -> ShardReader:
         handle = open(path, "rb")
 
         def read(start: int, end: int) -> bytes:
@@ -193,7 +231,9 @@ class ShardReader:
         stop = self.data_start + begin + row_end * row_bytes
         if stop > self.data_start + end:
             raise ShardFormatError(f"rows {row_start}:{row_end} out of range for {name}")
-        array = np.frombuffer(self._read(start, stop), dtype=np_dtype).reshape([row_end - row_start] + shape[1:])
+        array = np.frombuffer(self._read(start, stop), dtype=np_dtype).reshape(
+            [row_end - row_start] + shape[1:]
+        )
         tensor = torch.from_numpy(array.copy())
         return tensor.view(torch_dtype) if tensor.dtype != torch_dtype else tensor
 

@@ -9,8 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 ROLE_ALIASES = {
-    "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-    "model": "assistant", "bot": "assistant", "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "system": "system",
 }
 
 
@@ -73,16 +79,18 @@ def user_turn_count(messages: list[dict[str, str]]) -> int:
 
 def prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation prefix ending with the generation prompt for the next assistant turn."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
 
 
 def _render(tokenizer, messages: list[dict[str, str]], generation_prompt: bool) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
 
 
-def assistant_spans(tokenizer, messages: list[dict[str, str]],
-                    generation_prompt: bool = False) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer, messages: list[dict[str, str]], generation_prompt: bool = False
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered text and the character spans the target generates (content + end-of-turn token)."""
     text = _render(tokenizer, messages, generation_prompt)
     spans = []
@@ -90,7 +98,7 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]],
         if message["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:index], True)
-        through = _render(tokenizer, messages[:index + 1], False)
+        through = _render(tokenizer, messages[: index + 1], False)
         if not (text.startswith(through) and through.startswith(before)):
             raise ValueError("the chat template does not render conversation prefixes as text prefixes")
         start = through.find(message["content"], len(before))
@@ -117,6 +125,7 @@ def _mask_from_pieces(tokenizer, text: str, spans: list[tuple[int, int]]) -> tup
     """For tokenizers without character offsets (Python ones, such as Kimi's tiktoken tokenizer): the text
     tokenized piece by piece, cut at the span edges. That equals tokenizing it whole when every edge is a
     token edge, as where a turn starts after a special token and ends with one; checked, never assumed."""
+
     def encode(piece: str) -> list[int]:
         return list(tokenizer(piece, add_special_tokens=False)["input_ids"]) if piece else []
 
@@ -130,13 +139,16 @@ def _mask_from_pieces(tokenizer, text: str, spans: list[tuple[int, int]]) -> tup
             mask += [inside] * len(piece_ids)
         cursor = end
     if ids != encode(text):
-        raise ValueError("the tokenizer gives no character offsets and the assistant turns do not start and end "
-                         "on token boundaries, so the loss mask cannot be placed")
+        raise ValueError(
+            "the tokenizer gives no character offsets and the assistant turns do not start and end "
+            "on token boundaries, so the loss mask cannot be placed"
+        )
     return ids, mask
 
 
-def tokenize_with_loss_mask(tokenizer, messages: list[dict[str, str]], max_length: int | None = None,
-                            generation_prompt: bool = False) -> tuple[list[int], list[int]]:
+def tokenize_with_loss_mask(
+    tokenizer, messages: list[dict[str, str]], max_length: int | None = None, generation_prompt: bool = False
+) -> tuple[list[int], list[int]]:
     """Token ids of the conversation and a mask that is 1 exactly on assistant-generated tokens."""
     text, spans = assistant_spans(tokenizer, messages, generation_prompt)
     mask_of = _mask_from_offsets if tokenizer.is_fast else _mask_from_pieces
@@ -146,8 +158,9 @@ def tokenize_with_loss_mask(tokenizer, messages: list[dict[str, str]], max_lengt
     return ids, mask
 
 
-def capture_sequence(tokenizer, messages: list[dict[str, str]], last_output_ids: list[int] | None,
-                     max_length: int) -> tuple[list[int], list[int]]:
+def capture_sequence(
+    tokenizer, messages: list[dict[str, str]], last_output_ids: list[int] | None, max_length: int
+) -> tuple[list[int], list[int]]:
     """The token sequence to capture and its loss mask.
 
     When the final assistant turn's exact generated token ids are known, they are used verbatim

@@ -37,8 +37,12 @@ def quiet_libraries() -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     for noisy in ("botocore", "boto3", "urllib3", "s3transfer", "datasets", "filelock", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -81,27 +85,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target name (default: the config's)")
     p.add_argument("--alias", default="production", help="alias or version")
     p.add_argument("--dest", required=True)
-    p.add_argument("--flags-file", help="also write the version's SGLang serving flags to this file (one line), for "
-                                        "a server started from it: `launch_server ... $(cat FILE)`")
+    p.add_argument(
+        "--flags-file",
+        help="also write the version's SGLang serving flags to this file (one line), for "
+        "a server started from it: `launch_server ... $(cat FILE)`",
+    )
     p = sub.add_parser("rollback", help="point production back at previous")
     _common(p, run_id=False)
     p = sub.add_parser("list", help="list drafter versions and aliases")
     _common(p, run_id=False)
     p = sub.add_parser("verify", help="verify a drafter directory against its manifest.json")
     p.add_argument("directory")
-    _common(sub.add_parser("report", help="render runs/<run_id>/report/: plots and a self-contained report.html"))
+    _common(
+        sub.add_parser("report", help="render runs/<run_id>/report/: plots and a self-contained report.html")
+    )
     p = sub.add_parser("status", help="the registry's aliases and recent runs with their gate/bench outcomes")
     _common(p, run_id=False)
     p.add_argument("--limit", type=int, default=10, help="how many recent runs to show")
     p = sub.add_parser("plan", help="capacity plan: storage, GPU-hours, wall time and S3 cost for N samples")
     p.add_argument("--config", required=True)
     p.add_argument("--samples", type=int, required=True, help="conversations to generate and capture")
-    p.add_argument("--generate-servers", type=int, help="SGLang generation servers (default: generate.sglang.urls)")
-    p.add_argument("--capture-servers", type=int, help="SGLang capture servers (default: capture.sglang.urls)")
-    p.add_argument("--train-nodes", type=int,
-                   help="training nodes (default: train.nodes when above 1, else plan.train_nodes)")
-    p.add_argument("--measured-from", metavar="RUN_ID",
-                   help="take token counts and rates measured by this finished run (a pilot) over the config's")
+    p.add_argument(
+        "--generate-servers", type=int, help="SGLang generation servers (default: generate.sglang.urls)"
+    )
+    p.add_argument(
+        "--capture-servers", type=int, help="SGLang capture servers (default: capture.sglang.urls)"
+    )
+    p.add_argument(
+        "--train-nodes",
+        type=int,
+        help="training nodes (default: train.nodes when above 1, else plan.train_nodes)",
+    )
+    p.add_argument(
+        "--measured-from",
+        metavar="RUN_ID",
+        help="take token counts and rates measured by this finished run (a pilot) over the config's",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. plan.gpu_hour_usd=3.2")
     p = sub.add_parser("train-worker", help=argparse.SUPPRESS)
@@ -132,8 +151,10 @@ def dispatch(args) -> int:
         return 0
     if args.command == "verify":
         manifest = registry.verify_dir(args.directory)
-        print(f"ok: {args.directory} matches its manifest ({len(manifest['objects'])} files, "
-              f"{manifest.get('target')} version {manifest.get('version')})")
+        print(
+            f"ok: {args.directory} matches its manifest ({len(manifest['objects'])} files, "
+            f"{manifest.get('target')} version {manifest.get('version')})"
+        )
         return 0
     config = _load(args)
     if args.command == "plan":
@@ -172,14 +193,21 @@ def dispatch(args) -> int:
         from pipeline.report import render
 
         result = render(store, _require_run_id(args), target)
-        print(f"report: {result.manifest['link']} ({result.manifest['outcome']}; plots: "
-              f"{', '.join(result.manifest['plots']) or 'none'})")
+        print(
+            f"report: {result.manifest['link']} ({result.manifest['outcome']}; plots: "
+            f"{', '.join(result.manifest['plots']) or 'none'})"
+        )
         return 0
     if args.command == "list":
-        aliases = {a: (registry.read_alias(store, target, a) or {}).get("version")
-                   for a in registry.SHOWN_ALIASES}
-        print(json.dumps({"target": target, "aliases": aliases, "versions": registry.list_versions(store, target)},
-                         indent=2))
+        aliases = {
+            a: (registry.read_alias(store, target, a) or {}).get("version") for a in registry.SHOWN_ALIASES
+        }
+        print(
+            json.dumps(
+                {"target": target, "aliases": aliases, "versions": registry.list_versions(store, target)},
+                indent=2,
+            )
+        )
         return 0
     return _stage(args, config)
 
@@ -188,7 +216,9 @@ def _plan(args, config) -> int:
     from pipeline.capacity import format_plan, measured_rates, plan
 
     measured = measured_rates(config, args.measured_from) if args.measured_from else None
-    report = plan(config, args.samples, args.generate_servers, args.capture_servers, args.train_nodes, measured)
+    report = plan(
+        config, args.samples, args.generate_servers, args.capture_servers, args.train_nodes, measured
+    )
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0
 
@@ -197,8 +227,11 @@ def _stage(args, config) -> int:
     from pipeline.tasks import run_stage
 
     run_id = _require_run_id(args)
-    uris = {"prompts_uri": getattr(args, "prompts", None), "responses_uri": getattr(args, "responses", None),
-            "dataset_uri": getattr(args, "dataset", None)}
+    uris = {
+        "prompts_uri": getattr(args, "prompts", None),
+        "responses_uri": getattr(args, "responses", None),
+        "dataset_uri": getattr(args, "dataset", None),
+    }
     print(json.dumps(run_stage(args.command, config, run_id, **uris)))
     if args.command == "capture":
         print(json.dumps(run_stage("dataset", config, run_id)))

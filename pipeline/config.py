@@ -29,8 +29,12 @@ class StorageConfig(Strict):
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, ...)")
     region: str | None = None
     multipart_threshold_mb: int = Field(64, ge=5)
-    max_attempts: int = Field(8, ge=1, description="S3 requests: attempts on throttling (503 SlowDown), 5xx, "
-                                                   "dropped connections and stale or torn reads")
+    max_attempts: int = Field(
+        8,
+        ge=1,
+        description="S3 requests: attempts on throttling (503 SlowDown), 5xx, "
+        "dropped connections and stale or torn reads",
+    )
     local_cache: str = Field(".cache/drafter", description="local dir for models, downloads, work dirs")
 
     def run_workdir(self, run_id: str) -> Path:
@@ -50,20 +54,26 @@ class TinyDeepseekV3Shape(Strict):
 
     q_lora_rank: int = Field(32, ge=1, description="MLA: rank of the compressed query")
     kv_lora_rank: int = Field(16, ge=1, description="MLA: rank of the compressed key/value")
-    qk_nope_head_dim: int = Field(8, ge=1, description="MLA: per-head query/key dims without rotary embedding")
+    qk_nope_head_dim: int = Field(
+        8, ge=1, description="MLA: per-head query/key dims without rotary embedding"
+    )
     qk_rope_head_dim: int = Field(8, ge=2, multiple_of=2, description="MLA: per-head rotary dims")
     v_head_dim: int = Field(16, ge=1)
     n_routed_experts: int = Field(4, ge=2)
     n_shared_experts: int = Field(1, ge=1)
     num_experts_per_tok: int = Field(2, ge=1, description="routed experts per token")
     moe_intermediate_size: int = Field(64, ge=8, description="MLP width of each expert")
-    first_k_dense_replace: int = Field(1, ge=0, description="leading layers with a dense MLP instead of experts")
+    first_k_dense_replace: int = Field(
+        1, ge=0, description="leading layers with a dense MLP instead of experts"
+    )
 
     @model_validator(mode="after")
-    def _experts_fit(self) -> "TinyDeepseekV3Shape":
+    def _experts_fit(self) -> TinyDeepseekV3Shape:
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts "
-                             f"{self.n_routed_experts}")
+            raise ValueError(
+                f"num_experts_per_tok {self.num_experts_per_tok} exceeds n_routed_experts "
+                f"{self.n_routed_experts}"
+            )
         return self
 
 
@@ -71,8 +81,10 @@ class TinyTargetRecipe(Strict):
     """How the embedded tiny target is built; its hash names the cached build."""
 
     architecture: Literal["llama", "deepseek_v3"] = Field(
-        "llama", description="deepseek_v3: MLA + MoE shipped like Kimi-K2.5, with its own model and tiktoken "
-                             "tokenizer code (needs target.trust_remote_code)")
+        "llama",
+        description="deepseek_v3: MLA + MoE shipped like Kimi-K2.5, with its own model and tiktoken "
+        "tokenizer code (needs target.trust_remote_code)",
+    )
     num_layers: int = Field(8, ge=2)
     hidden_size: int = Field(128, ge=16)
     num_heads: int = Field(4, ge=1)
@@ -84,11 +96,12 @@ class TinyTargetRecipe(Strict):
     learning_rate: float = 3e-3
     seed: int = 0
     max_corpus_modules: int | None = Field(None, description="cap for quick test builds")
-    deepseek_v3: TinyDeepseekV3Shape | None = Field(None, description="architecture deepseek_v3 only; defaults "
-                                                                      "when left out")
+    deepseek_v3: TinyDeepseekV3Shape | None = Field(
+        None, description="architecture deepseek_v3 only; defaults when left out"
+    )
 
     @model_validator(mode="after")
-    def _shape_of_the_architecture(self) -> "TinyTargetRecipe":
+    def _shape_of_the_architecture(self) -> TinyTargetRecipe:
         if self.architecture == "llama" and self.deepseek_v3 is not None:
             raise ValueError("target.tiny.deepseek_v3 is set but target.tiny.architecture is 'llama'")
         if self.architecture == "deepseek_v3" and self.deepseek_v3 is None:
@@ -105,9 +118,11 @@ class TargetConfig(Strict):
     revision: str | None = None
     tiny: TinyTargetRecipe | None = None
     trust_remote_code: bool = Field(
-        False, description="run the Python code the model directory ships (auto_map in config.json or "
-                           "tokenizer_config.json), as Kimi-K2.5 needs; transformers' trust_remote_code, "
-                           "SGLang's --trust-remote-code")
+        False,
+        description="run the Python code the model directory ships (auto_map in config.json or "
+        "tokenizer_config.json), as Kimi-K2.5 needs; transformers' trust_remote_code, "
+        "SGLang's --trust-remote-code",
+    )
     num_layers: int | None = Field(None, description="expected; checked against the model config")
     hidden_size: int | None = None
     vocab_size: int | None = None
@@ -119,24 +134,28 @@ class TargetConfig(Strict):
         return validate_id(name, "target.name")
 
     @model_validator(mode="after")
-    def _source_has_what_it_needs(self) -> "TargetConfig":
+    def _source_has_what_it_needs(self) -> TargetConfig:
         if self.source == "tiny" and self.tiny is None:
             self.tiny = TinyTargetRecipe()
         if self.source == "hf" and not self.model_path:
             raise ValueError("target.source 'hf' needs target.model_path")
         if self.source == "tiny" and self.tiny.architecture == "deepseek_v3" and not self.trust_remote_code:
-            raise ValueError("target.tiny.architecture 'deepseek_v3' ships its own code, like Kimi-K2.5: "
-                             "set target.trust_remote_code: true")
+            raise ValueError(
+                "target.tiny.architecture 'deepseek_v3' ships its own code, like Kimi-K2.5: "
+                "set target.trust_remote_code: true"
+            )
         return self
 
 
 class PromptSource(Strict):
     kind: Literal["demo", "jsonl", "json", "parquet", "arrow"] = "demo"
-    path: str | None = Field(None, description="a file, a directory, a glob, s3://bucket/key or s3://bucket/prefix/")
+    path: str | None = Field(
+        None, description="a file, a directory, a glob, s3://bucket/key or s3://bucket/prefix/"
+    )
     weight: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
-    def _path_for_files(self) -> "PromptSource":
+    def _path_for_files(self) -> PromptSource:
         if self.kind != "demo" and not self.path:
             raise ValueError(f"prompt source of kind {self.kind!r} needs a path")
         return self
@@ -149,20 +168,30 @@ class PromptsConfig(Strict):
     shard_size: int = Field(256, ge=1, description="conversations per shard")
     min_prompt_tokens: int = Field(4, ge=1)
     max_prompt_tokens: int = Field(256, ge=1)
-    near_dedup: bool = Field(True, description="drop prompts whose text nearly duplicates an earlier one "
-                                               "(MinHash LSH, Jaccard ~0.8 on word 5-grams)")
-    max_bad_fraction: float = Field(0.01, ge=0.0, le=1.0,
-                                    description="share of the records read that may be lines that are not JSON; "
-                                                "up to it they are skipped and counted (rejected.malformed_json), "
-                                                "past it the stage fails naming file:line")
+    near_dedup: bool = Field(
+        True,
+        description="drop prompts whose text nearly duplicates an earlier one "
+        "(MinHash LSH, Jaccard ~0.8 on word 5-grams)",
+    )
+    max_bad_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="share of the records read that may be lines that are not JSON; "
+        "up to it they are skipped and counted (rejected.malformed_json), "
+        "past it the stage fails naming file:line",
+    )
     seed: int = 0
 
 
 class SGLangClientConfig(Strict):
     urls: list[str] = Field(min_length=1, description="server base URLs (for capture: aux-state servers)")
-    deadline_s: float | None = Field(None, gt=0, description="per request, all retries included "
-                                                             "(default: timeout_s x (retries + 1))")
-    last_hidden_urls: list[str] | None = Field(None, description="capture only: servers returning the last hidden state")
+    deadline_s: float | None = Field(
+        None, gt=0, description="per request, all retries included (default: timeout_s x (retries + 1))"
+    )
+    last_hidden_urls: list[str] | None = Field(
+        None, description="capture only: servers returning the last hidden state"
+    )
     concurrency: int = Field(8, ge=1)
     timeout_s: float = Field(600.0, gt=0)
     retries: int = Field(3, ge=0)
@@ -174,12 +203,16 @@ class GenerateConfig(Strict):
     temperature: float = Field(0.0, ge=0.0)
     batch_size: int = Field(32, ge=1)
     checkpoint_every: int = Field(128, ge=1, description="conversations per resumable part of a shard")
-    teacher_topk: int | None = Field(None, ge=1, le=128, description="also keep the top-k log-probs behind every "
-                                                                    "generated token of the final turn")
+    teacher_topk: int | None = Field(
+        None,
+        ge=1,
+        le=128,
+        description="also keep the top-k log-probs behind every generated token of the final turn",
+    )
     sglang: SGLangClientConfig | None = None
 
     @model_validator(mode="after")
-    def _sglang_needs_urls(self) -> "GenerateConfig":
+    def _sglang_needs_urls(self) -> GenerateConfig:
         if self.engine == "sglang" and self.sglang is None:
             raise ValueError("generate.engine 'sglang' needs generate.sglang.urls")
         return self
@@ -198,11 +231,14 @@ class CaptureConfig(Strict):
     aux_layer_ids: list[int] | None = Field(
         None, description="0-indexed decoder layers whose OUTPUT is captured; default [1, N//2-1, N-4]"
     )
-    encoding: Literal["bf16", "fp8"] = Field("fp8", description="aux (and last hidden) storage: bf16, or e4m3 "
-                                                               "with one scale per token and layer")
+    encoding: Literal["bf16", "fp8"] = Field(
+        "fp8", description="aux (and last hidden) storage: bf16, or e4m3 with one scale per token and layer"
+    )
     teacher: list[Literal["last_hidden", "topk"]] = Field(
-        default_factory=lambda: ["topk"], min_length=1,
-        description="teacher signals stored: post-norm last hidden state and/or top-k log-probs")
+        default_factory=lambda: ["topk"],
+        min_length=1,
+        description="teacher signals stored: post-norm last hidden state and/or top-k log-probs",
+    )
     teacher_topk: int = Field(16, ge=1, le=128)
     max_length: int = Field(2048, ge=8)
     batch_size: int = Field(8, ge=1)
@@ -210,12 +246,14 @@ class CaptureConfig(Strict):
     sglang: SGLangClientConfig | None = None
 
     @model_validator(mode="after")
-    def _sglang_needs_urls(self) -> "CaptureConfig":
+    def _sglang_needs_urls(self) -> CaptureConfig:
         if self.engine == "sglang" and self.sglang is None:
             raise ValueError("capture.engine 'sglang' needs capture.sglang.urls (aux-state servers)")
         if self.engine == "sglang" and "last_hidden" in self.teacher and not self.sglang.last_hidden_urls:
-            raise ValueError("a last_hidden teacher with SGLang needs capture.sglang.last_hidden_urls "
-                             "(servers without --enable-return-aux-hidden-states)")
+            raise ValueError(
+                "a last_hidden teacher with SGLang needs capture.sglang.last_hidden_urls "
+                "(servers without --enable-return-aux-hidden-states)"
+            )
         return self
 
     @field_validator("aux_layer_ids")
@@ -246,9 +284,11 @@ class PlateauConfig(Strict):
 
 # DeepSpeed's multi-node runner reached nodes over SSH (pdsh), which lost the pods' environment (IRSA's S3
 # credentials among it); every node now runs the same torchrun command instead.
-_SSH_LAUNCHER_GONE = ("the SSH (pdsh) multi-node launcher: set train.nodes, train.rendezvous_endpoint and "
-                      "train.rendezvous_port; every node runs the same torchrun command with c10d rendezvous "
-                      "(train.launcher kubernetes creates their pods from infra/k8s/trainer-workers.yaml)")
+_SSH_LAUNCHER_GONE = (
+    "the SSH (pdsh) multi-node launcher: set train.nodes, train.rendezvous_endpoint and "
+    "train.rendezvous_port; every node runs the same torchrun command with c10d rendezvous "
+    "(train.launcher kubernetes creates their pods from infra/k8s/trainer-workers.yaml)"
+)
 
 
 class TrainConfig(Strict):
@@ -265,26 +305,43 @@ class TrainConfig(Strict):
     cache_gb: float = Field(50.0, gt=0, description="local shard cache budget per rank (LRU)")
     prefetch_shards: int = Field(2, ge=0, description="shards fetched ahead of the one being trained on")
     nproc: int = Field(2, ge=1, description="ranks per node: GPUs per node, or CPU processes without GPUs")
-    nodes: int = Field(1, ge=1, description="training nodes, one torchrun agent each, all running the same "
-                                            "command and meeting at the c10d rendezvous (rendezvous_endpoint:"
-                                            "rendezvous_port); one node started here runs `--standalone`")
+    nodes: int = Field(
+        1,
+        ge=1,
+        description="training nodes, one torchrun agent each, all running the same "
+        "command and meeting at the c10d rendezvous (rendezvous_endpoint:"
+        "rendezvous_port); one node started here runs `--standalone`",
+    )
     launcher: Literal["torchrun", "kubernetes"] = Field(
-        "torchrun", description="who starts the node agents: torchrun: this process, on this machine (several "
-                                "nodes here are the local rehearsal of a cluster run); kubernetes: the pods of "
-                                "the Indexed Job in kubernetes_job, created by the train stage, which waits for it")
+        "torchrun",
+        description="who starts the node agents: torchrun: this process, on this machine (several "
+        "nodes here are the local rehearsal of a cluster run); kubernetes: the pods of "
+        "the Indexed Job in kubernetes_job, created by the train stage, which waits for it",
+    )
     rendezvous_endpoint: str | None = Field(
-        None, description="host of the c10d rendezvous, reachable from every node (several nodes or launcher "
-                          "kubernetes): 127.0.0.1 on one machine; in Kubernetes node 0's name under the "
-                          "headless Service, <job>-0.<service>")
-    rendezvous_port: int = Field(29400, ge=1, le=65535, description="port of the rendezvous store on the endpoint")
-    rendezvous_timeout_s: int = Field(900, ge=1, description="how long a node waits for all nodes to join; pods "
-                                                             "on freshly scaled GPU nodes start minutes apart")
-    kubernetes_job: str = Field("infra/k8s/trainer-workers.yaml",
-                                description="launcher kubernetes: the manifest of the Indexed Job of node pods")
+        None,
+        description="host of the c10d rendezvous, reachable from every node (several nodes or launcher "
+        "kubernetes): 127.0.0.1 on one machine; in Kubernetes node 0's name under the "
+        "headless Service, <job>-0.<service>",
+    )
+    rendezvous_port: int = Field(
+        29400, ge=1, le=65535, description="port of the rendezvous store on the endpoint"
+    )
+    rendezvous_timeout_s: int = Field(
+        900,
+        ge=1,
+        description="how long a node waits for all nodes to join; pods "
+        "on freshly scaled GPU nodes start minutes apart",
+    )
+    kubernetes_job: str = Field(
+        "infra/k8s/trainer-workers.yaml",
+        description="launcher kubernetes: the manifest of the Indexed Job of node pods",
+    )
     deepspeed_config: str = "configs/deepspeed/zero2-cpu.json"
     precision: Literal["fp32", "bf16"] = "fp32"
     teacher: Literal["auto", "last_hidden", "topk"] = Field(
-        "auto", description="auto: last_hidden when the captures carry it, else top-k log-probs")
+        "auto", description="auto: last_hidden when the captures carry it, else top-k log-probs"
+    )
     checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint at epoch ends only")
     seed: int = 0
     log_every: int = Field(20, ge=1)
@@ -303,17 +360,19 @@ class TrainConfig(Strict):
         return data
 
     @model_validator(mode="after")
-    def _warm_needs_source(self) -> "TrainConfig":
+    def _warm_needs_source(self) -> TrainConfig:
         if self.init == "warm" and not self.init_from:
             raise ValueError("train.init 'warm' needs train.init_from (a drafter directory or registry uri)")
         return self
 
     @model_validator(mode="after")
-    def _rendezvous_for_several_nodes(self) -> "TrainConfig":
+    def _rendezvous_for_several_nodes(self) -> TrainConfig:
         if (self.nodes > 1 or self.launcher == "kubernetes") and not self.rendezvous_endpoint:
-            raise ValueError("several nodes (train.nodes > 1) or train.launcher 'kubernetes' need "
-                             "train.rendezvous_endpoint (127.0.0.1 on one machine; <job>-0.<headless service> "
-                             "in Kubernetes)")
+            raise ValueError(
+                "several nodes (train.nodes > 1) or train.launcher 'kubernetes' need "
+                "train.rendezvous_endpoint (127.0.0.1 on one machine; <job>-0.<headless service> "
+                "in Kubernetes)"
+            )
         return self
 
 
@@ -342,13 +401,23 @@ class SGLangBenchConfig(Strict):
     topk: int = Field(1, ge=1, description="--speculative-eagle-topk")
     draft_tokens: int = Field(4, ge=2, description="--speculative-num-draft-tokens")
     ngram_draft_tokens: int = Field(4, ge=2)
-    ngram_args: list[str] = Field(default_factory=lambda: [
-        "--speculative-ngram-min-bfs-breadth", "1", "--speculative-ngram-max-bfs-breadth", "10",
-        "--speculative-ngram-match-type", "BFS", "--speculative-ngram-max-trie-depth", "18",
-        "--speculative-ngram-capacity", "10000000"])
+    ngram_args: list[str] = Field(
+        default_factory=lambda: [
+            "--speculative-ngram-min-bfs-breadth",
+            "1",
+            "--speculative-ngram-max-bfs-breadth",
+            "10",
+            "--speculative-ngram-match-type",
+            "BFS",
+            "--speculative-ngram-max-trie-depth",
+            "18",
+            "--speculative-ngram-capacity",
+            "10000000",
+        ]
+    )
 
     @model_validator(mode="after")
-    def _chain_tokens(self) -> "SGLangBenchConfig":
+    def _chain_tokens(self) -> SGLangBenchConfig:
         if self.topk == 1 and self.draft_tokens != self.steps + 1:
             raise ValueError("with topk 1 SGLang requires draft_tokens == steps + 1")
         return self
@@ -358,7 +427,9 @@ class BenchmarkConfig(Strict):
     engine: Literal["local", "sglang"] = "local"
     num_prompts: int = Field(16, ge=1)
     max_new_tokens: int = Field(96, ge=1)
-    draft_steps: int = Field(4, ge=1, description="n-gram draft length, and the chain when auto_select is off")
+    draft_steps: int = Field(
+        4, ge=1, description="n-gram draft length, and the chain when auto_select is off"
+    )
     auto_select: bool = Field(True, description="pick steps/topk/draft tokens with the speedup model")
     max_draft_steps: int = Field(6, ge=1)
     tree_widths: list[int] = Field(default_factory=lambda: [1, 2, 4], description="topk values considered")
@@ -374,9 +445,11 @@ class BenchmarkConfig(Strict):
     sglang: SGLangBenchConfig | None = None
 
     @model_validator(mode="after")
-    def _sglang_settings(self) -> "BenchmarkConfig":
+    def _sglang_settings(self) -> BenchmarkConfig:
         if self.engine == "sglang" and self.sglang is None:
-            raise ValueError("benchmark.engine 'sglang' needs benchmark.sglang (launch command, model path, ...)")
+            raise ValueError(
+                "benchmark.engine 'sglang' needs benchmark.sglang (launch command, model path, ...)"
+            )
         return self
 
 
@@ -393,18 +466,33 @@ class RegistryConfig(Strict):
 class PlanAssumptions(Strict):
     """What `drafter plan` assumes where no pilot run measured it (replace with measured figures)."""
 
-    prompt_tokens_mean: float = Field(600, gt=0, description="prompt tokens per conversation (all user turns)")
+    prompt_tokens_mean: float = Field(
+        600, gt=0, description="prompt tokens per conversation (all user turns)"
+    )
     response_tokens_mean: float = Field(900, gt=0, description="assistant tokens per conversation")
-    assistant_turns: float = Field(1.5, gt=0, description="assistant turns per conversation (caps responses "
-                                                          "at generate.max_new_tokens per turn)")
-    generate_tok_s_per_server: float = Field(1500, gt=0, description="output tok/s of one generation server "
-                                                                     "at generate.sglang.concurrency")
-    capture_tok_s_per_server: float = Field(1000, gt=0, description="captured tok/s of one capture server, "
-                                                                    "hidden-state transfer and parsing included")
-    train_tok_s_per_gpu: float = Field(2500, gt=0, description="trained tok/s per GPU, all TTT steps included")
+    assistant_turns: float = Field(
+        1.5,
+        gt=0,
+        description="assistant turns per conversation (caps responses at generate.max_new_tokens per turn)",
+    )
+    generate_tok_s_per_server: float = Field(
+        1500, gt=0, description="output tok/s of one generation server at generate.sglang.concurrency"
+    )
+    capture_tok_s_per_server: float = Field(
+        1000,
+        gt=0,
+        description="captured tok/s of one capture server, hidden-state transfer and parsing included",
+    )
+    train_tok_s_per_gpu: float = Field(
+        2500, gt=0, description="trained tok/s per GPU, all TTT steps included"
+    )
     train_nodes: int = Field(1, ge=1, description="nodes planned for when train.nodes is 1")
-    server_load_minutes: float = Field(20, ge=0, description="from a fleet's scale-up to its servers answering: "
-                                                            "node, image pull, weights onto the GPUs")
+    server_load_minutes: float = Field(
+        20,
+        ge=0,
+        description="from a fleet's scale-up to its servers answering: "
+        "node, image pull, weights onto the GPUs",
+    )
     text_bytes_per_token: float = Field(5, gt=0, description="JSONL bytes per token of prompts and responses")
     gpu_hour_usd: float = Field(2.5, ge=0)
     s3_gb_month_usd: float = Field(0.023, ge=0)
@@ -428,7 +516,7 @@ class RunConfig(Strict):
     plan: PlanAssumptions = Field(default_factory=PlanAssumptions)
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self) -> RunConfig:
         ids = self.capture.aux_layer_ids
         if ids is not None and self.target.num_layers is not None and ids[-1] >= self.target.num_layers:
             raise ValueError(
@@ -480,8 +568,9 @@ def apply_override(tree: dict[str, Any], dotted: str) -> None:
     node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
-                data: dict[str, Any] | None = None) -> RunConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, data: dict[str, Any] | None = None
+) -> RunConfig:
     """Load a RunConfig from a YAML file (or a dict) and dotted overrides."""
     if (path is None) == (data is None):
         raise ConfigError("give exactly one of a config path or a config dict")

@@ -19,8 +19,15 @@ from pipeline.config import Strict
 LAYER_CONVENTION = "output_of_decoder_layer_k == hf_hidden_states[k+1] == sglang_capture_point[k+1]"
 
 # Fields whose disagreement makes captured features mean something else.
-SEMANTIC_FIELDS = ("layer_convention", "aux_layer_ids", "concat_order", "num_layers", "hidden_size",
-                   "vocab_size", "teacher_norm")
+SEMANTIC_FIELDS = (
+    "layer_convention",
+    "aux_layer_ids",
+    "concat_order",
+    "num_layers",
+    "hidden_size",
+    "vocab_size",
+    "teacher_norm",
+)
 TARGET_FIELDS = ("config_sha256", "tokenizer_sha256", "chat_template_sha256")
 
 
@@ -47,19 +54,35 @@ class CaptureContract(Strict):
     engine: dict[str, str]
 
 
-def build_contract(aux_layer_ids: list[int], num_layers: int, hidden_size: int, vocab_size: int,
-                   target_identity: dict[str, Any], engine: dict[str, str], encoding: str = "bf16",
-                   teacher_kinds: list[str] | None = None, teacher_topk: int | None = None) -> CaptureContract:
-    if sorted(set(aux_layer_ids)) != list(aux_layer_ids) or aux_layer_ids[-1] >= num_layers or aux_layer_ids[0] < 0:
+def build_contract(
+    aux_layer_ids: list[int],
+    num_layers: int,
+    hidden_size: int,
+    vocab_size: int,
+    target_identity: dict[str, Any],
+    engine: dict[str, str],
+    encoding: str = "bf16",
+    teacher_kinds: list[str] | None = None,
+    teacher_topk: int | None = None,
+) -> CaptureContract:
+    if (
+        sorted(set(aux_layer_ids)) != list(aux_layer_ids)
+        or aux_layer_ids[-1] >= num_layers
+        or aux_layer_ids[0] < 0
+    ):
         raise ContractMismatch(f"aux layer ids {aux_layer_ids} invalid for a {num_layers}-layer target")
     return CaptureContract(
         aux_layer_ids=list(aux_layer_ids),
         hf_hidden_state_indices=[k + 1 for k in aux_layer_ids],
         sglang_capture_points=[k + 1 for k in aux_layer_ids],
-        num_layers=num_layers, hidden_size=hidden_size, vocab_size=vocab_size,
-        aux_encoding=encoding, teacher_kinds=list(teacher_kinds or ["last_hidden"]),
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        aux_encoding=encoding,
+        teacher_kinds=list(teacher_kinds or ["last_hidden"]),
         teacher_topk=teacher_topk if "topk" in (teacher_kinds or []) else None,
-        target=dict(target_identity), engine=dict(engine),
+        target=dict(target_identity),
+        engine=dict(engine),
     )
 
 

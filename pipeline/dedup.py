@@ -34,7 +34,9 @@ class BloomFilter:
         keys = keys.astype(np.uint64)
         positions = []
         for probe in range(self.probes):
-            mixed = (keys ^ np.uint64(0x9E3779B97F4A7C15 * (probe + 1) & 0xFFFFFFFFFFFFFFFF)) * np.uint64(0xBF58476D1CE4E5B9)
+            mixed = (keys ^ np.uint64(0x9E3779B97F4A7C15 * (probe + 1) & 0xFFFFFFFFFFFFFFFF)) * np.uint64(
+                0xBF58476D1CE4E5B9
+            )
             positions.append((mixed >> np.uint64(17)) % np.uint64(self.size))
         return np.concatenate(positions)
 
@@ -46,19 +48,23 @@ class BloomFilter:
 
     def add(self, keys: np.ndarray) -> None:
         positions = self._positions(keys)
-        np.bitwise_or.at(self.array, positions >> np.uint64(3), (1 << (positions & np.uint64(7))).astype(np.uint8))
+        np.bitwise_or.at(
+            self.array, positions >> np.uint64(3), (1 << (positions & np.uint64(7))).astype(np.uint8)
+        )
 
 
 class NearDuplicateFilter:
     """MinHash LSH with `bands` x `rows` permutations; Jaccard 0.8 is caught with probability ~0.9."""
 
-    def __init__(self, bands: int = 12, rows: int = 8, shingle: int = 5, bloom_bits: int = 1 << 28, seed: int = 0):
+    def __init__(
+        self, bands: int = 12, rows: int = 8, shingle: int = 5, bloom_bits: int = 1 << 28, seed: int = 0
+    ):
         rng = np.random.default_rng(seed)
         count = bands * rows
         self.a = rng.integers(1, int(_MERSENNE), size=count, dtype=np.uint64)
         self.b = rng.integers(0, int(_MERSENNE), size=count, dtype=np.uint64)
-        self.row_weights = rng.integers(1, 2 ** 63, size=rows, dtype=np.uint64) | np.uint64(1)
-        self.band_salts = rng.integers(0, 2 ** 63, size=bands, dtype=np.uint64)
+        self.row_weights = rng.integers(1, 2**63, size=rows, dtype=np.uint64) | np.uint64(1)
+        self.band_salts = rng.integers(0, 2**63, size=bands, dtype=np.uint64)
         self.bands, self.rows, self.shingle = bands, rows, shingle
         self.seen = BloomFilter(bloom_bits)
 
@@ -67,7 +73,7 @@ class NearDuplicateFilter:
         if len(words) < self.shingle:
             grams = [" ".join(words)]
         else:
-            grams = [" ".join(words[i:i + self.shingle]) for i in range(len(words) - self.shingle + 1)]
+            grams = [" ".join(words[i : i + self.shingle]) for i in range(len(words) - self.shingle + 1)]
         return np.fromiter((zlib.crc32(g.encode()) for g in grams), dtype=np.uint64, count=len(grams))
 
     def band_keys(self, text: str) -> np.ndarray:

@@ -58,28 +58,44 @@ class StageResources(Strict):
 
 class KubernetesPlacement(Strict):
     namespace: str = "drafter"
-    service_account: str = Field("drafter-pipeline", description="IRSA / workload identity role with S3 access")
+    service_account: str = Field(
+        "drafter-pipeline", description="IRSA / workload identity role with S3 access"
+    )
     images: dict[Literal["pipeline", "trainer", "sglang"], str]
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     node_selector_gpu: dict[str, str] = Field(default_factory=dict)
     gpu_tolerations: list[Toleration] = Field(
-        default_factory=list, description="GPU node pools are usually tainted (nvidia.com/gpu:NoSchedule)")
-    gpu_shm_size: str | None = Field("64Gi", description="a memory-backed /dev/shm of this size on GPU pods "
-                                                        "(NCCL and data loaders; the runtime's default is 64 MB)")
-    schedule_timeout_seconds: int = Field(1800, ge=1, description="how long a pod may wait for a node: a GPU "
-                                                                 "node scale-up takes minutes")
-    startup_timeout_seconds: int = Field(1800, ge=1, description="how long a scheduled pod may take to start: "
-                                                                "pulling a multi-GB image takes minutes")
-    volumes: list[PodMount] = Field(default_factory=list, description="volumes every task pod mounts: the "
-                                                                      "model weights and prompt files the run "
-                                                                      "configs name")
+        default_factory=list, description="GPU node pools are usually tainted (nvidia.com/gpu:NoSchedule)"
+    )
+    gpu_shm_size: str | None = Field(
+        "64Gi",
+        description="a memory-backed /dev/shm of this size on GPU pods "
+        "(NCCL and data loaders; the runtime's default is 64 MB)",
+    )
+    schedule_timeout_seconds: int = Field(
+        1800, ge=1, description="how long a pod may wait for a node: a GPU node scale-up takes minutes"
+    )
+    startup_timeout_seconds: int = Field(
+        1800,
+        ge=1,
+        description="how long a scheduled pod may take to start: pulling a multi-GB image takes minutes",
+    )
+    volumes: list[PodMount] = Field(
+        default_factory=list,
+        description="volumes every task pod mounts: the model weights and prompt files the run configs name",
+    )
     config_volume_claim: str | None = Field(None, description="PVC with run configs, mounted at /etc/drafter")
-    cache_volume_claim: str | None = Field(None, description="PVC for storage.local_cache (shared by the training "
-                                                             "launcher and workers), mounted at cache_path")
+    cache_volume_claim: str | None = Field(
+        None,
+        description="PVC for storage.local_cache (shared by the training "
+        "launcher and workers), mounted at cache_path",
+    )
     cache_path: str = "/data/drafter-cache"
     fleets: dict[Literal["generate", "capture"], ServerFleet] = Field(
-        default_factory=dict, description="SGLang StatefulSets kept at 0 replicas between runs: scaled up to the "
-                                          "stage's sglang.urls before the stage and back to 0 after it")
+        default_factory=dict,
+        description="SGLang StatefulSets kept at 0 replicas between runs: scaled up to the "
+        "stage's sglang.urls before the stage and back to 0 after it",
+    )
 
     def common_mounts(self) -> list[PodMount]:
         """What every task pod mounts, whatever its stage."""
@@ -87,7 +103,9 @@ class KubernetesPlacement(Strict):
         if self.config_volume_claim:
             mounts.append(PodMount(kind="pvc", name=self.config_volume_claim, path=CONFIG_MOUNT_PATH))
         if self.cache_volume_claim:
-            mounts.append(PodMount(kind="pvc", name=self.cache_volume_claim, path=self.cache_path, read_only=False))
+            mounts.append(
+                PodMount(kind="pvc", name=self.cache_volume_claim, path=self.cache_path, read_only=False)
+            )
         return mounts
 
 
@@ -96,13 +114,19 @@ CONFIG_MOUNT_PATH = "/etc/drafter"
 
 class DeploymentConfig(Strict):
     executor: Literal["local", "kubernetes"] = "local"
-    run_config: str = Field("configs/local.yaml", description="the run config of scheduled runs (the retraining "
-                                                              "cron) and the trigger form's default")
+    run_config: str = Field(
+        "configs/local.yaml",
+        description="the run config of scheduled runs (the retraining cron) and the trigger form's default",
+    )
     gpu_pool: str = Field("drafter_gpu", description="Airflow pool that GPU-bound tasks share")
     retry_delay_seconds: int = Field(60, ge=0)
-    aws_conn_id: str | None = Field("aws_default", description="connection holding S3 credentials (local executor)")
-    retrain_cron: str | None = Field("0 4 * * 0", description="drafter_train also runs on this cron (UTC); "
-                                                             "null: only when a dataset is published")
+    aws_conn_id: str | None = Field(
+        "aws_default", description="connection holding S3 credentials (local executor)"
+    )
+    retrain_cron: str | None = Field(
+        "0 4 * * 0",
+        description="drafter_train also runs on this cron (UTC); null: only when a dataset is published",
+    )
     stages: dict[str, StageResources] = Field(default_factory=dict)
     kubernetes: KubernetesPlacement | None = None
 
@@ -115,7 +139,7 @@ class DeploymentConfig(Strict):
         return stages
 
     @model_validator(mode="after")
-    def _kubernetes_has_placement(self) -> "DeploymentConfig":
+    def _kubernetes_has_placement(self) -> DeploymentConfig:
         if self.executor == "kubernetes" and self.kubernetes is None:
             raise ValueError("executor 'kubernetes' needs a kubernetes section (images, namespace, volumes)")
         return self
@@ -130,8 +154,11 @@ class DeploymentConfig(Strict):
         import datetime as dt
 
         stage = self.stage(name)
-        options: dict[str, Any] = {"retries": stage.retries, "retry_delay": dt.timedelta(seconds=self.retry_delay_seconds),
-                                   "execution_timeout": dt.timedelta(minutes=stage.timeout_minutes)}
+        options: dict[str, Any] = {
+            "retries": stage.retries,
+            "retry_delay": dt.timedelta(seconds=self.retry_delay_seconds),
+            "execution_timeout": dt.timedelta(minutes=stage.timeout_minutes),
+        }
         if stage.use_pool if stage.use_pool is not None else stage.gpus > 0:
             options["pool"] = self.gpu_pool
         return options
@@ -161,27 +188,40 @@ class DeploymentConfig(Strict):
         from pipeline.failures import POD_EXIT_CODES_ENV
 
         options: dict[str, Any] = {
-            "image": placement.images[stage.image], "namespace": placement.namespace,
-            "service_account_name": placement.service_account, "image_pull_policy": placement.image_pull_policy,
+            "image": placement.images[stage.image],
+            "namespace": placement.namespace,
+            "service_account_name": placement.service_account,
+            "image_pull_policy": placement.image_pull_policy,
             "container_resources": k8s.V1ResourceRequirements(requests=dict(limits), limits=limits),
             "name": f"drafter-{name}",
             # DeepSpeed's accelerator is found in the pod (pipeline.stages.train): a GPU request is not a GPU
             "env_vars": {POD_EXIT_CODES_ENV: "1", **stage.env},
-            "get_logs": True, "do_xcom_push": True,
+            "get_logs": True,
+            "do_xcom_push": True,
             "schedule_timeout_seconds": placement.schedule_timeout_seconds,
             "startup_timeout_seconds": placement.startup_timeout_seconds,
         }
         volumes = [_volume(k8s, f"mount-{i}", mount) for i, mount in enumerate(self.pod_mounts(name))]
-        volume_mounts = [k8s.V1VolumeMount(name=f"mount-{i}", mount_path=mount.path, read_only=mount.read_only)
-                         for i, mount in enumerate(self.pod_mounts(name))]
+        volume_mounts = [
+            k8s.V1VolumeMount(name=f"mount-{i}", mount_path=mount.path, read_only=mount.read_only)
+            for i, mount in enumerate(self.pod_mounts(name))
+        ]
         if stage.gpus:
             if placement.node_selector_gpu:
                 options["node_selector"] = placement.node_selector_gpu
             if placement.gpu_tolerations:
-                options["tolerations"] = [k8s.V1Toleration(**t.model_dump()) for t in placement.gpu_tolerations]
+                options["tolerations"] = [
+                    k8s.V1Toleration(**t.model_dump()) for t in placement.gpu_tolerations
+                ]
             if placement.gpu_shm_size:
-                volumes.append(k8s.V1Volume(name="dshm", empty_dir=k8s.V1EmptyDirVolumeSource(
-                    medium="Memory", size_limit=placement.gpu_shm_size)))
+                volumes.append(
+                    k8s.V1Volume(
+                        name="dshm",
+                        empty_dir=k8s.V1EmptyDirVolumeSource(
+                            medium="Memory", size_limit=placement.gpu_shm_size
+                        ),
+                    )
+                )
                 volume_mounts.append(k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
         if volumes:
             options["volumes"], options["volume_mounts"] = volumes, volume_mounts
@@ -190,11 +230,17 @@ class DeploymentConfig(Strict):
 
 def _volume(k8s, name: str, mount: PodMount):
     if mount.kind == "pvc":
-        return k8s.V1Volume(name=name, persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
-            claim_name=mount.name, read_only=mount.read_only))
+        return k8s.V1Volume(
+            name=name,
+            persistent_volume_claim=k8s.V1PersistentVolumeClaimVolumeSource(
+                claim_name=mount.name, read_only=mount.read_only
+            ),
+        )
     if mount.kind == "configmap":
         return k8s.V1Volume(name=name, config_map=k8s.V1ConfigMapVolumeSource(name=mount.name))
-    return k8s.V1Volume(name=name, secret=k8s.V1SecretVolumeSource(secret_name=mount.name, default_mode=0o400))
+    return k8s.V1Volume(
+        name=name, secret=k8s.V1SecretVolumeSource(secret_name=mount.name, default_mode=0o400)
+    )
 
 
 def load_deployment(path: str | Path | None = None) -> DeploymentConfig:

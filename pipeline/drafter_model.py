@@ -56,7 +56,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    )
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -82,11 +84,13 @@ def _causal_block(q, k0, v0, diag_k, diag_v, start: int, scale: float):
     probs = torch.softmax(torch.cat(parts, dim=-1).float(), dim=-1).to(q.dtype)
     out = torch.matmul(probs[..., :end], v0[:, :, :end])
     for index, v_diag in enumerate(diag_v):
-        out = out + probs[..., end + index:end + index + 1] * v_diag
+        out = out + probs[..., end + index : end + index + 1] * v_diag
     return out
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], chunk: int) -> torch.Tensor:
+def ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], chunk: int
+) -> torch.Tensor:
     """EAGLE-3 training-time-test attention, memory linear in sequence length.
 
     q: [B, h, L, d] queries of step i = len(keys) - 1. keys/values: per step [B, h, L, d].
@@ -109,7 +113,9 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     return torch.cat(outputs, dim=2)
 
 
-def dense_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def dense_ttt_attention(
+    q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
+) -> torch.Tensor:
     """Reference: the same attention with every step's keys materialized as one dense mask."""
     steps, length = len(keys), q.shape[2]
     k_all = torch.cat(keys, dim=2)
@@ -186,8 +192,10 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, arch: DrafterArch, embed_weight: torch.Tensor):
         super().__init__()
         if embed_weight.shape != (arch.vocab_size, arch.hidden_size):
-            raise ValueError(f"target embedding {tuple(embed_weight.shape)} does not match "
-                             f"vocab {arch.vocab_size} x hidden {arch.hidden_size}")
+            raise ValueError(
+                f"target embedding {tuple(embed_weight.shape)} does not match "
+                f"vocab {arch.vocab_size} x hidden {arch.hidden_size}"
+            )
         self.arch = arch
         self.fc = nn.Linear(3 * (arch.target_hidden_size or arch.hidden_size), arch.hidden_size, bias=False)
         self.midlayer = DrafterLayer(arch)
@@ -210,7 +218,9 @@ class Eagle3Drafter(nn.Module):
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h_out))
 
-    def ttt_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, chunk: int = 512) -> list[torch.Tensor]:
+    def ttt_forward(
+        self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, chunk: int = 512
+    ) -> list[torch.Tensor]:
         """Unrolled training-time test; returns the pre-norm hidden state h_out of every step.
 
         Step k at anchor t sees feature f_t (for k = 0) or the draft's own h_out (k > 0), takes the
@@ -223,7 +233,7 @@ class Eagle3Drafter(nn.Module):
         attn = self.midlayer.self_attn
         keys, values, outputs = [], [], []
         for step in range(steps):
-            tokens = F.pad(input_ids[:, 1 + step:], (0, 1 + step), value=0)[:, :length]
+            tokens = F.pad(input_ids[:, 1 + step :], (0, 1 + step), value=0)[:, :length]
             x = self.midlayer.attention_input(self.embed(tokens), hidden)
             q, k, v = attn.project(x, positions + step)
             keys.append(k)
@@ -233,8 +243,9 @@ class Eagle3Drafter(nn.Module):
             outputs.append(hidden)
         return outputs
 
-    def decode(self, hidden: torch.Tensor, token_ids: torch.Tensor, start_position: int,
-               cache: "DraftCache") -> torch.Tensor:
+    def decode(
+        self, hidden: torch.Tensor, token_ids: torch.Tensor, start_position: int, cache: DraftCache
+    ) -> torch.Tensor:
         """Append T positions to the cache; hidden is [B, T, 3H] aux features or [B, T, H] own h_out.
 
         Returns h_out [B, T, H] (pre-norm); logits come from `logits(h_out)`.
@@ -268,7 +279,7 @@ class DraftCache:
         if self.k is not None:
             self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
 
-    def expanded(self, rows: int) -> "DraftCache":
+    def expanded(self, rows: int) -> DraftCache:
         """A copy with the batch repeated `rows` times (one row per tree branch)."""
         copy = DraftCache()
         copy.k, copy.v = self.k.expand(rows, -1, -1, -1), self.v.expand(rows, -1, -1, -1)

@@ -23,10 +23,24 @@ WEIGHTS_NAME = "model.safetensors"
 CONTRACT_NAME = "capture_contract.json"
 DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME, CONTRACT_NAME)
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-REQUIRED_CONFIG_KEYS = ("architectures", "model_type", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                        "head_dim", "intermediate_size", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-                        "hidden_act", "vocab_size", "num_hidden_layers", "draft_vocab_size", "tie_word_embeddings",
-                        "eagle_config")
+REQUIRED_CONFIG_KEYS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "hidden_act",
+    "vocab_size",
+    "num_hidden_layers",
+    "draft_vocab_size",
+    "tie_word_embeddings",
+    "eagle_config",
+)
 
 
 class DrafterFormatError(ValueError):
@@ -53,12 +67,19 @@ def sglang_config(arch: DrafterArch, dtype: str) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "target_hidden_size": arch.target_hidden_size or arch.hidden_size,
         "torch_dtype": dtype,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(arch.aux_layer_ids), "use_aux_hidden_state": True},
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(arch.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
     }
 
 
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    hidden, heads, kv_heads = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
     head_dim, inter = config["head_dim"], config["intermediate_size"]
     target_hidden = config.get("target_hidden_size") or hidden
     return {
@@ -85,13 +106,17 @@ def validate_config(config: dict[str, Any]) -> None:
     if missing:
         raise DrafterFormatError(f"drafter config.json misses {missing}")
     if config["architectures"] != [ARCHITECTURE]:
-        raise DrafterFormatError(f"drafter architectures must be [{ARCHITECTURE!r}], got {config['architectures']}")
+        raise DrafterFormatError(
+            f"drafter architectures must be [{ARCHITECTURE!r}], got {config['architectures']}"
+        )
     if config["num_hidden_layers"] != 1:
         raise DrafterFormatError("an EAGLE-3 drafter has exactly one hidden layer")
     eagle = config["eagle_config"]
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     if eagle.get("use_aux_hidden_state") is not True or not isinstance(ids, list) or len(ids) != 3:
-        raise DrafterFormatError("eagle_config needs use_aux_hidden_state: true and 3 eagle_aux_hidden_state_layer_ids")
+        raise DrafterFormatError(
+            "eagle_config needs use_aux_hidden_state: true and 3 eagle_aux_hidden_state_layer_ids"
+        )
 
 
 def validate_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -118,14 +143,17 @@ def validate_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -
         raise DrafterFormatError("invalid drafter weights:\n  " + "\n  ".join(problems))
 
 
-def export_drafter(model: Eagle3Drafter, contract: dict[str, Any], out_dir: str | Path,
-                   dtype: str = "bfloat16") -> Path:
+def export_drafter(
+    model: Eagle3Drafter, contract: dict[str, Any], out_dir: str | Path, dtype: str = "bfloat16"
+) -> Path:
     """Write the SGLang directory atomically (staging dir, then rename)."""
     from safetensors.torch import save_file
 
     if list(contract["aux_layer_ids"]) != list(model.arch.aux_layer_ids):
-        raise DrafterFormatError(f"drafter aux layers {model.arch.aux_layer_ids} disagree with the capture "
-                                 f"contract's {contract['aux_layer_ids']}")
+        raise DrafterFormatError(
+            f"drafter aux layers {model.arch.aux_layer_ids} disagree with the capture "
+            f"contract's {contract['aux_layer_ids']}"
+        )
     out_dir = Path(out_dir)
     config = sglang_config(model.arch, dtype)
     target_dtype = getattr(torch, dtype)
@@ -172,19 +200,25 @@ def read_drafter_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
 
 def arch_from_config(config: dict[str, Any]) -> DrafterArch:
     return DrafterArch(
-        hidden_size=config["hidden_size"], num_heads=config["num_attention_heads"],
-        num_kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
-        intermediate_size=config["intermediate_size"], vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        num_heads=config["num_attention_heads"],
+        num_kv_heads=config["num_key_value_heads"],
+        head_dim=config["head_dim"],
+        intermediate_size=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
         draft_vocab_size=config["draft_vocab_size"],
         aux_layer_ids=list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-        rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
-        max_position_embeddings=config["max_position_embeddings"], hidden_act=config["hidden_act"],
+        rms_norm_eps=config["rms_norm_eps"],
+        rope_theta=config["rope_theta"],
+        max_position_embeddings=config["max_position_embeddings"],
+        hidden_act=config["hidden_act"],
         target_hidden_size=config.get("target_hidden_size"),
     )
 
 
-def load_drafter(directory: str | Path, embed_weight: torch.Tensor,
-                 dtype: torch.dtype = torch.float32) -> tuple[Eagle3Drafter, dict[str, Any]]:
+def load_drafter(
+    directory: str | Path, embed_weight: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[Eagle3Drafter, dict[str, Any]]:
     """The drafter from an SGLang directory, with the target's embedding; returns (model, contract)."""
     config, tensors, contract = read_drafter_dir(directory)
     model = Eagle3Drafter(arch_from_config(config), embed_weight)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from pydantic import Field
@@ -34,8 +35,12 @@ class ServerFleet(Strict):
 
     namespace: str = Field("sglang", pattern=K8S_NAME)
     statefulset: str = Field(pattern=K8S_NAME)
-    ready_timeout_seconds: int = Field(3600, ge=1, description="loading Kimi-K2.5 (~600 GB) onto 8 GPUs takes "
-                                                               "many minutes; past this the fleet goes back to 0")
+    ready_timeout_seconds: int = Field(
+        3600,
+        ge=1,
+        description="loading Kimi-K2.5 (~600 GB) onto 8 GPUs takes "
+        "many minutes; past this the fleet goes back to 0",
+    )
     poll_seconds: float = Field(5.0, gt=0, description="how often the StatefulSet and the servers are asked")
 
 
@@ -53,8 +58,10 @@ def fleet_urls(config: RunConfig, stage: str) -> list[str]:
 
 def replicas_for(urls: list[str], fleet: ServerFleet, stage: str) -> int:
     """How many replicas serve `urls`: the highest pod ordinal they name, plus one."""
-    pod_name = re.compile(rf"^{re.escape(fleet.statefulset)}-(\d+)\.[a-z0-9-]+\.{re.escape(fleet.namespace)}\.svc"
-                          r"(\.cluster\.local)?$")
+    pod_name = re.compile(
+        rf"^{re.escape(fleet.statefulset)}-(\d+)\.[a-z0-9-]+\.{re.escape(fleet.namespace)}\.svc"
+        r"(\.cluster\.local)?$"
+    )
     ordinals = []
     for i, url in enumerate(urls):
         match = pod_name.match(urlsplit(url).hostname or "")
@@ -62,13 +69,19 @@ def replicas_for(urls: list[str], fleet: ServerFleet, stage: str) -> int:
             raise ConfigError(
                 f"{stage}.sglang.urls[{i}] {url} is not a pod of StatefulSet {fleet.namespace}/{fleet.statefulset} "
                 f"(expected http://{fleet.statefulset}-<i>.<service>.{fleet.namespace}.svc:<port>): the DAG scales "
-                "that StatefulSet, so the stage would call servers nobody started")
+                "that StatefulSet, so the stage would call servers nobody started"
+            )
         ordinals.append(int(match.group(1)))
     return max(ordinals) + 1 if ordinals else 0
 
 
-def scale_up(config: RunConfig, stage: str, fleet: ServerFleet, api: KubernetesApi | None = None,
-             healthy: Callable[[str], bool] | None = None) -> dict[str, Any]:
+def scale_up(
+    config: RunConfig,
+    stage: str,
+    fleet: ServerFleet,
+    api: KubernetesApi | None = None,
+    healthy: Callable[[str], bool] | None = None,
+) -> dict[str, Any]:
     """Scale the fleet to the stage's servers and wait until each is ready and answers /health."""
     urls = fleet_urls(config, stage)
     replicas = replicas_for(urls, fleet, stage)
@@ -79,8 +92,13 @@ def scale_up(config: RunConfig, stage: str, fleet: ServerFleet, api: KubernetesA
     api = api or KubernetesApi.in_cluster()
     started = time.monotonic()
     api.scale_statefulset(fleet.namespace, fleet.statefulset, replicas)
-    log.info("fleet %s: scaled to %d replicas for %s; waiting up to %d s for them", where, replicas, stage,
-             fleet.ready_timeout_seconds)
+    log.info(
+        "fleet %s: scaled to %d replicas for %s; waiting up to %d s for them",
+        where,
+        replicas,
+        stage,
+        fleet.ready_timeout_seconds,
+    )
     try:
         _await_ready(api, fleet, replicas, urls, healthy or _answers_health, started)
     except FleetNotReady:
@@ -88,7 +106,13 @@ def scale_up(config: RunConfig, stage: str, fleet: ServerFleet, api: KubernetesA
         raise
     seconds = time.monotonic() - started
     log.info("fleet %s: %d/%d ready after %.0f s", where, replicas, replicas, seconds)
-    return {"stage": stage, "statefulset": where, "replicas": replicas, "scaled": True, "ready_seconds": round(seconds, 1)}
+    return {
+        "stage": stage,
+        "statefulset": where,
+        "replicas": replicas,
+        "scaled": True,
+        "ready_seconds": round(seconds, 1),
+    }
 
 
 def scale_down(fleet: ServerFleet, api: KubernetesApi | None = None) -> dict[str, Any]:
@@ -99,8 +123,14 @@ def scale_down(fleet: ServerFleet, api: KubernetesApi | None = None) -> dict[str
     return {"statefulset": f"{fleet.namespace}/{fleet.statefulset}", "replicas": 0}
 
 
-def _await_ready(api: KubernetesApi, fleet: ServerFleet, replicas: int, urls: list[str],
-                 healthy: Callable[[str], bool], started: float) -> None:
+def _await_ready(
+    api: KubernetesApi,
+    fleet: ServerFleet,
+    replicas: int,
+    urls: list[str],
+    healthy: Callable[[str], bool],
+    started: float,
+) -> None:
     where = f"{fleet.namespace}/{fleet.statefulset}"
     deadline = started + fleet.ready_timeout_seconds
     last_note = started
@@ -111,10 +141,12 @@ def _await_ready(api: KubernetesApi, fleet: ServerFleet, replicas: int, urls: li
             return
         now = time.monotonic()
         if now >= deadline:
-            raise FleetNotReady(f"fleet {where}: {ready}/{replicas} replicas ready after {now - started:.0f} s "
-                                f"(ready_timeout_seconds {fleet.ready_timeout_seconds}); not answering: "
-                                f"{', '.join(waiting_for)}; scaled back to 0. See `kubectl -n {fleet.namespace} "
-                                f"describe pod {fleet.statefulset}-0` and its logs")
+            raise FleetNotReady(
+                f"fleet {where}: {ready}/{replicas} replicas ready after {now - started:.0f} s "
+                f"(ready_timeout_seconds {fleet.ready_timeout_seconds}); not answering: "
+                f"{', '.join(waiting_for)}; scaled back to 0. See `kubectl -n {fleet.namespace} "
+                f"describe pod {fleet.statefulset}-0` and its logs"
+            )
         if now - last_note >= 60:
             log.info("fleet %s: %d/%d ready after %.0f s", where, ready, replicas, now - started)
             last_note = now
@@ -127,7 +159,9 @@ def _ready_replicas(api: KubernetesApi, fleet: ServerFleet) -> int:
     except KubernetesApiError as err:
         if not err.transient:
             raise
-        log.warning("reading StatefulSet %s/%s failed (%s); trying again", fleet.namespace, fleet.statefulset, err)
+        log.warning(
+            "reading StatefulSet %s/%s failed (%s); trying again", fleet.namespace, fleet.statefulset, err
+        )
         return 0
     return int(status.get("readyReplicas") or 0)
 

@@ -36,10 +36,15 @@ class KubernetesApi:
 
     @classmethod
     def in_cluster(cls) -> KubernetesApi:
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+        host, port = (
+            os.environ.get("KUBERNETES_SERVICE_HOST"),
+            os.environ.get("KUBERNETES_SERVICE_PORT", "443"),
+        )
         if not host or not (SERVICE_ACCOUNT_DIR / "token").is_file():
-            raise NotInCluster("no Kubernetes service host or service account token: this process runs outside "
-                               "a pod of a cluster")
+            raise NotInCluster(
+                "no Kubernetes service host or service account token: this process runs outside "
+                "a pod of a cluster"
+            )
         return cls(f"https://{host}:{port}", SERVICE_ACCOUNT_DIR / "token", SERVICE_ACCOUNT_DIR / "ca.crt")
 
     # -- batch/v1 Jobs ---------------------------------------------------------------------------
@@ -53,8 +58,12 @@ class KubernetesApi:
 
     def delete_job(self, namespace: str, name: str) -> None:
         # Background: the Job goes at once, its pods after it
-        self._call("DELETE", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}",
-                   {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}, allowed=(404,))
+        self._call(
+            "DELETE",
+            f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}",
+            {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+            allowed=(404,),
+        )
 
     # -- apps/v1 StatefulSets --------------------------------------------------------------------
     def read_statefulset(self, namespace: str, name: str) -> dict[str, Any]:
@@ -62,17 +71,36 @@ class KubernetesApi:
 
     def scale_statefulset(self, namespace: str, name: str, replicas: int) -> dict[str, Any]:
         """Set the replica count through the scale subresource (what `kubectl scale` does)."""
-        return self._call("PATCH", f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{name}/scale",
-                          {"spec": {"replicas": replicas}}, content_type="application/merge-patch+json").json()
+        return self._call(
+            "PATCH",
+            f"/apis/apps/v1/namespaces/{namespace}/statefulsets/{name}/scale",
+            {"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+        ).json()
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None, allowed: tuple[int, ...] = (),
-              content_type: str = "application/json"):
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        allowed: tuple[int, ...] = (),
+        content_type: str = "application/json",
+    ):
         import requests
 
-        headers = {"Authorization": f"Bearer {self.token_file.read_text().strip()}", "Content-Type": content_type}
+        headers = {
+            "Authorization": f"Bearer {self.token_file.read_text().strip()}",
+            "Content-Type": content_type,
+        }
         try:
-            response = requests.request(method, self.server + path, json=body, headers=headers, timeout=30,
-                                        verify=str(self.ca_file) if self.ca_file else True)
+            response = requests.request(
+                method,
+                self.server + path,
+                json=body,
+                headers=headers,
+                timeout=30,
+                verify=str(self.ca_file) if self.ca_file else True,
+            )
         except requests.RequestException as err:
             raise KubernetesApiError(f"{method} {path}: {type(err).__name__}: {err}") from err
         if response.status_code >= 400 and response.status_code not in allowed:
@@ -80,5 +108,7 @@ class KubernetesApi:
                 reason = response.json().get("message", "")
             except ValueError:
                 reason = response.text[:200]
-            raise KubernetesApiError(f"{method} {path}: HTTP {response.status_code} {reason}", response.status_code)
+            raise KubernetesApiError(
+                f"{method} {path}: HTTP {response.status_code} {reason}", response.status_code
+            )
         return response

@@ -19,7 +19,7 @@ class ManifestError(StorageError):
 
 
 def now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def code_version() -> str:
@@ -34,11 +34,17 @@ def code_version() -> str:
 def object_entry(prefix: str, info: ObjectInfo) -> dict[str, Any]:
     if not info.key.startswith(prefix + "/"):
         raise ManifestError(f"object {info.key} is not under the artifact prefix {prefix}")
-    return {"name": info.key[len(prefix) + 1:], "bytes": info.bytes, "sha256": info.sha256}
+    return {"name": info.key[len(prefix) + 1 :], "bytes": info.bytes, "sha256": info.sha256}
 
 
-def publish(store: ObjectStore, prefix: str, kind: str, objects: list[ObjectInfo],
-            fields: dict[str, Any], exclusive: bool = False) -> dict[str, Any]:
+def publish(
+    store: ObjectStore,
+    prefix: str,
+    kind: str,
+    objects: list[ObjectInfo],
+    fields: dict[str, Any],
+    exclusive: bool = False,
+) -> dict[str, Any]:
     """Write the manifest of already-uploaded objects under prefix; returns the manifest.
 
     exclusive: the manifest must not exist yet (immutable artifacts); a concurrent publisher that got
@@ -94,7 +100,9 @@ def listed_object(manifest: dict[str, Any], name: str) -> dict[str, Any]:
     raise ManifestError(f"{name} is not listed in the manifest at {manifest.get('uri')}")
 
 
-def listed_shard(store: ObjectStore, uri: str, kind: str, name: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def listed_shard(
+    store: ObjectStore, uri: str, kind: str, name: str
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """(prefix, manifest, shard entry) of shard `name` of the published `kind` artifact at `uri`
     (a scheduler maps one task per shard)."""
     prefix = store.key_for(uri)
@@ -110,8 +118,9 @@ def read_listed(store: ObjectStore, prefix: str, manifest: dict[str, Any], name:
     return store.get_verified(f"{prefix}/{entry['name']}", entry["sha256"])
 
 
-def fetch_listed(store: ObjectStore, prefix: str, manifest: dict[str, Any], name: str,
-                 dest: str | Path) -> Path:
+def fetch_listed(
+    store: ObjectStore, prefix: str, manifest: dict[str, Any], name: str, dest: str | Path
+) -> Path:
     entry = listed_object(manifest, name)
     store.get_file_verified(f"{prefix}/{entry['name']}", dest, entry["sha256"])
     return Path(dest)

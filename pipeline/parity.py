@@ -32,8 +32,9 @@ def decoder_layers_and_norm(model: nn.Module, num_layers: int) -> tuple[nn.Modul
 
 
 @torch.no_grad()
-def reference_capture(model: nn.Module, sequence: list[int], aux_layer_ids: list[int],
-                      teacher: TeacherRequest) -> Capture:
+def reference_capture(
+    model: nn.Module, sequence: list[int], aux_layer_ids: list[int], teacher: TeacherRequest
+) -> Capture:
     num_layers = model.config.get_text_config().num_hidden_layers
     layers, norm = decoder_layers_and_norm(model, num_layers)
     seen: dict[str, torch.Tensor] = {}
@@ -41,6 +42,7 @@ def reference_capture(model: nn.Module, sequence: list[int], aux_layer_ids: list
     def keep(name):
         def hook(_module, _inputs, output):
             seen[name] = (output[0] if isinstance(output, tuple) else output)[0].float()
+
         return hook
 
     handles = [layers[k].register_forward_hook(keep(f"layer{k}")) for k in aux_layer_ids]
@@ -76,8 +78,14 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value - reference).abs().max() / reference.abs().max().clamp(min=1e-12))
 
 
-def check_parity(engine: CaptureEngine, reference_model: nn.Module, sequences: list[list[int]],
-                 aux_layer_ids: list[int], teacher: TeacherRequest, tolerance: float) -> ParityReport:
+def check_parity(
+    engine: CaptureEngine,
+    reference_model: nn.Module,
+    sequences: list[list[int]],
+    aux_layer_ids: list[int],
+    teacher: TeacherRequest,
+    tolerance: float,
+) -> ParityReport:
     captured = engine.capture(sequences, aux_layer_ids, teacher)
     aux_errors = [0.0] * len(aux_layer_ids)
     last_error, agree, total = (0.0 if "last_hidden" in teacher.kinds else None), 0, 0
@@ -92,8 +100,11 @@ def check_parity(engine: CaptureEngine, reference_model: nn.Module, sequences: l
         if "topk" in teacher.kinds:
             agree += int((got.topk_ids[:, 0] == want.topk_ids[:, 0]).sum())
             total += len(sequence)
-    problems = [f"aux layer {k}: relative error {e:.3g} > {tolerance}" for k, e in zip(aux_layer_ids, aux_errors)
-                if e > tolerance]
+    problems = [
+        f"aux layer {k}: relative error {e:.3g} > {tolerance}"
+        for k, e in zip(aux_layer_ids, aux_errors)
+        if e > tolerance
+    ]
     if last_error is not None and last_error > tolerance:
         problems.append(f"last hidden state: relative error {last_error:.3g} > {tolerance} (pre/post norm?)")
     agreement = agree / total if total else None

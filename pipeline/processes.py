@@ -23,8 +23,15 @@ def start_process_group(command: list[str], env: dict[str, str]) -> subprocess.P
     dies with this process. Its stdout and stderr come back merged as text lines.
 
     Call from the main thread: the kernel ties the parent-death signal to the thread that forked."""
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=die_with_parent)
+    return subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger("pipeline.progress")
@@ -18,8 +19,15 @@ class Progress:
     `log_interval_s` seconds and one at the end, so task logs show work moving.
     """
 
-    def __init__(self, iterable: Iterable[T] | None = None, total: int | None = None, desc: str = "",
-                 unit: str = "it", log_interval_s: float = 30.0, enabled: bool = True):
+    def __init__(
+        self,
+        iterable: Iterable[T] | None = None,
+        total: int | None = None,
+        desc: str = "",
+        unit: str = "it",
+        log_interval_s: float = 30.0,
+        enabled: bool = True,
+    ):
         self.iterable = iterable
         self.total = total if total is not None else _length(iterable)
         self.desc = desc

@@ -1,9 +1,9 @@
 """Drafter registry in the object store: immutable versions, aliases that point at them, verified pull.
 
-    drafters/<target>/versions/<version>/   config.json, model.safetensors, capture_contract.json,
-                                            README.md, manifest.json (lineage + sha256 of every file)
-    drafters/<target>/aliases/<alias>.json  {"version": ...}
-    drafters/<target>/history/<time>-<alias>.json   one record per alias move (append-only)
+drafters/<target>/versions/<version>/   config.json, model.safetensors, capture_contract.json,
+                                        README.md, manifest.json (lineage + sha256 of every file)
+drafters/<target>/aliases/<alias>.json  {"version": ...}
+drafters/<target>/history/<time>-<alias>.json   one record per alias move (append-only)
 """
 
 from __future__ import annotations
@@ -34,9 +34,18 @@ class RegistryError(RuntimeError):
 
 def sglang_flags(drafter_path: str, steps: int, topk: int = 1, draft_tokens: int | None = None) -> list[str]:
     draft_tokens = draft_tokens or (steps + 1 if topk == 1 else steps * topk)
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter_path,
-            "--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
-            "--speculative-num-draft-tokens", str(draft_tokens)]
+    return [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        drafter_path,
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(draft_tokens),
+    ]
 
 
 def serving_flags(drafter_path: str, serving: dict[str, int]) -> list[str]:
@@ -59,27 +68,43 @@ def model_card(target: str, version: str, lineage: dict[str, Any], flags: list[s
     evaluation = lineage.get("eval", {})
     bench = lineage.get("bench", {})
     lines = [
-        f"# EAGLE-3 drafter for `{target}`, version `{version}`", "",
-        "Load with SGLang (the target's own embedding is shared with the drafter):", "",
-        "```", "python -m sglang.launch_server --model-path <target> " + " ".join(flags), "```", "",
-        "## Metrics (held-out captures of the target's own outputs)", "",
-        "| metric | value |", "|---|---|",
+        f"# EAGLE-3 drafter for `{target}`, version `{version}`",
+        "",
+        "Load with SGLang (the target's own embedding is shared with the drafter):",
+        "",
+        "```",
+        "python -m sglang.launch_server --model-path <target> " + " ".join(flags),
+        "```",
+        "",
+        "## Metrics (held-out captures of the target's own outputs)",
+        "",
+        "| metric | value |",
+        "|---|---|",
         f"| cond_acc by step | {evaluation.get('cond_acc')} |",
         f"| simulated acceptance length | {evaluation.get('tau_simulated')} |",
         f"| measured acceptance length | {bench.get('tau_measured')} |",
         f"| baseline tok/s | {bench.get('baseline_tok_s')} |",
         f"| drafter tok/s | {bench.get('drafter_tok_s')} |",
-        f"| benchmark engine | {bench.get('engine')} |", "",
-        "## Capture contract", "", "```json", json.dumps(lineage.get("contract", {}), indent=2), "```", "",
-        "## Lineage", "",
-        f"- run: `{lineage.get('run_id')}`", f"- dataset: `{lineage.get('dataset')}`",
-        f"- code version: `{lineage.get('code_version')}`", "",
+        f"| benchmark engine | {bench.get('engine')} |",
+        "",
+        "## Capture contract",
+        "",
+        "```json",
+        json.dumps(lineage.get("contract", {}), indent=2),
+        "```",
+        "",
+        "## Lineage",
+        "",
+        f"- run: `{lineage.get('run_id')}`",
+        f"- dataset: `{lineage.get('dataset')}`",
+        f"- code version: `{lineage.get('code_version')}`",
+        "",
     ]
     return "\n".join(lines)
 
 
 def _version_id(weights_sha: str) -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S") + f"-{weights_sha[:10]}"
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S") + f"-{weights_sha[:10]}"
 
 
 class AliasConflict(RegistryError):
@@ -96,13 +121,14 @@ def read_alias(store: ObjectStore, target: str, alias: str) -> dict[str, Any] | 
 
 def _record_history(store: ObjectStore, target: str, alias: str, record: dict[str, Any]) -> None:
     """Append-only: every move gets its own new object (a conditional create never overwrites)."""
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
     key = f"{layout.alias_history_prefix(target)}/{stamp}-{alias}-{record['version']}.json"
     store.put_if(key, json.dumps(record).encode(), None)
 
 
-def move_alias(store: ObjectStore, target: str, alias: str, version: str, reason: str,
-               expected: Any = ANY_VERSION) -> dict[str, Any]:
+def move_alias(
+    store: ObjectStore, target: str, alias: str, version: str, reason: str, expected: Any = ANY_VERSION
+) -> dict[str, Any]:
     """Point `alias` at `version` with one conditional write.
 
     `expected` is the version the caller based its decision on (None: the alias must not exist yet).
@@ -116,26 +142,42 @@ def move_alias(store: ObjectStore, target: str, alias: str, version: str, reason
     found = store.read_with_tag(key)
     current = json.loads(found[0])["version"] if found else None
     if expected is not ANY_VERSION and current != expected:
-        raise AliasConflict(f"{target} {alias} is at {current}, not {expected}: another promotion or rollback "
-                            "moved it first; nothing changed")
-    record = {"alias": alias, "version": version, "previous_version": current, "updated_at": now_iso(),
-              "reason": reason}
+        raise AliasConflict(
+            f"{target} {alias} is at {current}, not {expected}: another promotion or rollback "
+            "moved it first; nothing changed"
+        )
+    record = {
+        "alias": alias,
+        "version": version,
+        "previous_version": current,
+        "updated_at": now_iso(),
+        "reason": reason,
+    }
     try:
         store.put_if(key, json.dumps(record, indent=2).encode(), found[1] if found else None)
     except PreconditionFailed as err:
-        raise AliasConflict(f"{target} {alias} was moved by a concurrent promotion or rollback while this one "
-                            "was writing; nothing changed") from err
+        raise AliasConflict(
+            f"{target} {alias} was moved by a concurrent promotion or rollback while this one "
+            "was writing; nothing changed"
+        ) from err
     _record_history(store, target, alias, record)
     return record
 
 
-def earlier_attempt(store: ObjectStore, target: str, weights_sha: str, run_id: Any) -> tuple[str, dict] | None:
+def earlier_attempt(
+    store: ObjectStore, target: str, weights_sha: str, run_id: Any
+) -> tuple[str, dict] | None:
     """A version an earlier, interrupted attempt of this same promotion published (same run, same
     weights), so that a rerun reuses it instead of listing a second copy."""
     prefix = layout.drafter_versions_prefix(target)
     depth = len(prefix.split("/"))
-    candidates = sorted({key.split("/")[depth] for key in store.list(prefix)
-                         if key.split("/")[depth].endswith(f"-{weights_sha[:10]}")})
+    candidates = sorted(
+        {
+            key.split("/")[depth]
+            for key in store.list(prefix)
+            if key.split("/")[depth].endswith(f"-{weights_sha[:10]}")
+        }
+    )
     for version in candidates:
         version_prefix = layout.drafter_version_prefix(target, version)
         if not manifest_exists(store, version_prefix):
@@ -147,8 +189,9 @@ def earlier_attempt(store: ObjectStore, target: str, weights_sha: str, run_id: A
     return None
 
 
-def publish_version(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any],
-                    serving: dict[str, int]) -> tuple[str, dict[str, Any]]:
+def publish_version(
+    store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any], serving: dict[str, int]
+) -> tuple[str, dict[str, Any]]:
     """Upload a validated drafter directory as a new immutable version; returns (version, manifest).
     A version an interrupted attempt of the same promotion already published is reused."""
     read_drafter_dir(drafter_dir)
@@ -156,7 +199,9 @@ def publish_version(store: ObjectStore, target: str, drafter_dir: Path, lineage:
     if lineage.get("run_id") is not None:
         earlier = earlier_attempt(store, target, weights_sha, lineage["run_id"])
         if earlier is not None:
-            log.info("reusing version %s, published by an earlier attempt of run %s", earlier[0], lineage["run_id"])
+            log.info(
+                "reusing version %s, published by an earlier attempt of run %s", earlier[0], lineage["run_id"]
+            )
             return earlier
     version = _version_id(weights_sha)
     prefix = layout.drafter_version_prefix(target, version)
@@ -164,19 +209,39 @@ def publish_version(store: ObjectStore, target: str, drafter_dir: Path, lineage:
         raise RegistryError(f"version {version} of {target} already exists; versions are immutable")
     flags = serving_flags("<drafter-dir>", serving)
     objects = [store.put_file(f"{prefix}/{name}", drafter_dir / name) for name in DRAFTER_FILES]
-    objects.append(store.put_bytes(f"{prefix}/{README_NAME}", model_card(target, version, lineage, flags).encode()))
+    objects.append(
+        store.put_bytes(f"{prefix}/{README_NAME}", model_card(target, version, lineage, flags).encode())
+    )
     try:
-        manifest = publish(store, prefix, "drafter", objects, {
-            "target": target, "version": version, "lineage": lineage, "sglang_flags": flags,
-            "serving": serving}, exclusive=True)
+        manifest = publish(
+            store,
+            prefix,
+            "drafter",
+            objects,
+            {
+                "target": target,
+                "version": version,
+                "lineage": lineage,
+                "sglang_flags": flags,
+                "serving": serving,
+            },
+            exclusive=True,
+        )
     except PreconditionFailed as err:
-        raise RegistryError(f"version {version} of {target} was published concurrently; versions are "
-                            "immutable") from err
+        raise RegistryError(
+            f"version {version} of {target} was published concurrently; versions are immutable"
+        ) from err
     return version, manifest
 
 
-def promote(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any], alias: str,
-            serving: dict[str, int]) -> dict[str, Any]:
+def promote(
+    store: ObjectStore,
+    target: str,
+    drafter_dir: Path,
+    lineage: dict[str, Any],
+    alias: str,
+    serving: dict[str, int],
+) -> dict[str, Any]:
     """Publish a version and move `alias` to it; the old target of `production` becomes `previous`.
 
     The alias moves only if it still points where it pointed when this promotion started; a racing
@@ -187,14 +252,28 @@ def promote(store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[st
     before_version = before["version"] if before else None
     version, manifest = publish_version(store, target, drafter_dir, lineage, serving)
     if before_version == version:  # an earlier attempt of this promotion moved the alias already
-        return {"version": version, "alias": before, "uri": store.uri(layout.drafter_version_prefix(target, version)),
-                "manifest": manifest}
-    record = move_alias(store, target, alias, version, reason=f"promoted from run {lineage.get('run_id')}",
-                        expected=before_version)
+        return {
+            "version": version,
+            "alias": before,
+            "uri": store.uri(layout.drafter_version_prefix(target, version)),
+            "manifest": manifest,
+        }
+    record = move_alias(
+        store,
+        target,
+        alias,
+        version,
+        reason=f"promoted from run {lineage.get('run_id')}",
+        expected=before_version,
+    )
     if alias == "production" and before_version is not None:
         move_alias(store, target, "previous", before_version, reason=f"demoted by {version}")
-    return {"version": version, "alias": record, "uri": store.uri(layout.drafter_version_prefix(target, version)),
-            "manifest": manifest}
+    return {
+        "version": version,
+        "alias": record,
+        "uri": store.uri(layout.drafter_version_prefix(target, version)),
+        "manifest": manifest,
+    }
 
 
 def rollback(store: ObjectStore, target: str) -> dict[str, Any]:
@@ -202,8 +281,9 @@ def rollback(store: ObjectStore, target: str) -> dict[str, Any]:
     production, previous = read_alias(store, target, "production"), read_alias(store, target, "previous")
     if production is None or previous is None:
         raise RegistryError(f"{target} needs both a production and a previous alias to roll back")
-    record = move_alias(store, target, "production", previous["version"], reason="rollback",
-                        expected=production["version"])
+    record = move_alias(
+        store, target, "production", previous["version"], reason="rollback", expected=production["version"]
+    )
     move_alias(store, target, "previous", production["version"], reason="rolled back")
     return record
 
@@ -215,9 +295,14 @@ def list_versions(store: ObjectStore, target: str) -> list[dict[str, Any]]:
     for version in versions:
         if manifest_exists(store, f"{prefix}/{version}"):
             manifest = read_manifest(store, f"{prefix}/{version}", kind="drafter")
-            rows.append({"version": version, "created_at": manifest["created_at"],
-                         "run_id": manifest["lineage"].get("run_id"),
-                         "tau_simulated": manifest["lineage"].get("eval", {}).get("tau_simulated")})
+            rows.append(
+                {
+                    "version": version,
+                    "created_at": manifest["created_at"],
+                    "run_id": manifest["lineage"].get("run_id"),
+                    "tau_simulated": manifest["lineage"].get("eval", {}).get("tau_simulated"),
+                }
+            )
     return rows
 
 
@@ -265,7 +350,9 @@ def pull(store: ObjectStore, target: str, alias_or_version: str, dest: str | Pat
         verify_dir(staging)
         _swap_into_place(staging, dest)
     except (StorageError, RegistryError, ValueError) as err:
-        raise RegistryError(f"pull of {target}:{alias_or_version} ({version}) refused, {dest} unchanged: {err}") from err
+        raise RegistryError(
+            f"pull of {target}:{alias_or_version} ({version}) refused, {dest} unchanged: {err}"
+        ) from err
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log.info("pulled %s version %s into %s", target, version, dest)

@@ -24,10 +24,12 @@ from pipeline.stages import StageResult
 from pipeline.storage import ObjectStore
 
 log = logging.getLogger(__name__)
-PLOTS = {"training": "Training: loss and conditional acceptance per epoch",
-         "acceptance": "Accepted draft tokens per verify step (benchmark)",
-         "throughput": "Decoding throughput",
-         "predicted_vs_measured": "Acceptance: predicted by evaluation vs measured by the benchmark"}
+PLOTS = {
+    "training": "Training: loss and conditional acceptance per epoch",
+    "acceptance": "Accepted draft tokens per verify step (benchmark)",
+    "throughput": "Decoding throughput",
+    "predicted_vs_measured": "Acceptance: predicted by evaluation vs measured by the benchmark",
+}
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 
 
@@ -76,8 +78,12 @@ def load_run(store: ObjectStore, run_id: str) -> RunRecord:
         record.config = json.loads(store.get_bytes(config_key))
     elif train_manifest is not None:
         record.config = {"train": train_manifest.get("config")}
-    for stage, name in (("eval", "eval.json"), ("gate", "gate.json"), ("bench", "bench.json"),
-                        ("promote", "promote.json")):
+    for stage, name in (
+        ("eval", "eval.json"),
+        ("gate", "gate.json"),
+        ("bench", "bench.json"),
+        ("promote", "promote.json"),
+    ):
         manifest, data = _stage_json(store, run_id, stage, name)
         setattr(record, stage, data)
         if manifest is not None:
@@ -124,15 +130,28 @@ def plot_training(record: RunRecord, path: Path) -> bool:
     epochs = [entry["epoch"] + 1 for entry in history]
     steps = len(history[0]["loss"])
     thresholds = ((record.gate or {}).get("thresholds") or (record.config or {}).get("gate") or {}).get(
-        "min_cond_acc", [])
+        "min_cond_acc", []
+    )
     for k in range(steps):
         color = COLORS[k % len(COLORS)]
-        loss_ax.plot(epochs, [entry["loss"][k] for entry in history], marker="o", color=color, label=f"loss_{k}")
-        acc_ax.plot(epochs, [entry["cond_acc"][k] for entry in history], marker="o", color=color,
-                    label=f"cond_acc_{k}")
+        loss_ax.plot(
+            epochs, [entry["loss"][k] for entry in history], marker="o", color=color, label=f"loss_{k}"
+        )
+        acc_ax.plot(
+            epochs,
+            [entry["cond_acc"][k] for entry in history],
+            marker="o",
+            color=color,
+            label=f"cond_acc_{k}",
+        )
         if k < len(thresholds):
-            acc_ax.axhline(thresholds[k], color=color, linestyle="--", linewidth=1.2,
-                           label=f"gate: cond_acc_{k} >= {thresholds[k]:g}")
+            acc_ax.axhline(
+                thresholds[k],
+                color=color,
+                linestyle="--",
+                linewidth=1.2,
+                label=f"gate: cond_acc_{k} >= {thresholds[k]:g}",
+            )
     from matplotlib.ticker import MaxNLocator
 
     loss_ax.set(xlabel="epoch", ylabel="loss (KL to the teacher)", title="loss_k")
@@ -150,8 +169,11 @@ def _bench_methods(record: RunRecord) -> dict[str, dict[str, Any]]:
 
 
 def plot_acceptance(record: RunRecord, path: Path) -> bool:
-    methods = {name: m["accepted_histogram"] for name, m in _bench_methods(record).items()
-               if m.get("accepted_histogram")}
+    methods = {
+        name: m["accepted_histogram"]
+        for name, m in _bench_methods(record).items()
+        if m.get("accepted_histogram")
+    }
     if not methods:
         return False
     fig, axes = _figure()
@@ -160,8 +182,13 @@ def plot_acceptance(record: RunRecord, path: Path) -> bool:
     for i, (name, histogram) in enumerate(methods.items()):
         total = sum(histogram) or 1
         positions = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(histogram))]
-        ax.bar(positions, [c / total for c in histogram], width=width, color=COLORS[i % len(COLORS)],
-               label=f"{name} (mean accepted {sum(k * c for k, c in enumerate(histogram)) / total:.2f})")
+        ax.bar(
+            positions,
+            [c / total for c in histogram],
+            width=width,
+            color=COLORS[i % len(COLORS)],
+            label=f"{name} (mean accepted {sum(k * c for k, c in enumerate(histogram)) / total:.2f})",
+        )
     ax.set(xlabel="draft tokens accepted in one verify step", ylabel="share of verify steps")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8)
@@ -181,7 +208,9 @@ def plot_throughput(record: RunRecord, path: Path) -> bool:
     base = methods.get("baseline", {}).get("tok_s")
     for bar, speed in zip(bars, speeds):
         label = f"{speed:,.1f}" + (f"\n{speed / base:.2f}x" if base else "")
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8
+        )
     ax.set(ylabel="output tokens / s", ylim=(0, max(speeds) * 1.25))
     ax.grid(alpha=0.3, axis="y")
     _save(fig, path)
@@ -216,8 +245,14 @@ def plot_predicted_vs_measured(record: RunRecord, path: Path) -> bool:
         measured = _measured_curve(histogram)
         depth = min(len(measured), len(predicted))
         ks = list(range(1, depth + 1))
-        ax.plot(ks, predicted[:depth], linestyle="--", marker="o", color=COLORS[i],
-                label=f"{name}: predicted (eval, width {topk})")
+        ax.plot(
+            ks,
+            predicted[:depth],
+            linestyle="--",
+            marker="o",
+            color=COLORS[i],
+            label=f"{name}: predicted (eval, width {topk})",
+        )
         ax.plot(ks, measured[:depth], marker="s", color=COLORS[i], label=f"{name}: measured (benchmark)")
         drawn = True
     if not drawn:
@@ -227,16 +262,23 @@ def plot_predicted_vs_measured(record: RunRecord, path: Path) -> bool:
         return False
     ax.set(xlabel="draft position k", ylabel="P(first k drafts all accepted)", ylim=(0, 1.02))
     ax.set_xticks(range(1, depth + 1))
-    ax.set_title(f"acceptance length: predicted {record.bench.get('tau_simulated', float('nan')):.2f}, "
-                 f"measured {record.bench.get('tau_measured', float('nan')):.2f}", fontsize=9)
+    ax.set_title(
+        f"acceptance length: predicted {record.bench.get('tau_simulated', float('nan')):.2f}, "
+        f"measured {record.bench.get('tau_measured', float('nan')):.2f}",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     _save(fig, path)
     return True
 
 
-PLOTTERS = {"training": plot_training, "acceptance": plot_acceptance, "throughput": plot_throughput,
-            "predicted_vs_measured": plot_predicted_vs_measured}
+PLOTTERS = {
+    "training": plot_training,
+    "acceptance": plot_acceptance,
+    "throughput": plot_throughput,
+    "predicted_vs_measured": plot_predicted_vs_measured,
+}
 
 
 # ---------------------------------------------------------------- html
@@ -245,12 +287,19 @@ PLOTTERS = {"training": plot_training, "acceptance": plot_acceptance, "throughpu
 def serving_flags(store: ObjectStore, record: RunRecord, target: str) -> tuple[list[str], str]:
     """The SGLang flags to serve this run's drafter with, and where they come from."""
     if record.promote and record.promote.get("promoted"):
-        manifest = read_manifest(store, layout.drafter_version_prefix(target, record.promote["version"]),
-                                 kind="drafter")
-        return registry.serving_flags("<drafter-dir>", manifest["serving"]), f"registry version {record.promote['version']}"
+        manifest = read_manifest(
+            store, layout.drafter_version_prefix(target, record.promote["version"]), kind="drafter"
+        )
+        return registry.serving_flags(
+            "<drafter-dir>", manifest["serving"]
+        ), f"registry version {record.promote['version']}"
     if record.bench:
-        flags = registry.sglang_flags("<drafter-dir>", record.bench["draft_steps"], record.bench.get("topk", 1),
-                                      record.bench.get("draft_tokens"))
+        flags = registry.sglang_flags(
+            "<drafter-dir>",
+            record.bench["draft_steps"],
+            record.bench.get("topk", 1),
+            record.bench.get("draft_tokens"),
+        )
         return flags, "the benchmark's settings (not promoted)"
     return [], ""
 
@@ -267,15 +316,31 @@ def _rows(pairs: list[tuple[str, Any]]) -> str:
 
 
 def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
-    evaluation, bench, result = record.eval or {}, record.bench or {}, (record.train or {}).get("result") or {}
-    return [("outcome", record.outcome), ("target", ((record.config or {}).get("target") or {}).get("name")),
-            ("dataset", (record.train or {}).get("dataset")), ("training stop", result.get("stop_reason")),
-            ("epochs run", result.get("epochs_run")), ("train samples", result.get("train_samples")),
-            ("cond_acc_k (eval)", evaluation.get("cond_acc")), ("tau simulated (eval)", evaluation.get("tau_simulated")),
-            ("tau predicted (bench)", bench.get("tau_simulated")), ("tau measured (bench)", bench.get("tau_measured")),
-            ("baseline tok/s", bench.get("baseline_tok_s")), ("candidate tok/s", bench.get("drafter_tok_s")),
-            ("speedup vs baseline", bench.get("speedup_vs_baseline")), ("speedup vs n-gram", bench.get("speedup_vs_ngram")),
-            ("promoted version", (record.promote or {}).get("version") if (record.promote or {}).get("promoted") else None)]
+    evaluation, bench, result = (
+        record.eval or {},
+        record.bench or {},
+        (record.train or {}).get("result") or {},
+    )
+    return [
+        ("outcome", record.outcome),
+        ("target", ((record.config or {}).get("target") or {}).get("name")),
+        ("dataset", (record.train or {}).get("dataset")),
+        ("training stop", result.get("stop_reason")),
+        ("epochs run", result.get("epochs_run")),
+        ("train samples", result.get("train_samples")),
+        ("cond_acc_k (eval)", evaluation.get("cond_acc")),
+        ("tau simulated (eval)", evaluation.get("tau_simulated")),
+        ("tau predicted (bench)", bench.get("tau_simulated")),
+        ("tau measured (bench)", bench.get("tau_measured")),
+        ("baseline tok/s", bench.get("baseline_tok_s")),
+        ("candidate tok/s", bench.get("drafter_tok_s")),
+        ("speedup vs baseline", bench.get("speedup_vs_baseline")),
+        ("speedup vs n-gram", bench.get("speedup_vs_ngram")),
+        (
+            "promoted version",
+            (record.promote or {}).get("version") if (record.promote or {}).get("promoted") else None,
+        ),
+    ]
 
 
 def _gate_section(record: RunRecord) -> str:
@@ -283,14 +348,18 @@ def _gate_section(record: RunRecord) -> str:
         return "<p class=missing>The gate did not run.</p>"
     rows = "".join(
         f"<tr class={'pass' if c['passed'] else 'fail'}><td>{html.escape(c['check'])}</td><td>{c['value']:.4f}</td>"
-        f"<td>{c['threshold']:.4f}</td><td>{'pass' if c['passed'] else 'FAIL'}</td></tr>" for c in record.gate["checks"])
+        f"<td>{c['threshold']:.4f}</td><td>{'pass' if c['passed'] else 'FAIL'}</td></tr>"
+        for c in record.gate["checks"]
+    )
     verdict = "passed" if record.gate["passed"] else "rejected the candidate"
     bench = ""
     if record.bench and record.bench.get("decision"):
         reasons = "".join(f"<li>{html.escape(r)}</li>" for r in record.bench["decision"]["reasons"])
         bench = f"<p>Benchmark decision: {'promotable' if record.bench['decision']['promotable'] else 'refused'}</p><ul>{reasons}</ul>"
-    return (f"<p>The gate {verdict}.</p><table><tr><th>check</th><th>value</th><th>threshold</th><th></th></tr>"
-            f"{rows}</table>{bench}")
+    return (
+        f"<p>The gate {verdict}.</p><table><tr><th>check</th><th>value</th><th>threshold</th><th></th></tr>"
+        f"{rows}</table>{bench}"
+    )
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
@@ -304,25 +373,33 @@ pre{background:#f7f7f7;padding:.8em;overflow:auto;font-size:.8em}.missing{color:
 def render_html(record: RunRecord, images: dict[str, bytes], flags: tuple[list[str], str]) -> str:
     figures = "".join(
         f"<h3>{html.escape(PLOTS[name])}</h3><img alt='{name}' src='data:image/png;base64,"
-        f"{base64.b64encode(images[name]).decode()}'>" if name in images else
-        f"<h3>{html.escape(PLOTS[name])}</h3><p class=missing>Not available: "
+        f"{base64.b64encode(images[name]).decode()}'>"
+        if name in images
+        else f"<h3>{html.escape(PLOTS[name])}</h3><p class=missing>Not available: "
         f"{'the run stopped before the benchmark' if name != 'training' else 'no training history'}.</p>"
-        for name in PLOTS)
+        for name in PLOTS
+    )
     contract = (record.train or {}).get("contract")
-    serving = (f"<p>From {html.escape(flags[1])}:</p><pre>python -m sglang.launch_server --model-path &lt;target&gt; "
-               f"{html.escape(' '.join(flags[0]))}</pre>") if flags[0] else "<p class=missing>No drafter to serve.</p>"
+    serving = (
+        (
+            f"<p>From {html.escape(flags[1])}:</p><pre>python -m sglang.launch_server --model-path &lt;target&gt; "
+            f"{html.escape(' '.join(flags[0]))}</pre>"
+        )
+        if flags[0]
+        else "<p class=missing>No drafter to serve.</p>"
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>drafter run {html.escape(record.run_id)}</title>
 <style>{STYLE}</style></head><body>
 <h1>Run {html.escape(record.run_id)}</h1>
-<p class=sub><span class=badge id=outcome>{html.escape(record.outcome)}</span> &middot; stages: {html.escape(', '.join(record.stages))}
-&middot; rendered {dt.datetime.now(dt.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</p>
+<p class=sub><span class=badge id=outcome>{html.escape(record.outcome)}</span> &middot; stages: {html.escape(", ".join(record.stages))}
+&middot; rendered {dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")}</p>
 <h2>Summary</h2><table>{_rows(_summary_rows(record))}</table>
 <h2>Gate</h2>{_gate_section(record)}
 <h2>Plots</h2>{figures}
 <h2>Serving flags</h2>{serving}
-<h2>Capture contract</h2><pre>{html.escape(json.dumps(contract, indent=2)) if contract else 'not recorded'}</pre>
-<h2>Config</h2><pre>{html.escape(yaml.safe_dump(record.config, sort_keys=False)) if record.config else 'not recorded'}</pre>
+<h2>Capture contract</h2><pre>{html.escape(json.dumps(contract, indent=2)) if contract else "not recorded"}</pre>
+<h2>Config</h2><pre>{html.escape(yaml.safe_dump(record.config, sort_keys=False)) if record.config else "not recorded"}</pre>
 </body></html>
 """
 
@@ -333,7 +410,7 @@ def report_link(store: ObjectStore, key: str) -> str:
     uri = store.uri(key)
     if uri.startswith("file://"):
         return uri
-    bucket, object_key = uri[len("s3://"):].split("/", 1)
+    bucket, object_key = uri[len("s3://") :].split("/", 1)
     endpoint = getattr(store, "endpoint_url", None)
     if endpoint:
         return f"{endpoint.rstrip('/')}/{bucket}/{object_key}"
@@ -357,8 +434,13 @@ def render(store: ObjectStore, run_id: str, target: str) -> StageResult:
     page = render_html(record, images, serving_flags(store, record, target))
     objects.append(store.put_bytes(f"{prefix}/report.html", page.encode()))
     link = report_link(store, f"{prefix}/report.html")
-    manifest = publish(store, prefix, "report", objects, {"run_id": run_id, "outcome": record.outcome,
-                                                           "plots": sorted(images), "link": link})
+    manifest = publish(
+        store,
+        prefix,
+        "report",
+        objects,
+        {"run_id": run_id, "outcome": record.outcome, "plots": sorted(images), "link": link},
+    )
     log.info("run report: %s", link)
     return StageResult(store.uri(prefix), manifest)
 
@@ -370,17 +452,24 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
     lines = [f"registry: {target}"]
     for alias in registry.SHOWN_ALIASES:
         record = registry.read_alias(store, target, alias)
-        lines.append(f"  {alias:<11} {record['version'] if record else '-':<28} "
-                     f"{record.get('updated_at', '') if record else ''}")
+        lines.append(
+            f"  {alias:<11} {record['version'] if record else '-':<28} "
+            f"{record.get('updated_at', '') if record else ''}"
+        )
     versions = registry.list_versions(store, target)
     lines.append(f"  {len(versions)} version(s)")
     runs = list_runs(store, limit)
-    lines += ["", f"recent runs (newest first, {len(runs)} shown):",
-              f"  {'run':<44}{'finished':<22}{'gate':<10}{'tau':>7}{'speedup':>9}  outcome"]
+    lines += [
+        "",
+        f"recent runs (newest first, {len(runs)} shown):",
+        f"  {'run':<44}{'finished':<22}{'gate':<10}{'tau':>7}{'speedup':>9}  outcome",
+    ]
     for run in runs:
         gate = "-" if run.gate is None else ("passed" if run.gate["passed"] else "rejected")
         tau = (run.eval or {}).get("tau_simulated")
         speedup = (run.bench or {}).get("speedup_vs_baseline")
-        lines.append(f"  {run.run_id[:43]:<44}{(run.created_at or '-'):<22}{gate:<10}"
-                     f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}  {run.outcome}")
+        lines.append(
+            f"  {run.run_id[:43]:<44}{(run.created_at or '-'):<22}{gate:<10}"
+            f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}  {run.outcome}"
+        )
     return "\n".join(lines)

@@ -20,7 +20,7 @@ SUMMARY_NAME = "summary.json"
 
 
 def new_run_id() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("run-%Y%m%d-%H%M%S")
+    return dt.datetime.now(dt.UTC).strftime("run-%Y%m%d-%H%M%S")
 
 
 def _json(store: ObjectStore, uri: str, name: str) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def write_summary(store: ObjectStore, run_id: str, summary: dict[str, Any]) -> s
 
 
 def summary_location(uri: str) -> str:
-    return uri[len("file://"):] if uri.startswith("file://") else uri
+    return uri[len("file://") :] if uri.startswith("file://") else uri
 
 
 def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) -> tuple[dict[str, Any], str]:
@@ -57,30 +57,66 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
     eval_record = _json(store, evaluation.uri, "eval.json")
     totals = dataset.manifest["totals"]
     summary: dict[str, Any] = {
-        "run_id": run_id, "target": config.target.name,
+        "run_id": run_id,
+        "target": config.target.name,
         "samples": totals["train"]["samples"] + totals["eval"]["samples"],
         "tokens": totals["train"]["tokens"] + totals["eval"]["tokens"],
-        "cond_acc": eval_record["cond_acc"], "tau_simulated": None, "tau_measured": None,
-        "baseline_tok_s": None, "drafter_tok_s": None, "promoted_version": None, "registry_uri": None,
-        "gate_passed": None, "stop_reason": trained.manifest["result"]["stop_reason"],
+        "cond_acc": eval_record["cond_acc"],
+        "tau_simulated": None,
+        "tau_measured": None,
+        "baseline_tok_s": None,
+        "drafter_tok_s": None,
+        "promoted_version": None,
+        "registry_uri": None,
+        "gate_passed": None,
+        "stop_reason": trained.manifest["result"]["stop_reason"],
     }
     try:
         gate.run(config, evaluation.uri, run_id, store)
         summary["gate_passed"] = True
-        bench = benchmark.run(config, trained.uri, evaluation.uri, prompt_set.uri, run_id, store,
-                              incumbent[1] if incumbent else None)
+        bench = benchmark.run(
+            config,
+            trained.uri,
+            evaluation.uri,
+            prompt_set.uri,
+            run_id,
+            store,
+            incumbent[1] if incumbent else None,
+        )
         bench_record = _json(store, bench.uri, "bench.json")
-        summary.update({k: bench_record[k] for k in ("tau_simulated", "tau_measured", "baseline_tok_s",
-                                                      "drafter_tok_s", "speedup_vs_baseline", "speedup_vs_ngram")})
+        summary.update(
+            {
+                k: bench_record[k]
+                for k in (
+                    "tau_simulated",
+                    "tau_measured",
+                    "baseline_tok_s",
+                    "drafter_tok_s",
+                    "speedup_vs_baseline",
+                    "speedup_vs_ngram",
+                )
+            }
+        )
         summary["ngram_tok_s"] = bench_record["methods"]["ngram"]["tok_s"]
-        promoted = promote.run(config, run_id, trained.uri, evaluation.uri,
-                               f"{store.uri(layout.run_prefix(run_id))}/gate", bench.uri, store)
+        promoted = promote.run(
+            config,
+            run_id,
+            trained.uri,
+            evaluation.uri,
+            f"{store.uri(layout.run_prefix(run_id))}/gate",
+            bench.uri,
+            store,
+        )
         if promoted.manifest.get("promoted"):
             summary["promoted_version"] = promoted.manifest["version"]
             summary["registry_uri"] = promoted.manifest["registry_uri"]
-            pulled = registry.pull(store, config.target.name, config.registry.alias, workdir / "pulled_drafter")
+            pulled = registry.pull(
+                store, config.target.name, config.registry.alias, workdir / "pulled_drafter"
+            )
             summary["pulled_to"] = str(pulled)
-        summary["outcome"] = "promoted" if summary["promoted_version"] else "not promoted (registry.promote is false)"
+        summary["outcome"] = (
+            "promoted" if summary["promoted_version"] else "not promoted (registry.promote is false)"
+        )
     except GateFailed as failure:
         summary.update({"gate_passed": False, "outcome": "gate failed", "failure": str(failure)})
     except PromotionRefused as refusal:
@@ -102,10 +138,16 @@ def format_table(summary: dict[str, Any]) -> str:
     rows = [("samples", summary["samples"]), ("tokens", summary["tokens"])]
     rows += [(f"cond_acc_{k}", v) for k, v in enumerate(summary["cond_acc"])]
     rows.append(("outcome", summary.get("outcome")))
-    rows += [("tau simulated", summary["tau_simulated"]), ("tau measured", summary["tau_measured"]),
-             ("baseline tok/s", summary["baseline_tok_s"]), ("n-gram tok/s", summary.get("ngram_tok_s")),
-             ("drafter tok/s", summary["drafter_tok_s"]), ("speedup vs baseline", summary.get("speedup_vs_baseline")),
-             ("promoted version", summary["promoted_version"]), ("registry", summary["registry_uri"]),
-             ("pulled to", summary.get("pulled_to"))]
+    rows += [
+        ("tau simulated", summary["tau_simulated"]),
+        ("tau measured", summary["tau_measured"]),
+        ("baseline tok/s", summary["baseline_tok_s"]),
+        ("n-gram tok/s", summary.get("ngram_tok_s")),
+        ("drafter tok/s", summary["drafter_tok_s"]),
+        ("speedup vs baseline", summary.get("speedup_vs_baseline")),
+        ("promoted version", summary["promoted_version"]),
+        ("registry", summary["registry_uri"]),
+        ("pulled to", summary.get("pulled_to")),
+    ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {fmt(value)}" for name, value in rows)

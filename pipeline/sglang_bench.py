@@ -17,9 +17,10 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from pipeline.config import SGLangBenchConfig, SGLangClientConfig
 from pipeline.engines import EngineError
@@ -33,11 +34,24 @@ class SGLangBenchmarkFailed(RuntimeError):
 
 
 def launch_command(settings: SGLangBenchConfig, method: str, drafter_dir: Path | None = None) -> list[str]:
-    command = [*settings.launch, "--model-path", settings.model_path, "--host", settings.host,
-               "--port", str(settings.port), *settings.extra_args]
+    command = [
+        *settings.launch,
+        "--model-path",
+        settings.model_path,
+        "--host",
+        settings.host,
+        "--port",
+        str(settings.port),
+        *settings.extra_args,
+    ]
     if method == "ngram":
-        return command + ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
-                          str(settings.ngram_draft_tokens), *settings.ngram_args]
+        return command + [
+            "--speculative-algorithm",
+            "NGRAM",
+            "--speculative-num-draft-tokens",
+            str(settings.ngram_draft_tokens),
+            *settings.ngram_args,
+        ]
     if method in ("candidate", "incumbent"):
         if drafter_dir is None:
             raise SGLangBenchmarkFailed(f"the {method} server needs a drafter directory")
@@ -59,15 +73,19 @@ def running_server(command: list[str], settings: SGLangBenchConfig) -> Iterator[
                 if process.poll() is not None:
                     output.seek(0)
                     tail = output.read()[-2000:].decode(errors="replace")
-                    raise SGLangBenchmarkFailed(f"the server exited with code {process.returncode} before it was "
-                                                f"ready: {' '.join(command)}\n{tail}")
+                    raise SGLangBenchmarkFailed(
+                        f"the server exited with code {process.returncode} before it was "
+                        f"ready: {' '.join(command)}\n{tail}"
+                    )
                 try:
                     if requests.get(url + "/health", timeout=5).status_code == 200:
                         break
                 except requests.RequestException:
                     pass
                 if time.monotonic() > deadline:
-                    raise SGLangBenchmarkFailed(f"the server did not become healthy in {settings.startup_timeout_s}s")
+                    raise SGLangBenchmarkFailed(
+                        f"the server did not become healthy in {settings.startup_timeout_s}s"
+                    )
                 time.sleep(0.5)
             yield url
         finally:
@@ -89,15 +107,23 @@ def summarize_responses(responses: list[dict[str, Any]], seconds: float) -> dict
     """Throughput and speculative acceptance from /generate responses (SGLang 0.5.23 meta_info)."""
     metas = [r["meta_info"] for r in responses]
     tokens = sum(int(m["completion_tokens"]) for m in metas)
-    summary: dict[str, Any] = {"requests": len(metas), "tokens": tokens, "seconds": round(seconds, 4),
-                               "tok_s": round(tokens / seconds, 2)}
+    summary: dict[str, Any] = {
+        "requests": len(metas),
+        "tokens": tokens,
+        "seconds": round(seconds, 4),
+        "tok_s": round(tokens / seconds, 2),
+    }
     verify = sum(int(m.get("spec_verify_ct", 0)) for m in metas)
     if verify:
         summary["tau_measured"] = round(tokens / verify, 4)
-        histograms = [m["spec_correct_drafts_histogram"] for m in metas if m.get("spec_correct_drafts_histogram")]
+        histograms = [
+            m["spec_correct_drafts_histogram"] for m in metas if m.get("spec_correct_drafts_histogram")
+        ]
         if histograms:
             width = max(len(h) for h in histograms)
-            summary["accepted_histogram"] = [sum(h[i] for h in histograms if i < len(h)) for i in range(width)]
+            summary["accepted_histogram"] = [
+                sum(h[i] for h in histograms if i < len(h)) for i in range(width)
+            ]
     return summary
 
 
@@ -105,8 +131,10 @@ def measure(url: str, prompts: list[list[int]], max_new_tokens: int, concurrency
     from pipeline.engines.sglang import SGLangClient
 
     client = SGLangClient(SGLangClientConfig(urls=[url], concurrency=concurrency, retries=0, timeout_s=900))
-    payloads = [{"input_ids": p, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
-                for p in prompts]
+    payloads = [
+        {"input_ids": p, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+        for p in prompts
+    ]
     try:
         client.map("/generate", payloads[:1])  # warm-up
         started = time.perf_counter()
@@ -116,8 +144,9 @@ def measure(url: str, prompts: list[list[int]], max_new_tokens: int, concurrency
     return summarize_responses(responses, time.perf_counter() - started)
 
 
-def run_methods(settings: SGLangBenchConfig, prompts: list[list[int]], max_new_tokens: int,
-                drafters: dict[str, Path]) -> dict[str, Any]:
+def run_methods(
+    settings: SGLangBenchConfig, prompts: list[list[int]], max_new_tokens: int, drafters: dict[str, Path]
+) -> dict[str, Any]:
     """Every method on the same prompts, one server at a time."""
     methods = {}
     for method in ["baseline", "ngram", *drafters]:

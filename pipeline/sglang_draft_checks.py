@@ -39,11 +39,20 @@ DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 OTHER_EAGLE3_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM",)
 # Targets served by models/deepseek_v2.py (kimi_k25.py:928-939 delegates to its DeepseekV3ForCausalLM),
 # whose set_eagle3_layers_to_capture shifts layer ids differently from models/llama.py.
-DEEPSEEK_CAPTURE_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                                  "KimiK25ForConditionalGeneration")
+DEEPSEEK_CAPTURE_ARCHITECTURES = (
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+)
 # configs/model_config.py / utils/hf_transformers/common.py:668-674, in SGLang's order of preference
-CONTEXT_LENGTH_KEYS = ("max_sequence_length", "seq_length", "max_seq_len", "model_max_length",
-                       "max_position_embeddings")
+CONTEXT_LENGTH_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
 
 Shard = Union[str, int, None]  # q/k/v or gate/up (0/1) of a stacked parameter; None: the whole parameter
 
@@ -117,8 +126,14 @@ def _problem(what: str, consequence: str, *where: str) -> str:
     return f"{what}: SGLang {SGLANG_VERSION} {consequence} ({', '.join(where)})"
 
 
-def draft_model_problems(target_dir: str | Path, draft_dir: str | Path | None, speculative: SpeculativeArgs, *,
-                         context_length: int | None = None, trust_remote_code: bool = False) -> list[str]:
+def draft_model_problems(
+    target_dir: str | Path,
+    draft_dir: str | Path | None,
+    speculative: SpeculativeArgs,
+    *,
+    context_length: int | None = None,
+    trust_remote_code: bool = False,
+) -> list[str]:
     """Every reason SGLang 0.5.23 would fail with, or serve broken, this draft for this target; [] if none.
 
     context_length is the server's --context-length (None: the target's own); only EAGLE3 loads a draft.
@@ -128,10 +143,14 @@ def draft_model_problems(target_dir: str | Path, draft_dir: str | Path | None, s
     target = read_target(Path(target_dir))
     problems = speculative_arg_problems(speculative, target.architecture)
     if draft_dir is None:
-        return problems + [_problem(
-            "--speculative-algorithm EAGLE3 without --speculative-draft-model-path",
-            "reads the target checkpoint itself as the draft model, which is no EAGLE-3 drafter",
-            "sglang/srt/arg_groups/speculative_hook.py:1138-1147", "sglang/srt/configs/model_config.py:956")]
+        return problems + [
+            _problem(
+                "--speculative-algorithm EAGLE3 without --speculative-draft-model-path",
+                "reads the target checkpoint itself as the draft model, which is no EAGLE-3 drafter",
+                "sglang/srt/arg_groups/speculative_hook.py:1138-1147",
+                "sglang/srt/configs/model_config.py:956",
+            )
+        ]
     draft_dir = Path(draft_dir)
     config, unreadable = _read_draft_config(draft_dir, trust_remote_code)
     if config is None:
@@ -152,16 +171,20 @@ def draft_model_problems(target_dir: str | Path, draft_dir: str | Path | None, s
     return problems
 
 
-def require_loadable_draft(target_dir: str | Path, draft_dir: str | Path | None, speculative: SpeculativeArgs,
-                           **options: Any) -> None:
+def require_loadable_draft(
+    target_dir: str | Path, draft_dir: str | Path | None, speculative: SpeculativeArgs, **options: Any
+) -> None:
     """Raise DraftModelRefused naming every problem draft_model_problems finds."""
     problems = draft_model_problems(target_dir, draft_dir, speculative, **options)
     if problems:
-        raise DraftModelRefused(f"SGLang {SGLANG_VERSION} would not serve draft model {draft_dir} for target "
-                                f"{target_dir}:\n  - " + "\n  - ".join(problems))
+        raise DraftModelRefused(
+            f"SGLang {SGLANG_VERSION} would not serve draft model {draft_dir} for target "
+            f"{target_dir}:\n  - " + "\n  - ".join(problems)
+        )
 
 
 # ---- the target ----------------------------------------------------------------------------------------------
+
 
 def read_target(target_dir: Path) -> TargetFacts:
     """The target facts a draft must agree with, from config.json (its text part for multimodal targets)."""
@@ -170,10 +193,14 @@ def read_target(target_dir: Path) -> TargetFacts:
     top = json.loads((target_dir / "config.json").read_text())
     text = text_config(target_dir)
     architecture = (top.get("architectures") or [""])[0]
-    return TargetFacts(architecture=architecture, num_layers=int(text["num_hidden_layers"]),
-                       hidden_size=int(text["hidden_size"]), vocab_size=int(text["vocab_size"]),
-                       context_length=derived_context_length(text),
-                       deepseek_capture=_uses_deepseek_capture(architecture, text))
+    return TargetFacts(
+        architecture=architecture,
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        context_length=derived_context_length(text),
+        deepseek_capture=_uses_deepseek_capture(architecture, text),
+    )
 
 
 def _uses_deepseek_capture(architecture: str, text: dict[str, Any]) -> bool:
@@ -187,6 +214,7 @@ def derived_context_length(config: Any) -> int:
 
     transformers 5 reads a config.json `rope_scaling` into `rope_parameters` and returns that for `rope_scaling`.
     """
+
     def field(key: str) -> Any:
         return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
 
@@ -202,12 +230,16 @@ def derived_context_length(config: Any) -> int:
 
 # ---- the launch flags ----------------------------------------------------------------------------------------
 
+
 def effective_speculative_args(args: SpeculativeArgs, target_architecture: str) -> SpeculativeArgs:
     """The steps / topk / draft tokens SGLang 0.5.23 runs EAGLE3 with, after its defaults and adjustments."""
     if args.num_steps is None and args.eagle_topk is None and args.num_draft_tokens is None:
         # speculative_hook.py:1159-1174 and 1430-1461 (_auto_choose_speculative_params)
-        steps, topk, tokens = (5, 4, 8) if target_architecture in (
-            "LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM") else (3, 1, 4)
+        steps, topk, tokens = (
+            (5, 4, 8)
+            if target_architecture in ("LlamaForCausalLM", "Grok1ForCausalLM", "Grok1VForCausalLM")
+            else (3, 1, 4)
+        )
         return replace(args, num_steps=steps, eagle_topk=topk, num_draft_tokens=tokens)
     if args.num_steps is not None and args.eagle_topk == 1 and args.num_draft_tokens != args.num_steps + 1:
         # speculative_hook.py:1255-1266: a warning, and draft tokens become steps + 1
@@ -218,14 +250,22 @@ def effective_speculative_args(args: SpeculativeArgs, target_architecture: str) 
 def speculative_arg_problems(args: SpeculativeArgs, target_architecture: str) -> list[str]:
     """The EAGLE3 steps / topk / draft-token combinations SGLang 0.5.23 cannot run."""
     if args.num_steps is None and (args.eagle_topk is not None or args.num_draft_tokens is not None):
-        return [_problem("--speculative-eagle-topk or --speculative-num-draft-tokens without --speculative-num-steps",
-                         "fails at startup: an assertion wants all three flags or none",
-                         "sglang/srt/arg_groups/speculative_hook.py:1159-1163")]
+        return [
+            _problem(
+                "--speculative-eagle-topk or --speculative-num-draft-tokens without --speculative-num-steps",
+                "fails at startup: an assertion wants all three flags or none",
+                "sglang/srt/arg_groups/speculative_hook.py:1159-1163",
+            )
+        ]
     args = effective_speculative_args(args, target_architecture)
     if args.eagle_topk is None:
-        return [_problem("--speculative-num-steps without --speculative-eagle-topk",
-                         "fails at startup comparing the missing topk with 1 (TypeError)",
-                         "sglang/srt/arg_groups/speculative_hook.py:1273-1276")]
+        return [
+            _problem(
+                "--speculative-num-steps without --speculative-eagle-topk",
+                "fails at startup comparing the missing topk with 1 (TypeError)",
+                "sglang/srt/arg_groups/speculative_hook.py:1273-1276",
+            )
+        ]
     if args.eagle_topk > 1:
         return _draft_tree_problems(args.num_steps, args.eagle_topk, args.num_draft_tokens)
     return []
@@ -237,58 +277,93 @@ def _draft_tree_problems(steps: int, topk: int, draft_tokens: int | None) -> lis
     candidates = topk + (steps - 1) * topk * topk
     where = ("sglang/srt/speculative/eagle_utils.py:100-110", "sglang/srt/speculative/spec_utils.py:417-470")
     if draft_tokens is None:
-        return [_problem(f"--speculative-eagle-topk {topk} without --speculative-num-draft-tokens",
-                         "fails building the first draft tree (num_draft_tokens - 1 of None)", *where)]
+        return [
+            _problem(
+                f"--speculative-eagle-topk {topk} without --speculative-num-draft-tokens",
+                "fails building the first draft tree (num_draft_tokens - 1 of None)",
+                *where,
+            )
+        ]
     if not 0 <= draft_tokens - 1 <= candidates:
-        return [_problem(f"--speculative-num-draft-tokens {draft_tokens} with {steps} steps and topk {topk}",
-                         f"fails building the first draft tree: it keeps num_draft_tokens - 1 = {draft_tokens - 1} "
-                         f"of {candidates} candidates (topk + (steps - 1) * topk^2) with torch.topk", *where)]
+        return [
+            _problem(
+                f"--speculative-num-draft-tokens {draft_tokens} with {steps} steps and topk {topk}",
+                f"fails building the first draft tree: it keeps num_draft_tokens - 1 = {draft_tokens - 1} "
+                f"of {candidates} candidates (topk + (steps - 1) * topk^2) with torch.topk",
+                *where,
+            )
+        ]
     return []
 
 
 # ---- the draft config ----------------------------------------------------------------------------------------
+
 
 def _read_draft_config(draft_dir: Path, trust_remote_code: bool) -> tuple[Any | None, list[str]]:
     """The draft config as SGLang reads it: transformers' AutoConfig (utils/hf_transformers/config.py:378-380)."""
     from transformers import AutoConfig
 
     if not (draft_dir / "config.json").is_file():
-        return None, [_problem(f"draft directory {draft_dir} has no config.json", "fails reading its config",
-                               "sglang/srt/utils/hf_transformers/config.py:378-380")]
+        return None, [
+            _problem(
+                f"draft directory {draft_dir} has no config.json",
+                "fails reading its config",
+                "sglang/srt/utils/hf_transformers/config.py:378-380",
+            )
+        ]
     try:
         return AutoConfig.from_pretrained(str(draft_dir), trust_remote_code=trust_remote_code), []
     except Exception as err:  # whatever transformers raises here, SGLang's get_config raises too
-        return None, [_problem(f"draft config.json does not load ({type(err).__name__}: {err})",
-                               "fails reading it with transformers",
-                               "sglang/srt/utils/hf_transformers/config.py:378-380")]
+        return None, [
+            _problem(
+                f"draft config.json does not load ({type(err).__name__}: {err})",
+                "fails reading it with transformers",
+                "sglang/srt/utils/hf_transformers/config.py:378-380",
+            )
+        ]
 
 
 def _eagle_config(config: Any) -> dict[str, Any]:
     eagle = getattr(config, "eagle_config", None) or {}
     if not isinstance(eagle, dict):
         # llama_eagle3.py:159-160 calls .get on it while building the model
-        raise _Unbuildable(_problem(f"eagle_config is a {type(eagle).__name__}, not an object",
-                                    "fails building the draft model", "sglang/srt/models/llama_eagle3.py:159-160"))
+        raise _Unbuildable(
+            _problem(
+                f"eagle_config is a {type(eagle).__name__}, not an object",
+                "fails building the draft model",
+                "sglang/srt/models/llama_eagle3.py:159-160",
+            )
+        )
     return eagle
 
 
 def _require_draft_architecture(config: Any) -> None:
     architectures = getattr(config, "architectures", None)
     if not architectures:
-        raise _Unbuildable(_problem("draft config.json has no architectures", "fails indexing architectures[0]",
-                                    "sglang/srt/configs/model_config.py:699"))
+        raise _Unbuildable(
+            _problem(
+                "draft config.json has no architectures",
+                "fails indexing architectures[0]",
+                "sglang/srt/configs/model_config.py:699",
+            )
+        )
     if architectures[0] in OTHER_EAGLE3_ARCHITECTURES:
-        raise _Unbuildable(f"draft architecture {architectures[0]}: SGLang {SGLANG_VERSION} loads it with "
-                           f"models/kimi_k25_eagle3.py, which these checks (and the stand-in) do not model; "
-                           f"the project exports {DRAFT_ARCHITECTURE}")
+        raise _Unbuildable(
+            f"draft architecture {architectures[0]}: SGLang {SGLANG_VERSION} loads it with "
+            f"models/kimi_k25_eagle3.py, which these checks (and the stand-in) do not model; "
+            f"the project exports {DRAFT_ARCHITECTURE}"
+        )
     if architectures[0] != DRAFT_ARCHITECTURE:
         # the registry takes architectures[0] first (models/registry.py:98-104); only the EAGLE-3 draft classes
         # carry the hot_token_id the EAGLE3 worker reads (llama_eagle3.py:323)
-        raise _Unbuildable(_problem(f"draft architectures {list(architectures)} do not start with "
-                                    f"{DRAFT_ARCHITECTURE}",
-                                    "fails when the EAGLE3 worker reads the draft's hot_token_id",
-                                    "sglang/srt/models/registry.py:98-104",
-                                    "sglang/srt/speculative/eagle_worker_v2.py:366"))
+        raise _Unbuildable(
+            _problem(
+                f"draft architectures {list(architectures)} do not start with {DRAFT_ARCHITECTURE}",
+                "fails when the EAGLE3 worker reads the draft's hot_token_id",
+                "sglang/srt/models/registry.py:98-104",
+                "sglang/srt/speculative/eagle_worker_v2.py:366",
+            )
+        )
 
 
 def _draft_vocab(config: Any, tied: bool) -> tuple[int, bool]:
@@ -296,9 +371,13 @@ def _draft_vocab(config: Any, tied: bool) -> tuple[int, bool]:
     if tied:  # the logits processor still uses draft_vocab_size (llama_eagle3.py:316-320)
         return int(getattr(config, "draft_vocab_size", None) or config.vocab_size), False
     if not hasattr(config, "draft_vocab_size"):
-        raise _Unbuildable(_problem("draft config.json has no draft_vocab_size",
-                                    "fails building the draft model (AttributeError)",
-                                    "sglang/srt/models/llama_eagle3.py:306"))
+        raise _Unbuildable(
+            _problem(
+                "draft config.json has no draft_vocab_size",
+                "fails building the draft model (AttributeError)",
+                "sglang/srt/models/llama_eagle3.py:306",
+            )
+        )
     if config.draft_vocab_size is None:
         return int(config.vocab_size), True
     return int(config.draft_vocab_size), False
@@ -309,8 +388,13 @@ def _target_hidden(config: Any) -> int:
     if not hasattr(config, "target_hidden_size"):
         return int(config.hidden_size)
     if config.target_hidden_size is None:
-        raise _Unbuildable(_problem("draft config.json has target_hidden_size: null",
-                                    "fails sizing the fc layer from it", "sglang/srt/models/llama_eagle3.py:151-167"))
+        raise _Unbuildable(
+            _problem(
+                "draft config.json has target_hidden_size: null",
+                "fails sizing the fc layer from it",
+                "sglang/srt/models/llama_eagle3.py:151-167",
+            )
+        )
     return int(config.target_hidden_size)
 
 
@@ -324,19 +408,29 @@ def draft_shape(config: Any) -> DraftShape:
     target_hidden = _target_hidden(config)
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     return DraftShape(
-        hidden=hidden, heads=heads, kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(config, "head_dim", None) or hidden // heads),  # llama.py:196-198
         # llama_eagle3.py:77-80
-        intermediate=int(config.intermediate_size_mlp if config.model_type == "llama4_text"
-                         else config.intermediate_size),
-        layers=int(config.num_hidden_layers), vocab=int(config.vocab_size), draft_vocab=draft_vocab,
+        intermediate=int(
+            config.intermediate_size_mlp if config.model_type == "llama4_text" else config.intermediate_size
+        ),
+        layers=int(config.num_hidden_layers),
+        vocab=int(config.vocab_size),
+        draft_vocab=draft_vocab,
         target_hidden=target_hidden,
         num_aux=int(getattr(config, "num_aux_hidden_states", None) or (len(ids) if ids else 3)),  # :156-161
         fc_bias=bool(getattr(config, "bias", False)),  # :163-167
-        o_proj_bias=bool(getattr(config, "attention_bias", False) or getattr(config, "bias", False)),  # llama.py:339
-        norm_before_fc=bool(eagle.get("norm_before_fc", getattr(config, "norm_before_fc", False))),  # :173-182
+        o_proj_bias=bool(
+            getattr(config, "attention_bias", False) or getattr(config, "bias", False)
+        ),  # llama.py:339
+        norm_before_fc=bool(
+            eagle.get("norm_before_fc", getattr(config, "norm_before_fc", False))
+        ),  # :173-182
         fc_norm=bool(getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)),  # :185-196
-        tied=tied, lm_head_from_target=head_from_target,
+        tied=tied,
+        lm_head_from_target=head_from_target,
         # llama.py:910-916: the target's embedding is shared unless target_hidden_size differs from hidden_size
         shares_target_embedding=not hasattr(config, "target_hidden_size") or target_hidden == hidden,
     )
@@ -346,14 +440,22 @@ def config_problems(config: Any) -> list[str]:
     """Draft config values SGLang refuses or drops while building the model."""
     problems = []
     if config.hidden_act != "silu":
-        problems.append(_problem(f"draft hidden_act {config.hidden_act!r}",
-                                 "fails building the draft MLP: only silu is supported",
-                                 "sglang/srt/models/llama.py:116-119"))
+        problems.append(
+            _problem(
+                f"draft hidden_act {config.hidden_act!r}",
+                "fails building the draft MLP: only silu is supported",
+                "sglang/srt/models/llama.py:116-119",
+            )
+        )
     if getattr(config, "tie_word_embeddings", False):
-        problems.append(_problem(
-            "draft tie_word_embeddings is true",
-            "serves it broken: lm_head becomes the embedding, so the checkpoint's trained lm_head.weight has no "
-            "parameter to load into and is dropped", "sglang/srt/models/llama_eagle3.py:303-304"))
+        problems.append(
+            _problem(
+                "draft tie_word_embeddings is true",
+                "serves it broken: lm_head becomes the embedding, so the checkpoint's trained lm_head.weight has no "
+                "parameter to load into and is dropped",
+                "sglang/srt/models/llama_eagle3.py:303-304",
+            )
+        )
     return problems
 
 
@@ -371,21 +473,28 @@ def context_problems(target: TargetFacts, config: Any, context_length: int | Non
     serving = target.context_length
     if context_length is not None:
         if context_length > target.context_length:
-            problems.append(_problem(
-                f"--context-length {context_length} exceeds the target's derived context length "
-                f"{target.context_length}",
-                f"fails at startup with ValueError: User-specified context_length ({context_length}) is greater "
-                f"than the derived context_length ({target.context_length})", where))
+            problems.append(
+                _problem(
+                    f"--context-length {context_length} exceeds the target's derived context length "
+                    f"{target.context_length}",
+                    f"fails at startup with ValueError: User-specified context_length ({context_length}) is greater "
+                    f"than the derived context_length ({target.context_length})",
+                    where,
+                )
+            )
         serving = context_length
     draft_context = derived_context_length(config)
     if serving > draft_context:
-        problems.append(_problem(
-            f"the draft's derived context length {draft_context} (max_position_embeddings "
-            f"{getattr(config, 'max_position_embeddings', None)}) is shorter than the target's {serving}",
-            f"fails at startup with ValueError: Target model's context_length ({serving}) is greater than the "
-            f"derived context_length ({draft_context}); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to override it",
-            where,
-            "sglang/srt/speculative/eagle_worker_v2.py:229"))
+        problems.append(
+            _problem(
+                f"the draft's derived context length {draft_context} (max_position_embeddings "
+                f"{getattr(config, 'max_position_embeddings', None)}) is shorter than the target's {serving}",
+                f"fails at startup with ValueError: Target model's context_length ({serving}) is greater than the "
+                f"derived context_length ({draft_context}); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to override it",
+                where,
+                "sglang/srt/speculative/eagle_worker_v2.py:229",
+            )
+        )
     return problems
 
 
@@ -396,24 +505,34 @@ def _env_flag(name: str) -> bool:
 
 # ---- draft against target ------------------------------------------------------------------------------------
 
+
 def target_fit_problems(target: TargetFacts, shape: DraftShape) -> list[str]:
     """Widths and vocabularies the draft shares with the target."""
     problems = []
     if shape.target_hidden != target.hidden_size:
         # fc takes num_aux states of target_hidden_size each (llama_eagle3.py:151-167, eagle_utils.py:265-275)
-        problems.append(_problem(
-            f"the draft reads target states of width {shape.target_hidden} (target_hidden_size, else hidden_size) "
-            f"but the target's hidden_size is {target.hidden_size}",
-            f"fails feeding the target's {shape.num_aux} x {target.hidden_size} aux states into an fc built for "
-            f"{shape.num_aux} x {shape.target_hidden}", "sglang/srt/models/llama_eagle3.py:151-167",
-            "sglang/srt/speculative/eagle_utils.py:265-275"))
+        problems.append(
+            _problem(
+                f"the draft reads target states of width {shape.target_hidden} (target_hidden_size, else hidden_size) "
+                f"but the target's hidden_size is {target.hidden_size}",
+                f"fails feeding the target's {shape.num_aux} x {target.hidden_size} aux states into an fc built for "
+                f"{shape.num_aux} x {shape.target_hidden}",
+                "sglang/srt/models/llama_eagle3.py:151-167",
+                "sglang/srt/speculative/eagle_utils.py:265-275",
+            )
+        )
     if shape.vocab != target.vocab_size:
-        problems.append(_problem(
-            f"draft vocab_size {shape.vocab} differs from the target's {target.vocab_size}",
-            "serves it broken: the draft embeds target token ids with an embedding sized by its own vocab_size "
-            "(ids beyond it are out of range, and tensor-parallel shards split the vocabulary at other rows) "
-            "while the weight is the target's", "sglang/srt/models/llama_eagle3.py:144-149",
-            "sglang/srt/models/llama.py:910-918", "sglang/srt/layers/vocab_parallel_embedding.py:515-521"))
+        problems.append(
+            _problem(
+                f"draft vocab_size {shape.vocab} differs from the target's {target.vocab_size}",
+                "serves it broken: the draft embeds target token ids with an embedding sized by its own vocab_size "
+                "(ids beyond it are out of range, and tensor-parallel shards split the vocabulary at other rows) "
+                "while the weight is the target's",
+                "sglang/srt/models/llama_eagle3.py:144-149",
+                "sglang/srt/models/llama.py:910-918",
+                "sglang/srt/layers/vocab_parallel_embedding.py:515-521",
+            )
+        )
     return problems
 
 
@@ -427,7 +546,9 @@ def sglang_capture_points(target: TargetFacts, layer_ids: list[int] | None) -> l
     return [k + 1 for k in layer_ids]  # llama.py:938-941, deepseek_v2.py:3470-3471
 
 
-def aux_layer_problems(target: TargetFacts, config: Any, shape: DraftShape, trained_ids: list[int] | None) -> list[str]:
+def aux_layer_problems(
+    target: TargetFacts, config: Any, shape: DraftShape, trained_ids: list[int] | None
+) -> list[str]:
     """Whether the target captures the layers the draft's fc expects and was trained on.
 
     The target reads eagle_config (model_runner_components/spec_aux_hidden_state.py:185-196): use_aux_hidden_state
@@ -436,32 +557,48 @@ def aux_layer_problems(target: TargetFacts, config: Any, shape: DraftShape, trai
     """
     eagle = _eagle_config(config)
     if not eagle.get("use_aux_hidden_state", True):
-        return [_problem(
-            "eagle_config.use_aux_hidden_state is false",
-            "serves it broken: the target captures no aux states and the draft gets the last hidden state "
-            "instead, skipping fc", "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py:189",
-            "sglang/srt/speculative/eagle_utils.py:261-264", "sglang/srt/models/llama_eagle3.py:237-247")]
+        return [
+            _problem(
+                "eagle_config.use_aux_hidden_state is false",
+                "serves it broken: the target captures no aux states and the draft gets the last hidden state "
+                "instead, skipping fc",
+                "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py:189",
+                "sglang/srt/speculative/eagle_utils.py:261-264",
+                "sglang/srt/models/llama_eagle3.py:237-247",
+            )
+        ]
     layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     points = sglang_capture_points(target, layer_ids)
     captured = sorted({p for p in points if 0 <= p < target.num_layers})
-    capture_where = ("sglang/srt/models/deepseek_v2.py:3458-3473" if target.deepseek_capture
-                     else "sglang/srt/models/llama.py:929-941")
+    capture_where = (
+        "sglang/srt/models/deepseek_v2.py:3458-3473"
+        if target.deepseek_capture
+        else "sglang/srt/models/llama.py:929-941"
+    )
     if len(captured) != shape.num_aux:
         # only layers the forward loop visits are captured (llama.py:486-493; deepseek's packer then raises,
         # layers/aux_hidden_states.py:84-89)
-        return [_problem(
-            f"eagle_aux_hidden_state_layer_ids {layer_ids} give capture points {points} on a "
-            f"{target.num_layers}-layer target, {len(captured)} distinct in range",
-            f"fails: the draft's fc takes {shape.num_aux} aux states", capture_where,
-            "sglang/srt/models/llama_eagle3.py:156-167")]
+        return [
+            _problem(
+                f"eagle_aux_hidden_state_layer_ids {layer_ids} give capture points {points} on a "
+                f"{target.num_layers}-layer target, {len(captured)} distinct in range",
+                f"fails: the draft's fc takes {shape.num_aux} aux states",
+                capture_where,
+                "sglang/srt/models/llama_eagle3.py:156-167",
+            )
+        ]
     served = [p - 1 for p in captured]
     trained = sorted(trained_ids if trained_ids is not None else (layer_ids or served))
     if served != trained:
-        return [_problem(
-            f"the drafter was trained on the outputs of layers {trained} (capture_contract.json, else eagle_config)",
-            f"serves it broken: it captures the outputs of layers {served} for eagle_aux_hidden_state_layer_ids "
-            f"{layer_ids}", capture_where,
-            "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py:185-196")]
+        return [
+            _problem(
+                f"the drafter was trained on the outputs of layers {trained} (capture_contract.json, else eagle_config)",
+                f"serves it broken: it captures the outputs of layers {served} for eagle_aux_hidden_state_layer_ids "
+                f"{layer_ids}",
+                capture_where,
+                "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py:185-196",
+            )
+        ]
     return []
 
 
@@ -476,6 +613,7 @@ def _trained_aux_layer_ids(draft_dir: Path) -> list[int] | None:
 
 # ---- the draft weights ---------------------------------------------------------------------------------------
 
+
 def read_weight_header(draft_dir: Path) -> tuple[dict[str, TensorInfo], list[str]]:
     """Names, shapes and dtypes of every tensor SGLang would read, without loading them.
 
@@ -486,9 +624,14 @@ def read_weight_header(draft_dir: Path) -> tuple[dict[str, TensorInfo], list[str
 
     files = _weight_files(draft_dir)
     if not files:
-        return {}, [_problem(f"draft directory {draft_dir} has no *.safetensors weights",
-                             "fails (\"Cannot find any model weights\") unless it finds *.bin pickles, which this "
-                             "project never loads", "sglang/srt/model_loader/loader.py:579-582")]
+        return {}, [
+            _problem(
+                f"draft directory {draft_dir} has no *.safetensors weights",
+                'fails ("Cannot find any model weights") unless it finds *.bin pickles, which this '
+                "project never loads",
+                "sglang/srt/model_loader/loader.py:579-582",
+            )
+        ]
     tensors = {}
     for path in files:
         try:
@@ -497,8 +640,13 @@ def read_weight_header(draft_dir: Path) -> tuple[dict[str, TensorInfo], list[str
                     info = handle.get_slice(name)
                     tensors[name] = TensorInfo(tuple(info.get_shape()), info.get_dtype())
         except Exception as err:  # safetensors' own error type: a file SGLang's loader cannot read either
-            return {}, [_problem(f"draft weights {path.name} are unreadable ({err})", "fails loading them",
-                                 "sglang/srt/model_loader/loader.py:545-582")]
+            return {}, [
+                _problem(
+                    f"draft weights {path.name} are unreadable ({err})",
+                    "fails loading them",
+                    "sglang/srt/model_loader/loader.py:545-582",
+                )
+            ]
     return tensors, []
 
 
@@ -516,7 +664,9 @@ def expected_parameters(shape: DraftShape) -> dict[str, Param]:
     h, th = shape.hidden, shape.target_hidden
     params = {
         # shared with the target's embedding (then not loaded from the draft) unless the widths differ
-        "model.embed_tokens.weight": Param({None: (shape.vocab, h)}, required=not shape.shares_target_embedding),
+        "model.embed_tokens.weight": Param(
+            {None: (shape.vocab, h)}, required=not shape.shares_target_embedding
+        ),
         "model.fc.weight": Param({None: (h, th * shape.num_aux)}),
         "model.norm.weight": Param({None: (h,)}),
     }
@@ -530,7 +680,9 @@ def expected_parameters(shape: DraftShape) -> dict[str, Param]:
         params.update(_layer_parameters(shape, layer))
     if not shape.tied:
         # a draft without draft_vocab_size gets the target's lm_head (eagle_worker_v2.py:356-361)
-        params["lm_head.weight"] = Param({None: (shape.draft_vocab, h)}, required=not shape.lm_head_from_target)
+        params["lm_head.weight"] = Param(
+            {None: (shape.draft_vocab, h)}, required=not shape.lm_head_from_target
+        )
     return params
 
 
@@ -540,8 +692,9 @@ def _layer_parameters(shape: DraftShape, layer: int) -> dict[str, Param]:
     q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     prefix = f"model.layers.{layer}"
     params = {
-        f"{prefix}.self_attn.qkv_proj.weight": Param({"q": (q_rows, width_in), "k": (kv_rows, width_in),
-                                                      "v": (kv_rows, width_in)}),
+        f"{prefix}.self_attn.qkv_proj.weight": Param(
+            {"q": (q_rows, width_in), "k": (kv_rows, width_in), "v": (kv_rows, width_in)}
+        ),
         f"{prefix}.self_attn.o_proj.weight": Param({None: (h, q_rows)}),
         f"{prefix}.mlp.gate_up_proj.weight": Param({0: (inter, h), 1: (inter, h)}),
         f"{prefix}.mlp.down_proj.weight": Param({None: (h, inter)}),
@@ -555,10 +708,19 @@ def _layer_parameters(shape: DraftShape, layer: int) -> dict[str, Param]:
 
 
 # llama_eagle3.py:337-343 renames; :327-335 stacks q/k/v and gate/up into fused parameters
-LEGACY_NAMES = (("midlayer", "layers.0"), ("aux_norm_low", "fc_norm.0"), ("aux_norm_mid", "fc_norm.1"),
-                ("aux_norm_high", "fc_norm.2"))
-STACKED_NAMES = ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-                 (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1))
+LEGACY_NAMES = (
+    ("midlayer", "layers.0"),
+    ("aux_norm_low", "fc_norm.0"),
+    ("aux_norm_mid", "fc_norm.1"),
+    ("aux_norm_high", "fc_norm.2"),
+)
+STACKED_NAMES = (
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+)
 
 
 def sglang_parameter_for(name: str, params: dict[str, Param]) -> tuple[str, Shard] | None:
@@ -592,10 +754,13 @@ def weight_problems(shape: DraftShape, tensors: dict[str, TensorInfo]) -> list[s
         shards = params[param].shards
         expected = shards[shard] if shard is not None else _whole_shape(shards)
         if info.shape != expected:
-            problems.append(_problem(
-                f"tensor {name} has shape {list(info.shape)}, but {_described(param, shard)} takes {list(expected)}",
-                "fails loading it: the weight loader asserts the shape (or narrows/pads a parallel dimension)",
-                _loader_assertion(param)))
+            problems.append(
+                _problem(
+                    f"tensor {name} has shape {list(info.shape)}, but {_described(param, shard)} takes {list(expected)}",
+                    "fails loading it: the weight loader asserts the shape (or narrows/pads a parallel dimension)",
+                    _loader_assertion(param),
+                )
+            )
         filled |= {(param, s) for s in (shards if shard is None else [shard])}
     for param, spec in params.items():
         missing = [s for s in spec.shards if (param, s) not in filled]
@@ -629,17 +794,25 @@ def _loader_assertion(param: str) -> str:
 def _missing_parameter(param: str, shards: list[Shard], shape: DraftShape) -> str:
     what = f"no tensor fills {param}" + (f" (shards {shards})" if shards != [None] else "")
     if param == "model.embed_tokens.weight":
-        what += (f": the target's embedding is not shared because target_hidden_size {shape.target_hidden} differs "
-                 f"from hidden_size {shape.hidden} (models/llama.py:910-916)")
-    return _problem(what, "serves it broken: load_weights skips what the checkpoint lacks, so the parameter keeps "
-                          "its untrained initial values (uninitialized memory for linear layers)",
-                    "sglang/srt/models/llama_eagle3.py:345-378")
+        what += (
+            f": the target's embedding is not shared because target_hidden_size {shape.target_hidden} differs "
+            f"from hidden_size {shape.hidden} (models/llama.py:910-916)"
+        )
+    return _problem(
+        what,
+        "serves it broken: load_weights skips what the checkpoint lacks, so the parameter keeps "
+        "its untrained initial values (uninitialized memory for linear layers)",
+        "sglang/srt/models/llama_eagle3.py:345-378",
+    )
 
 
 # ---- the hot-token map (d2t) ---------------------------------------------------------------------------------
 
+
 def _is_float(dtype: str) -> bool:
-    return dtype == "BF16" or dtype.startswith("F")  # safetensors names: F16, F32, F8_E4M3, ...; I64, U8, BOOL
+    return dtype == "BF16" or dtype.startswith(
+        "F"
+    )  # safetensors names: F16, F32, F8_E4M3, ...; I64, U8, BOOL
 
 
 def _d2t_values(draft_dir: Path, tensors: dict[str, TensorInfo]) -> Any:
@@ -656,7 +829,9 @@ def _d2t_values(draft_dir: Path, tensors: dict[str, TensorInfo]) -> Any:
     return None
 
 
-def hot_token_problems(shape: DraftShape, tensors: dict[str, TensorInfo], d2t: Any, target_vocab: int) -> list[str]:
+def hot_token_problems(
+    shape: DraftShape, tensors: dict[str, TensorInfo], d2t: Any, target_vocab: int
+) -> list[str]:
     """d2t: hot_token_id = d2t + arange (llama_eagle3.py:350-353) maps draft ids to target ids
     (eagle_worker_v2.py:366-369, 897-898); t2d is ignored by SGLang (llama_eagle3.py:355-356)."""
     where = ("sglang/srt/models/llama_eagle3.py:350-353", "sglang/srt/speculative/eagle_worker_v2.py:897-898")
@@ -664,20 +839,41 @@ def hot_token_problems(shape: DraftShape, tensors: dict[str, TensorInfo], d2t: A
     if name is None:
         if shape.draft_vocab == shape.vocab:
             return []
-        return [_problem(f"no d2t tensor for a draft vocabulary of {shape.draft_vocab} (vocab {shape.vocab})",
-                         "serves it broken: without hot_token_id it takes draft token ids for target token ids",
-                         "sglang/srt/models/llama_eagle3.py:323", *where)]
+        return [
+            _problem(
+                f"no d2t tensor for a draft vocabulary of {shape.draft_vocab} (vocab {shape.vocab})",
+                "serves it broken: without hot_token_id it takes draft token ids for target token ids",
+                "sglang/srt/models/llama_eagle3.py:323",
+                *where,
+            )
+        ]
     info = tensors[name]
     if _is_float(info.dtype) or len(info.shape) != 1:
-        return [_problem(f"{name} is {info.dtype} {list(info.shape)}, not 1-D integer offsets",
-                         "fails using hot_token_id (d2t + arange) as token ids", *where)]
+        return [
+            _problem(
+                f"{name} is {info.dtype} {list(info.shape)}, not 1-D integer offsets",
+                "fails using hot_token_id (d2t + arange) as token ids",
+                *where,
+            )
+        ]
     if info.shape[0] < shape.draft_vocab:
-        return [_problem(f"{name} has {info.shape[0]} entries for a draft vocabulary of {shape.draft_vocab}",
-                         "fails indexing hot_token_id with draft token ids beyond it", *where)]
+        return [
+            _problem(
+                f"{name} has {info.shape[0]} entries for a draft vocabulary of {shape.draft_vocab}",
+                "fails indexing hot_token_id with draft token ids beyond it",
+                *where,
+            )
+        ]
     import numpy as np
 
     hot_ids = d2t.astype(np.int64) + np.arange(d2t.shape[0])
     if hot_ids.min() < 0 or hot_ids.max() >= target_vocab:
-        return [_problem(f"{name} maps draft ids to target ids {int(hot_ids.min())}..{int(hot_ids.max())}, outside "
-                         f"the target vocabulary of {target_vocab}", "fails embedding those draft tokens", *where)]
+        return [
+            _problem(
+                f"{name} maps draft ids to target ids {int(hot_ids.min())}..{int(hot_ids.max())}, outside "
+                f"the target vocabulary of {target_vocab}",
+                "fails embedding those draft tokens",
+                *where,
+            )
+        ]
     return []

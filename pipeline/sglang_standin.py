@@ -78,16 +78,28 @@ class Batcher:
 
 
 class StandinBackend:
-    def __init__(self, model_dir: Path, aux_layer_ids: list[int] | None, algorithm: str | None = None,
-                 draft_dir: Path | None = None, num_steps: int = 3, topk: int = 1, draft_tokens: int | None = None,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self,
+        model_dir: Path,
+        aux_layer_ids: list[int] | None,
+        algorithm: str | None = None,
+        draft_dir: Path | None = None,
+        num_steps: int = 3,
+        topk: int = 1,
+        draft_tokens: int | None = None,
+        trust_remote_code: bool = False,
+    ):
         from pipeline.engines.hf import HFEngine
 
         if algorithm == "EAGLE3":  # refuse, before loading anything, a draft SGLang 0.5.23 would not serve
             from pipeline.sglang_draft_checks import SpeculativeArgs, require_loadable_draft
 
-            require_loadable_draft(model_dir, draft_dir, SpeculativeArgs(algorithm, num_steps, topk, draft_tokens),
-                                   trust_remote_code=trust_remote_code)
+            require_loadable_draft(
+                model_dir,
+                draft_dir,
+                SpeculativeArgs(algorithm, num_steps, topk, draft_tokens),
+                trust_remote_code=trust_remote_code,
+            )
         self.engine = HFEngine(model_dir, trust_remote_code=trust_remote_code)
         self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
         self.aux_layer_ids = aux_layer_ids
@@ -112,37 +124,72 @@ class StandinBackend:
         out = self.model(input_ids=torch.tensor([ids + output]), output_hidden_states=wanted, use_cache=False)
         meta: dict[str, Any] = {}
         if hidden:
-            meta["hidden_states"] = [torch.cat([out.hidden_states[i][0, :len(ids)] for i in wanted], dim=-1).tolist()]
+            meta["hidden_states"] = [
+                torch.cat([out.hidden_states[i][0, : len(ids)] for i in wanted], dim=-1).tolist()
+            ]
         if top_k:
             values, indices = torch.log_softmax(out.logits[0].float(), -1).topk(top_k, -1)
-            rows = [[[v, i, None] for v, i in zip(vs, ix)] for vs, ix in zip(values.tolist(), indices.tolist())]
-            meta["input_top_logprobs"] = [None] + rows[:len(ids) - 1]
-            meta["output_top_logprobs"] = rows[len(ids) - 1:len(ids) - 1 + len(output)]
+            rows = [
+                [[v, i, None] for v, i in zip(vs, ix)] for vs, ix in zip(values.tolist(), indices.tolist())
+            ]
+            meta["input_top_logprobs"] = [None] + rows[: len(ids) - 1]
+            meta["output_top_logprobs"] = rows[len(ids) - 1 : len(ids) - 1 + len(output)]
         return meta
 
-    def _decode(self, ids: list[int], max_new_tokens: int, ignore_eos: bool) -> tuple[list[int], dict[str, Any]]:
-        from pipeline.spec_decode import (EagleProposer, NgramProposer, TargetRunner, greedy_decode,
-                                          speculative_decode, tree_speculative_decode)
+    def _decode(
+        self, ids: list[int], max_new_tokens: int, ignore_eos: bool
+    ) -> tuple[list[int], dict[str, Any]]:
+        from pipeline.spec_decode import (
+            EagleProposer,
+            NgramProposer,
+            TargetRunner,
+            greedy_decode,
+            speculative_decode,
+            tree_speculative_decode,
+        )
 
         eos = None if ignore_eos else self.tokenizer.eos_token_id
         if self.algorithm is None:
             return greedy_decode(TargetRunner(self.model, None), ids, max_new_tokens, eos).tokens, {}
         if self.algorithm == "NGRAM":
-            result = speculative_decode(TargetRunner(self.model, None), NgramProposer(), ids, max_new_tokens, eos,
-                                        self.draft_tokens - 1)
+            result = speculative_decode(
+                TargetRunner(self.model, None),
+                NgramProposer(),
+                ids,
+                max_new_tokens,
+                eos,
+                self.draft_tokens - 1,
+            )
         elif self.topk == 1:
-            result = speculative_decode(TargetRunner(self.model, self.draft_layers), EagleProposer(self.drafter), ids,
-                                        max_new_tokens, eos, self.num_steps)
+            result = speculative_decode(
+                TargetRunner(self.model, self.draft_layers),
+                EagleProposer(self.drafter),
+                ids,
+                max_new_tokens,
+                eos,
+                self.num_steps,
+            )
         else:
-            result = tree_speculative_decode(TargetRunner(self.model, self.draft_layers), EagleProposer(self.drafter),
-                                             ids, max_new_tokens, eos, self.num_steps, self.topk, self.draft_tokens)
+            result = tree_speculative_decode(
+                TargetRunner(self.model, self.draft_layers),
+                EagleProposer(self.drafter),
+                ids,
+                max_new_tokens,
+                eos,
+                self.num_steps,
+                self.topk,
+                self.draft_tokens,
+            )
         verify = max(1, result.verify_forwards)
         accept_length = len(result.tokens) / verify
         self.accept_lengths.append(accept_length)
-        return result.tokens, {"spec_verify_ct": verify, "spec_accept_length": accept_length,
-                               "spec_num_correct_drafts": sum(k * n for k, n in enumerate(result.accepted_histogram)),
-                               "spec_num_proposed_drafts": verify * (self.draft_tokens - 1),
-                               "spec_correct_drafts_histogram": result.accepted_histogram}
+        return result.tokens, {
+            "spec_verify_ct": verify,
+            "spec_accept_length": accept_length,
+            "spec_num_correct_drafts": sum(k * n for k, n in enumerate(result.accepted_histogram)),
+            "spec_num_proposed_drafts": verify * (self.draft_tokens - 1),
+            "spec_correct_drafts_histogram": result.accepted_histogram,
+        }
 
     def generate_one(self, request: dict[str, Any], ids: list[int]) -> dict[str, Any]:
         from pipeline.engines import SamplingParams
@@ -151,32 +198,53 @@ class StandinBackend:
         sampling = request.get("sampling_params") or {}
         max_new = int(sampling.get("max_new_tokens", 128))
         top_k = int(request.get("top_logprobs_num") or 0) if request.get("return_logprob") else 0
-        plain = not (top_k or request.get("return_hidden_states") or self.algorithm or sampling.get("ignore_eos"))
+        plain = not (
+            top_k or request.get("return_hidden_states") or self.algorithm or sampling.get("ignore_eos")
+        )
         if plain:
             params = SamplingParams(max_new, float(sampling.get("temperature", 1.0)))
             output, spec, extra = self.batcher.generate(ids, params).output_ids, {}, {}
         else:
             with self.lock, torch.inference_mode():
                 output, spec = self._decode(ids, max_new, bool(sampling.get("ignore_eos")))
-                extra = self._prompt_forward(ids, output, bool(request.get("return_hidden_states")), top_k) \
-                    if request.get("return_hidden_states") or top_k else {}
+                extra = (
+                    self._prompt_forward(ids, output, bool(request.get("return_hidden_states")), top_k)
+                    if request.get("return_hidden_states") or top_k
+                    else {}
+                )
         eos = self.tokenizer.eos_token_id
         stopped = bool(output) and output[-1] == eos
         finish = {"type": "stop", "matched": eos} if stopped else {"type": "length", "length": max_new}
-        meta = {"id": uuid.uuid4().hex, "finish_reason": finish, "prompt_tokens": len(ids),
-                "completion_tokens": len(output), "cached_tokens": 0,
-                "e2e_latency": time.perf_counter() - started, **spec, **extra}
+        meta = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(output),
+            "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - started,
+            **spec,
+            **extra,
+        }
         # like SGLang 0.5.23, output_ids run through the stop token
-        return {"text": self.tokenizer.decode(output, skip_special_tokens=True), "output_ids": output, "meta_info": meta}
+        return {
+            "text": self.tokenizer.decode(output, skip_special_tokens=True),
+            "output_ids": output,
+            "meta_info": meta,
+        }
 
     def server_info(self) -> dict[str, Any]:
         """The resolved server args SGLang reports, as this stand-in was started."""
         mean = sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
-        return {"version": VERSION, "internal_states": [{"avg_spec_accept_length": mean}],
-                "speculative_algorithm": self.algorithm, "enable_return_hidden_states": True,
-                "enable_return_aux_hidden_states": self.aux_layer_ids is not None,
-                "return_aux_hidden_state_layer_ids": self.aux_layer_ids, "disable_radix_cache": True,
-                "chunked_prefill_size": -1}
+        return {
+            "version": VERSION,
+            "internal_states": [{"avg_spec_accept_length": mean}],
+            "speculative_algorithm": self.algorithm,
+            "enable_return_hidden_states": True,
+            "enable_return_aux_hidden_states": self.aux_layer_ids is not None,
+            "return_aux_hidden_state_layer_ids": self.aux_layer_ids,
+            "disable_radix_cache": True,
+            "chunked_prefill_size": -1,
+        }
 
 
 def make_handler(backend: StandinBackend):
@@ -245,40 +313,58 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", "--model-dir", dest="model_path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the code the model directory ships (SGLang's flag of the same name)")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the code the model directory ships (SGLang's flag of the same name)",
+    )
     parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--aux-layer-ids", "--return-aux-hidden-state-layer-ids", dest="aux_layer_ids", type=int, nargs=3)
+    parser.add_argument(
+        "--aux-layer-ids", "--return-aux-hidden-state-layer-ids", dest="aux_layer_ids", type=int, nargs=3
+    )
     parser.add_argument("--speculative-algorithm", choices=["NGRAM", "EAGLE3"])
     parser.add_argument("--speculative-draft-model-path")
     parser.add_argument("--speculative-num-steps", type=int, default=3)
     parser.add_argument("--speculative-eagle-topk", type=int, default=1)
     parser.add_argument("--speculative-num-draft-tokens", type=int)
-    parser.add_argument("--enable-return-aux-hidden-states", action="store_true",
-                        help="a capture server: with EAGLE3 and no draft path, SGLang 0.5.23 returns aux states")
+    parser.add_argument(
+        "--enable-return-aux-hidden-states",
+        action="store_true",
+        help="a capture server: with EAGLE3 and no draft path, SGLang 0.5.23 returns aux states",
+    )
     args, _ = parser.parse_known_args()
     algorithm = args.speculative_algorithm
     if args.enable_return_aux_hidden_states:
         # a capture server decodes nothing speculatively: EAGLE3 there only switches the aux capture on
         if args.speculative_draft_model_path:
-            raise SystemExit("--enable-return-aux-hidden-states takes no --speculative-draft-model-path "
-                             "(reference/sglang-contract.md)")
+            raise SystemExit(
+                "--enable-return-aux-hidden-states takes no --speculative-draft-model-path "
+                "(reference/sglang-contract.md)"
+            )
         algorithm = None
         if args.aux_layer_ids is None:
             from pipeline.config import default_aux_layer_ids
             from pipeline.target import text_config
 
-            args.aux_layer_ids = default_aux_layer_ids(int(text_config(Path(args.model_path))["num_hidden_layers"]))
+            args.aux_layer_ids = default_aux_layer_ids(
+                int(text_config(Path(args.model_path))["num_hidden_layers"])
+            )
     address = listen_address(args.host)
     if args.host != address:  # a manifest's --host 0.0.0.0
         print(f"stand-in: --host {args.host} asked; listening on {address} only", flush=True)
     from pipeline.sglang_draft_checks import DraftModelRefused
 
     try:
-        backend = StandinBackend(Path(args.model_path), args.aux_layer_ids, algorithm,
-                                 Path(args.speculative_draft_model_path) if args.speculative_draft_model_path else None,
-                                 args.speculative_num_steps, args.speculative_eagle_topk,
-                                 args.speculative_num_draft_tokens, args.trust_remote_code)
+        backend = StandinBackend(
+            Path(args.model_path),
+            args.aux_layer_ids,
+            algorithm,
+            Path(args.speculative_draft_model_path) if args.speculative_draft_model_path else None,
+            args.speculative_num_steps,
+            args.speculative_eagle_topk,
+            args.speculative_num_draft_tokens,
+            args.trust_remote_code,
+        )
     except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
         raise SystemExit(str(refused)) from None
     server = ThreadingHTTPServer((address, args.port), make_handler(backend))

@@ -66,7 +66,7 @@ class TargetRunner:
         if extra > 0:
             self.cache.crop(-extra)
 
-    def forward_tree(self, tree: "DraftTree", root: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_tree(self, tree: DraftTree, root: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One verify forward over a draft tree: the root token, then every node, each attending to the
         cached prefix and its own ancestors only, at position prefix + depth."""
         prefix = self.length
@@ -78,8 +78,15 @@ class TargetRunner:
         ids = torch.tensor([[root] + tree.tokens], dtype=torch.long)
         positions = torch.tensor([[prefix] + [prefix + d for d in tree.depths]], dtype=torch.long)
         kwargs = {"output_hidden_states": self.hidden_indices} if self.hidden_indices else {}
-        out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask.to(self.model.dtype),
-                         cache=self.cache, use_cache=True, logits_to_keep=0, **kwargs)
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask.to(self.model.dtype),
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=0,
+            **kwargs,
+        )
         aux = None
         if self.hidden_indices:
             aux = torch.cat([out.hidden_states[i][0] for i in self.hidden_indices], dim=-1)
@@ -113,8 +120,10 @@ class DraftTree:
         path, parent = [], -1
         while True:
             want = int(predicted[parent + 1])
-            child = next((i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == want),
-                         None)
+            child = next(
+                (i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == want),
+                None,
+            )
             if child is None:
                 return path
             path.append(child)
@@ -144,8 +153,8 @@ class NgramProposer:
         for size in range(min(self.max_match, len(context) - 1), self.min_match - 1, -1):
             suffix = context[-size:]
             for start in range(len(context) - size - 1, -1, -1):
-                if context[start:start + size] == suffix:
-                    follow = context[start + size:start + size + steps]
+                if context[start : start + size] == suffix:
+                    follow = context[start + size : start + size + steps]
                     if follow:
                         return follow
         return []
@@ -190,7 +199,7 @@ class EagleProposer:
             position += 1
         return drafts
 
-    def propose_tree(self, context: list[int], steps: int, topk: int, budget: int) -> "DraftTree":
+    def propose_tree(self, context: list[int], steps: int, topk: int, budget: int) -> DraftTree:
         """EAGLE's dynamic tree: expand the `topk` best frontier nodes (by cumulative log-prob) for
         `steps` levels, then keep the `budget` best nodes (parents always before children)."""
         position = len(context) - 1
@@ -232,7 +241,7 @@ class EagleProposer:
         new = accepted_count + 1
         start = len(context) - 1 - new
         self.cache.crop(start)
-        self._extend(aux[:new], context[start + 1:], start)
+        self._extend(aux[:new], context[start + 1 :], start)
 
 
 def _best_subtree(scores, tokens, parents, depths, budget: int, drafter) -> DraftTree:
@@ -252,8 +261,16 @@ def _best_subtree(scores, tokens, parents, depths, budget: int, drafter) -> Draf
     return tree
 
 
-def tree_speculative_decode(target: TargetRunner, proposer: "EagleProposer", prompt: list[int], max_new_tokens: int,
-                            eos_id: int | None, steps: int, topk: int, draft_tokens: int) -> DecodeResult:
+def tree_speculative_decode(
+    target: TargetRunner,
+    proposer: EagleProposer,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_id: int | None,
+    steps: int,
+    topk: int,
+    draft_tokens: int,
+) -> DecodeResult:
     """Speculative decoding with a draft tree verified in one target forward (tree attention mask)."""
 
     def verify(context: list[int], produced: int):
@@ -269,7 +286,9 @@ def tree_speculative_decode(target: TargetRunner, proposer: "EagleProposer", pro
     return _decode_cycles(target, proposer, prompt, max_new_tokens, eos_id, steps, verify)
 
 
-def greedy_decode(target: TargetRunner, prompt: list[int], max_new_tokens: int, eos_id: int | None) -> DecodeResult:
+def greedy_decode(
+    target: TargetRunner, prompt: list[int], max_new_tokens: int, eos_id: int | None
+) -> DecodeResult:
     started = time.perf_counter()
     target.reset()
     next_tokens, _ = target.forward(prompt)
@@ -280,8 +299,9 @@ def greedy_decode(target: TargetRunner, prompt: list[int], max_new_tokens: int, 
     return DecodeResult(tokens, time.perf_counter() - started)
 
 
-def speculative_decode(target: TargetRunner, proposer, prompt: list[int], max_new_tokens: int,
-                       eos_id: int | None, steps: int) -> DecodeResult:
+def speculative_decode(
+    target: TargetRunner, proposer, prompt: list[int], max_new_tokens: int, eos_id: int | None, steps: int
+) -> DecodeResult:
     """Speculative decoding with a chain of drafts verified in one target forward."""
 
     def verify(context: list[int], produced: int):
@@ -296,8 +316,15 @@ def speculative_decode(target: TargetRunner, proposer, prompt: list[int], max_ne
     return _decode_cycles(target, proposer, prompt, max_new_tokens, eos_id, steps, verify)
 
 
-def _decode_cycles(target: TargetRunner, proposer, prompt: list[int], max_new_tokens: int, eos_id: int | None,
-                   steps: int, verify) -> DecodeResult:
+def _decode_cycles(
+    target: TargetRunner,
+    proposer,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_id: int | None,
+    steps: int,
+    verify,
+) -> DecodeResult:
     """Prefill, then draft-and-verify cycles; `verify(context, produced)` returns the cycle's new tokens, how many
     drafts were accepted and the target's aux hidden states for the proposer."""
     started = time.perf_counter()
@@ -317,9 +344,9 @@ def _decode_cycles(target: TargetRunner, proposer, prompt: list[int], max_new_to
         if eos_id in new_tokens or produced >= max_new_tokens:
             break
         proposer.accept(context, accepted, aux)
-    output = context[len(prompt):]
+    output = context[len(prompt) :]
     if eos_id in output:
-        output = output[:output.index(eos_id) + 1]
+        output = output[: output.index(eos_id) + 1]
     result.tokens = output[:max_new_tokens]
     result.seconds = time.perf_counter() - started
     return result

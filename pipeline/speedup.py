@@ -28,11 +28,19 @@ class StepCosts:
         return self.verify_chain if topk == 1 else self.verify_tree
 
     def cycle(self, steps: int, topk: int, draft_tokens: int) -> float:
-        return self.draft[1] + (steps - 1) * self.draft[topk] + self.verify(topk)[draft_tokens] + self.draft[1]
+        return (
+            self.draft[1] + (steps - 1) * self.draft[topk] + self.verify(topk)[draft_tokens] + self.draft[1]
+        )
 
     def as_dict(self) -> dict[str, Any]:
-        return {key: ({str(k): round(v, 6) for k, v in value.items()} if isinstance(value, dict) else round(value, 6))
-                for key, value in asdict(self).items()}
+        return {
+            key: (
+                {str(k): round(v, 6) for k, v in value.items()}
+                if isinstance(value, dict)
+                else round(value, 6)
+            )
+            for key, value in asdict(self).items()
+        }
 
 
 @dataclass(frozen=True)
@@ -58,7 +66,9 @@ def predicted_tau(evaluation: dict[str, Any], steps: int, topk: int) -> float:
     return 1.0 + sum(acceptance_levels(evaluation, topk)[:steps])
 
 
-def candidate_settings(max_steps: int, widths: tuple[int, ...], max_draft_tokens: int) -> list[tuple[int, int, int]]:
+def candidate_settings(
+    max_steps: int, widths: tuple[int, ...], max_draft_tokens: int
+) -> list[tuple[int, int, int]]:
     """(steps, topk, draft tokens): a chain has steps + 1 tokens; a tree verifies its whole frontier."""
     settings = []
     for topk in widths:
@@ -68,7 +78,9 @@ def candidate_settings(max_steps: int, widths: tuple[int, ...], max_draft_tokens
     return settings
 
 
-def rank_settings(evaluation: dict[str, Any], costs: StepCosts, settings: list[tuple[int, int, int]]) -> list[Setting]:
+def rank_settings(
+    evaluation: dict[str, Any], costs: StepCosts, settings: list[tuple[int, int, int]]
+) -> list[Setting]:
     """Every setting the evaluation and the measured costs allow, best predicted speed first."""
     ranked = []
     for steps, topk, tokens in settings:
@@ -77,6 +89,7 @@ def rank_settings(evaluation: dict[str, Any], costs: StepCosts, settings: list[t
             continue
         tau = predicted_tau(evaluation, steps, topk)
         tok_s = tau / costs.cycle(steps, topk, tokens)
-        ranked.append(Setting(steps, topk, tokens, round(tau, 4), round(tok_s, 2),
-                              round(tok_s * costs.target_step, 4)))
+        ranked.append(
+            Setting(steps, topk, tokens, round(tau, 4), round(tok_s, 2), round(tok_s * costs.target_step, 4))
+        )
     return sorted(ranked, key=lambda s: -s.tok_s)

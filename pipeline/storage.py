@@ -14,9 +14,10 @@ import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO
 
 from pipeline.config import StorageConfig
 from pipeline.ids import validate_key
@@ -25,13 +26,18 @@ log = logging.getLogger(__name__)
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:
-    from botocore.exceptions import (ConnectionClosedError, IncompleteReadError, ReadTimeoutError,
-                                     ResponseStreamingError)
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        IncompleteReadError,
+        ReadTimeoutError,
+        ResponseStreamingError,
+    )
 
     return ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
+
 def _pause_before_retry(attempt: int) -> None:
-    time.sleep(min(0.2 * 2 ** attempt, 5))
+    time.sleep(min(0.2 * 2**attempt, 5))
 
 
 _CHUNK = 8 * 1024 * 1024
@@ -83,7 +89,7 @@ class ObjectStore(ABC):
         root = self.root_uri.rstrip("/") + "/"
         if not uri_or_key.startswith(root):
             raise StorageError(f"{uri_or_key} is outside the configured storage root {self.root_uri}")
-        return validate_key(uri_or_key[len(root):].strip("/"))
+        return validate_key(uri_or_key[len(root) :].strip("/"))
 
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo: ...
@@ -131,7 +137,9 @@ class ObjectStore(ABC):
             if actual == sha256:
                 return data
             if attempt + 1 < self.verify_attempts:
-                log.warning("checksum mismatch for %s (attempt %d): reading again", self.uri(key), attempt + 1)
+                log.warning(
+                    "checksum mismatch for %s (attempt %d): reading again", self.uri(key), attempt + 1
+                )
                 _pause_before_retry(attempt)
         raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
 
@@ -148,10 +156,14 @@ class ObjectStore(ABC):
                 if actual == sha256:
                     break
                 if attempt + 1 < self.verify_attempts:
-                    log.warning("checksum mismatch for %s (attempt %d): downloading again", self.uri(key), attempt + 1)
+                    log.warning(
+                        "checksum mismatch for %s (attempt %d): downloading again", self.uri(key), attempt + 1
+                    )
                     _pause_before_retry(attempt)
             else:
-                raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
+                raise StorageError(
+                    f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}"
+                )
             os.replace(tmp, dest)
         finally:
             if os.path.exists(tmp):
@@ -260,8 +272,15 @@ class FileStore(ObjectStore):
 
 
 class S3Store(ObjectStore):
-    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None = None,
-                 region: str | None = None, multipart_threshold_mb: int = 64, max_attempts: int = 8):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        multipart_threshold_mb: int = 64,
+        max_attempts: int = 8,
+    ):
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
@@ -272,8 +291,9 @@ class S3Store(ObjectStore):
         self.root_uri = f"s3://{_join(bucket, self.prefix)}"
         self.max_attempts = self.verify_attempts = max_attempts
         # standard retries: throttling (503 SlowDown), 5xx and dropped connections, with backoff
-        retries = Config(retries={"mode": "standard", "max_attempts": max_attempts}, connect_timeout=20,
-                         read_timeout=120)
+        retries = Config(
+            retries={"mode": "standard", "max_attempts": max_attempts}, connect_timeout=20, read_timeout=120
+        )
         self.client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=retries)
         self.transfer = TransferConfig(
             multipart_threshold=multipart_threshold_mb * 1024 * 1024,
@@ -313,7 +333,9 @@ class S3Store(ObjectStore):
                 raise
             except _stream_errors() as err:  # the connection dropped while the body was coming
                 if attempt + 1 == self.max_attempts:
-                    raise StorageError(f"reading {self.uri(key)} failed {self.max_attempts} times: {err}") from err
+                    raise StorageError(
+                        f"reading {self.uri(key)} failed {self.max_attempts} times: {err}"
+                    ) from err
                 log.warning("reading %s broke off (%s); reading again", self.uri(key), type(err).__name__)
                 _pause_before_retry(attempt)
 
@@ -344,7 +366,7 @@ class S3Store(ObjectStore):
         paginator = self.client.get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
             for item in page.get("Contents", []):
-                yield item["Key"][len(self.prefix) + 1:] if self.prefix else item["Key"]
+                yield item["Key"][len(self.prefix) + 1 :] if self.prefix else item["Key"]
 
     def list(self, prefix: str = "") -> list[str]:
         if prefix:
@@ -374,7 +396,9 @@ class S3Store(ObjectStore):
             response = self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, **condition)
         except ClientError as err:
             code = err.response.get("Error", {}).get("Code", "")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409") or self._missing(err):
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409") or self._missing(
+                err
+            ):
                 raise PreconditionFailed(f"{self.uri(key)} changed since it was read") from err
             raise
         return response["ETag"]
@@ -384,10 +408,16 @@ def open_store(config: StorageConfig) -> ObjectStore:
     """The store rooted at config.root."""
     root = config.root
     if root.startswith("s3://"):
-        bucket, _, prefix = root[len("s3://"):].partition("/")
+        bucket, _, prefix = root[len("s3://") :].partition("/")
         if len(bucket) < 3:
             raise StorageError(f"invalid S3 bucket in storage.root {root!r}")
-        return S3Store(bucket, prefix, config.endpoint_url, config.region, config.multipart_threshold_mb,
-                       config.max_attempts)
-    path = root[len("file://"):] if root.startswith("file://") else root
+        return S3Store(
+            bucket,
+            prefix,
+            config.endpoint_url,
+            config.region,
+            config.multipart_threshold_mb,
+            config.max_attempts,
+        )
+    path = root[len("file://") :] if root.startswith("file://") else root
     return FileStore(path)

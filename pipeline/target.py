@@ -68,7 +68,9 @@ def remote_code_files(model_dir: Path, config_name: str) -> list[str]:
     if not path.is_file():
         return []
     auto_map = json.loads(path.read_text()).get("auto_map") or {}
-    references = [ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value]) if ref]
+    references = [
+        ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value]) if ref
+    ]
     return sorted({ref.split("--")[-1].rsplit(".", 1)[0] + ".py" for ref in references})
 
 
@@ -137,7 +139,9 @@ def describe_target(config: RunConfig, model_dir: Path | None = None) -> TargetI
     for field in ("num_layers", "hidden_size", "vocab_size"):
         expected = getattr(config.target, field)
         if expected is not None and expected != getattr(info, field):
-            raise TargetError(f"target.{field} is {expected} in the config but {getattr(info, field)} in {model_dir}")
+            raise TargetError(
+                f"target.{field} is {expected} in the config but {getattr(info, field)} in {model_dir}"
+            )
     return info
 
 
@@ -152,9 +156,11 @@ def require_trust_for_shipped_code(model_dir: Path, trust_remote_code: bool) -> 
     shipped = {name: files for name, files in shipped.items() if files}
     if shipped:
         listing = "; ".join(f"{name} auto_map names {', '.join(files)}" for name, files in shipped.items())
-        raise TargetError(f"the target at {model_dir} ships its own code ({listing}); loading it runs that code, "
-                          "so it needs target.trust_remote_code: true in the run config (servers: "
-                          "--trust-remote-code)")
+        raise TargetError(
+            f"the target at {model_dir} ships its own code ({listing}); loading it runs that code, "
+            "so it needs target.trust_remote_code: true in the run config (servers: "
+            "--trust-remote-code)"
+        )
 
 
 def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
@@ -169,8 +175,9 @@ def load_model(model_dir: Path, dtype: str = "float32", trust_remote_code: bool 
     from transformers import AutoModelForCausalLM
 
     require_trust_for_shipped_code(model_dir, trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
-                                                 trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code
+    )
     model.eval()
     return model
 

@@ -31,13 +31,21 @@ def _defaults(config: RunConfig, store: ObjectStore, run_id: str, snapshot: str)
         "responses_uri": store.uri(layout.responses_prefix(target, snapshot)),
         "capture_uri": store.uri(layout.captures_prefix(target, snapshot)),
         "dataset_uri": store.uri(layout.dataset_prefix(target, snapshot)),
-        "train_uri": store.uri(f"{run}/train"), "eval_uri": store.uri(f"{run}/eval"),
-        "gate_uri": store.uri(f"{run}/gate"), "bench_uri": store.uri(f"{run}/bench"),
+        "train_uri": store.uri(f"{run}/train"),
+        "eval_uri": store.uri(f"{run}/eval"),
+        "gate_uri": store.uri(f"{run}/gate"),
+        "bench_uri": store.uri(f"{run}/bench"),
     }
 
 
-def run_stage(stage: str, config: RunConfig | str | dict[str, Any], run_id: str, overrides: list[str] | None = None,
-              snapshot: str | None = None, **uris: str | None) -> dict[str, Any]:
+def run_stage(
+    stage: str,
+    config: RunConfig | str | dict[str, Any],
+    run_id: str,
+    overrides: list[str] | None = None,
+    snapshot: str | None = None,
+    **uris: str | None,
+) -> dict[str, Any]:
     """Run one stage. Inputs not given default to the artifacts of `snapshot` (data) and `run_id`."""
     from pipeline.stages import benchmark, capture, evaluate, gate, generate, promote, prompts, train
 
@@ -59,30 +67,64 @@ def run_stage(stage: str, config: RunConfig | str | dict[str, Any], run_id: str,
     if stage == "generate":
         return _out(generate.run(config, inputs["prompts_uri"], snapshot, store))
     if stage == "parity":
-        return {"uri": inputs["responses_uri"], "parity": capture.parity(config, inputs["responses_uri"], store)}
+        return {
+            "uri": inputs["responses_uri"],
+            "parity": capture.parity(config, inputs["responses_uri"], store),
+        }
     if stage == "capture":
         return _out(capture.run(config, inputs["responses_uri"], snapshot, store))
     if stage == "dataset":
         return _out(capture.publish_dataset(config, [inputs["capture_uri"]], snapshot, store))
     if stage == "train":
-        store.put_bytes(f"{layout.run_prefix(run_id)}/config.json", json.dumps(config.dump(), indent=2).encode())
+        store.put_bytes(
+            f"{layout.run_prefix(run_id)}/config.json", json.dumps(config.dump(), indent=2).encode()
+        )
         return _out(train.run(config, inputs["dataset_uri"], run_id, store))
-    incumbent = registry.pull_incumbent(store, config.target.name, config.registry.alias, workdir) \
-        if stage in ("evaluate", "benchmark") else None
+    incumbent = (
+        registry.pull_incumbent(store, config.target.name, config.registry.alias, workdir)
+        if stage in ("evaluate", "benchmark")
+        else None
+    )
     if stage == "evaluate":
-        return _out(evaluate.run(config, inputs["train_uri"], inputs["dataset_uri"], run_id, store, incumbent))
+        return _out(
+            evaluate.run(config, inputs["train_uri"], inputs["dataset_uri"], run_id, store, incumbent)
+        )
     if stage == "gate":
         return _out(gate.run(config, inputs["eval_uri"], run_id, store))
     if stage == "benchmark":
-        return _out(benchmark.run(config, inputs["train_uri"], inputs["eval_uri"], inputs["prompts_uri"], run_id,
-                                  store, incumbent[1] if incumbent else None))
-    result = promote.run(config, run_id, inputs["train_uri"], inputs["eval_uri"], inputs["gate_uri"],
-                         inputs["bench_uri"], store)
-    return {**_out(result), "promoted": result.manifest.get("promoted"), "version": result.manifest.get("version")}
+        return _out(
+            benchmark.run(
+                config,
+                inputs["train_uri"],
+                inputs["eval_uri"],
+                inputs["prompts_uri"],
+                run_id,
+                store,
+                incumbent[1] if incumbent else None,
+            )
+        )
+    result = promote.run(
+        config,
+        run_id,
+        inputs["train_uri"],
+        inputs["eval_uri"],
+        inputs["gate_uri"],
+        inputs["bench_uri"],
+        store,
+    )
+    return {
+        **_out(result),
+        "promoted": result.manifest.get("promoted"),
+        "version": result.manifest.get("version"),
+    }
 
 
-def gate_decision(config: RunConfig | str | dict[str, Any], run_id: str, overrides: list[str] | None = None,
-                  **uris: str | None) -> dict[str, Any]:
+def gate_decision(
+    config: RunConfig | str | dict[str, Any],
+    run_id: str,
+    overrides: list[str] | None = None,
+    **uris: str | None,
+) -> dict[str, Any]:
     """The gate as a decision instead of an error: a scheduler skips promotion when `passed` is false.
     The decision record is stored either way."""
     from pipeline.stages.gate import GateFailed
@@ -93,8 +135,14 @@ def gate_decision(config: RunConfig | str | dict[str, Any], run_id: str, overrid
         return {"passed": False, "reasons": str(failed)}
 
 
-def run_shard(stage: str, config: RunConfig | str | dict[str, Any], snapshot: str, shard: str,
-              overrides: list[str] | None = None, **uris: str | None) -> dict[str, Any]:
+def run_shard(
+    stage: str,
+    config: RunConfig | str | dict[str, Any],
+    snapshot: str,
+    shard: str,
+    overrides: list[str] | None = None,
+    **uris: str | None,
+) -> dict[str, Any]:
     """One shard of generate or capture (a mapped task); the plain stage publishes when all are done."""
     from pipeline.stages import capture, generate
 
@@ -109,9 +157,14 @@ def run_shard(stage: str, config: RunConfig | str | dict[str, Any], snapshot: st
 
 
 PARAM_OVERRIDES = {
-    "num_samples": "prompts.num_samples", "shard_size": "prompts.shard_size", "sources": "prompts.sources",
-    "epochs": "train.epochs", "init": "train.init", "init_from": "train.init_from",
-    "min_cond_acc_0": "gate.min_cond_acc", "min_tau_simulated": "gate.min_tau_simulated",
+    "num_samples": "prompts.num_samples",
+    "shard_size": "prompts.shard_size",
+    "sources": "prompts.sources",
+    "epochs": "train.epochs",
+    "init": "train.init",
+    "init_from": "train.init_from",
+    "min_cond_acc_0": "gate.min_cond_acc",
+    "min_tau_simulated": "gate.min_tau_simulated",
 }
 
 
@@ -137,8 +190,12 @@ def plan_run(params: dict[str, Any], scheduler_run_id: str, default_config: str)
 
     if params.get("num_shards") and params.get("shard_size"):
         raise ConfigError("give either a shard size or a number of shards, not both")
-    return {"config_path": params.get("config") or default_config, "overrides": param_overrides(params),
-            "num_shards": params.get("num_shards"), "run_id": safe_id(scheduler_run_id)}
+    return {
+        "config_path": params.get("config") or default_config,
+        "overrides": param_overrides(params),
+        "num_shards": params.get("num_shards"),
+        "run_id": safe_id(scheduler_run_id),
+    }
 
 
 def configure_run(plan: dict[str, Any], mount_paths: list[str] | None = None) -> dict[str, Any]:
@@ -152,8 +209,11 @@ def configure_run(plan: dict[str, Any], mount_paths: list[str] | None = None) ->
         config = load_config(plan["config_path"], overrides)
     if mount_paths is not None:
         _require_mounted(config, plan["config_path"], mount_paths)
-    return {"run_id": plan["run_id"], "config": config.dump(),
-            "source": {"config": plan["config_path"], "overrides": overrides}}
+    return {
+        "run_id": plan["run_id"],
+        "config": config.dump(),
+        "source": {"config": plan["config_path"], "overrides": overrides},
+    }
 
 
 def local_paths_read(config: RunConfig) -> list[str]:
@@ -161,26 +221,35 @@ def local_paths_read(config: RunConfig) -> list[str]:
     paths = [config.storage.local_cache, config.train.deepspeed_config]
     if config.target.source == "hf" and config.target.model_path:
         paths.append(config.target.model_path)
-    paths += [source.path for source in config.prompts.sources
-              if source.path and not source.path.startswith("s3://")]
+    paths += [
+        source.path
+        for source in config.prompts.sources
+        if source.path and not source.path.startswith("s3://")
+    ]
     if config.benchmark.sglang is not None:
         paths.append(config.benchmark.sglang.model_path)
     if config.train.init_from and not config.train.init_from.startswith("registry:"):
         paths.append(config.train.init_from)
-    return [path[len("file://"):] if path.startswith("file://") else path for path in paths]
+    return [path[len("file://") :] if path.startswith("file://") else path for path in paths]
 
 
 def _require_mounted(config: RunConfig, config_path: str, mount_paths: list[str]) -> None:
     roots = [path.rstrip("/") + "/" for path in mount_paths]
-    outside = [path for path in local_paths_read(config)
-               if path.startswith("/") and not any((path.rstrip("/") + "/").startswith(root) for root in roots)]
+    outside = [
+        path
+        for path in local_paths_read(config)
+        if path.startswith("/") and not any((path.rstrip("/") + "/").startswith(root) for root in roots)
+    ]
     if outside:
-        raise ConfigError(f"run config {config_path} names local paths that no task pod mounts: {outside}; the pods "
-                          f"mount {sorted(mount_paths)} (kubernetes.volumes in the deployment config)")
+        raise ConfigError(
+            f"run config {config_path} names local paths that no task pod mounts: {outside}; the pods "
+            f"mount {sorted(mount_paths)} (kubernetes.volumes in the deployment config)"
+        )
 
 
-def plan_training(params: dict[str, Any], scheduler_run_id: str, asset_extras: list[dict[str, Any]],
-                  default_config: str) -> dict[str, Any]:
+def plan_training(
+    params: dict[str, Any], scheduler_run_id: str, asset_extras: list[dict[str, Any]], default_config: str
+) -> dict[str, Any]:
     """A training run's request. Triggered by a published dataset, it trains on that dataset with the
     config that made it; triggered by hand or by the cron, on the given or else the newest dataset."""
     plan = plan_run(params, scheduler_run_id, default_config)
@@ -210,8 +279,9 @@ def _as_config(config: RunConfig | str | dict[str, Any], overrides: list[str] | 
     return load_config(config, overrides)
 
 
-def resolve_dataset(config: RunConfig | str | dict[str, Any], overrides: list[str] | None,
-                    dataset_uri: str | None) -> str:
+def resolve_dataset(
+    config: RunConfig | str | dict[str, Any], overrides: list[str] | None, dataset_uri: str | None
+) -> str:
     """The dataset to train on: the given one, else the newest published dataset of the target."""
     from pipeline.stages.capture import latest_dataset
 
@@ -221,7 +291,9 @@ def resolve_dataset(config: RunConfig | str | dict[str, Any], overrides: list[st
     return latest_dataset(config, open_store(config.storage))
 
 
-def prompts_uri_of(config: RunConfig | str | dict[str, Any], overrides: list[str] | None, dataset_uri: str) -> str:
+def prompts_uri_of(
+    config: RunConfig | str | dict[str, Any], overrides: list[str] | None, dataset_uri: str
+) -> str:
     """The prompt snapshot a dataset was made from (its held-out prompts feed the benchmark)."""
     from pipeline.manifest import read_manifest
 
@@ -233,7 +305,9 @@ def prompts_uri_of(config: RunConfig | str | dict[str, Any], overrides: list[str
     return responses["prompts"]
 
 
-def scale_fleet_up(config: RunConfig | str | dict[str, Any], stage: str, fleet: dict[str, Any] | None) -> dict[str, Any]:
+def scale_fleet_up(
+    config: RunConfig | str | dict[str, Any], stage: str, fleet: dict[str, Any] | None
+) -> dict[str, Any]:
     """Before an SGLang stage: its server fleet up and ready (pipeline.fleets). Without a fleet in the
     deployment config the servers are managed elsewhere and nothing is scaled."""
     from pipeline.fleets import ServerFleet, scale_up

@@ -56,14 +56,25 @@ KIMI_CODE_DIR = Path(__file__).resolve().parent / "tiny_kimi"
 KIMI_CONFIG_CODE = "configuration_tiny_kimi.py"
 KIMI_MODEL_CODE = "modeling_tiny_kimi.py"
 KIMI_TOKENIZER_CODE = "tokenization_tiny_kimi.py"
-KIMI_AUTO_MAP = {"AutoConfig": "configuration_tiny_kimi.TinyKimiConfig",
-                 "AutoModelForCausalLM": "modeling_tiny_kimi.TinyKimiForCausalLM"}
+KIMI_AUTO_MAP = {
+    "AutoConfig": "configuration_tiny_kimi.TinyKimiConfig",
+    "AutoModelForCausalLM": "modeling_tiny_kimi.TinyKimiForCausalLM",
+}
 KIMI_TOKENIZER_AUTO_MAP = {"AutoTokenizer": ["tokenization_tiny_kimi.TikTokenTokenizer", None]}
 # Named special tokens by slot past the base vocabulary (negative: from the end), in Kimi-K2.5's order;
 # the other slots are reserved. A turn ends with <|im_end|>: it is the eos token here, so generation
 # stops there.
-KIMI_SPECIAL_TOKENS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
-                       5: "<|im_system|>", 6: "<|im_middle|>", -2: "[UNK]", -1: "[PAD]"}
+KIMI_SPECIAL_TOKENS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|im_end|>",
+    3: "<|im_user|>",
+    4: "<|im_assistant|>",
+    5: "<|im_system|>",
+    6: "<|im_middle|>",
+    -2: "[UNK]",
+    -1: "[PAD]",
+}
 KIMI_DEFAULT_SYSTEM = "You are Kimi, an AI assistant created by Moonshot AI."
 # Kimi's chat format, without tools and thinking: a default system turn when none is given, a role
 # name after each role token, <|im_end|> closing every turn.
@@ -79,9 +90,16 @@ KIMI_CHAT_TEMPLATE = (
 # Kimi-K2.5's long context: 4K pre-training positions stretched 64x with YaRN, in the form
 # transformers' DeepseekV3Config takes it (rope_parameters; checkpoints write rope_scaling + rope_theta).
 KIMI_MAX_POSITION_EMBEDDINGS = 262144
-KIMI_ROPE_PARAMETERS = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
-                        "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
-                        "mscale": 1.0, "mscale_all_dim": 1.0}
+KIMI_ROPE_PARAMETERS = {
+    "rope_type": "yarn",
+    "rope_theta": 50000.0,
+    "factor": 64.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 KIMI_BUILD_THREADS = 1  # see _build_into
 
 
@@ -113,8 +131,11 @@ def _split_function(source_lines: list[str], node: ast.FunctionDef | ast.AsyncFu
     """
     body = node.body
     first_body = body[0]
-    has_doc = (isinstance(first_body, ast.Expr) and isinstance(first_body.value, ast.Constant)
-               and isinstance(first_body.value.value, str))
+    has_doc = (
+        isinstance(first_body, ast.Expr)
+        and isinstance(first_body.value, ast.Constant)
+        and isinstance(first_body.value.value, str)
+    )
     statements = body[1:] if has_doc else body
     if not statements:
         return None
@@ -125,7 +146,7 @@ def _split_function(source_lines: list[str], node: ast.FunctionDef | ast.AsyncFu
         head_end = first_body.end_lineno if has_doc else first_body.lineno - 1
     start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
     prompt = "".join(source_lines[start:head_end])
-    response = "".join(source_lines[head_end:node.end_lineno])
+    response = "".join(source_lines[head_end : node.end_lineno])
     indent = len(prompt) - len(prompt.lstrip(" "))
     prompt = "\n".join(line[indent:] for line in prompt.splitlines()).strip("\n")
     response = "\n".join(line[indent:] for line in response.splitlines()).rstrip()
@@ -161,8 +182,10 @@ def corpus_turns(heldout: bool, max_modules: int | None = None) -> list[CodeTurn
 def demo_conversations() -> list[dict]:
     """The built-in demo prompt corpus: ShareGPT-style conversations from held-out modules."""
     return [
-        {"conversations": [{"from": "human", "value": t.prompt}, {"from": "gpt", "value": t.response}],
-         "source": f"stdlib:{t.module}.{t.qualname}"}
+        {
+            "conversations": [{"from": "human", "value": t.prompt}, {"from": "gpt", "value": t.response}],
+            "source": f"stdlib:{t.module}.{t.qualname}",
+        }
         for t in corpus_turns(heldout=True)
     ]
 
@@ -205,7 +228,9 @@ def train_byte_bpe(turns: list[CodeTurn], vocab_size: int, special_tokens: list[
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator((f"{t.prompt}\n{t.response}" for t in turns), trainer=trainer)
@@ -217,9 +242,12 @@ def train_tokenizer(turns: list[CodeTurn], vocab_size: int):
 
     tokenizer = train_byte_bpe(turns, vocab_size, SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|end|>", pad_token="<|pad|>",
+        tokenizer_object=tokenizer,
+        eos_token="<|end|>",
+        pad_token="<|pad|>",
         additional_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"],
-        chat_template=CHAT_TEMPLATE, model_max_length=4096,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=4096,
     )
 
 
@@ -237,11 +265,19 @@ def build_model(recipe: TinyTargetRecipe, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_heads, max_position_embeddings=1024, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_heads,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
 
@@ -250,15 +286,16 @@ def _batch(stream, seq_len: int, batch_size: int, generator):
     import torch
 
     starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=generator)
-    return torch.stack([stream[s:s + seq_len] for s in starts.tolist()])
+    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
 def train_model(model, stream, recipe: TinyTargetRecipe) -> dict:
     import torch
 
     generator = torch.Generator().manual_seed(recipe.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95),
-                                  weight_decay=0.1)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.1
+    )
     warmup = max(1, recipe.train_steps // 20)
 
     def lr_at(step: int) -> float:
@@ -282,8 +319,12 @@ def train_model(model, stream, recipe: TinyTargetRecipe) -> dict:
         loss_value = loss.item()
     seconds = time.monotonic() - started
     tokens = recipe.train_steps * recipe.batch_size * recipe.seq_len
-    return {"train_seconds": round(seconds, 1), "train_tokens": tokens, "final_train_loss": round(loss_value, 4),
-            "train_tokens_per_s": round(tokens / seconds, 1)}
+    return {
+        "train_seconds": round(seconds, 1),
+        "train_tokens": tokens,
+        "final_train_loss": round(loss_value, 4),
+        "train_tokens_per_s": round(tokens / seconds, 1),
+    }
 
 
 def heldout_perplexity(model, stream, seq_len: int, max_windows: int = 64) -> float:
@@ -294,7 +335,7 @@ def heldout_perplexity(model, stream, seq_len: int, max_windows: int = 64) -> fl
     total, count = 0.0, 0
     with torch.no_grad():
         for w in range(windows):
-            chunk = stream[w * seq_len:(w + 1) * seq_len].unsqueeze(0)
+            chunk = stream[w * seq_len : (w + 1) * seq_len].unsqueeze(0)
             loss = model(input_ids=chunk, labels=chunk).loss
             total += loss.item() * (seq_len - 1)
             count += seq_len - 1
@@ -303,11 +344,13 @@ def heldout_perplexity(model, stream, seq_len: int, max_windows: int = 64) -> fl
 
 def distinct_2(sequences: list[list[int]]) -> float:
     """Unique bigrams over all bigrams, over the generated tokens of all sequences."""
-    bigrams = [tuple(seq[i:i + 2]) for seq in sequences for i in range(len(seq) - 1)]
+    bigrams = [tuple(seq[i : i + 2]) for seq in sequences for i in range(len(seq) - 1)]
     return len(set(bigrams)) / max(1, len(bigrams))
 
 
-def greedy_samples(model, tokenizer, turns: list[CodeTurn], count: int, max_new_tokens: int = 64) -> list[list[int]]:
+def greedy_samples(
+    model, tokenizer, turns: list[CodeTurn], count: int, max_new_tokens: int = 64
+) -> list[list[int]]:
     """Greedy answers of the model to `count` prompts spread over the given turns."""
     import torch
 
@@ -319,8 +362,12 @@ def greedy_samples(model, tokenizer, turns: list[CodeTurn], count: int, max_new_
     outputs = []
     with torch.inference_mode():
         for turn in turns[::stride][:count]:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": turn.prompt}],
-                                                add_generation_prompt=True, tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": turn.prompt}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
             outputs.append(greedy_decode(runner, list(ids), max_new_tokens, tokenizer.eos_token_id).tokens)
     return outputs
 
@@ -352,7 +399,9 @@ def bpe_tiktoken_agreement(bpe, ranks: dict[bytes, int], texts: list[str]) -> di
 
     char_to_byte = {char: byte for byte, char in byte_to_char().items()}
     rank_of_id = {i: ranks[bytes(char_to_byte[c] for c in token)] for token, i in bpe.get_vocab().items()}
-    encoding = tiktoken.Encoding("agreement", pat_str=PRETOKENIZE_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    encoding = tiktoken.Encoding(
+        "agreement", pat_str=PRETOKENIZE_PATTERN, mergeable_ranks=ranks, special_tokens={}
+    )
     by_bpe = [[rank_of_id[i] for i in e.ids] for e in bpe.encode_batch(texts, add_special_tokens=False)]
     by_tiktoken = encoding.encode_ordinary_batch(texts)
     return {"texts": len(texts), "different": sum(a != b for a, b in zip(by_bpe, by_tiktoken))}
@@ -370,14 +419,24 @@ def write_kimi_tokenizer(directory: Path, ranks: dict[bytes, int]) -> None:
 
     write_ranks(ranks, directory / "tiktoken.model")
     shutil.copyfile(KIMI_CODE_DIR / KIMI_TOKENIZER_CODE, directory / KIMI_TOKENIZER_CODE)
-    special = {"content": None, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-               "special": True}
+    special = {
+        "content": None,
+        "lstrip": False,
+        "normalized": False,
+        "rstrip": False,
+        "single_word": False,
+        "special": True,
+    }
     tokenizer_config = {
         "tokenizer_class": "TikTokenTokenizer",
         "auto_map": KIMI_TOKENIZER_AUTO_MAP,
-        "bos_token": "[BOS]", "eos_token": "<|im_end|>", "unk_token": "[UNK]", "pad_token": "[PAD]",
-        "added_tokens_decoder": {str(i): {**special, "content": name}
-                                 for i, name in kimi_special_tokens(len(ranks)).items()},
+        "bos_token": "[BOS]",
+        "eos_token": "<|im_end|>",
+        "unk_token": "[UNK]",
+        "pad_token": "[PAD]",
+        "added_tokens_decoder": {
+            str(i): {**special, "content": name} for i, name in kimi_special_tokens(len(ranks)).items()
+        },
         "chat_template": KIMI_CHAT_TEMPLATE,
         "model_max_length": KIMI_MAX_POSITION_EMBEDDINGS,
         "clean_up_tokenization_spaces": False,
@@ -392,17 +451,34 @@ def build_kimi_model(recipe: TinyTargetRecipe, tokenizer):
 
     shape = recipe.deepseek_v3
     config = TinyKimiConfig(
-        vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers, num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_heads, q_lora_rank=shape.q_lora_rank, kv_lora_rank=shape.kv_lora_rank,
-        qk_nope_head_dim=shape.qk_nope_head_dim, qk_rope_head_dim=shape.qk_rope_head_dim,
-        v_head_dim=shape.v_head_dim, n_routed_experts=shape.n_routed_experts,
-        n_shared_experts=shape.n_shared_experts, num_experts_per_tok=shape.num_experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate_size, first_k_dense_replace=shape.first_k_dense_replace,
-        n_group=1, topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, num_mtp_layers=0,
-        max_position_embeddings=KIMI_MAX_POSITION_EMBEDDINGS, rope_parameters=dict(KIMI_ROPE_PARAMETERS),
-        rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden_size,
+        intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_layers,
+        num_attention_heads=recipe.num_heads,
+        num_key_value_heads=recipe.num_heads,
+        q_lora_rank=shape.q_lora_rank,
+        kv_lora_rank=shape.kv_lora_rank,
+        qk_nope_head_dim=shape.qk_nope_head_dim,
+        qk_rope_head_dim=shape.qk_rope_head_dim,
+        v_head_dim=shape.v_head_dim,
+        n_routed_experts=shape.n_routed_experts,
+        n_shared_experts=shape.n_shared_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        moe_intermediate_size=shape.moe_intermediate_size,
+        first_k_dense_replace=shape.first_k_dense_replace,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.827,
+        norm_topk_prob=True,
+        num_mtp_layers=0,
+        max_position_embeddings=KIMI_MAX_POSITION_EMBEDDINGS,
+        rope_parameters=dict(KIMI_ROPE_PARAMETERS),
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     config.auto_map = dict(KIMI_AUTO_MAP)
     return TinyKimiForCausalLM(config)
@@ -412,6 +488,7 @@ def kimi_chat_render(tokenizer):
     def render(turn: CodeTurn) -> str:
         messages = [{"role": "user", "content": turn.prompt}, {"role": "assistant", "content": turn.response}]
         return tokenizer.apply_chat_template(messages, tokenize=False)
+
     return render
 
 
@@ -428,8 +505,11 @@ def _prepare_kimi(directory: Path, recipe: TinyTargetRecipe, turns: list[CodeTur
     tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=True)
     agreement = bpe_tiktoken_agreement(bpe, ranks, [text for t in turns for text in (t.prompt, t.response)])
     if agreement["different"]:
-        log.warning("tiktoken and the BPE it came from encode %d of %d corpus texts differently",
-                    agreement["different"], agreement["texts"])
+        log.warning(
+            "tiktoken and the BPE it came from encode %d of %d corpus texts differently",
+            agreement["different"],
+            agreement["texts"],
+        )
     render = kimi_chat_render(tokenizer)
     return tokenizer, token_stream(tokenizer, turns, render), render, {"tiktoken_vs_bpe": agreement}
 
@@ -457,7 +537,9 @@ def _build_into(directory: Path, recipe: TinyTargetRecipe, turns: list[CodeTurn]
         _train_and_save(directory, recipe, turns, corpus_sha)
 
 
-def _train_and_save(directory: Path, recipe: TinyTargetRecipe, turns: list[CodeTurn], corpus_sha: str) -> None:
+def _train_and_save(
+    directory: Path, recipe: TinyTargetRecipe, turns: list[CodeTurn], corpus_sha: str
+) -> None:
     import torch
 
     torch.manual_seed(recipe.seed)
@@ -469,23 +551,28 @@ def _train_and_save(directory: Path, recipe: TinyTargetRecipe, turns: list[CodeT
         tokenizer = train_tokenizer(turns, recipe.vocab_size)
         stream, render, extra = token_stream(tokenizer, turns), chat_text, {}
         model = build_model(recipe, tokenizer)
-    log.info("tiny target: %d parameters, %d training tokens available",
-             sum(p.numel() for p in model.parameters()), len(stream))
+    log.info(
+        "tiny target: %d parameters, %d training tokens available",
+        sum(p.numel() for p in model.parameters()),
+        len(stream),
+    )
     stats = train_model(model, stream, recipe)
     heldout = corpus_turns(heldout=True)
     heldout_stream = token_stream(tokenizer, heldout, render)
     samples = greedy_samples(model, tokenizer, heldout, count=32)
     stats.update(extra)
-    stats.update({
-        "heldout_perplexity": round(heldout_perplexity(model, heldout_stream, recipe.seq_len), 2),
-        "greedy_distinct_2": round(distinct_2(samples), 4),
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "corpus_sha256": corpus_sha,
-        "corpus_turns": len(turns),
-        "recipe": recipe.model_dump(),
-        "builder_version": BUILDER_VERSION,
-        "torch_threads": torch.get_num_threads(),
-    })
+    stats.update(
+        {
+            "heldout_perplexity": round(heldout_perplexity(model, heldout_stream, recipe.seq_len), 2),
+            "greedy_distinct_2": round(distinct_2(samples), 4),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "corpus_sha256": corpus_sha,
+            "corpus_turns": len(turns),
+            "recipe": recipe.model_dump(),
+            "builder_version": BUILDER_VERSION,
+            "torch_threads": torch.get_num_threads(),
+        }
+    )
     model.save_pretrained(directory)
     if kimi:  # the tokenizer is in the directory already
         for name in (KIMI_CONFIG_CODE, KIMI_MODEL_CODE):
@@ -514,7 +601,9 @@ def cached_corpus_hash(cache_dir: Path, max_modules: int | None) -> tuple[str, l
         return index[fingerprint], None
     turns = corpus_turns(heldout=False, max_modules=max_modules)
     if not turns:
-        raise RuntimeError("no training text found in the Python standard library; cannot build the tiny target")
+        raise RuntimeError(
+            "no training text found in the Python standard library; cannot build the tiny target"
+        )
     index[fingerprint] = corpus_hash(turns)
     index_path.parent.mkdir(parents=True, exist_ok=True)
     staging = index_path.with_name(f".{index_path.name}.{os.getpid()}")

@@ -16,10 +16,11 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ class ShardRef:
     samples: int
 
     @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> "ShardRef":
+    def from_manifest(cls, entry: dict[str, Any]) -> ShardRef:
         return cls(entry["key"], entry["sha256"], entry["bytes"], entry["samples"])
 
 
@@ -52,18 +53,21 @@ def _generator(*parts: int | str) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def epoch_plan(shards: list[ShardRef], seed: int, epoch: int, rank: int, world: int,
-               micro_batch: int) -> list[list[SampleRef]]:
+def epoch_plan(
+    shards: list[ShardRef], seed: int, epoch: int, rank: int, world: int, micro_batch: int
+) -> list[list[SampleRef]]:
     """This rank's micro-batches for one epoch (every rank gets the same number)."""
     order = torch.randperm(len(shards), generator=_generator(seed, epoch)).tolist()
     sequence = []
     for shard in order:
-        inside = torch.randperm(shards[shard].samples, generator=_generator(seed, epoch, shards[shard].sha256))
+        inside = torch.randperm(
+            shards[shard].samples, generator=_generator(seed, epoch, shards[shard].sha256)
+        )
         sequence += [SampleRef(shard, int(i)) for i in inside]
     per_rank = len(sequence) // world
-    mine = sequence[rank * per_rank:(rank + 1) * per_rank]
+    mine = sequence[rank * per_rank : (rank + 1) * per_rank]
     usable = len(mine) // micro_batch * micro_batch
-    return [mine[i:i + micro_batch] for i in range(0, usable, micro_batch)]
+    return [mine[i : i + micro_batch] for i in range(0, usable, micro_batch)]
 
 
 class ShardCache:
@@ -142,7 +146,7 @@ class StreamingShards:
             batch = plan[index]
             current = {ref.shard for ref in batch}
             position = order.index(batch[-1].shard)
-            for shard in order[position + 1:position + 1 + self.prefetch]:
+            for shard in order[position + 1 : position + 1 + self.prefetch]:
                 self._request(shard)
             self._release_all_but(current)
             yield [self._reader(ref.shard).sample(ref.index).truncated(self.max_length) for ref in batch]
@@ -164,7 +168,7 @@ class StreamingShards:
 def sequential_plan(shards: list[ShardRef], micro_batch: int) -> list[list[SampleRef]]:
     """Every sample once, in storage order (evaluation)."""
     refs = [SampleRef(s, i) for s, shard in enumerate(shards) for i in range(shard.samples)]
-    return [refs[i:i + micro_batch] for i in range(0, len(refs), micro_batch)]
+    return [refs[i : i + micro_batch] for i in range(0, len(refs), micro_batch)]
 
 
 def assistant_token_counts(store, shards: list[ShardRef], vocab_size: int) -> torch.Tensor:

@@ -49,9 +49,22 @@ def torchrun_args(settings: TrainConfig, spec_uri: str, run_id: str, nodes: str 
     # committed checkpoint. A node started before node 0 keeps trying to reach its store for the read
     # timeout, then waits for the others for the join timeout.
     timeout = settings.rendezvous_timeout_s
-    return ["--nnodes", nodes or str(settings.nodes), "--nproc-per-node", str(settings.nproc), "--max-restarts", "0",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--rdzv-conf", f"join_timeout={timeout},read_timeout={timeout}"] + worker
+    return [
+        "--nnodes",
+        nodes or str(settings.nodes),
+        "--nproc-per-node",
+        str(settings.nproc),
+        "--max-restarts",
+        "0",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"join_timeout={timeout},read_timeout={timeout}",
+    ] + worker
 
 
 class NodeLauncher(Protocol):
@@ -86,15 +99,22 @@ class LocalAgents:
         self.settings, self.environment = settings, environment or {}
 
     def train(self, spec_uri: str, run_id: str, log_path: Path) -> int:
-        command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(self.settings, spec_uri, run_id)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *torchrun_args(self.settings, spec_uri, run_id),
+        ]
         log.info("launching training, %d node(s) here: %s", self.settings.nodes, " ".join(command))
         environment = {**_agent_environment(), **self.environment}
         agents = []
         try:
             for _ in range(self.settings.nodes):
                 agents.append(start_process_group(command, environment))
-            readers = [_copy_output(agent, log_path, f"[node {i}] " if len(agents) > 1 else "")
-                       for i, agent in enumerate(agents)]
+            readers = [
+                _copy_output(agent, log_path, f"[node {i}] " if len(agents) > 1 else "")
+                for i, agent in enumerate(agents)
+            ]
             code = _first_failure(agents)
         finally:
             # a job missing a node cannot finish: the first failure stops the others
@@ -150,8 +170,17 @@ def _copy_output(agent, log_path: Path, prefix: str) -> threading.Thread:
 
 
 def _worth_showing(line: str) -> bool:
-    noisy = ("UserWarning", "warnings.warn", "return func(", "OMP_NUM_THREADS", "*****", "[WARNING]",
-             "Setting OMP", "[INFO] [", "Loading weights")
+    noisy = (
+        "UserWarning",
+        "warnings.warn",
+        "return func(",
+        "OMP_NUM_THREADS",
+        "*****",
+        "[WARNING]",
+        "Setting OMP",
+        "[INFO] [",
+        "Loading weights",
+    )
     return bool(line.strip()) and not any(marker in line for marker in noisy)
 
 
@@ -179,8 +208,13 @@ def node_container(job: dict[str, Any]) -> dict[str, Any]:
     return containers[0]
 
 
-def job_for_run(job: dict[str, Any], settings: TrainConfig, spec_uri: str, run_id: str,
-                environment: dict[str, str] | None = None) -> dict[str, Any]:
+def job_for_run(
+    job: dict[str, Any],
+    settings: TrainConfig,
+    spec_uri: str,
+    run_id: str,
+    environment: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """The manifest's Job for one run: as many pods as nodes, the annotations they read the run id, the
     spec URI and the node count from, and `environment` on the node container. Its node command must be
     the one these settings make."""
@@ -188,9 +222,11 @@ def job_for_run(job: dict[str, Any], settings: TrainConfig, spec_uri: str, run_i
     expected = ["torchrun", *torchrun_args(settings, POD_SPEC, POD_RUN_ID, POD_NODES)]
     found = container.get("command", []) + container.get("args", [])
     if found != expected:
-        raise TrainingFailed(f"the node command of Job {job['metadata']['name']} ({settings.kubernetes_job}) "
-                             f"disagrees with the train settings:\n  manifest: {' '.join(found)}\n  "
-                             f"settings: {' '.join(expected)}")
+        raise TrainingFailed(
+            f"the node command of Job {job['metadata']['name']} ({settings.kubernetes_job}) "
+            f"disagrees with the train settings:\n  manifest: {' '.join(found)}\n  "
+            f"settings: {' '.join(expected)}"
+        )
     job = copy.deepcopy(job)
     if environment:
         node = node_container(job)
@@ -199,8 +235,9 @@ def job_for_run(job: dict[str, Any], settings: TrainConfig, spec_uri: str, run_i
     job["spec"]["completions"] = job["spec"]["parallelism"] = settings.nodes
     job["metadata"].setdefault("annotations", {})[RUN_ID_ANNOTATION] = run_id
     pod = job["spec"]["template"].setdefault("metadata", {})
-    pod.setdefault("annotations", {}).update({RUN_ID_ANNOTATION: run_id, SPEC_ANNOTATION: spec_uri,
-                                              NODES_ANNOTATION: str(settings.nodes)})
+    pod.setdefault("annotations", {}).update(
+        {RUN_ID_ANNOTATION: run_id, SPEC_ANNOTATION: spec_uri, NODES_ANNOTATION: str(settings.nodes)}
+    )
     return job
 
 
@@ -220,20 +257,29 @@ class KubernetesJob:
 
     api_errors_tolerated = 10  # consecutive failed status reads (an API server upgrade) before giving up
 
-    def __init__(self, settings: TrainConfig, api: KubernetesApi | None = None, poll_s: float = 10.0,
-                 environment: dict[str, str] | None = None):
+    def __init__(
+        self,
+        settings: TrainConfig,
+        api: KubernetesApi | None = None,
+        poll_s: float = 10.0,
+        environment: dict[str, str] | None = None,
+    ):
         self.settings, self.api, self.poll_s, self.environment = settings, api, poll_s, environment or {}
 
     def train(self, spec_uri: str, run_id: str, log_path: Path) -> int:
-        job = job_for_run(load_job_manifest(self.settings.kubernetes_job), self.settings, spec_uri, run_id,
-                          self.environment)
+        job = job_for_run(
+            load_job_manifest(self.settings.kubernetes_job), self.settings, spec_uri, run_id, self.environment
+        )
         namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
         api = self.api or _in_cluster_api()
         with open(log_path, "a", buffering=1) as log_file:
             started = self._start(api, job, run_id)
-            _note(log_file, f"{started} Job {namespace}/{name}: {self.settings.nodes} node(s) x "
-                            f"{self.settings.nproc} ranks; node logs: kubectl -n {namespace} logs "
-                            f"-l batch.kubernetes.io/job-name={name} --prefix")
+            _note(
+                log_file,
+                f"{started} Job {namespace}/{name}: {self.settings.nodes} node(s) x "
+                f"{self.settings.nproc} ranks; node logs: kubectl -n {namespace} logs "
+                f"-l batch.kubernetes.io/job-name={name} --prefix",
+            )
             outcome = self._wait(api, namespace, name)
             _note(log_file, f"Job {namespace}/{name}: {outcome}")
         if outcome != "Complete":
@@ -251,8 +297,10 @@ class KubernetesJob:
             if job_outcome(existing) is None:
                 if owner == run_id:
                     return "waiting for the running"
-                raise TrainingFailed(f"Job {namespace}/{name} is training run {owner}; one multi-node training "
-                                     f"runs at a time: wait for it, or delete it to stop it")
+                raise TrainingFailed(
+                    f"Job {namespace}/{name} is training run {owner}; one multi-node training "
+                    f"runs at a time: wait for it, or delete it to stop it"
+                )
             api.delete_job(namespace, name)  # a finished attempt's Job, kept until now for its logs
             time.sleep(self.poll_s)
         raise TrainingFailed(f"Job {namespace}/{name} from an earlier attempt is still being deleted")
@@ -283,5 +331,7 @@ def _in_cluster_api() -> KubernetesApi:
     try:
         return KubernetesApi.in_cluster()
     except NotInCluster as err:
-        raise TrainingFailed("train.launcher 'kubernetes' creates the node Job from a pod of the cluster, and "
-                             "this process runs outside one; here use train.launcher torchrun") from err
+        raise TrainingFailed(
+            "train.launcher 'kubernetes' creates the node Job from a pod of the cluster, and "
+            "this process runs outside one; here use train.launcher torchrun"
+        ) from err

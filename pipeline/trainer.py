@@ -41,8 +41,16 @@ class DraftObjective(nn.Module):
     stored top-K log-probs, whichever `teacher` names.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, lm_head_weight: torch.Tensor | None, teacher: str,
-                 ttt_steps: int, decay: float, chunk: int, topk_levels: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        lm_head_weight: torch.Tensor | None,
+        teacher: str,
+        ttt_steps: int,
+        decay: float,
+        chunk: int,
+        topk_levels: tuple[int, ...] = (),
+    ):
         super().__init__()
         self.drafter = drafter
         if teacher == "last_hidden" and lm_head_weight is None:
@@ -61,18 +69,29 @@ class DraftObjective(nn.Module):
         if self.teacher == "last_hidden":
             teacher = teacher_from_last_hidden(last_hidden, self.teacher_lm_head, self.used_ids)
         else:
-            teacher = teacher_from_topk(topk_ids, topk_logprobs, self.draft_index, self.drafter.arch.draft_vocab_size)
+            teacher = teacher_from_topk(
+                topk_ids, topk_logprobs, self.draft_index, self.drafter.arch.draft_vocab_size
+            )
         h_outs = self.drafter.ttt_forward(aux, input_ids, self.ttt_steps, self.chunk)
-        return ttt_loss_and_counts(h_outs, self.drafter.logits, input_ids, loss_mask, teacher,
-                                   self.drafter.d2t, self.decay, self.topk_levels)
+        return ttt_loss_and_counts(
+            h_outs,
+            self.drafter.logits,
+            input_ids,
+            loss_mask,
+            teacher,
+            self.drafter.d2t,
+            self.decay,
+            self.topk_levels,
+        )
 
 
 def choose_teacher(requested: str, available: set[str]) -> str:
     """The teacher signal to train on: the requested one, or (auto) last_hidden when stored, else top-k."""
     if requested != "auto":
         if requested not in available:
-            raise ValueError(f"train.teacher {requested!r} is not in every capture shard "
-                             f"(they carry {sorted(available)})")
+            raise ValueError(
+                f"train.teacher {requested!r} is not in every capture shard (they carry {sorted(available)})"
+            )
         return requested
     for kind in ("last_hidden", "topk"):
         if kind in available:
@@ -80,7 +99,9 @@ def choose_teacher(requested: str, available: set[str]) -> str:
     raise ValueError("the capture shards carry no common teacher signal")
 
 
-def drafter_arch(config: RunConfig, target_dir: Path, aux_layer_ids: list[int], draft_vocab_size: int) -> DrafterArch:
+def drafter_arch(
+    config: RunConfig, target_dir: Path, aux_layer_ids: list[int], draft_vocab_size: int
+) -> DrafterArch:
     """Drafter shape: explicit drafter.* settings, else the target's own attention/MLP shape."""
     target = text_config(target_dir)
     settings = config.drafter
@@ -98,7 +119,8 @@ def drafter_arch(config: RunConfig, target_dir: Path, aux_layer_ids: list[int], 
         aux_layer_ids=list(aux_layer_ids),
         rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", target.get("rope_theta", 10000.0))),
-        max_position_embeddings=settings.max_position_embeddings or int(target.get("max_position_embeddings", 2048)),
+        max_position_embeddings=settings.max_position_embeddings
+        or int(target.get("max_position_embeddings", 2048)),
     )
 
 
@@ -107,10 +129,14 @@ def check_warm_start_contract(init_contract: dict[str, Any], data_contract: dict
     problems = []
     for field in ("aux_layer_ids", "hidden_size", "teacher_norm", "layer_convention", "vocab_size"):
         if init_contract.get(field) != data_contract.get(field):
-            problems.append(f"{field}: drafter {init_contract.get(field)!r} vs data {data_contract.get(field)!r}")
+            problems.append(
+                f"{field}: drafter {init_contract.get(field)!r} vs data {data_contract.get(field)!r}"
+            )
     if problems:
-        raise ContractMismatch("refusing warm start: the initial drafter was trained on a different capture "
-                               "contract:\n  " + "\n  ".join(problems))
+        raise ContractMismatch(
+            "refusing warm start: the initial drafter was trained on a different capture "
+            "contract:\n  " + "\n  ".join(problems)
+        )
 
 
 def build_model(config: RunConfig, spec: dict[str, Any], frozen: dict[str, torch.Tensor]) -> Eagle3Drafter:
@@ -142,11 +168,17 @@ def deepspeed_config(config: RunConfig, total_steps: int) -> dict[str, Any]:
     ds["gradient_clipping"] = settings.grad_clip
     ds.setdefault("optimizer", {"type": "AdamW", "params": {}})
     ds["optimizer"]["params"].update({"lr": settings.learning_rate, "weight_decay": settings.weight_decay})
-    ds["scheduler"] = {"type": "WarmupCosineLR", "params": {
-        "total_num_steps": max(1, total_steps), "warmup_num_steps": max(1, int(settings.warmup_ratio * total_steps)),
-        "warmup_type": "linear", "cos_min_ratio": 0.1}}
+    ds["scheduler"] = {
+        "type": "WarmupCosineLR",
+        "params": {
+            "total_num_steps": max(1, total_steps),
+            "warmup_num_steps": max(1, int(settings.warmup_ratio * total_steps)),
+            "warmup_type": "linear",
+            "cos_min_ratio": 0.1,
+        },
+    }
     ds["bf16"] = {**ds.get("bf16", {}), "enabled": settings.precision == "bf16"}
-    ds["steps_per_print"] = 10 ** 9
+    ds["steps_per_print"] = 10**9
     return ds
 
 
@@ -177,8 +209,11 @@ class MetricsLog:
     def truncate_after(self, global_step: int) -> None:
         """Drop records of steps a resumed run will redo, so none appears twice."""
         if self.enabled and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["global_step"] <= global_step]
+            kept = [
+                line
+                for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line)["global_step"] <= global_step
+            ]
             self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict[str, Any]) -> None:
@@ -231,17 +266,27 @@ def _committed_tags(ckpt_dir: Path) -> list[str]:
 
 def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
     """Training state from the last committed checkpoint (model, optimizer, scheduler restored by DeepSpeed)."""
-    state = {"epoch": 0, "batch_in_epoch": 0, "global_step": 0, "history": [], "stop_reason": None,
-             "epoch_counts": None}
+    state = {
+        "epoch": 0,
+        "batch_in_epoch": 0,
+        "global_step": 0,
+        "history": [],
+        "stop_reason": None,
+        "epoch_counts": None,
+    }
     if (ckpt_dir / "latest").exists():
         tag = (ckpt_dir / "latest").read_text().strip()
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if client is None:
-            raise RuntimeError(f"checkpoint {ckpt_dir / tag} is named in {ckpt_dir / 'latest'} but could not be "
-                               "loaded; delete the checkpoints directory to train from the start")
+            raise RuntimeError(
+                f"checkpoint {ckpt_dir / tag} is named in {ckpt_dir / 'latest'} but could not be "
+                "loaded; delete the checkpoints directory to train from the start"
+            )
         state = {k: client[k] for k in state}
         torch.set_rng_state(client["rng_cpu"])
-        log.info("resumed from checkpoint %s at epoch %d batch %d", tag, state["epoch"], state["batch_in_epoch"])
+        log.info(
+            "resumed from checkpoint %s at epoch %d batch %d", tag, state["epoch"], state["batch_in_epoch"]
+        )
     return state
 
 
@@ -263,28 +308,41 @@ class Trainer:
         self.workdir = Path(spec["workdir"])
         self.ckpt_dir = self.workdir / "checkpoints"
         self.shards = [ShardRef.from_manifest(entry) for entry in spec["train_shards"]]
-        cache = ShardCache(open_store(self.config.storage), Path(spec["shard_cache"]),
-                           int(settings.cache_gb * (1 << 30)))
+        cache = ShardCache(
+            open_store(self.config.storage), Path(spec["shard_cache"]), int(settings.cache_gb * (1 << 30))
+        )
         self.stream = StreamingShards(self.shards, cache, settings.max_length, settings.prefetch_shards)
         frozen = load_frozen_tensors(Path(spec["target_dir"]))
         self.model = build_model(self.config, spec, frozen)
         self.dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float32
         self.teacher = choose_teacher(settings.teacher, self.stream.teachers())
-        objective = DraftObjective(self.model, frozen["lm_head"].to(self.dtype), self.teacher, settings.ttt_steps,
-                                   settings.loss_decay, settings.attention_chunk)
+        objective = DraftObjective(
+            self.model,
+            frozen["lm_head"].to(self.dtype),
+            self.teacher,
+            settings.ttt_steps,
+            settings.loss_decay,
+            settings.attention_chunk,
+        )
         self.steps_per_epoch = len(self.plan(0))
         if self.steps_per_epoch == 0:
-            raise RuntimeError(f"{sum(s.samples for s in self.shards)} training samples are too few for "
-                               f"{self.world} ranks of micro-batch {settings.micro_batch_size}")
+            raise RuntimeError(
+                f"{sum(s.samples for s in self.shards)} training samples are too few for "
+                f"{self.world} ranks of micro-batch {settings.micro_batch_size}"
+            )
         self.engine, _, _, self.scheduler = deepspeed.initialize(
-            model=objective, model_parameters=[p for p in objective.parameters() if p.requires_grad],
-            config=deepspeed_config(self.config, self.steps_per_epoch * settings.epochs))
+            model=objective,
+            model_parameters=[p for p in objective.parameters() if p.requires_grad],
+            config=deepspeed_config(self.config, self.steps_per_epoch * settings.epochs),
+        )
         self.state = _resume(self.engine, self.ckpt_dir)
         self.metrics = MetricsLog(self.workdir / "metrics.jsonl", self.rank == 0)
         self.metrics.truncate_after(self.state["global_step"])
 
     def plan(self, epoch: int):
-        return epoch_plan(self.shards, self.settings.seed, epoch, self.rank, self.world, self.settings.micro_batch_size)
+        return epoch_plan(
+            self.shards, self.settings.seed, epoch, self.rank, self.world, self.settings.micro_batch_size
+        )
 
     def step(self, samples) -> torch.Tensor:
         batch = {k: v.to(self.engine.device) for k, v in collate(samples, self.dtype).items()}
@@ -310,21 +368,41 @@ class Trainer:
             progress.update(1)
             if state["global_step"] % settings.log_every == 0:
                 summary = MetricCounts.from_tensor(_all_reduce(interval_counts.clone())).summary()
-                self.metrics.write({"kind": "interval", "epoch": epoch, "global_step": state["global_step"],
-                                    "lr": self.scheduler.get_lr()[0], **summary})
+                self.metrics.write(
+                    {
+                        "kind": "interval",
+                        "epoch": epoch,
+                        "global_step": state["global_step"],
+                        "lr": self.scheduler.get_lr()[0],
+                        **summary,
+                    }
+                )
                 interval_counts.zero_()
-            if settings.checkpoint_every_steps and state["global_step"] % settings.checkpoint_every_steps == 0:
+            if (
+                settings.checkpoint_every_steps
+                and state["global_step"] % settings.checkpoint_every_steps == 0
+            ):
                 state["epoch_counts"] = _all_reduce(epoch_counts.clone()).tolist()
-                _save_checkpoint(self.engine, self.ckpt_dir, f"step-{state['global_step']:08d}", state, self.rank)
+                _save_checkpoint(
+                    self.engine, self.ckpt_dir, f"step-{state['global_step']:08d}", state, self.rank
+                )
         summary = MetricCounts.from_tensor(_all_reduce(epoch_counts.clone())).summary()
         state["history"].append({"epoch": epoch, **summary})
         self.metrics.write({"kind": "epoch", "epoch": epoch, "global_step": state["global_step"], **summary})
         if self.rank == 0:
-            log.info("epoch %d: cond_acc %s tau_simulated %.3f", epoch, summary["cond_acc"], summary["tau_simulated"])
+            log.info(
+                "epoch %d: cond_acc %s tau_simulated %.3f",
+                epoch,
+                summary["cond_acc"],
+                summary["tau_simulated"],
+            )
         if plateau_reached(state["history"], self.config):
             state["stop_reason"] = "plateau"
-            log.info("stopping: cond_acc_0 gained less than %s over %d epochs", settings.plateau.min_gain,
-                     settings.plateau.window_epochs)
+            log.info(
+                "stopping: cond_acc_0 gained less than %s over %d epochs",
+                settings.plateau.min_gain,
+                settings.plateau.window_epochs,
+            )
         state.update({"epoch": epoch + 1, "batch_in_epoch": 0, "epoch_counts": None})
         _save_checkpoint(self.engine, self.ckpt_dir, f"epoch-{epoch:04d}", state, self.rank)
 
@@ -332,23 +410,35 @@ class Trainer:
         import torch.distributed as dist
 
         settings, state = self.settings, self.state
-        progress = Progress(total=self.steps_per_epoch * settings.epochs, desc="train", unit="step",
-                            enabled=self.rank == 0)
+        progress = Progress(
+            total=self.steps_per_epoch * settings.epochs, desc="train", unit="step", enabled=self.rank == 0
+        )
         progress.update(state["global_step"])
         started, first_step = time.monotonic(), state["global_step"]
         while state["epoch"] < settings.epochs and state["stop_reason"] is None:
             self.run_epoch(progress)
         progress.close()
-        result = {"stop_reason": state["stop_reason"] or "completed", "epochs_run": state["epoch"],
-                  "global_steps": state["global_step"], "world_size": self.world, "nodes": _nodes(),
-                  "history": state["history"],
-                  "draft_vocab_size": self.model.arch.draft_vocab_size, "teacher": self.teacher,
-                  "train_samples": sum(s.samples for s in self.shards),
-                  "seconds_this_attempt": round(time.monotonic() - started, 1),
-                  "steps_this_attempt": state["global_step"] - first_step, "steps_per_epoch": self.steps_per_epoch}
+        result = {
+            "stop_reason": state["stop_reason"] or "completed",
+            "epochs_run": state["epoch"],
+            "global_steps": state["global_step"],
+            "world_size": self.world,
+            "nodes": _nodes(),
+            "history": state["history"],
+            "draft_vocab_size": self.model.arch.draft_vocab_size,
+            "teacher": self.teacher,
+            "train_samples": sum(s.samples for s in self.shards),
+            "seconds_this_attempt": round(time.monotonic() - started, 1),
+            "steps_this_attempt": state["global_step"] - first_step,
+            "steps_per_epoch": self.steps_per_epoch,
+        }
         if self.rank == 0:
-            export_drafter(self.engine.module.drafter, self.spec["contract"], self.workdir / "drafter",
-                           self.config.drafter.export_dtype)
+            export_drafter(
+                self.engine.module.drafter,
+                self.spec["contract"],
+                self.workdir / "drafter",
+                self.config.drafter.export_dtype,
+            )
             (self.workdir / "train_result.json").write_text(json.dumps(result, indent=2))
         dist.barrier()
         self.stream.close()
@@ -380,9 +470,11 @@ def read_worker_spec(location: str) -> dict[str, Any]:
     try:
         return json.loads(S3Store(bucket, "").get_bytes(key))
     except NoCredentialsError as err:
-        raise RuntimeError(f"cannot read the worker spec {location}: this rank has no AWS credentials; its "
-                           "node's torchrun agent hands on its own environment, so start the agent with "
-                           "them (the pod's IRSA role, or AWS_* variables)") from err
+        raise RuntimeError(
+            f"cannot read the worker spec {location}: this rank has no AWS credentials; its "
+            "node's torchrun agent hands on its own environment, so start the agent with "
+            "them (the pod's IRSA role, or AWS_* variables)"
+        ) from err
 
 
 def worker_main(spec_location: str) -> None:

@@ -35,20 +35,22 @@ class Teacher:
     probs: torch.Tensor  # [B, L, Vd] target distribution restricted and renormalized to the draft vocabulary
 
 
-def teacher_from_last_hidden(last_hidden: torch.Tensor, lm_head_weight: torch.Tensor,
-                             used_ids: torch.Tensor, chunk: int = 1024) -> Teacher:
+def teacher_from_last_hidden(
+    last_hidden: torch.Tensor, lm_head_weight: torch.Tensor, used_ids: torch.Tensor, chunk: int = 1024
+) -> Teacher:
     """Teacher from the post-final-norm last hidden state through the target's lm_head."""
     argmaxes, probs = [], []
     weight = lm_head_weight.to(torch.float32)
     for start in range(0, last_hidden.shape[1], chunk):
-        logits = last_hidden[:, start:start + chunk].to(torch.float32) @ weight.T
+        logits = last_hidden[:, start : start + chunk].to(torch.float32) @ weight.T
         argmaxes.append(logits.argmax(-1))
         probs.append(torch.softmax(logits[..., used_ids], dim=-1))
     return Teacher(torch.cat(argmaxes, 1), torch.cat(probs, 1))
 
 
-def teacher_from_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, draft_index: torch.Tensor,
-                      draft_vocab_size: int) -> Teacher:
+def teacher_from_topk(
+    topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, draft_index: torch.Tensor, draft_vocab_size: int
+) -> Teacher:
     """Teacher from stored top-K log-probs: the top-K mass inside the draft vocabulary, renormalized.
 
     draft_index[v] is the draft id of target id v, or -1 when v is outside the draft vocabulary.
@@ -88,20 +90,24 @@ class MetricCounts:
                 setattr(self, name, [0.0] * self.steps)
 
     @classmethod
-    def empty(cls, steps: int, topk_levels: tuple[int, ...] = ()) -> "MetricCounts":
+    def empty(cls, steps: int, topk_levels: tuple[int, ...] = ()) -> MetricCounts:
         return cls(steps, full_correct_at={k: [0.0] * steps for k in topk_levels})
 
     def as_tensor(self) -> torch.Tensor:
-        rows = [getattr(self, name) for name in _COUNT_ROWS] + [self.full_correct_at[k] for k in sorted(self.full_correct_at)]
+        rows = [getattr(self, name) for name in _COUNT_ROWS] + [
+            self.full_correct_at[k] for k in sorted(self.full_correct_at)
+        ]
         return torch.tensor(rows, dtype=torch.float64)
 
     @classmethod
-    def from_tensor(cls, tensor: torch.Tensor, topk_levels: tuple[int, ...] = ()) -> "MetricCounts":
+    def from_tensor(cls, tensor: torch.Tensor, topk_levels: tuple[int, ...] = ()) -> MetricCounts:
         rows = tensor.tolist()
-        base = rows[:len(_COUNT_ROWS)]
-        return cls(len(rows[0]), *base, full_correct_at=dict(zip(sorted(topk_levels), rows[len(_COUNT_ROWS):])))
+        base = rows[: len(_COUNT_ROWS)]
+        return cls(
+            len(rows[0]), *base, full_correct_at=dict(zip(sorted(topk_levels), rows[len(_COUNT_ROWS) :]))
+        )
 
-    def add(self, other: "MetricCounts") -> None:
+    def add(self, other: MetricCounts) -> None:
         for name in _COUNT_ROWS:
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
         for k, values in other.full_correct_at.items():
@@ -114,20 +120,32 @@ class MetricCounts:
         cond = [acc[0]] + [full[k] / full[k - 1] if full[k - 1] else 0.0 for k in range(1, self.steps)]
         loss = [s / m if m else 0.0 for s, m in zip(self.loss_sum, self.masked)]
         summary = {
-            "loss": [round(x, 6) for x in loss], "acc": [round(x, 6) for x in acc],
-            "full_acc": [round(x, 6) for x in full], "cond_acc": [round(x, 6) for x in cond],
+            "loss": [round(x, 6) for x in loss],
+            "acc": [round(x, 6) for x in acc],
+            "full_acc": [round(x, 6) for x in full],
+            "cond_acc": [round(x, 6) for x in cond],
             "tau_simulated": round(1.0 + sum(full), 6),
-            "masked_tokens": [int(m) for m in self.masked], "chain_anchors": [int(m) for m in self.chain],
+            "masked_tokens": [int(m) for m in self.masked],
+            "chain_anchors": [int(m) for m in self.chain],
         }
         if self.full_correct_at:
-            summary["full_acc_at"] = {str(k): [round(c / m, 6) if m else 0.0 for c, m in zip(values, self.chain)]
-                                      for k, values in sorted(self.full_correct_at.items())}
+            summary["full_acc_at"] = {
+                str(k): [round(c / m, 6) if m else 0.0 for c, m in zip(values, self.chain)]
+                for k, values in sorted(self.full_correct_at.items())
+            }
         return summary
 
 
-def ttt_loss_and_counts(h_outs: list[torch.Tensor], logits_fn, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                        teacher: Teacher, d2t: torch.Tensor, decay: float,
-                        topk_levels: tuple[int, ...] = ()) -> tuple[torch.Tensor, MetricCounts]:
+def ttt_loss_and_counts(
+    h_outs: list[torch.Tensor],
+    logits_fn,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    teacher: Teacher,
+    d2t: torch.Tensor,
+    decay: float,
+    topk_levels: tuple[int, ...] = (),
+) -> tuple[torch.Tensor, MetricCounts]:
     """Weighted soft cross-entropy over the TTT steps and the counts behind every metric."""
     steps = len(h_outs)
     counts = MetricCounts.empty(steps, topk_levels)
@@ -143,7 +161,7 @@ def ttt_loss_and_counts(h_outs: list[torch.Tensor], logits_fn, input_ids: torch.
         per_token = -(target_p * draft_logp).sum(-1)
         denominator = mask.sum()
         step_loss = (per_token * mask).sum() / denominator.clamp(min=1)
-        total = total + (decay ** k) * step_loss
+        total = total + (decay**k) * step_loss
         draft_top1 = draft_logp.argmax(-1)
         correct = (draft_top1 + d2t[draft_top1]) == target_top1
         chain = chain & mask

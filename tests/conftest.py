@@ -24,9 +24,18 @@ os.environ["AWS_DEFAULT_REGION"] = "us-east-1"
 os.environ.pop("AWS_PROFILE", None)
 
 # A target small enough to build in well under a minute; 7 layers so the default aux layers apply.
-TEST_RECIPE = {"num_layers": 7, "hidden_size": 64, "num_heads": 2, "intermediate_size": 192, "vocab_size": 1024,
-               "seq_len": 96, "batch_size": 16, "train_steps": 150, "learning_rate": 0.008,
-               "max_corpus_modules": 60}
+TEST_RECIPE = {
+    "num_layers": 7,
+    "hidden_size": 64,
+    "num_heads": 2,
+    "intermediate_size": 192,
+    "vocab_size": 1024,
+    "seq_len": 96,
+    "batch_size": 16,
+    "train_steps": 150,
+    "learning_rate": 0.008,
+    "max_corpus_modules": 60,
+}
 
 
 @pytest.fixture(scope="session")
@@ -47,8 +56,12 @@ def s3_endpoint():
 def storage_config(kind: str, tmp_path: Path, s3_endpoint: str | None) -> dict:
     if kind == "file":
         return {"root": str(tmp_path / "store"), "local_cache": str(TEST_CACHE)}
-    return {"root": f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}", "endpoint_url": s3_endpoint,
-            "local_cache": str(TEST_CACHE), "multipart_threshold_mb": 5}
+    return {
+        "root": f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}",
+        "endpoint_url": s3_endpoint,
+        "local_cache": str(TEST_CACHE),
+        "multipart_threshold_mb": 5,
+    }
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -74,10 +87,23 @@ def tiny_config_dict(storage: dict) -> dict:
         "generate": {"max_new_tokens": 32, "batch_size": 16},
         "capture": {"max_length": 192, "batch_size": 8},
         "drafter": {"draft_vocab_size": 384, "export_dtype": "float32"},
-        "train": {"epochs": 3, "micro_batch_size": 4, "max_length": 192, "ttt_steps": 3, "nproc": 2,
-                  "learning_rate": 0.003, "log_every": 5, "deepspeed_config": str(REPO / "configs/deepspeed/zero2-cpu.json")},
+        "train": {
+            "epochs": 3,
+            "micro_batch_size": 4,
+            "max_length": 192,
+            "ttt_steps": 3,
+            "nproc": 2,
+            "learning_rate": 0.003,
+            "log_every": 5,
+            "deepspeed_config": str(REPO / "configs/deepspeed/zero2-cpu.json"),
+        },
         "gate": {"min_cond_acc": [0.05], "min_tau_simulated": 1.0},
-        "benchmark": {"num_prompts": 4, "max_new_tokens": 24, "draft_steps": 3, "min_speedup_vs_baseline": 0.0},
+        "benchmark": {
+            "num_prompts": 4,
+            "max_new_tokens": 24,
+            "draft_steps": 3,
+            "min_speedup_vs_baseline": 0.0,
+        },
     }
 
 

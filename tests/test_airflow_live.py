@@ -26,14 +26,27 @@ pytestmark = pytest.mark.slow
 
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 # distinctive so the log scan below cannot miss it; moto accepts any credentials
 ACCESS_KEY, SECRET_KEY = "AKIADRAFTERLIVETEST", "drafter-live-secret-7f3a9c"
-DEPLOYMENT = {"executor": "local", "aws_conn_id": "aws_default", "retry_delay_seconds": 5,
-              "retrain_cron": None,  # only the Asset schedules drafter_train here
-              "stages": {stage: {"use_pool": True, "retries": 0, "timeout_minutes": 20}
-                         for stage in ("generate", "parity", "capture", "train", "evaluate", "benchmark")}}
+DEPLOYMENT = {
+    "executor": "local",
+    "aws_conn_id": "aws_default",
+    "retry_delay_seconds": 5,
+    "retrain_cron": None,  # only the Asset schedules drafter_train here
+    "stages": {
+        stage: {"use_pool": True, "retries": 0, "timeout_minutes": 20}
+        for stage in ("generate", "parity", "capture", "train", "evaluate", "benchmark")
+    },
+}
 
 
 def _free_port() -> int:
@@ -47,12 +60,16 @@ class AirflowClient:
 
     def __init__(self, base: str, password: str):
         self.base = base
-        token = requests.post(f"{base}/auth/token", json={"username": "admin", "password": password}, timeout=60)
+        token = requests.post(
+            f"{base}/auth/token", json={"username": "admin", "password": password}, timeout=60
+        )
         token.raise_for_status()
         self.headers = {"Authorization": f"Bearer {token.json()['access_token']}"}
 
     def call(self, method: str, path: str, **kwargs) -> requests.Response:
-        return requests.request(method, f"{self.base}/api/v2{path}", headers=self.headers, timeout=60, **kwargs)
+        return requests.request(
+            method, f"{self.base}/api/v2{path}", headers=self.headers, timeout=60, **kwargs
+        )
 
     def get(self, path: str, **kwargs) -> dict:
         response = self.call("GET", path, **kwargs)
@@ -64,8 +81,10 @@ class AirflowClient:
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
         instances = self.get(f"/dags/{dag_id}/dagRuns/{run_id}/taskInstances", params={"limit": 100})
-        return {f"{ti['task_id']}[{ti['map_index']}]" if ti["map_index"] >= 0 else ti["task_id"]: ti["state"]
-                for ti in instances["task_instances"]}
+        return {
+            f"{ti['task_id']}[{ti['map_index']}]" if ti["map_index"] >= 0 else ti["task_id"]: ti["state"]
+            for ti in instances["task_instances"]
+        }
 
     def wait_for_run(self, dag_id: str, run_id: str, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -74,8 +93,9 @@ class AirflowClient:
             if run["state"] in ("success", "failed"):
                 return run
             time.sleep(3)
-        raise AssertionError(f"{dag_id} run {run_id} did not finish in {timeout_s:.0f}s: "
-                             f"{self.task_states(dag_id, run_id)}")
+        raise AssertionError(
+            f"{dag_id} run {run_id} did not finish in {timeout_s:.0f}s: {self.task_states(dag_id, run_id)}"
+        )
 
 
 def _wait_for_dags(client: AirflowClient, timeout_s: float = 180) -> None:
@@ -106,16 +126,29 @@ def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir):
     deployment.write_text(yaml.safe_dump(DEPLOYMENT))
     port = _free_port()
     # the components get no AWS credentials: the tasks must take them from the aws_default connection
-    env = {"DRAFTER_DEPLOYMENT": str(deployment), "AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None,
-           "AWS_DEFAULT_REGION": None, "AWS_PROFILE": None}
+    env = {
+        "DRAFTER_DEPLOYMENT": str(deployment),
+        "AWS_ACCESS_KEY_ID": None,
+        "AWS_SECRET_ACCESS_KEY": None,
+        "AWS_DEFAULT_REGION": None,
+        "AWS_PROFILE": None,
+    }
     try:
         airflow_local.up(home, port, env=env)
         password = json.loads(airflow_local.login_file(home).read_text())["admin"]
         base = f"http://127.0.0.1:{port}"
         client = AirflowClient(base, password)
-        response = client.call("POST", "/connections", json={
-            "connection_id": "aws_default", "conn_type": "aws", "login": ACCESS_KEY, "password": SECRET_KEY,
-            "extra": json.dumps({"region_name": "us-east-1"})})
+        response = client.call(
+            "POST",
+            "/connections",
+            json={
+                "connection_id": "aws_default",
+                "conn_type": "aws",
+                "login": ACCESS_KEY,
+                "password": SECRET_KEY,
+                "extra": json.dumps({"region_name": "us-east-1"}),
+            },
+        )
         assert response.status_code in (200, 201), response.text
         _wait_for_dags(client)
         yield {"home": home, "base": base, "client": client, "password": password}
@@ -145,8 +178,14 @@ def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_
     from pipeline import registry
 
     client, home = live_airflow["client"], live_airflow["home"]
-    response = client.call("POST", "/dags/drafter_data/dagRuns", json={
-        "logical_date": None, "conf": {"config": str(live_config["path"]), "num_samples": 48, "shard_size": 16}})
+    response = client.call(
+        "POST",
+        "/dags/drafter_data/dagRuns",
+        json={
+            "logical_date": None,
+            "conf": {"config": str(live_config["path"]), "num_samples": 48, "shard_size": 16},
+        },
+    )
     assert response.status_code in (200, 201), response.text
     data_run = response.json()["dag_run_id"]
     run = client.wait_for_run("drafter_data", data_run, timeout_s=900)
@@ -168,7 +207,7 @@ def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_
     from pipeline.ids import safe_id
 
     links = client.get(f"/dags/drafter_train/dagRuns/{train_run}/taskInstances/report/links")["extra_links"]
-    root = live_config["data"]["storage"]["root"][len("s3://"):]
+    root = live_config["data"]["storage"]["root"][len("s3://") :]
     key = f"runs/{safe_id(train_run)}/report/report.html"
     assert links == {"Run report": f"{live_config['data']['storage']['endpoint_url']}/{root}/{key}"}
     page = _store(live_config["data"]).get_bytes(key).decode()
@@ -180,7 +219,9 @@ def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_
     versions = registry.list_versions(store, "tiny-test")
     assert alias["version"] in [v["version"] for v in versions]
     events = client.get("/assets/events", params={"limit": 10})["asset_events"]
-    assert any(e["extra"].get("dataset_uri", "").startswith(live_config["data"]["storage"]["root"]) for e in events)
+    assert any(
+        e["extra"].get("dataset_uri", "").startswith(live_config["data"]["storage"]["root"]) for e in events
+    )
 
     logs = "\n".join(p.read_text(errors="replace") for p in (home / "logs").rglob("*.log"))
     assert SECRET_KEY not in logs  # the connection's secret never reaches a log
@@ -235,5 +276,7 @@ def test_browser_login_trigger_form_and_successful_run(live_airflow, live_config
     assert states["gate"] == "success" and states["promote"] == "success", states
     store = _store(live_config["data"])
     promoted = registry.read_alias(store, "tiny-test", "production")
-    assert promoted["version"] != (incumbent or {}).get("version")  # the UI-triggered run's drafter serves now
+    assert promoted["version"] != (incumbent or {}).get(
+        "version"
+    )  # the UI-triggered run's drafter serves now
     assert promoted["version"] in [v["version"] for v in registry.list_versions(store, "tiny-test")]

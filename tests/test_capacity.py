@@ -45,12 +45,15 @@ def test_kimi_200k_plan_is_consistent(kimi, kimi_plan):
     servers = len(kimi.generate.sglang.urls)
     assert generate["gpus"] == servers * kimi.target.tensor_parallel
     assert generate["wall_hours"] == pytest.approx(
-        tokens["generated"] / (kimi.plan.generate_tok_s_per_server * servers) / 3600, rel=1e-2)
+        tokens["generated"] / (kimi.plan.generate_tok_s_per_server * servers) / 3600, rel=1e-2
+    )
     assert generate["gpu_hours"] == pytest.approx(generate["wall_hours"] * generate["gpus"], rel=1e-2)
     train = kimi_plan["stages"]["train"]
     assert train["tokens"] == pytest.approx(tokens["trained_per_epoch"] * kimi.train.epochs, rel=1e-6)
     total = kimi_plan["total"]
-    assert total["gpu_hours"] == pytest.approx(sum(s["gpu_hours"] for s in kimi_plan["stages"].values()), abs=0.2)
+    assert total["gpu_hours"] == pytest.approx(
+        sum(s["gpu_hours"] for s in kimi_plan["stages"].values()), abs=0.2
+    )
     assert total["usd"] >= total["gpu_usd"] + total["s3_usd"]["storage_usd"] - 1
 
 
@@ -69,22 +72,32 @@ def test_fleets_cost_their_stage_plus_loading_and_would_idle_left_up(kimi_plan):
 def test_replicas_trade_wall_time_not_gpu_hours(kimi, kimi_plan):
     wider = plan(kimi, 200_000, generate_servers=8, capture_servers=4, train_nodes=2)
     for stage in ("generate", "capture", "train"):
-        assert wider["stages"][stage]["wall_hours"] == pytest.approx(kimi_plan["stages"][stage]["wall_hours"] / 2,
-                                                                     rel=0.02)
-        assert wider["stages"][stage]["gpu_hours"] == pytest.approx(kimi_plan["stages"][stage]["gpu_hours"], rel=0.02)
+        assert wider["stages"][stage]["wall_hours"] == pytest.approx(
+            kimi_plan["stages"][stage]["wall_hours"] / 2, rel=0.02
+        )
+        assert wider["stages"][stage]["gpu_hours"] == pytest.approx(
+            kimi_plan["stages"][stage]["gpu_hours"], rel=0.02
+        )
     assert "2 node(s) x 8 GPUs" in wider["stages"]["train"]["layout"]
 
 
 def test_more_samples_scale_storage_and_compute(kimi, kimi_plan):
     double = plan(kimi, 400_000)
     assert double["storage"]["encodings"]["fp8+topk"]["tb"] == pytest.approx(
-        2 * kimi_plan["storage"]["encodings"]["fp8+topk"]["tb"], rel=0.01)
+        2 * kimi_plan["storage"]["encodings"]["fp8+topk"]["tb"], rel=0.01
+    )
     assert double["total"]["gpu_hours"] == pytest.approx(2 * kimi_plan["total"]["gpu_hours"], rel=0.01)
 
 
 def test_responses_are_capped_by_the_generation_limit(kimi):
-    capped = plan(kimi.model_copy(update={"plan": kimi.plan.model_copy(update={"response_tokens_mean": 1e6,
-                                                                                   "prompt_tokens_mean": 2000})}), 10)
+    capped = plan(
+        kimi.model_copy(
+            update={
+                "plan": kimi.plan.model_copy(update={"response_tokens_mean": 1e6, "prompt_tokens_mean": 2000})
+            }
+        ),
+        10,
+    )
     assert capped["tokens"]["response_mean"] == kimi.generate.max_new_tokens * kimi.plan.assistant_turns
     assert capped["tokens"]["per_sample"] == kimi.capture.max_length
 
@@ -99,12 +112,31 @@ def test_bad_plan_input_is_refused(kimi):
 
 
 def test_cli_prints_the_plan_table():
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "--config", str(KIMI), "--samples", "200000"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "plan", "--config", str(KIMI), "--samples", "200000"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
-    for text in ("kimi-k2.5, 200,000 conversations", "fp8+topk", "<- config", "generate", "capture", "train",
-                 "GPU-hours", "S3:", "(configured)"):
+    for text in (
+        "kimi-k2.5, 200,000 conversations",
+        "fp8+topk",
+        "<- config",
+        "generate",
+        "capture",
+        "train",
+        "GPU-hours",
+        "S3:",
+        "(configured)",
+    ):
         assert text in result.stdout, text
-    bad = subprocess.run([sys.executable, "-m", "pipeline.cli", "plan", "--config", str(KIMI), "--samples", "0"],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "plan", "--config", str(KIMI), "--samples", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "--samples must be at least 1" in bad.stderr

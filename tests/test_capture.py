@@ -50,7 +50,10 @@ def test_sample_validation_names_the_problem():
     good = Capture(torch.randn(4, 6), torch.randn(4, 2), topk.indices, topk.values)
     assert sample_problem(good, 4, 2, both) is None
     assert sample_problem(good, 5, 2, both) == "wrong_shape_aux"  # length disagrees with the token ids
-    assert sample_problem(Capture(good.aux, None, topk.indices, topk.values), 4, 2, both) == "missing_last_hidden"
+    assert (
+        sample_problem(Capture(good.aux, None, topk.indices, topk.values), 4, 2, both)
+        == "missing_last_hidden"
+    )
     nan = Capture(good.aux.clone(), good.last_hidden, topk.indices, topk.values)
     nan.aux[2, 1] = float("nan")
     assert sample_problem(nan, 4, 2, both) == "non_finite_aux"
@@ -60,4 +63,7 @@ def test_sample_validation_names_the_problem():
     constant = Capture(good.aux, good.last_hidden.clone(), topk.indices, topk.values)
     constant.last_hidden[3] = 0.5
     assert sample_problem(constant, 4, 2, both) == "constant_row_last_hidden"
-    assert sample_problem(Capture(good.aux, good.last_hidden, topk.indices, -topk.values), 4, 2, both) == "invalid_topk"
+    assert (
+        sample_problem(Capture(good.aux, good.last_hidden, topk.indices, -topk.values), 4, 2, both)
+        == "invalid_topk"
+    )

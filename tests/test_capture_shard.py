@@ -6,8 +6,15 @@ import struct
 import pytest
 import torch
 
-from pipeline.capture_shard import (CaptureSample, ShardFormatError, ShardReader, dequantize_fp8, quantize_fp8,
-                                    store_range_reader, write_shard)
+from pipeline.capture_shard import (
+    CaptureSample,
+    ShardFormatError,
+    ShardReader,
+    dequantize_fp8,
+    quantize_fp8,
+    store_range_reader,
+    write_shard,
+)
 
 
 def make_samples(hidden=8, k=4, last_hidden=True, topk=True):
@@ -15,10 +22,17 @@ def make_samples(hidden=8, k=4, last_hidden=True, topk=True):
     samples = []
     for i, length in enumerate([5, 1, 9]):
         logprobs = torch.log_softmax(torch.randn(length, 50), -1).topk(k, -1)
-        samples.append(CaptureSample(
-            f"id{i}", torch.randint(0, 100, (length,)), torch.randint(0, 2, (length,)), torch.randn(length, 3 * hidden) * 3,
-            torch.randn(length, hidden) if last_hidden else None,
-            logprobs.indices if topk else None, logprobs.values if topk else None))
+        samples.append(
+            CaptureSample(
+                f"id{i}",
+                torch.randint(0, 100, (length,)),
+                torch.randint(0, 2, (length,)),
+                torch.randn(length, 3 * hidden) * 3,
+                torch.randn(length, hidden) if last_hidden else None,
+                logprobs.indices if topk else None,
+                logprobs.values if topk else None,
+            )
+        )
     return samples
 
 
@@ -89,7 +103,7 @@ def test_files_that_are_not_capture_shards_are_refused(tmp_path):
     save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ShardFormatError, match="not a capture shard"):
         ShardReader.from_file(tmp_path / "other.safetensors")
-    (tmp_path / "junk").write_bytes(struct.pack("<Q", 10 ** 12) + b"{}")
+    (tmp_path / "junk").write_bytes(struct.pack("<Q", 10**12) + b"{}")
     with pytest.raises(ShardFormatError):
         ShardReader.from_file(tmp_path / "junk")
     with pytest.raises(ShardFormatError, match="empty"):

@@ -12,7 +12,9 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 def test_every_run_config_loads(path):
     config = load_config(path)
     assert isinstance(config, RunConfig)
-    assert Path(config.train.deepspeed_config).name in {p.name for p in (CONFIGS / "deepspeed").glob("*.json")}
+    assert Path(config.train.deepspeed_config).name in {
+        p.name for p in (CONFIGS / "deepspeed").glob("*.json")
+    }
 
 
 @pytest.mark.parametrize("path", sorted((CONFIGS / "deepspeed").glob("*.json")), ids=lambda p: p.name)
@@ -59,8 +61,11 @@ def test_ids_that_become_paths_are_validated():
 
 
 def test_capture_contract_layers_are_checked():
-    data = {"storage": {"root": "/tmp/x"}, "target": {"name": "t", "num_layers": 8},
-            "capture": {"aux_layer_ids": [1, 3, 9]}}
+    data = {
+        "storage": {"root": "/tmp/x"},
+        "target": {"name": "t", "num_layers": 8},
+        "capture": {"aux_layer_ids": [1, 3, 9]},
+    }
     with pytest.raises(ConfigError, match="out of range"):
         load_config(data=data)
     data["capture"]["aux_layer_ids"] = [3, 1, 5]

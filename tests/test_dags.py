@@ -18,10 +18,15 @@ DAGS = REPO / "dags"
 @pytest.fixture(scope="module")
 def airflow_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("airflow-home")
-    os.environ.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-                       "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-                       "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-                       "DRAFTER_DEPLOYMENT": str(REPO / "configs/deployment/local.yaml")})
+    os.environ.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+            "DRAFTER_DEPLOYMENT": str(REPO / "configs/deployment/local.yaml"),
+        }
+    )
     if str(DAGS) not in sys.path:  # what Airflow's dag bundle does for the dags folder
         sys.path.insert(0, str(DAGS))
     return home
@@ -45,11 +50,21 @@ print(sorted(bag.dag_ids), bag.import_errors)
 
 def test_dags_import_without_a_database(tmp_path):
     # a database URL that cannot be opened and no connections: parsing must need neither
-    env = dict(os.environ, AIRFLOW_HOME=str(tmp_path), AIRFLOW__CORE__LOAD_EXAMPLES="False",
-               AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path}/missing/dir/airflow.db",
-               DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/local.yaml"))
-    out = subprocess.run([sys.executable, "-c", PARSE, str(DAGS)], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=REPO)
+    env = dict(
+        os.environ,
+        AIRFLOW_HOME=str(tmp_path),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path}/missing/dir/airflow.db",
+        DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/local.yaml"),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", PARSE, str(DAGS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "['drafter_data', 'drafter_train'] {}"
     assert "missing/dir" not in out.stderr  # nothing tried to open the database
@@ -58,8 +73,16 @@ def test_dags_import_without_a_database(tmp_path):
 def test_schedules_mapping_and_asset(dagbag):
     train = dagbag.dags["drafter_train"]
     assert type(train.timetable).__name__ == "AssetOrTimeSchedule"
-    assert [t.task_id for t in train.topological_sort()] == ["plan", "configure", "train", "evaluate", "gate",
-                                                            "benchmark", "promote", "report"]
+    assert [t.task_id for t in train.topological_sort()] == [
+        "plan",
+        "configure",
+        "train",
+        "evaluate",
+        "gate",
+        "benchmark",
+        "promote",
+        "report",
+    ]
     report = train.get_task("report")
     # a teardown without setups runs once everything upstream is done, whatever its state
     assert report.is_teardown and report.trigger_rule == "all_done_setup_success"
@@ -73,7 +96,10 @@ def test_schedules_mapping_and_asset(dagbag):
 
 def test_server_fleets_are_up_only_around_the_stages_that_call_them(dagbag):
     data = dagbag.dags["drafter_data"]
-    for stage, first, last in (("generate", "generate_shard", "responses"), ("capture", "parity", "captures")):
+    for stage, first, last in (
+        ("generate", "generate_shard", "responses"),
+        ("capture", "parity", "captures"),
+    ):
         up, down = data.get_task(f"{stage}_fleet_up"), data.get_task(f"{stage}_fleet_down")
         assert up.is_setup and down.is_teardown and down.trigger_rule == "all_done_setup_success"
         assert up.task_id in data.get_task(first).upstream_task_ids
@@ -141,16 +167,26 @@ print(json.dumps(pods))
 
 def _kubernetes_env(tmp_path) -> dict:
     (tmp_path / "kubeconfig").write_text(KUBECONFIG)
-    return dict(os.environ, KUBECONFIG=str(tmp_path / "kubeconfig"), AIRFLOW_HOME=str(tmp_path),
-                DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/kubernetes.yaml"),
-                AIRFLOW__CORE__LOAD_EXAMPLES="False")
+    return dict(
+        os.environ,
+        KUBECONFIG=str(tmp_path / "kubeconfig"),
+        AIRFLOW_HOME=str(tmp_path),
+        DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/kubernetes.yaml"),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+    )
 
 
 def test_kubernetes_deployment_renders_valid_pod_specs(tmp_path):
     from kubernetes.client import ApiClient, V1Pod
 
-    out = subprocess.run([sys.executable, "-c", RENDER, str(DAGS)], env=_kubernetes_env(tmp_path), capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", RENDER, str(DAGS)],
+        env=_kubernetes_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     pods = json.loads(out.stdout.strip().splitlines()[-1])
     deployment = yaml.safe_load((REPO / "configs/deployment/kubernetes.yaml").read_text())
@@ -167,7 +203,9 @@ def test_kubernetes_deployment_renders_valid_pod_specs(tmp_path):
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": placement["gpu_shm_size"]}
     assert {"name": "DRAFTER_PERMANENT_EXIT_CODES", "value": "1"} in container["env"]
     mounted = {m["mountPath"] for m in container["volumeMounts"]}
-    assert {"/etc/drafter", "/dev/shm", "/data/drafter-cache"} | {v["path"] for v in placement["volumes"]} <= mounted
+    assert {"/etc/drafter", "/dev/shm", "/data/drafter-cache"} | {
+        v["path"] for v in placement["volumes"]
+    } <= mounted
     # a GPU node scale-up or a multi-GB image pull takes longer than the provider's default 120 s
     assert train["waits"] == [placement["schedule_timeout_seconds"], placement["startup_timeout_seconds"]]
     assert min(train["waits"]) >= 900
@@ -182,6 +220,7 @@ def test_kubernetes_deployment_renders_valid_pod_specs(tmp_path):
 
         class Response:
             data = json.dumps(pod)
+
         assert ApiClient().deserialize(Response, V1Pod).to_dict()["spec"]["containers"][0]["image"]
     assert not any("AWS_SECRET" in json.dumps(pod) for pod in pods.values())
 
@@ -217,16 +256,34 @@ print(json.dumps(shipped))
 def test_every_pod_task_ships_source_that_compiles_and_carries_no_decorator(tmp_path):
     import ast
 
-    out = subprocess.run([sys.executable, "-c", SHIPPED, str(DAGS)], env=_kubernetes_env(tmp_path), capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", SHIPPED, str(DAGS)],
+        env=_kubernetes_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     shipped = json.loads(out.stdout.strip().splitlines()[-1])
-    expected = {"drafter_data.configure", "drafter_data.prompts", "drafter_data.generate_shard",
-                "drafter_data.generate_fleet_up", "drafter_data.generate_fleet_down", "drafter_data.capture_fleet_up",
-                "drafter_data.capture_fleet_down",
-                "drafter_data.responses", "drafter_data.parity", "drafter_data.capture_shard", "drafter_data.captures",
-                "drafter_train.configure", "drafter_train.train", "drafter_train.evaluate", "drafter_train.benchmark",
-                "drafter_train.promote"}
+    expected = {
+        "drafter_data.configure",
+        "drafter_data.prompts",
+        "drafter_data.generate_shard",
+        "drafter_data.generate_fleet_up",
+        "drafter_data.generate_fleet_down",
+        "drafter_data.capture_fleet_up",
+        "drafter_data.capture_fleet_down",
+        "drafter_data.responses",
+        "drafter_data.parity",
+        "drafter_data.capture_shard",
+        "drafter_data.captures",
+        "drafter_train.configure",
+        "drafter_train.train",
+        "drafter_train.evaluate",
+        "drafter_train.benchmark",
+        "drafter_train.promote",
+    }
     assert set(shipped) == expected
     for task, script in shipped.items():
         tree = ast.parse(script, filename=task)
@@ -234,8 +291,10 @@ def test_every_pod_task_ships_source_that_compiles_and_carries_no_decorator(tmp_
         assert len(functions) == 1 and functions[0].decorator_list == [], task
         assert "@" not in script, task
         # defining the function runs nothing but its (absent) decorators: no NameError in the pod
-        definitions = ast.Module(body=[n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.Import,
-                                                                             ast.ImportFrom))], type_ignores=[])
+        definitions = ast.Module(
+            body=[n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.Import, ast.ImportFrom))],
+            type_ignores=[],
+        )
         exec(compile(definitions, task, "exec"), {"__name__": "pod_script"})
 
 
@@ -246,10 +305,17 @@ def test_scheduled_runs_take_the_deployments_run_config():
     for name in ("local", "kubernetes"):
         deployment = load_deployment(REPO / "configs" / "deployment" / f"{name}.yaml")
         # a cron run has no trigger form: its params are the form's defaults, so the default is what it runs
-        plan = plan_training({"config": deployment.run_config}, "scheduled__2026-12-06T04:00:00+00:00", [],
-                             deployment.run_config)
+        plan = plan_training(
+            {"config": deployment.run_config},
+            "scheduled__2026-12-06T04:00:00+00:00",
+            [],
+            deployment.run_config,
+        )
         assert plan["config_path"] == deployment.run_config and plan["dataset_uri"] is None
-    assert load_deployment(REPO / "configs/deployment/kubernetes.yaml").run_config == "/etc/drafter/kimi-k2.5.yaml"
+    assert (
+        load_deployment(REPO / "configs/deployment/kubernetes.yaml").run_config
+        == "/etc/drafter/kimi-k2.5.yaml"
+    )
 
 
 def test_the_trigger_forms_default_is_the_deployments_run_config(dagbag):
@@ -270,8 +336,14 @@ def test_configure_refuses_local_paths_no_pod_mounts():
     plan = plan_run({"config": str(REPO / "configs" / "kimi-k2.5.yaml")}, "r1", deployment.run_config)
     run = configure_run(plan, mounts)  # the production config reads only mounted paths
     assert run["config"]["target"]["model_path"] == "/models/Kimi-K2.5" and "overrides" not in run
-    moved = plan_run({"config": str(REPO / "configs" / "kimi-k2.5.yaml"),
-                      "overrides": ["target.model_path=/mnt/weights/Kimi-K2.5"]}, "r1", deployment.run_config)
+    moved = plan_run(
+        {
+            "config": str(REPO / "configs" / "kimi-k2.5.yaml"),
+            "overrides": ["target.model_path=/mnt/weights/Kimi-K2.5"],
+        },
+        "r1",
+        deployment.run_config,
+    )
     with pytest.raises(ConfigError, match="/mnt/weights/Kimi-K2.5"):
         configure_run(moved, mounts)
     configure_run(moved, None)  # tasks in the worker: nothing to check
@@ -299,8 +371,14 @@ run_stage(sys.argv[1], "configs/local.yaml", "r1", ["train.epochs=0"])
 @pytest.mark.parametrize("pod, code", [("1", 2), ("", 1)])
 def test_a_pod_ends_a_permanent_failure_with_its_exit_code(pod, code):
     env = dict(os.environ, DRAFTER_PERMANENT_EXIT_CODES=pod)
-    out = subprocess.run([sys.executable, "-c", POD_FAILURE, "gate"], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", POD_FAILURE, "gate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == code, out.stderr[-2000:]
     assert "ConfigError" in out.stderr  # the traceback is still printed
 
@@ -312,7 +390,9 @@ def migrated_db(airflow_home, dagbag):
     db.initdb()
     from airflow.models.pool import Pool
 
-    Pool.create_or_update_pool("drafter_gpu", slots=1, description="GPU-bound drafter tasks", include_deferred=False)
+    Pool.create_or_update_pool(
+        "drafter_gpu", slots=1, description="GPU-bound drafter tasks", include_deferred=False
+    )
     return airflow_home
 
 
@@ -322,7 +402,9 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
     data["benchmark"]["num_prompts"] = 2
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
-    run = dagbag.dags["drafter_data"].test(run_conf={"config": str(config_path), "num_samples": 48, "shard_size": 16})
+    run = dagbag.dags["drafter_data"].test(
+        run_conf={"config": str(config_path), "num_samples": 48, "shard_size": 16}
+    )
     assert run.state == "success"
     store_root = Path(data["storage"]["root"])
     datasets = list((store_root / "datasets" / "tiny-test").glob("*/manifest.json"))
@@ -336,27 +418,45 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
     from pipeline.ids import safe_id
 
     report_dir = store_root / "runs" / safe_id(run.run_id) / "report"
-    assert {p.name for p in report_dir.iterdir()} >= {"report.html", "training.png", "throughput.png", "manifest.json"}
+    assert {p.name for p in report_dir.iterdir()} >= {
+        "report.html",
+        "training.png",
+        "throughput.png",
+        "manifest.json",
+    }
     report_ti = next(ti for ti in run.get_task_instances() if ti.task_id == "report")
     assert report_ti.xcom_pull(task_ids="report", key="report_link") == f"file://{report_dir}/report.html"
     # what the UI's "Run report" extra link shows, stored by the worker when the task finished
-    assert report_ti.xcom_pull(task_ids="report", key="_link_RunReportLink") == f"file://{report_dir}/report.html"
+    assert (
+        report_ti.xcom_pull(task_ids="report", key="_link_RunReportLink")
+        == f"file://{report_dir}/report.html"
+    )
     alias_path = store_root / "drafters" / "tiny-test" / "aliases" / "production.json"
     alias = json.loads(alias_path.read_text())
     assert (store_root / "drafters" / "tiny-test" / "versions" / alias["version"] / "manifest.json").exists()
 
     # a candidate the gate rejects: benchmark and promote are skipped, production stays where it was
-    run = dagbag.dags["drafter_train"].test(run_conf={"config": str(config_path), "epochs": 1,
-                                                      "min_tau_simulated": 50})
+    run = dagbag.dags["drafter_train"].test(
+        run_conf={"config": str(config_path), "epochs": 1, "min_tau_simulated": 50}
+    )
     states = {ti.task_id: ti.state for ti in run.get_task_instances()}
-    assert states == {"plan": "success", "configure": "success", "train": "success", "evaluate": "success",
-                      "gate": "success",
-                      "benchmark": "skipped", "promote": "skipped", "report": "success"}
+    assert states == {
+        "plan": "success",
+        "configure": "success",
+        "train": "success",
+        "evaluate": "success",
+        "gate": "success",
+        "benchmark": "skipped",
+        "promote": "skipped",
+        "report": "success",
+    }
     assert run.state == "success"
     page = (store_root / "runs" / safe_id(run.run_id) / "report" / "report.html").read_text()
     assert "gate rejected" in page and "FAIL" in page
     decision = json.loads((store_root / "runs" / safe_id(run.run_id) / "gate" / "gate.json").read_text())
-    assert decision["passed"] is False and any("tau_simulated" in r and "< 50" in r for r in decision["reasons"])
+    assert decision["passed"] is False and any(
+        "tau_simulated" in r and "< 50" in r for r in decision["reasons"]
+    )
     assert json.loads(alias_path.read_text()) == alias
 
 
@@ -365,8 +465,11 @@ def test_a_shard_count_becomes_a_shard_size():
     from pipeline.tasks import configure_run, plan_run
 
     config = str(REPO / "configs" / "local.yaml")
-    plan = plan_run({"config": config, "num_samples": 48, "num_shards": 5}, "manual__2026-11-30T00:00:00+00:00",
-                    "configs/local.yaml")
+    plan = plan_run(
+        {"config": config, "num_samples": 48, "num_shards": 5},
+        "manual__2026-11-30T00:00:00+00:00",
+        "configs/local.yaml",
+    )
     assert plan["run_id"].startswith("manual__2026-11-30T00-00-00")
     run = configure_run(plan)
     assert run["config"]["prompts"]["num_samples"] == 48 and run["config"]["prompts"]["shard_size"] == 10

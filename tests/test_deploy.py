@@ -47,7 +47,10 @@ def _workload(kind: str, name: str) -> dict:
 
 
 def _referenced_images() -> dict[str, str]:
-    images = {f"configs/deployment/kubernetes.yaml:{key}": ref for key, ref in K8S_DEPLOYMENT["kubernetes"]["images"].items()}
+    images = {
+        f"configs/deployment/kubernetes.yaml:{key}": ref
+        for key, ref in K8S_DEPLOYMENT["kubernetes"]["images"].items()
+    }
     airflow = HELM_VALUES["images"]["airflow"]
     images["infra/helm/airflow-values.yaml"] = f"{airflow['repository']}:{airflow['tag']}"
     for file, doc in _documents():
@@ -62,7 +65,9 @@ def test_every_referenced_image_is_built_from_docker_at_the_project_version():
     for where, ref in images.items():
         match = IMAGE.match(ref)
         assert match, f"{where}: {ref} is not <registry>/drafter/<image>:<tag>"
-        assert (REPO / "docker" / f"{match['name']}.Dockerfile").is_file(), f"{where}: no docker/{match['name']}.Dockerfile"
+        assert (REPO / "docker" / f"{match['name']}.Dockerfile").is_file(), (
+            f"{where}: no docker/{match['name']}.Dockerfile"
+        )
         assert match["tag"] == VERSION, f"{where}: tag {match['tag']} != project version {VERSION}"
     stage_images = {stage.get("image", "pipeline") for stage in K8S_DEPLOYMENT["stages"].values()}
     assert stage_images <= set(K8S_DEPLOYMENT["kubernetes"]["images"])
@@ -76,7 +81,9 @@ def test_dockerfiles_pin_what_pyproject_pins():
     from pipeline.engines.sglang import SGLANG_VERSION
 
     dependencies = PYPROJECT["project"]["dependencies"]
-    airflow_pin = _pin(PYPROJECT["project"]["optional-dependencies"]["airflow"], "apache-airflow").split("==")[1]
+    airflow_pin = _pin(PYPROJECT["project"]["optional-dependencies"]["airflow"], "apache-airflow").split(
+        "=="
+    )[1]
     torch_pin = _pin(dependencies, "torch")
     for path in sorted((REPO / "docker").glob("*.Dockerfile")):
         for base in re.findall(r"^FROM\s+(\S+)", path.read_text(), flags=re.M):
@@ -84,7 +91,7 @@ def test_dockerfiles_pin_what_pyproject_pins():
 
     pipeline = _dockerfile("pipeline")
     assert f"FROM apache/airflow:{airflow_pin}-python3.11" in pipeline
-    assert f'"{torch_pin}"' in pipeline and "\".[airflow]\"" in pipeline
+    assert f'"{torch_pin}"' in pipeline and '".[airflow]"' in pipeline
     assert HELM_VALUES["airflowVersion"] == airflow_pin
 
     trainer = _dockerfile("trainer")
@@ -104,10 +111,18 @@ def test_dockerfiles_pin_what_pyproject_pins():
     assert "sglang" not in PYPROJECT["project"]["optional-dependencies"]
 
 
-MODELS = {"Namespace": "V1Namespace", "Service": "V1Service", "StatefulSet": "V1StatefulSet",
-          "Deployment": "V1Deployment", "ConfigMap": "V1ConfigMap", "ServiceAccount": "V1ServiceAccount",
-          "Job": "V1Job",
-          "PersistentVolumeClaim": "V1PersistentVolumeClaim", "Role": "V1Role", "RoleBinding": "V1RoleBinding"}
+MODELS = {
+    "Namespace": "V1Namespace",
+    "Service": "V1Service",
+    "StatefulSet": "V1StatefulSet",
+    "Deployment": "V1Deployment",
+    "ConfigMap": "V1ConfigMap",
+    "ServiceAccount": "V1ServiceAccount",
+    "Job": "V1Job",
+    "PersistentVolumeClaim": "V1PersistentVolumeClaim",
+    "Role": "V1Role",
+    "RoleBinding": "V1RoleBinding",
+}
 
 
 def _normalized(value):
@@ -127,7 +142,9 @@ def test_manifests_parse_into_kubernetes_models_without_unknown_fields(path):
         if not doc:
             continue
         assert doc["kind"] in MODELS, f"{path.name}: no model for kind {doc['kind']}"
-        model = client._ApiClient__deserialize(doc, MODELS[doc["kind"]])  # required fields and types checked here
+        model = client._ApiClient__deserialize(
+            doc, MODELS[doc["kind"]]
+        )  # required fields and types checked here
         back = client.sanitize_for_serialization(model)
         # a field the model does not know is dropped on the way in: the round trip shows it
         assert _normalized(back) == _normalized(doc), f"{path.name}: {doc['kind']}/{doc['metadata']['name']}"
@@ -163,15 +180,28 @@ def test_capture_servers_start_with_the_capture_contracts_flags():
 
     info = _server_info(_sglang_args("StatefulSet", "sglang-capture-aux"))
     capture = KIMI["capture"]
-    assert capture_server_problems(info, capture["aux_layer_ids"], KIMI["target"]["num_layers"], capture["max_length"],
-                                   aux_server=True, prompt_logprobs="topk" in capture["teacher"]) == []
-    assert info["tp"] == KIMI["target"]["tensor_parallel"] and info["model_path"] == KIMI["target"]["model_path"]
+    assert (
+        capture_server_problems(
+            info,
+            capture["aux_layer_ids"],
+            KIMI["target"]["num_layers"],
+            capture["max_length"],
+            aux_server=True,
+            prompt_logprobs="topk" in capture["teacher"],
+        )
+        == []
+    )
+    assert (
+        info["tp"] == KIMI["target"]["tensor_parallel"] and info["model_path"] == KIMI["target"]["model_path"]
+    )
     # the generation servers are plain servers: no capture paths, same model
     generate = _server_info(_sglang_args("StatefulSet", "sglang-generate"))
     assert "enable_return_aux_hidden_states" not in generate and generate["model_path"] == info["model_path"]
 
 
-@pytest.mark.parametrize("section, statefulset", [("generate", "sglang-generate"), ("capture", "sglang-capture-aux")])
+@pytest.mark.parametrize(
+    "section, statefulset", [("generate", "sglang-generate"), ("capture", "sglang-capture-aux")]
+)
 def test_config_urls_are_the_pods_of_the_fleet_the_dag_scales(section, statefulset):
     from pipeline.deployment import load_deployment
     from pipeline.fleets import ServerFleet, replicas_for
@@ -180,8 +210,10 @@ def test_config_urls_are_the_pods_of_the_fleet_the_dag_scales(section, statefuls
     service = _workload("Service", workload["spec"]["serviceName"])
     namespace, port = workload["metadata"]["namespace"], service["spec"]["ports"][0]["port"]
     urls = KIMI[section]["sglang"]["urls"]
-    assert urls == [f"http://{statefulset}-{i}.{service['metadata']['name']}.{namespace}.svc:{port}"
-                    for i in range(len(urls))]
+    assert urls == [
+        f"http://{statefulset}-{i}.{service['metadata']['name']}.{namespace}.svc:{port}"
+        for i in range(len(urls))
+    ]
     assert service["spec"]["clusterIP"] == "None"  # headless: one DNS name per pod
     assert workload["spec"]["replicas"] == 0  # no GPUs held between runs: the DAG scales it
     deployment = load_deployment(REPO / "configs" / "deployment" / "kubernetes.yaml")
@@ -189,12 +221,20 @@ def test_config_urls_are_the_pods_of_the_fleet_the_dag_scales(section, statefuls
     assert (fleet.namespace, fleet.statefulset) == (namespace, statefulset)
     assert replicas_for(urls, fleet, section) == len(urls)
     # the pipeline's pods may scale exactly these StatefulSets
-    role, binding = _workload("Role", "drafter-fleet-scaler"), _workload("RoleBinding", "drafter-pipeline-scales-fleets")
+    role, binding = (
+        _workload("Role", "drafter-fleet-scaler"),
+        _workload("RoleBinding", "drafter-pipeline-scales-fleets"),
+    )
     scale_rule = next(rule for rule in role["rules"] if rule["resources"] == ["statefulsets/scale"])
     assert statefulset in scale_rule["resourceNames"] and "patch" in scale_rule["verbs"]
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": K8S_DEPLOYMENT["kubernetes"]["service_account"],
-                                    "namespace": K8S_DEPLOYMENT["kubernetes"]["namespace"]}]
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": K8S_DEPLOYMENT["kubernetes"]["service_account"],
+            "namespace": K8S_DEPLOYMENT["kubernetes"]["namespace"],
+        }
+    ]
 
 
 def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_path):
@@ -214,8 +254,10 @@ def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_p
     write_serving_flags(tmp_path / "serving-flags", flags)
     script = sglang["args"][0].replace(flags_file, str(tmp_path / "serving-flags"))
     script = script.replace("exec python", "printf '%s\\n'")
-    argv = subprocess.run(sglang["command"] + [script], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and argv[-len(flags):] == flags
+    argv = subprocess.run(
+        sglang["command"] + [script], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and argv[-len(flags) :] == flags
     assert shlex.split((tmp_path / "serving-flags").read_text()) == flags
 
 
@@ -237,15 +279,19 @@ def test_every_trainer_node_runs_the_same_torchrun_command_meeting_at_the_headle
     # pod 0 of the Job under the headless Service is where every node meets
     kimi = load_config(REPO / "configs" / "kimi-k2.5.yaml", ["train.nodes=4", "train.launcher=kubernetes"])
     assert kimi.train.rendezvous_endpoint == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
-    assert kimi.train.rendezvous_port == service["spec"]["ports"][0]["port"] == node["ports"][0]["containerPort"]
+    assert (
+        kimi.train.rendezvous_port == service["spec"]["ports"][0]["port"] == node["ports"][0]["containerPort"]
+    )
     # one command for every pod, the one the train settings make; the run fills in what differs per run
     run = job_for_run(job, kimi.train, "s3://drafter-pipeline/kimi/runs/r/train/worker_spec.json", "r")
     assert run["spec"]["completions"] == run["spec"]["parallelism"] == 4
     annotations = run["spec"]["template"]["metadata"]["annotations"]
     read = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in node["env"]}
     assert {name: annotations[path.split("'")[1]] for name, path in read.items()} == {
-        "DRAFTER_RUN_ID": "r", "DRAFTER_WORKER_SPEC": "s3://drafter-pipeline/kimi/runs/r/train/worker_spec.json",
-        "DRAFTER_NODES": "4"}
+        "DRAFTER_RUN_ID": "r",
+        "DRAFTER_WORKER_SPEC": "s3://drafter-pipeline/kimi/runs/r/train/worker_spec.json",
+        "DRAFTER_NODES": "4",
+    }
     assert all(f"$({name})" in node["args"] for name in read)
     # the train task's pod (the stage that creates the Job) may create it
     binding = _workload("RoleBinding", "drafter-train-task-launches-trainer-job")
@@ -258,7 +304,9 @@ def test_every_trainer_node_runs_the_same_torchrun_command_meeting_at_the_headle
 def test_trainer_nodes_start_no_ssh_and_get_eight_big_gpus_shared_memory_and_the_shared_checkpoints():
     from pipeline.deployment import load_deployment
 
-    objects = yaml.safe_dump([doc for file, doc in _documents() if file.startswith("trainer-")])  # no comments
+    objects = yaml.safe_dump(
+        [doc for file, doc in _documents() if file.startswith("trainer-")]
+    )  # no comments
     assert not re.search(r"ssh|pdsh|hostfile|2222", objects, flags=re.I)
     job, pod, node = _trainer_job()
     assert node["resources"]["limits"]["nvidia.com/gpu"] == str(KIMI["train"]["nproc"]) == "8"
@@ -274,12 +322,17 @@ def test_trainer_nodes_start_no_ssh_and_get_eight_big_gpus_shared_memory_and_the
     assert _workload("PersistentVolumeClaim", cache)["spec"]["accessModes"] == ["ReadWriteMany"]
     weights = [path for path in mounts if KIMI["target"]["model_path"].startswith(path + "/")]
     claim = volumes[mounts[weights[0]]]["persistentVolumeClaim"]
-    assert claim["readOnly"] and _workload("PersistentVolumeClaim", claim["claimName"])["metadata"]["namespace"] == \
-        job["metadata"]["namespace"]
+    assert (
+        claim["readOnly"]
+        and _workload("PersistentVolumeClaim", claim["claimName"])["metadata"]["namespace"]
+        == job["metadata"]["namespace"]
+    )
 
 
 def test_deployment_objects_and_roles_exist_in_the_manifests():
-    names = {(doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"]) for _, doc in _documents()}
+    names = {
+        (doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"]) for _, doc in _documents()
+    }
     placement = K8S_DEPLOYMENT["kubernetes"]
     namespace = placement["namespace"]
     assert ("Namespace", None, namespace) in names
@@ -287,8 +340,12 @@ def test_deployment_objects_and_roles_exist_in_the_manifests():
     # every claim a task pod mounts exists in the pods' own namespace (a claim is namespaced)
     claims = [placement["config_volume_claim"], placement["cache_volume_claim"]]
     claims += [v["name"] for v in placement["volumes"] if v["kind"] == "pvc"]
-    claims += [m["name"] for stage in K8S_DEPLOYMENT["stages"].values() for m in stage.get("mounts", [])
-               if m["kind"] == "pvc"]
+    claims += [
+        m["name"]
+        for stage in K8S_DEPLOYMENT["stages"].values()
+        for m in stage.get("mounts", [])
+        if m["kind"] == "pvc"
+    ]
     for claim in claims:
         assert ("PersistentVolumeClaim", namespace, claim) in names, claim
     binding = _workload("RoleBinding", "airflow-workers-launch-drafter-pods")
@@ -298,12 +355,16 @@ def test_deployment_objects_and_roles_exist_in_the_manifests():
     assert env["DRAFTER_DEPLOYMENT"] == "/opt/drafter/configs/deployment/kubernetes.yaml"
     policy = json.loads((REPO / "infra" / "s3" / "bucket-policy.json").read_text())
     principals = {s["Principal"]["AWS"].split("/")[-1] for s in policy["Statement"]}
-    role_of = {doc["metadata"]["name"]: doc["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].split("/")[-1]
-               for _, doc in _documents() if doc["kind"] == "ServiceAccount"}
+    role_of = {
+        doc["metadata"]["name"]: doc["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].split("/")[-1]
+        for _, doc in _documents()
+        if doc["kind"] == "ServiceAccount"
+    }
     assert role_of == {"drafter-pipeline": "drafter-pipeline-writer", "drafter-reader": "drafter-reader"}
     assert set(role_of.values()) == principals
     assert HELM_VALUES["workers"]["serviceAccount"]["annotations"]["eks.amazonaws.com/role-arn"].endswith(
-        "role/drafter-pipeline-writer")
+        "role/drafter-pipeline-writer"
+    )
 
 
 def test_bucket_policy_and_lifecycle_rules_load_into_s3(s3_endpoint):
@@ -322,8 +383,11 @@ def test_bucket_policy_and_lifecycle_rules_load_into_s3(s3_endpoint):
     assert rules["captures-to-infrequent-access-then-expire"]["Filter"]["Prefix"] == f"{root}/captures/"
     assert rules["abandoned-multipart-uploads"]["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == 7
     # the registry never expires: no rule reaches drafters/
-    assert not any(rule["Filter"].get("Prefix", "x").startswith(f"{root}/drafters") or
-                   (rule["Filter"].get("Prefix") == "" and "Expiration" in rule) for rule in rules.values())
+    assert not any(
+        rule["Filter"].get("Prefix", "x").startswith(f"{root}/drafters")
+        or (rule["Filter"].get("Prefix") == "" and "Expiration" in rule)
+        for rule in rules.values()
+    )
 
 
 def test_every_dockerfile_copies_what_the_pipeline_needs():
@@ -336,7 +400,12 @@ def test_every_dockerfile_copies_what_the_pipeline_needs():
 
 
 # GPU memory per product (GB): Kimi-K2.5 at TP 8 needs >= 140 GB per GPU (SGLang's Kimi-K2.5 recipe)
-GPU_MEMORY_GB = {"NVIDIA-H100-80GB-HBM3": 80, "NVIDIA-A100-SXM4-80GB": 80, "NVIDIA-H200": 141, "NVIDIA-B200": 180}
+GPU_MEMORY_GB = {
+    "NVIDIA-H100-80GB-HBM3": 80,
+    "NVIDIA-A100-SXM4-80GB": 80,
+    "NVIDIA-H200": 141,
+    "NVIDIA-B200": 180,
+}
 
 
 def test_gpu_pods_fit_kimi_and_tolerate_gpu_taints():
@@ -344,7 +413,10 @@ def test_gpu_pods_fit_kimi_and_tolerate_gpu_taints():
     tolerations = [K8S_DEPLOYMENT["kubernetes"]["gpu_tolerations"]]
     for _, doc in _documents():
         spec = doc.get("spec", {}).get("template", {}).get("spec", {})
-        if any("nvidia.com/gpu" in (c.get("resources", {}).get("limits") or {}) for c in spec.get("containers", [])):
+        if any(
+            "nvidia.com/gpu" in (c.get("resources", {}).get("limits") or {})
+            for c in spec.get("containers", [])
+        ):
             selectors.append(spec.get("nodeSelector") or {})
             tolerations.append(spec.get("tolerations") or [])
     assert len(selectors) >= 4

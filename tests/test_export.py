@@ -22,7 +22,10 @@ def test_export_writes_what_sglang_loads(tmp_path):
     config = json.loads((directory / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["num_hidden_layers"] == 1
-    assert config["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [1, 2, 3], "use_aux_hidden_state": True}
+    assert config["eagle_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "use_aux_hidden_state": True,
+    }
     tensors = load_file(str(directory / "model.safetensors"))
     assert "embed_tokens.weight" not in tensors and not any("embed" in k for k in tensors)
     assert tensors["fc.weight"].shape == (16, 48) and tensors["fc.weight"].dtype == torch.bfloat16
@@ -42,13 +45,16 @@ def test_round_trip_gives_the_same_logits(tmp_path):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda t: t.pop("midlayer.mlp.up_proj.weight"), "missing tensor midlayer.mlp.up_proj.weight"),
-    (lambda t: t.__setitem__("fc.weight", torch.zeros(16, 32)), "fc.weight has shape"),
-    (lambda t: t.__setitem__("embed_tokens.weight", torch.zeros(50, 16)), "unexpected tensor"),
-    (lambda t: t.__setitem__("d2t", t["d2t"].to(torch.int32)), "d2t must be int64"),
-    (lambda t: t.__setitem__("norm.weight", torch.full((16,), float("nan"))), "non-finite"),
-])
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda t: t.pop("midlayer.mlp.up_proj.weight"), "missing tensor midlayer.mlp.up_proj.weight"),
+        (lambda t: t.__setitem__("fc.weight", torch.zeros(16, 32)), "fc.weight has shape"),
+        (lambda t: t.__setitem__("embed_tokens.weight", torch.zeros(50, 16)), "unexpected tensor"),
+        (lambda t: t.__setitem__("d2t", t["d2t"].to(torch.int32)), "d2t must be int64"),
+        (lambda t: t.__setitem__("norm.weight", torch.full((16,), float("nan"))), "non-finite"),
+    ],
+)
 def test_broken_drafter_directories_are_refused(tmp_path, damage, message):
     _, directory = exported(tmp_path)
     tensors = load_file(str(directory / "model.safetensors"))

@@ -22,17 +22,30 @@ GENERATE = ServerFleet(namespace="sglang", statefulset="sglang-generate")
 def test_replicas_cover_the_highest_pod_the_urls_name():
     urls = [f"http://sglang-generate-{i}.sglang-generate.sglang.svc:30000" for i in (0, 2)]
     assert replicas_for(urls, GENERATE, "generate") == 3
-    assert replicas_for(["http://sglang-generate-0.sglang-generate.sglang.svc.cluster.local:30000"], GENERATE,
-                        "generate") == 1
+    assert (
+        replicas_for(
+            ["http://sglang-generate-0.sglang-generate.sglang.svc.cluster.local:30000"], GENERATE, "generate"
+        )
+        == 1
+    )
     assert replicas_for([], GENERATE, "generate") == 0
 
 
-@pytest.mark.parametrize("url", ["http://10.0.0.7:30000", "http://sglang-capture-aux-0.sglang-capture-aux.sglang.svc:30000",
-                                 "http://sglang-generate-0.sglang-generate.other.svc:30000"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://10.0.0.7:30000",
+        "http://sglang-capture-aux-0.sglang-capture-aux.sglang.svc:30000",
+        "http://sglang-generate-0.sglang-generate.other.svc:30000",
+    ],
+)
 def test_a_url_outside_the_scaled_statefulset_is_refused(url):
     urls = ["http://sglang-generate-0.sglang-generate.sglang.svc:30000", url]
-    with pytest.raises(ConfigError, match=r"generate.sglang.urls\[1\] .* is not a pod of StatefulSet "
-                                          r"sglang/sglang-generate"):
+    with pytest.raises(
+        ConfigError,
+        match=r"generate.sglang.urls\[1\] .* is not a pod of StatefulSet "
+        r"sglang/sglang-generate",
+    ):
         replicas_for(urls, GENERATE, "generate")
 
 
@@ -65,7 +78,9 @@ def web_fleet(tmp_path):
         pytest.skip("containers need root (mount and PID namespaces)")
     manifest = tmp_path / "web.yaml"
     manifest.write_text(yaml.safe_dump_all(WEB))
-    cluster = LocalCluster(tmp_path / "cluster", {"python": PYTHON}, (LocalNode("cpu", {}, (), {"cpu": "8"}),))
+    cluster = LocalCluster(
+        tmp_path / "cluster", {"python": PYTHON}, (LocalNode("cpu", {}, (), {"cpu": "8"}),)
+    )
     cluster.apply(manifest)
     cluster.start_api()
 
@@ -80,12 +95,15 @@ def web_fleet(tmp_path):
 
 def _web_config(tmp_path, pods: int):
     config = tiny_config_dict({"root": str(tmp_path / "store"), "local_cache": str(tmp_path / "cache")})
-    config["generate"].update(engine="sglang", sglang={"urls": [f"http://web-{i}.web.ns.svc:8080" for i in range(pods)]})
+    config["generate"].update(
+        engine="sglang", sglang={"urls": [f"http://web-{i}.web.ns.svc:8080" for i in range(pods)]}
+    )
     return load_config(data=config)
 
 
 def _healthy_through(cluster):
     """/health of a pod's URL from this process (the host has no cluster DNS: the cluster resolves it)."""
+
     def healthy(url: str) -> bool:
         parts = urlsplit(url)
         address = cluster.address_of(parts.hostname)
@@ -115,7 +133,9 @@ def test_a_fleet_is_up_and_answering_when_scale_up_returns_and_gone_after_scale_
 def test_a_fleet_that_never_answers_goes_back_to_zero_and_the_failure_is_retried(web_fleet, tmp_path):
     cluster, api_as = web_fleet
     fleet = WEB_FLEET.model_copy(update={"ready_timeout_seconds": 3})
-    with pytest.raises(FleetNotReady, match=r"ns/web: 1/1 replicas ready .* not answering: http://web-0") as failure:
+    with pytest.raises(
+        FleetNotReady, match=r"ns/web: 1/1 replicas ready .* not answering: http://web-0"
+    ) as failure:
         scale_up(_web_config(tmp_path, 1), "generate", fleet, api_as("scaler"), healthy=lambda url: False)
     assert cluster.statefulset_status("ns", "web")["replicas"] == 0
     assert exit_code_for(failure.value) == EXIT_FAILED

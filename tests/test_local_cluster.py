@@ -23,21 +23,32 @@ from pipeline.kube_api import KubernetesApi
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (mount and PID namespaces)")
 
-GPU_NODE = LocalNode("gpu", {"nvidia.com/gpu.product": "NVIDIA-H200"}, ({"key": "nvidia.com/gpu",
-                                                                        "effect": "NoSchedule"},),
-                     {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8"})
+GPU_NODE = LocalNode(
+    "gpu",
+    {"nvidia.com/gpu.product": "NVIDIA-H200"},
+    ({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
+    {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8"},
+)
 SHELL = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})
 
 
 def gpu_pod(**spec):
-    base = {"containers": [{"name": "base", "resources": {"requests": {"cpu": "96", "memory": "1600Gi",
-                                                                       "nvidia.com/gpu": "8"}}}]}
+    base = {
+        "containers": [
+            {
+                "name": "base",
+                "resources": {"requests": {"cpu": "96", "memory": "1600Gi", "nvidia.com/gpu": "8"}},
+            }
+        ]
+    }
     return {**base, **spec}
 
 
 def test_gpu_pods_schedule_only_where_selector_taint_and_capacity_fit():
-    fits = gpu_pod(nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"},
-                   tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}])
+    fits = gpu_pod(
+        nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    )
     assert scheduling_problems(fits, GPU_NODE) == []
     assert any("taint" in p for p in scheduling_problems(gpu_pod(), GPU_NODE))
     wrong = {**fits, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}
@@ -49,31 +60,55 @@ def test_gpu_pods_schedule_only_where_selector_taint_and_capacity_fit():
 @pytest.fixture
 def cluster(tmp_path):
     manifest = tmp_path / "objects.yaml"
-    manifest.write_text(yaml.safe_dump_all([
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}},
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {
-            "name": "writer", "namespace": "ns",
-            "annotations": {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/writer"}}},
-        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "data", "namespace": "ns"},
-         "spec": {"accessModes": ["ReadWriteMany"]}},
-    ]))
-    local = LocalCluster(tmp_path / "cluster", {"shell": SHELL},
-                         (LocalNode("cpu", {}, (), {"cpu": "8", "memory": "16Gi"}),),
-                         aws_endpoint="http://127.0.0.1:9")
+    manifest.write_text(
+        yaml.safe_dump_all(
+            [
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}},
+                {
+                    "apiVersion": "v1",
+                    "kind": "ServiceAccount",
+                    "metadata": {
+                        "name": "writer",
+                        "namespace": "ns",
+                        "annotations": {
+                            "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/writer"
+                        },
+                    },
+                },
+                {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": "data", "namespace": "ns"},
+                    "spec": {"accessModes": ["ReadWriteMany"]},
+                },
+            ]
+        )
+    )
+    local = LocalCluster(
+        tmp_path / "cluster",
+        {"shell": SHELL},
+        (LocalNode("cpu", {}, (), {"cpu": "8", "memory": "16Gi"}),),
+        aws_endpoint="http://127.0.0.1:9",
+    )
     local.apply(manifest)
     yield local
     local.shutdown()
 
 
 def run_pod(cluster, script: str, volumes=(), mounts=(), account=None, name="p"):
-    spec = {"containers": [{"name": "base", "image": "shell", "command": ["sh", "-c", script],
-                            "volumeMounts": list(mounts)}], "volumes": list(volumes)}
+    spec = {
+        "containers": [
+            {"name": "base", "image": "shell", "command": ["sh", "-c", script], "volumeMounts": list(mounts)}
+        ],
+        "volumes": list(volumes),
+    }
     if account:
         spec["serviceAccountName"] = account
     pod = cluster.create_pod({"metadata": {"name": name, "namespace": "ns"}, "spec": spec})
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (pod.phase == "Pending" and not pod.containers
-                                           or any(run.running for run in pod.containers.values())):
+    while time.monotonic() < deadline and (
+        pod.phase == "Pending" and not pod.containers or any(run.running for run in pod.containers.values())
+    ):
         time.sleep(0.1)
     logs = "".join(path.read_text() for path in pod.directory.glob("*.log"))
     return pod, logs
@@ -83,18 +118,27 @@ def test_a_pod_sees_its_volumes_and_not_this_machines_files(cluster, tmp_path):
     secret = tmp_path / "host-only.txt"
     secret.write_text("visible only on the host")
     (cluster.volume_dir("pvc", "ns", "data") / "shared.txt").write_text("on the volume")
-    pod, logs = run_pod(cluster, f"cat /data/shared.txt && echo written > /data/out.txt && cat {secret}",
-                        volumes=[{"name": "v", "persistentVolumeClaim": {"claimName": "data"}}],
-                        mounts=[{"name": "v", "mountPath": "/data"}])
+    pod, logs = run_pod(
+        cluster,
+        f"cat /data/shared.txt && echo written > /data/out.txt && cat {secret}",
+        volumes=[{"name": "v", "persistentVolumeClaim": {"claimName": "data"}}],
+        mounts=[{"name": "v", "mountPath": "/data"}],
+    )
     assert "on the volume" in logs
     assert (cluster.volume_dir("pvc", "ns", "data") / "out.txt").read_text() == "written\n"
     # the host's file is not in the pod: reading a path it does not mount fails there
-    assert "No such file" in logs and pod.current_phase() == "Failed" and pod.containers["base"].exit_code != 0
+    assert (
+        "No such file" in logs and pod.current_phase() == "Failed" and pod.containers["base"].exit_code != 0
+    )
 
 
 def test_a_claim_nobody_applied_fails_the_pod_to_start(cluster):
-    pod, _ = run_pod(cluster, "true", volumes=[{"name": "v", "persistentVolumeClaim": {"claimName": "missing"}}],
-                     mounts=[{"name": "v", "mountPath": "/data"}])
+    pod, _ = run_pod(
+        cluster,
+        "true",
+        volumes=[{"name": "v", "persistentVolumeClaim": {"claimName": "missing"}}],
+        mounts=[{"name": "v", "mountPath": "/data"}],
+    )
     assert pod.phase == "Failed" and pod.reason == "FailedMount" and not pod.containers
     assert "missing" in pod.events[-1]["message"]
 
@@ -108,7 +152,11 @@ def test_the_env_is_the_pods_and_iam_roles_arrive_as_web_identity(cluster):
     env = dict(line.split(" ", 1)[1].split("=", 1) for line in logs.splitlines() if "=" in line)
     assert env["AWS_ROLE_ARN"] == "arn:aws:iam::123456789012:role/writer"
     assert env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
-    assert "REHEARSAL_HOST_ONLY" not in env and "AWS_ACCESS_KEY_ID" not in env and "AWS_SECRET_ACCESS_KEY" not in env
+    assert (
+        "REHEARSAL_HOST_ONLY" not in env
+        and "AWS_ACCESS_KEY_ID" not in env
+        and "AWS_SECRET_ACCESS_KEY" not in env
+    )
     assert "local-web-identity-token-ns-writer" in logs
 
 
@@ -127,8 +175,11 @@ def test_a_missing_service_account_or_image_does_not_start(cluster):
 # -- the API server, service accounts, StatefulSets, readiness, pod addresses and DNS ------------------
 PROJECT = Path(__file__).resolve().parents[1]
 PYTHON_HOME = str(Path(sys.base_prefix).resolve())
-PYTHON = LocalImage({str(PROJECT): str(PROJECT), PYTHON_HOME: PYTHON_HOME}, "/",
-                    {"PATH": f"{PROJECT / '.venv' / 'bin'}:/usr/bin:/bin"})
+PYTHON = LocalImage(
+    {str(PROJECT): str(PROJECT), PYTHON_HOME: PYTHON_HOME},
+    "/",
+    {"PATH": f"{PROJECT / '.venv' / 'bin'}:/usr/bin:/bin"},
+)
 # answers every GET with its pod's name, on the pod's own address
 HELLO = """
 import http.server, os
@@ -147,23 +198,59 @@ WEB = [
     {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}},
     {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "scaler", "namespace": "ns"}},
     {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "stranger", "namespace": "ns"}},
-    {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "ns"},
-     "spec": {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"port": 8080}]}},
-    {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "web", "namespace": "ns"},
-     "spec": {"serviceName": "web", "replicas": 0, "podManagementPolicy": "Parallel",
-              "selector": {"matchLabels": {"app": "web"}},
-              "template": {"metadata": {"labels": {"app": "web"}}, "spec": {"containers": [{
-                  "name": "server", "image": "python", "command": ["python", "-c", HELLO],
-                  "readinessProbe": {"httpGet": {"path": "/", "port": 8080}, "initialDelaySeconds": 60,
-                                     "periodSeconds": 1}}]}}}},
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-     "metadata": {"name": "web-scaler", "namespace": "ns"},
-     "rules": [{"apiGroups": ["apps"], "resources": ["statefulsets", "statefulsets/scale"],
-                "verbs": ["get", "patch"]}]},
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-     "metadata": {"name": "scaler", "namespace": "ns"},
-     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "web-scaler"},
-     "subjects": [{"kind": "ServiceAccount", "name": "scaler", "namespace": "ns"}]},
+    {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": "ns"},
+        "spec": {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"port": 8080}]},
+    },
+    {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "web", "namespace": "ns"},
+        "spec": {
+            "serviceName": "web",
+            "replicas": 0,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "server",
+                            "image": "python",
+                            "command": ["python", "-c", HELLO],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/", "port": 8080},
+                                "initialDelaySeconds": 60,
+                                "periodSeconds": 1,
+                            },
+                        }
+                    ]
+                },
+            },
+        },
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "web-scaler", "namespace": "ns"},
+        "rules": [
+            {
+                "apiGroups": ["apps"],
+                "resources": ["statefulsets", "statefulsets/scale"],
+                "verbs": ["get", "patch"],
+            }
+        ],
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "scaler", "namespace": "ns"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "web-scaler"},
+        "subjects": [{"kind": "ServiceAccount", "name": "scaler", "namespace": "ns"}],
+    },
 ]
 SCALE = "/apis/apps/v1/namespaces/ns/statefulsets/web/scale"
 
@@ -181,8 +268,14 @@ def api(tmp_path):
 
 def call(cluster, path, token, method="GET", body=None, content_type="application/merge-patch+json"):
     headers = {"Authorization": f"Bearer {token}", "Content-Type": content_type}
-    return requests.request(method, cluster.api.url + path, headers=headers, data=json.dumps(body) if body else None,
-                            verify=str(cluster.api.ca_file), timeout=10)
+    return requests.request(
+        method,
+        cluster.api.url + path,
+        headers=headers,
+        data=json.dumps(body) if body else None,
+        verify=str(cluster.api.ca_file),
+        timeout=10,
+    )
 
 
 def wait_for(condition, timeout=30.0):
@@ -206,13 +299,19 @@ def test_the_api_answers_only_known_tokens_and_what_their_roles_grant(api):
     assert no_token.status_code == 401 and no_token.json()["reason"] == "Unauthorized"
     denied = call(api, SCALE, api.service_account_token("ns", "stranger"), "PATCH", {"spec": {"replicas": 1}})
     assert denied.status_code == 403 and denied.json()["kind"] == "Status"
-    assert denied.json()["message"] == ('statefulsets.apps "web" is forbidden: User "system:serviceaccount:ns:stranger"'
-                                        ' cannot patch resource "statefulsets/scale" in API group "apps" in the '
-                                        'namespace "ns"')
+    assert denied.json()["message"] == (
+        'statefulsets.apps "web" is forbidden: User "system:serviceaccount:ns:stranger"'
+        ' cannot patch resource "statefulsets/scale" in API group "apps" in the '
+        'namespace "ns"'
+    )
     scaler = api.service_account_token("ns", "scaler")
     assert call(api, SCALE, scaler).json() | {"status": None} == {
-        "kind": "Scale", "apiVersion": "autoscaling/v1", "metadata": {"name": "web", "namespace": "ns"},
-        "spec": {"replicas": 0}, "status": None}
+        "kind": "Scale",
+        "apiVersion": "autoscaling/v1",
+        "metadata": {"name": "web", "namespace": "ns"},
+        "spec": {"replicas": 0},
+        "status": None,
+    }
     assert call(api, "/apis/apps/v1/namespaces/ns/statefulsets/nope/scale", scaler).status_code == 404
     assert call(api, "/apis/apps/v1/namespaces/default/statefulsets/web", scaler).status_code == 403
     assert call(api, SCALE, scaler, "PATCH", {"spec": {"replicas": 1}}, "application/json").status_code == 415
@@ -239,9 +338,16 @@ def test_scaling_runs_ready_pods_that_resolve_each_other_and_scaling_down_remove
     addresses = {name: api.address_of(f"{name}.web.ns.svc") for name in ("web-0", "web-1")}
     assert len(set(addresses.values())) == 2 and pod.status.pod_ip == addresses["web-0"]
     # from inside web-0, through its /etc/hosts: web-1's own server, at web-1's own address
-    session = api.core_v1.connect_get_namespaced_pod_exec("web-0", "ns", command=[
-        "python", "-c", "import socket, urllib.request; name = 'web-1.web.ns.svc'; print(socket.gethostname(),"
-        " socket.gethostbyname(name), urllib.request.urlopen(f'http://{name}:8080/').read().decode())"])
+    session = api.core_v1.connect_get_namespaced_pod_exec(
+        "web-0",
+        "ns",
+        command=[
+            "python",
+            "-c",
+            "import socket, urllib.request; name = 'web-1.web.ns.svc'; print(socket.gethostname(),"
+            " socket.gethostbyname(name), urllib.request.urlopen(f'http://{name}:8080/').read().decode())",
+        ],
+    )
     session.run_forever(timeout=30)
     assert session.read_stdout().split() == ["web-0", addresses["web-1"], "web-1"]
     pids = [run.init_pid() for p in list(api.pods.values()) for run in p.containers.values()]
@@ -269,9 +375,16 @@ else:
 """
     outputs = []
     for name, extra in (("caller", {}), ("opted-out", {"automountServiceAccountToken": False})):
-        pod = api.create_pod({"metadata": {"name": name, "namespace": "ns"}, "spec": {
-            "serviceAccountName": "scaler", **extra,
-            "containers": [{"name": "base", "image": "python", "command": ["python", "-c", script]}]}})
+        pod = api.create_pod(
+            {
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {
+                    "serviceAccountName": "scaler",
+                    **extra,
+                    "containers": [{"name": "base", "image": "python", "command": ["python", "-c", script]}],
+                },
+            }
+        )
         wait_for(lambda: pod.current_phase() in ("Succeeded", "Failed"))
         outputs.append((pod.directory / "base.log").read_text().split(" ", 1)[1].strip())
     assert outputs == ["ns 200 0", "no token None"]
@@ -282,7 +395,9 @@ def test_a_pod_with_a_readiness_probe_is_ready_only_while_the_probe_answers(api)
         spec = {"containers": [{"name": "base", "image": "python", "command": ["sleep", "30"], **container}]}
         return api.create_pod({"metadata": {"name": name, "namespace": "ns"}, "spec": spec})
 
-    unanswered = pod("unanswered", readinessProbe={"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1})
+    unanswered = pod(
+        "unanswered", readinessProbe={"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1}
+    )
     unprobed = pod("unprobed")
     wait_for(lambda: unprobed.ready() and unanswered.current_phase() == "Running")
     time.sleep(1.5)  # the probe has asked at least once, and nothing listens at the pod's address
@@ -295,15 +410,25 @@ def test_a_pod_with_a_readiness_probe_is_ready_only_while_the_probe_answers(api)
 JOBS = "/apis/batch/v1/namespaces/ns/jobs"
 LAUNCHER = [
     {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "launcher", "namespace": "ns"}},
-    {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "workers", "namespace": "ns"},
-     "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "workers"}}},
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-     "metadata": {"name": "job-launcher", "namespace": "ns"},
-     "rules": [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]}]},
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-     "metadata": {"name": "launcher", "namespace": "ns"},
-     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "job-launcher"},
-     "subjects": [{"kind": "ServiceAccount", "name": "launcher", "namespace": "ns"}]},
+    {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "workers", "namespace": "ns"},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "workers"}},
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "job-launcher", "namespace": "ns"},
+        "rules": [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]}],
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "launcher", "namespace": "ns"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "job-launcher"},
+        "subjects": [{"kind": "ServiceAccount", "name": "launcher", "namespace": "ns"}],
+    },
 ]
 
 
@@ -315,16 +440,37 @@ def batch(api, tmp_path):
     return api
 
 
-def indexed_job(name: str, command: list[str], args: list[str] = (), env: list[dict] = (),
-                backoff_limit: int = 6) -> dict:
+def indexed_job(
+    name: str, command: list[str], args: list[str] = (), env: list[dict] = (), backoff_limit: int = 6
+) -> dict:
     """An Indexed Job of two pods under the headless Service workers, annotated drafter/run-id: run-7."""
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "namespace": "ns"},
-            "spec": {"completionMode": "Indexed", "completions": 2, "parallelism": 2,
-                     "backoffLimit": backoff_limit, "template": {
-                         "metadata": {"labels": {"app": "workers"}, "annotations": {"drafter/run-id": "run-7"}},
-                         "spec": {"subdomain": "workers", "restartPolicy": "Never", "containers": [{
-                             "name": "node", "image": "python", "command": command, "args": list(args),
-                             "env": list(env)}]}}}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": 2,
+            "parallelism": 2,
+            "backoffLimit": backoff_limit,
+            "template": {
+                "metadata": {"labels": {"app": "workers"}, "annotations": {"drafter/run-id": "run-7"}},
+                "spec": {
+                    "subdomain": "workers",
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "node",
+                            "image": "python",
+                            "command": command,
+                            "args": list(args),
+                            "env": list(env),
+                        }
+                    ],
+                },
+            },
+        },
+    }
 
 
 def free_port() -> int:
@@ -348,9 +494,10 @@ def running_pods(cluster, job: str, count: int) -> list:
 
 def test_expansion_follows_kubernetes_rules():
     defined = {"A": "x", "B": "$(A)"}
-    assert [expand_variables(text, defined) for text in (
-        "$(A)-$(B)", "$$(A)", "$$$(A)", "$(C)", "$(A", "$A $", "$$", "a$(A)b", "$()")] == [
-        "x-$(A)", "$(A)", "$x", "$(C)", "$(A", "$A $", "$", "axb", "$()"]
+    assert [
+        expand_variables(text, defined)
+        for text in ("$(A)-$(B)", "$$(A)", "$$$(A)", "$(C)", "$(A", "$A $", "$$", "a$(A)b", "$()")
+    ] == ["x-$(A)", "$(A)", "$x", "$(C)", "$(A", "$A $", "$", "axb", "$()"]
 
 
 # what each pod reports: its index, hostname and the address it resolves to, fields, expanded args; pod 0
@@ -379,14 +526,20 @@ def test_an_indexed_job_runs_a_pod_per_index_that_knows_its_index_name_and_field
     def field(path):
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
 
-    env = [{"name": "PORT", "value": str(free_port())},
-           {"name": "RUN_ID", **field("metadata.annotations['drafter/run-id']")},
-           {"name": "POD_NAME", **field("metadata.name")}, {"name": "TAGGED", "value": "run=$(RUN_ID)"},
-           {"name": "LABEL", **field("metadata.labels['batch.kubernetes.io/job-completion-index']")},
-           {"name": "NODE", **field("spec.nodeName")}]
-    job = indexed_job("work", ["python", "-c", REPORT], ["$(RUN_ID)", "$$(RUN_ID)", "$(UNDEFINED)", "$(POD_NAME)-x"],
-                      env)
-    created = call(batch, JOBS, batch.service_account_token("ns", "launcher"), "POST", job, "application/json")
+    env = [
+        {"name": "PORT", "value": str(free_port())},
+        {"name": "RUN_ID", **field("metadata.annotations['drafter/run-id']")},
+        {"name": "POD_NAME", **field("metadata.name")},
+        {"name": "TAGGED", "value": "run=$(RUN_ID)"},
+        {"name": "LABEL", **field("metadata.labels['batch.kubernetes.io/job-completion-index']")},
+        {"name": "NODE", **field("spec.nodeName")},
+    ]
+    job = indexed_job(
+        "work", ["python", "-c", REPORT], ["$(RUN_ID)", "$$(RUN_ID)", "$(UNDEFINED)", "$(POD_NAME)-x"], env
+    )
+    created = call(
+        batch, JOBS, batch.service_account_token("ns", "launcher"), "POST", job, "application/json"
+    )
     assert created.status_code == 201 and created.json()["metadata"]["uid"]
     launcher = batch.service_account_token("ns", "launcher")
     wait_for(lambda: "conditions" in call(batch, f"{JOBS}/work", launcher).json()["status"])
@@ -399,11 +552,21 @@ def test_an_indexed_job_runs_a_pod_per_index_that_knows_its_index_name_and_field
     for index, (pod, report) in enumerate(zip(pods, seen)):
         assert re.fullmatch(rf"work-{index}-[a-z]{{5}}", pod.name)
         assert pod.manifest["metadata"]["labels"]["batch.kubernetes.io/job-name"] == "work"
-        assert pod.manifest["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == str(index)
+        assert pod.manifest["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == str(
+            index
+        )
         assert report | {"peer": None} == {
-            "index": index, "hostname": f"work-{index}", "own": pod.ip, "RUN_ID": "run-7", "POD_NAME": pod.name,
-            "TAGGED": "run=run-7", "LABEL": str(index), "NODE": "cpu", "peer": None,
-            "argv": ["run-7", "$(RUN_ID)", "$(UNDEFINED)", f"{pod.name}-x"]}
+            "index": index,
+            "hostname": f"work-{index}",
+            "own": pod.ip,
+            "RUN_ID": "run-7",
+            "POD_NAME": pod.name,
+            "TAGGED": "run=run-7",
+            "LABEL": str(index),
+            "NODE": "cpu",
+            "peer": None,
+            "argv": ["run-7", "$(RUN_ID)", "$(UNDEFINED)", f"{pod.name}-x"],
+        }
     assert seen[1]["peer"] == pods[0].ip != pods[1].ip
     assert "work-0" not in batch.hosts_file.read_text()  # terminated pods have no DNS name
 
@@ -423,15 +586,20 @@ def test_a_job_replaces_a_lost_pod_until_its_backoff_limit_then_fails_and_stops_
     assert job.condition["type"] == "Failed" and job.condition["reason"] == "BackoffLimitExceeded"
     wait_for(lambda: gone(pid))
     assert ("ns", other.name) not in batch.pods and ("ns", first.name) in batch.pods
-    assert job.status()["failed"] == 3 and "completionTime" not in job.status() and "active" not in job.status()
+    assert (
+        job.status()["failed"] == 3 and "completionTime" not in job.status() and "active" not in job.status()
+    )
 
 
-def test_the_api_creates_jobs_as_rbac_allows_refuses_duplicates_and_deletes_them_with_their_pods(batch, tmp_path):
+def test_the_api_creates_jobs_as_rbac_allows_refuses_duplicates_and_deletes_them_with_their_pods(
+    batch, tmp_path
+):
     job = indexed_job("held", ["sleep", "60"])
     denied = call(batch, JOBS, batch.service_account_token("ns", "stranger"), "POST", job, "application/json")
     assert denied.status_code == 403 and denied.json()["message"] == (
         'jobs.batch is forbidden: User "system:serviceaccount:ns:stranger" cannot create resource "jobs" in API '
-        'group "batch" in the namespace "ns"')
+        'group "batch" in the namespace "ns"'
+    )
     launcher = batch.service_account_token("ns", "launcher")
     not_indexed = {**job, "spec": {**job["spec"], "completionMode": "NonIndexed"}}
     assert call(batch, JOBS, launcher, "POST", not_indexed, "application/json").status_code == 422
@@ -472,15 +640,37 @@ def test_torchrun_nodes_of_a_job_meet_at_pod_0_by_its_dns_name(batch):
     """c10d picks the node that hosts its store by comparing the endpoint's addresses with those of the
     node's own hostname: only pod 0, whose hostname resolves to its own address, may host it."""
     port = free_port()
-    args = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "0", "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"train-0.workers:{port}", "--rdzv-id", "$(RUN_ID)", "--no-python",
-            "python", "-c", ALL_REDUCE]
-    env = [{"name": "RUN_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['drafter/run-id']"}}}]
-    job = batch.create_job(indexed_job("train", ["python", "-m", "torch.distributed.run"], args, env,
-                                       backoff_limit=0))
+    args = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"train-0.workers:{port}",
+        "--rdzv-id",
+        "$(RUN_ID)",
+        "--no-python",
+        "python",
+        "-c",
+        ALL_REDUCE,
+    ]
+    env = [
+        {"name": "RUN_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['drafter/run-id']"}}}
+    ]
+    job = batch.create_job(
+        indexed_job("train", ["python", "-m", "torch.distributed.run"], args, env, backoff_limit=0)
+    )
     wait_for(lambda: job.condition is not None, timeout=120)
     logs = {pod.hostname: (pod.directory / "node.log").read_text() for pod in batch.job_pods("ns", "train")}
     assert job.condition["type"] == "Complete", logs
-    results = sorted(line.split()[1:] for text in logs.values() for line in text.splitlines()
-                     if line.split()[1:2] == ["all_reduce"])
+    results = sorted(
+        line.split()[1:]
+        for text in logs.values()
+        for line in text.splitlines()
+        if line.split()[1:2] == ["all_reduce"]
+    )
     assert [(host, total) for _, host, _, total in results] == [("train-0", "3.0"), ("train-1", "3.0")]

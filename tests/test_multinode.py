@@ -24,13 +24,12 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
+from pipeline.kube_api import KubernetesApi
 from pipeline.manifest import read_listed, read_manifest
 from pipeline.stages import capture, generate, prompts
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
-from pipeline.kube_api import KubernetesApi
-from pipeline.train_nodes import (KubernetesJob, TrainingFailed, job_for_run, load_job_manifest,
-                                  node_launcher)
+from pipeline.train_nodes import KubernetesJob, TrainingFailed, job_for_run, load_job_manifest, node_launcher
 from tests.conftest import REPO, storage_config, tiny_config_dict
 
 
@@ -47,26 +46,50 @@ def setup(tmp_path_factory, s3_endpoint, tiny_target_dir):
     data["prompts"].update({"num_samples": 24, "shard_size": 12, "eval_fraction": 0.0})
     data["generate"]["max_new_tokens"] = 16
     data["capture"]["parity"] = {"samples": 0}
-    data["train"].update({"epochs": 2, "ttt_steps": 2, "micro_batch_size": 2, "nproc": 1, "nodes": 2,
-                          "rendezvous_endpoint": "127.0.0.1", "rendezvous_timeout_s": 60,
-                          "checkpoint_every_steps": 2, "log_every": 1})
+    data["train"].update(
+        {
+            "epochs": 2,
+            "ttt_steps": 2,
+            "micro_batch_size": 2,
+            "nproc": 1,
+            "nodes": 2,
+            "rendezvous_endpoint": "127.0.0.1",
+            "rendezvous_timeout_s": 60,
+            "checkpoint_every_steps": 2,
+            "log_every": 1,
+        }
+    )
     config = load_config(data=data)
     store = open_store(config.storage)
     responses = generate.run(config, prompts.run(config, "mn", store).uri, "mn", store)
-    dataset = capture.publish_dataset(config, [capture.run(config, responses.uri, "mn", store).uri], "mn", store)
+    dataset = capture.publish_dataset(
+        config, [capture.run(config, responses.uri, "mn", store).uri], "mn", store
+    )
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
-    return {"config": config, "config_path": config_path, "store": store, "dataset": dataset.uri, "tmp": tmp,
-            "environment": _environment_without_credentials(tmp, s3_endpoint)}
+    return {
+        "config": config,
+        "config_path": config_path,
+        "store": store,
+        "dataset": dataset.uri,
+        "tmp": tmp,
+        "environment": _environment_without_credentials(tmp, s3_endpoint),
+    }
 
 
 def _environment_without_credentials(tmp: Path, s3_endpoint: str) -> dict[str, str]:
     """Where the S3 server is, and nowhere a credential could come from: no credentials file, no instance
     metadata (the config has no credential setting)."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    environment.update({"AWS_SHARED_CREDENTIALS_FILE": str(tmp / "absent"), "AWS_CONFIG_FILE": str(tmp / "absent"),
-                        "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL_S3": s3_endpoint})
+    environment.update(
+        {
+            "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "absent"),
+            "AWS_CONFIG_FILE": str(tmp / "absent"),
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL_S3": s3_endpoint,
+        }
+    )
     return environment
 
 
@@ -79,12 +102,29 @@ class TrainStage:
     """`drafter train` in its own session, its stderr in a file (a full pipe would stall the nodes)."""
 
     def __init__(self, setup, run_id: str, attempt: str):
-        command = [sys.executable, "-m", "pipeline.cli", "train", "--config", str(setup["config_path"]),
-                   "--run-id", run_id, "--dataset", setup["dataset"], f"train.rendezvous_port={_free_port()}"]
+        command = [
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "train",
+            "--config",
+            str(setup["config_path"]),
+            "--run-id",
+            run_id,
+            "--dataset",
+            setup["dataset"],
+            f"train.rendezvous_port={_free_port()}",
+        ]
         self.stderr_path = setup["tmp"] / f"{run_id}-{attempt}.stderr"
         with open(self.stderr_path, "w") as stderr:
-            self.process = subprocess.Popen(command, cwd=REPO, env={**setup["environment"], **_credentials()},
-                                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=stderr)
+            self.process = subprocess.Popen(
+                command,
+                cwd=REPO,
+                env={**setup["environment"], **_credentials()},
+                start_new_session=True,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+            )
 
     def stderr(self) -> str:
         return self.stderr_path.read_text()
@@ -133,7 +173,9 @@ def _processes_running(needle: str) -> list[int]:
 def _result(setup, run_id: str) -> tuple[dict, list[dict]]:
     store, prefix = setup["store"], f"runs/{run_id}/train"
     manifest = read_manifest(store, prefix, kind="train")
-    metrics = [json.loads(line) for line in read_listed(store, prefix, manifest, "metrics.jsonl").splitlines()]
+    metrics = [
+        json.loads(line) for line in read_listed(store, prefix, manifest, "metrics.jsonl").splitlines()
+    ]
     return manifest, metrics
 
 
@@ -143,8 +185,14 @@ def test_a_rank_without_the_agents_credentials_cannot_read_the_spec(setup):
     their agents' environment, nothing else provides them."""
     spec = setup["store"].uri("runs/no-credentials/train/worker_spec.json")
     setup["store"].put_bytes("runs/no-credentials/train/worker_spec.json", b"{}")
-    worker = subprocess.run([sys.executable, "-m", "pipeline.cli", "train-worker", "--spec", spec], cwd=REPO,
-                            env=setup["environment"], capture_output=True, text=True, timeout=120)
+    worker = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "train-worker", "--spec", spec],
+        cwd=REPO,
+        env=setup["environment"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert worker.returncode != 0 and "this rank has no AWS credentials" in worker.stderr
 
 
@@ -181,8 +229,9 @@ def test_two_nodes_killed_mid_epoch_resume_from_the_committed_checkpoint(setup):
     steps = [line["global_step"] for line in metrics if line["kind"] == "interval"]
     assert steps == list(range(1, result["global_steps"] + 1))  # continued, none twice
     assert manifest["history"] == straight_manifest["history"]
-    assert [line for line in metrics if line["kind"] == "interval"] == \
-        [line for line in straight_metrics if line["kind"] == "interval"]
+    assert [line for line in metrics if line["kind"] == "interval"] == [
+        line for line in straight_metrics if line["kind"] == "interval"
+    ]
 
 
 def _wait_for_agents(stage: TrainStage, timeout: float = 120) -> dict[int, bytes]:
@@ -298,9 +347,16 @@ def jobs_api(tmp_path):
 
 
 def _kubernetes_settings(tmp_path, nodes: int = 3):
-    train = {"nproc": 8, "nodes": nodes, "launcher": "kubernetes", "rendezvous_timeout_s": 1800,
-             "rendezvous_endpoint": "drafter-trainer-0.drafter-trainer"}
-    return load_config(data={"storage": {"root": str(tmp_path)}, "target": {"name": "t"}, "train": train}).train
+    train = {
+        "nproc": 8,
+        "nodes": nodes,
+        "launcher": "kubernetes",
+        "rendezvous_timeout_s": 1800,
+        "rendezvous_endpoint": "drafter-trainer-0.drafter-trainer",
+    }
+    return load_config(
+        data={"storage": {"root": str(tmp_path)}, "target": {"name": "t"}, "train": train}
+    ).train
 
 
 JOBS = "/apis/batch/v1/namespaces/drafter/jobs"
@@ -313,29 +369,52 @@ def test_the_kubernetes_launcher_creates_the_node_job_waits_for_it_and_removes_i
     assert isinstance(node_launcher(settings), KubernetesJob)
     assert KubernetesJob(settings, api, poll_s=0.01).train(SPEC, "r1", tmp_path / "train.log") == 0
     assert [(method, path) for method, path, _ in server.calls] == [
-        ("POST", JOBS), ("GET", f"{JOBS}/drafter-trainer"), ("GET", f"{JOBS}/drafter-trainer"),
-        ("DELETE", f"{JOBS}/drafter-trainer")]
+        ("POST", JOBS),
+        ("GET", f"{JOBS}/drafter-trainer"),
+        ("GET", f"{JOBS}/drafter-trainer"),
+        ("DELETE", f"{JOBS}/drafter-trainer"),
+    ]
     assert {auth for _, _, auth in server.calls} == {"Bearer service-account-token"}
-    assert "kubectl -n drafter logs -l batch.kubernetes.io/job-name=drafter-trainer" in \
-        (tmp_path / "train.log").read_text()
+    assert (
+        "kubectl -n drafter logs -l batch.kubernetes.io/job-name=drafter-trainer"
+        in (tmp_path / "train.log").read_text()
+    )
     assert server.jobs == {}
 
 
 def test_the_node_job_carries_the_run_and_a_failed_one_stays_for_its_logs(tmp_path, jobs_api):
     server, api = jobs_api(outcome="Failed")
-    assert KubernetesJob(_kubernetes_settings(tmp_path), api, poll_s=0.01).train(SPEC, "r1",
-                                                                                 tmp_path / "train.log") == 1
+    assert (
+        KubernetesJob(_kubernetes_settings(tmp_path), api, poll_s=0.01).train(
+            SPEC, "r1", tmp_path / "train.log"
+        )
+        == 1
+    )
     job = server.jobs["drafter-trainer"]
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 3
     assert job["spec"]["template"]["metadata"]["annotations"] == {
-        "drafter/run-id": "r1", "drafter/worker-spec": SPEC, "drafter/nodes": "3"}
+        "drafter/run-id": "r1",
+        "drafter/worker-spec": SPEC,
+        "drafter/nodes": "3",
+    }
     assert "DELETE" not in {method for method, _, _ in server.calls}
     # the next attempt replaces it
     server.outcome = "Complete"
     server.reads = 0
-    assert KubernetesJob(_kubernetes_settings(tmp_path), api, poll_s=0.01).train(SPEC, "r1",
-                                                                                 tmp_path / "train.log") == 0
-    assert [method for method, _, _ in server.calls][-6:] == ["POST", "GET", "DELETE", "POST", "GET", "DELETE"]
+    assert (
+        KubernetesJob(_kubernetes_settings(tmp_path), api, poll_s=0.01).train(
+            SPEC, "r1", tmp_path / "train.log"
+        )
+        == 0
+    )
+    assert [method for method, _, _ in server.calls][-6:] == [
+        "POST",
+        "GET",
+        "DELETE",
+        "POST",
+        "GET",
+        "DELETE",
+    ]
     assert server.jobs == {}
 
 
@@ -345,17 +424,21 @@ def test_a_running_node_job_is_waited_for_by_its_run_and_refused_to_another(tmp_
     running = job_for_run(load_job_manifest(settings.kubernetes_job), settings, SPEC, "r1")
     server.jobs["drafter-trainer"] = running  # its supervisor (an earlier train task) died
     with pytest.raises(TrainingFailed, match="is training run r1"):
-        KubernetesJob(settings, api, poll_s=0.01).train(SPEC.replace("r1", "r2"), "r2", tmp_path / "train.log")
+        KubernetesJob(settings, api, poll_s=0.01).train(
+            SPEC.replace("r1", "r2"), "r2", tmp_path / "train.log"
+        )
     assert KubernetesJob(settings, api, poll_s=0.01).train(SPEC, "r1", tmp_path / "train.log") == 0
     assert [method for method, _, _ in server.calls].count("POST") == 2 and server.jobs == {}
     assert "waiting for the running Job drafter/drafter-trainer" in (tmp_path / "train.log").read_text()
 
 
 def test_the_kubernetes_launcher_refuses_a_manifest_that_disagrees_and_a_machine_outside_a_cluster(
-        tmp_path, monkeypatch):
+    tmp_path, monkeypatch
+):
     with pytest.raises(TrainingFailed, match="disagrees with the train settings"):
         KubernetesJob(_kubernetes_settings(tmp_path).model_copy(update={"nproc": 4}), poll_s=0.01).train(
-            SPEC, "r1", tmp_path / "train.log")
+            SPEC, "r1", tmp_path / "train.log"
+        )
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(TrainingFailed, match="outside one; here use train.launcher torchrun"):
         KubernetesJob(_kubernetes_settings(tmp_path), poll_s=0.01).train(SPEC, "r1", tmp_path / "train.log")

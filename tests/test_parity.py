@@ -54,10 +54,26 @@ def tiny_deepseek_v3(tmp_path, tiny_target_dir):
 
     torch.manual_seed(0)
     config = DeepseekV3Config(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
-        first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, n_group=1, topk_group=1, max_position_embeddings=256)
+        vocab_size=1024,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=256,
+    )
     directory = tmp_path / "deepseek-v3-tiny"
     DeepseekV3ForCausalLM(config).save_pretrained(directory)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -76,25 +92,39 @@ def test_a_deepseek_v3_architecture_target_is_captured_by_the_contract(tmp_path,
 
 
 def server(**changes):
-    info = {"version": "0.5.23", "enable_return_hidden_states": True, "enable_return_aux_hidden_states": True,
-            "return_aux_hidden_state_layer_ids": [1, 29, 57], "disable_radix_cache": True, "chunked_prefill_size": -1}
+    info = {
+        "version": "0.5.23",
+        "enable_return_hidden_states": True,
+        "enable_return_aux_hidden_states": True,
+        "return_aux_hidden_state_layer_ids": [1, 29, 57],
+        "disable_radix_cache": True,
+        "chunked_prefill_size": -1,
+    }
     info.update(changes)
     return {k: v for k, v in info.items() if v != "absent"}
 
 
-@pytest.mark.parametrize("changes, problem", [
-    ({}, None),
-    ({"return_aux_hidden_state_layer_ids": None}, None),  # the EAGLE3 default for 61 layers is [1, 29, 57]
-    ({"return_aux_hidden_state_layer_ids": [2, 30, 58]}, "captures aux layers [2, 30, 58]"),
-    ({"disable_radix_cache": False}, "--disable-radix-cache"),
-    ({"chunked_prefill_size": 2048}, "chunked_prefill_size 2048"),
-    ({"enable_return_aux_hidden_states": False}, "needs --enable-return-aux-hidden-states"),
-    ({"chunked_prefill_size": "absent"}, "cannot be verified"),
-    ({"version": "0.5.14"}, "runs SGLang 0.5.14; captures are coded to 0.5.23"),
-    ({"version": "absent"}, "runs SGLang (unreported)"),
-])
+@pytest.mark.parametrize(
+    "changes, problem",
+    [
+        ({}, None),
+        (
+            {"return_aux_hidden_state_layer_ids": None},
+            None,
+        ),  # the EAGLE3 default for 61 layers is [1, 29, 57]
+        ({"return_aux_hidden_state_layer_ids": [2, 30, 58]}, "captures aux layers [2, 30, 58]"),
+        ({"disable_radix_cache": False}, "--disable-radix-cache"),
+        ({"chunked_prefill_size": 2048}, "chunked_prefill_size 2048"),
+        ({"enable_return_aux_hidden_states": False}, "needs --enable-return-aux-hidden-states"),
+        ({"chunked_prefill_size": "absent"}, "cannot be verified"),
+        ({"version": "0.5.14"}, "runs SGLang 0.5.14; captures are coded to 0.5.23"),
+        ({"version": "absent"}, "runs SGLang (unreported)"),
+    ],
+)
 def test_capture_servers_must_agree_with_the_contract(changes, problem):
-    problems = capture_server_problems(server(**changes), [1, 29, 57], 61, 4096, aux_server=True, prompt_logprobs=False)
+    problems = capture_server_problems(
+        server(**changes), [1, 29, 57], 61, 4096, aux_server=True, prompt_logprobs=False
+    )
     if problem is None:
         assert problems == []
     else:

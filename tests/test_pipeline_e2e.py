@@ -13,8 +13,14 @@ from tests.conftest import REPO, storage_config, tiny_config_dict
 
 
 def drafter(*args, env=None, timeout=900):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +38,41 @@ def test_run_prints_the_summary_table_and_its_location(e2e):
     lines = e2e["stdout"].strip().splitlines()
     assert lines[-1].startswith("summary=s3://") and lines[-1].endswith("/runs/e2e-run/summary.json")
     table = "\n".join(lines[:-1])
-    for row in ("samples", "tokens", "cond_acc_0", "tau simulated", "tau measured", "baseline tok/s",
-                "drafter tok/s", "promoted version", "registry"):
+    for row in (
+        "samples",
+        "tokens",
+        "cond_acc_0",
+        "tau simulated",
+        "tau measured",
+        "baseline tok/s",
+        "drafter tok/s",
+        "promoted version",
+        "registry",
+    ):
         assert row in table
 
 
 def test_summary_json_has_real_figures(e2e):
     import boto3
 
-    uri = e2e["stdout"].strip().splitlines()[-1][len("summary="):]
-    bucket, key = uri[len("s3://"):].split("/", 1)
+    uri = e2e["stdout"].strip().splitlines()[-1][len("summary=") :]
+    bucket, key = uri[len("s3://") :].split("/", 1)
     config = yaml.safe_load(e2e["config"].read_text())
-    body = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"]).get_object(Bucket=bucket, Key=key)
+    body = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"]).get_object(
+        Bucket=bucket, Key=key
+    )
     summary = json.loads(body["Body"].read())
-    for key in ("samples", "tokens", "cond_acc", "tau_simulated", "tau_measured", "baseline_tok_s", "drafter_tok_s",
-                "promoted_version", "registry_uri"):
+    for key in (
+        "samples",
+        "tokens",
+        "cond_acc",
+        "tau_simulated",
+        "tau_measured",
+        "baseline_tok_s",
+        "drafter_tok_s",
+        "promoted_version",
+        "registry_uri",
+    ):
         assert key in summary
     assert summary["samples"] > 50 and summary["tokens"] > summary["samples"]
     assert len(summary["cond_acc"]) == 3 and 0 < summary["cond_acc"][0] <= 1
@@ -57,7 +83,9 @@ def test_summary_json_has_real_figures(e2e):
 
 def test_promoted_drafter_can_be_pulled_and_verified(e2e):
     dest = e2e["tmp"] / "pulled"
-    result = drafter("pull", "--config", str(e2e["config"]), "--alias", "production", "--dest", str(dest), env=e2e["env"])
+    result = drafter(
+        "pull", "--config", str(e2e["config"]), "--alias", "production", "--dest", str(dest), env=e2e["env"]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--speculative-algorithm EAGLE3" in result.stdout and str(dest) in result.stdout
     verified = drafter("verify", str(dest), env=e2e["env"])
@@ -65,8 +93,16 @@ def test_promoted_drafter_can_be_pulled_and_verified(e2e):
 
 
 def test_a_failing_gate_stops_visibly_with_its_reasons(e2e):
-    result = drafter("gate", "--config", str(e2e["config"]), "--run-id", "e2e-run", "gate.min_cond_acc=[0.999]",
-                     "gate.min_tau_simulated=9", env=e2e["env"])
+    result = drafter(
+        "gate",
+        "--config",
+        str(e2e["config"]),
+        "--run-id",
+        "e2e-run",
+        "gate.min_cond_acc=[0.999]",
+        "gate.min_tau_simulated=9",
+        env=e2e["env"],
+    )
     assert result.returncode == 3
     assert "gate failed" in result.stderr
     assert "cond_acc_0 =" in result.stderr and "< 0.9990" in result.stderr
@@ -77,9 +113,11 @@ def test_a_deliberately_weak_drafter_fails_the_gate_that_the_trained_one_passes(
     import boto3
 
     config = yaml.safe_load(e2e["config"].read_text())
-    bucket, prefix = config["storage"]["root"][len("s3://"):].split("/", 1)
+    bucket, prefix = config["storage"]["root"][len("s3://") :].split("/", 1)
     s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
-    trained = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/eval/eval.json")["Body"].read())
+    trained = json.loads(
+        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/eval/eval.json")["Body"].read()
+    )
     floor = round(trained["cond_acc"][0] * 0.8, 4)
     dataset = f"s3://{bucket}/{prefix}/datasets/tiny-test/e2e-run"
     weak = ["--run-id", "weak", "train.learning_rate=1e-9", "train.epochs=1"]
@@ -87,27 +125,57 @@ def test_a_deliberately_weak_drafter_fails_the_gate_that_the_trained_one_passes(
         result = drafter(stage, "--config", str(e2e["config"]), "--dataset", dataset, *weak, env=e2e["env"])
         assert result.returncode == 0, result.stderr[-3000:]
     gate = [f"gate.min_cond_acc=[{floor}]", "gate.min_tau_simulated=1.0"]
-    assert drafter("gate", "--config", str(e2e["config"]), "--run-id", "e2e-run", *gate, env=e2e["env"]).returncode == 0
+    assert (
+        drafter(
+            "gate", "--config", str(e2e["config"]), "--run-id", "e2e-run", *gate, env=e2e["env"]
+        ).returncode
+        == 0
+    )
     failed = drafter("gate", "--config", str(e2e["config"]), *weak, *gate, env=e2e["env"])
     assert failed.returncode == 3
     assert "cond_acc_0 =" in failed.stderr and f"< {floor:.4f}" in failed.stderr
-    decision = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/weak/gate/gate.json")["Body"].read())
+    decision = json.loads(
+        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/weak/gate/gate.json")["Body"].read()
+    )
     assert decision["passed"] is False and decision["reasons"]
     refused = drafter("promote", "--config", str(e2e["config"]), *weak, env=e2e["env"])
     assert refused.returncode == 1 and "the gate did not pass" in refused.stderr
 
 
 def test_plan_takes_rates_measured_by_the_finished_run(e2e):
-    result = drafter("plan", "--config", str(e2e["config"]), "--samples", "200000", "--measured-from", "e2e-run",
-                     "--json", env=e2e["env"])
+    result = drafter(
+        "plan",
+        "--config",
+        str(e2e["config"]),
+        "--samples",
+        "200000",
+        "--measured-from",
+        "e2e-run",
+        "--json",
+        env=e2e["env"],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert set(report["rates_source"].values()) == {"measured"}, report["rates_source"]
-    assert report["measured_from"]["run_id"] == "e2e-run" and report["measured_from"]["capture_shards_timed"] >= 2
+    assert (
+        report["measured_from"]["run_id"] == "e2e-run"
+        and report["measured_from"]["capture_shards_timed"] >= 2
+    )
     assert all(rate > 0 for rate in report["rates"].values())
     # the measured tokens per conversation are the dataset's own
-    summary = json.loads(drafter("plan", "--config", str(e2e["config"]), "--samples", "1000", "--measured-from",
-                                 "e2e-run", "--json", env=e2e["env"]).stdout)
+    summary = json.loads(
+        drafter(
+            "plan",
+            "--config",
+            str(e2e["config"]),
+            "--samples",
+            "1000",
+            "--measured-from",
+            "e2e-run",
+            "--json",
+            env=e2e["env"],
+        ).stdout
+    )
     assert summary["tokens"]["per_sample"] == report["tokens"]["per_sample"] > 0
     assert report["tokens"]["captured"] == pytest.approx(200 * summary["tokens"]["captured"], rel=1e-3)
     assert report["stages"]["capture"]["gpu_hours"] > 0 and report["stages"]["train"]["wall_hours"] > 0
@@ -117,19 +185,34 @@ def _report_html(e2e) -> str:
     import boto3
 
     config = yaml.safe_load(e2e["config"].read_text())
-    bucket, prefix = config["storage"]["root"][len("s3://"):].split("/", 1)
+    bucket, prefix = config["storage"]["root"][len("s3://") :].split("/", 1)
     s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
-    return s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/report.html")["Body"].read().decode()
+    return (
+        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/report.html")["Body"].read().decode()
+    )
 
 
 def test_run_renders_a_self_contained_report(e2e):
     lines = e2e["stdout"].strip().splitlines()
-    assert lines[-2].startswith("report=http://127.0.0.1:") and lines[-2].endswith("/runs/e2e-run/report/report.html")
+    assert lines[-2].startswith("report=http://127.0.0.1:") and lines[-2].endswith(
+        "/runs/e2e-run/report/report.html"
+    )
     page = _report_html(e2e)
-    assert page.count("src='data:image/png;base64,") == 4  # training, acceptance, throughput, predicted vs measured
+    assert (
+        page.count("src='data:image/png;base64,") == 4
+    )  # training, acceptance, throughput, predicted vs measured
     assert "src='http" not in page and "<script" not in page  # nothing fetched from elsewhere
-    for text in ("Run e2e-run", "promoted ", "cond_acc_0", "tau_simulated", "--speculative-algorithm EAGLE3",
-                 "--speculative-draft-model-path", "aux_layer_ids", "Capture contract", "learning_rate"):
+    for text in (
+        "Run e2e-run",
+        "promoted ",
+        "cond_acc_0",
+        "tau_simulated",
+        "--speculative-algorithm EAGLE3",
+        "--speculative-draft-model-path",
+        "aux_layer_ids",
+        "Capture contract",
+        "learning_rate",
+    ):
         assert text in page, text
     # the gate table shows each check with its threshold
     assert "<td>cond_acc_0</td>" in page and "<td>tau_simulated</td>" in page and "FAIL" not in page
@@ -139,11 +222,19 @@ def test_report_pngs_are_published_with_the_manifest(e2e):
     import boto3
 
     config = yaml.safe_load(e2e["config"].read_text())
-    bucket, prefix = config["storage"]["root"][len("s3://"):].split("/", 1)
+    bucket, prefix = config["storage"]["root"][len("s3://") :].split("/", 1)
     s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
-    manifest = json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/manifest.json")["Body"].read())
+    manifest = json.loads(
+        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/manifest.json")["Body"].read()
+    )
     names = {o["name"] for o in manifest["objects"]}
-    assert names == {"training.png", "acceptance.png", "throughput.png", "predicted_vs_measured.png", "report.html"}
+    assert names == {
+        "training.png",
+        "acceptance.png",
+        "throughput.png",
+        "predicted_vs_measured.png",
+        "report.html",
+    }
     png = s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/training.png")["Body"].read()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
@@ -175,7 +266,9 @@ def test_report_opens_in_a_real_browser(e2e, tmp_path):
             page = browser.new_page(viewport={"width": 1200, "height": 900})
             page.goto(page_path.as_uri())
             assert page.locator("#outcome").inner_text().startswith("promoted ")
-            widths = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.complete ? i.naturalWidth : 0)")
+            widths = page.eval_on_selector_all(
+                "img", "imgs => imgs.map(i => i.complete ? i.naturalWidth : 0)"
+            )
             assert len(widths) == 4 and all(width > 300 for width in widths)  # every plot decoded
             page.screenshot(path=str(ARTIFACTS / "run-report.png"), full_page=True)
         finally:

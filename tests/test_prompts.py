@@ -14,15 +14,21 @@ from tests.conftest import tiny_config_dict
 
 
 def write_source(path):
-    good = [{"conversations": [{"from": "human", "value": f"def f{i}(x):"}, {"from": "gpt", "value": "pass"}]}
-            for i in range(30)]
-    openai = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"def g{i}():"}]}
-              for i in range(10)]
+    good = [
+        {"conversations": [{"from": "human", "value": f"def f{i}(x):"}, {"from": "gpt", "value": "pass"}]}
+        for i in range(30)
+    ]
+    openai = [
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"def g{i}():"}]}
+        for i in range(10)
+    ]
     duplicates = good[:5]
-    bad = [{"conversations": [{"from": "gpt", "value": "answer first"}]},
-           {"messages": [{"role": "user", "content": ""}]},
-           {"messages": [{"role": "user"}]},
-           {"conversations": [{"from": "human", "value": "x " * 400}]}]
+    bad = [
+        {"conversations": [{"from": "gpt", "value": "answer first"}]},
+        {"messages": [{"role": "user", "content": ""}]},
+        {"messages": [{"role": "user"}]},
+        {"conversations": [{"from": "human", "value": "x " * 400}]},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in good + openai + duplicates + bad) + "\n")
 
 
@@ -30,8 +36,13 @@ def test_prompts_from_a_jsonl_source(store, storage, tmp_path):
     source = tmp_path / "source.jsonl"
     write_source(source)
     data = tiny_config_dict(storage)
-    data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(source)}], "num_samples": 1000,
-                       "eval_fraction": 0.3, "shard_size": 8, "max_prompt_tokens": 100}
+    data["prompts"] = {
+        "sources": [{"kind": "jsonl", "path": str(source)}],
+        "num_samples": 1000,
+        "eval_fraction": 0.3,
+        "shard_size": 8,
+        "max_prompt_tokens": 100,
+    }
     config = load_config(data=data)
     result = prompts.run(config, "snap1", store)
     counts = result.manifest["counts"]
@@ -73,7 +84,9 @@ def test_demo_corpus_comes_only_from_modules_the_target_never_saw():
 
 
 def conversation(i, prefix="def f"):
-    return {"messages": [{"role": "user", "content": f"{prefix}{i}(alpha, beta, gamma): compute something {i}"}]}
+    return {
+        "messages": [{"role": "user", "content": f"{prefix}{i}(alpha, beta, gamma): compute something {i}"}]
+    }
 
 
 def test_sources_in_every_format_from_disk_and_s3_mixed_by_weight(s3_endpoint, tmp_path):
@@ -92,12 +105,21 @@ def test_sources_in_every_format_from_disk_and_s3_mixed_by_weight(s3_endpoint, t
         writer.write_table(pa.Table.from_pylist([conversation(i, "def arrow_") for i in range(60)]))
     body = "\n".join(json.dumps(conversation(i, "def s3_")) for i in range(60)).encode()
     uniq = tmp_path.name[-12:].replace("_", "-")
-    boto3.client("s3", endpoint_url=s3_endpoint).put_object(Bucket=BUCKET, Key=f"{uniq}/src/part-0.jsonl", Body=body)
+    boto3.client("s3", endpoint_url=s3_endpoint).put_object(
+        Bucket=BUCKET, Key=f"{uniq}/src/part-0.jsonl", Body=body
+    )
     data = tiny_config_dict(storage)
-    data["prompts"] = {"num_samples": 50, "eval_fraction": 0.1, "shard_size": 100, "max_prompt_tokens": 200,
-                       "sources": [{"kind": "parquet", "path": str(tmp_path / "a.parquet"), "weight": 3},
-                                   {"kind": "arrow", "path": str(tmp_path / "b.arrow"), "weight": 1},
-                                   {"kind": "jsonl", "path": f"s3://{BUCKET}/{uniq}/src/", "weight": 1}]}
+    data["prompts"] = {
+        "num_samples": 50,
+        "eval_fraction": 0.1,
+        "shard_size": 100,
+        "max_prompt_tokens": 200,
+        "sources": [
+            {"kind": "parquet", "path": str(tmp_path / "a.parquet"), "weight": 3},
+            {"kind": "arrow", "path": str(tmp_path / "b.arrow"), "weight": 1},
+            {"kind": "jsonl", "path": f"s3://{BUCKET}/{uniq}/src/", "weight": 1},
+        ],
+    }
     config = load_config(data=data)
     from pipeline.config import StorageConfig
     from pipeline.storage import open_store
@@ -111,13 +133,24 @@ def test_sources_in_every_format_from_disk_and_s3_mixed_by_weight(s3_endpoint, t
 
 
 def test_near_duplicates_are_dropped_and_counted(store, storage, tmp_path):
-    base = ("please write a python function that reads a csv file from disk, removes empty rows, "
-            "converts every numeric column to floats and returns the cleaned table as a list of dicts")
-    rows = [{"messages": [{"role": "user", "content": base}]},
-            {"messages": [{"role": "user", "content": base.replace("csv file", "CSV file") + " please"}]},
-            {"messages": [{"role": "user", "content": "Please, " + base + "!"}]},
-            {"messages": [{"role": "user", "content": "explain how a bloom filter trades memory for false "
-                                                      "positives, with an example in python"}]}]
+    base = (
+        "please write a python function that reads a csv file from disk, removes empty rows, "
+        "converts every numeric column to floats and returns the cleaned table as a list of dicts"
+    )
+    rows = [
+        {"messages": [{"role": "user", "content": base}]},
+        {"messages": [{"role": "user", "content": base.replace("csv file", "CSV file") + " please"}]},
+        {"messages": [{"role": "user", "content": "Please, " + base + "!"}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": "explain how a bloom filter trades memory for false "
+                    "positives, with an example in python",
+                }
+            ]
+        },
+    ]
     source = tmp_path / "near.jsonl"
     source.write_text("\n".join(json.dumps(r) for r in rows))
     data = tiny_config_dict(storage)
@@ -139,7 +172,9 @@ def put_objects(s3_endpoint, bodies: dict[str, bytes]) -> None:
 
     client = boto3.client("s3", endpoint_url=s3_endpoint, config=Config(max_pool_connections=16))
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda item: client.put_object(Bucket=BUCKET, Key=item[0], Body=item[1]), bodies.items()))
+        list(
+            pool.map(lambda item: client.put_object(Bucket=BUCKET, Key=item[0], Body=item[1]), bodies.items())
+        )
 
 
 def s3_source_run(s3_endpoint, tmp_path, tiny_target_dir, source_uri, **settings):
@@ -151,8 +186,12 @@ def s3_source_run(s3_endpoint, tmp_path, tiny_target_dir, source_uri, **settings
     storage.update(endpoint_url=s3_endpoint, local_cache=str(tmp_path / "cache"))
     data = tiny_config_dict(storage)
     data["target"] = {"name": "tiny-test", "source": "hf", "model_path": str(tiny_target_dir)}
-    data["prompts"] = {"sources": [{"kind": "jsonl", "path": source_uri}], "max_prompt_tokens": 200,
-                       "eval_fraction": 0.1, **settings}
+    data["prompts"] = {
+        "sources": [{"kind": "jsonl", "path": source_uri}],
+        "max_prompt_tokens": 200,
+        "eval_fraction": 0.1,
+        **settings,
+    }
     config = load_config(data=data)
     return prompts.run(config, "s3-source", open_store(config.storage)).manifest
 
@@ -162,27 +201,45 @@ def test_an_s3_prefix_is_read_whole_past_one_listing_page(s3_endpoint, tmp_path,
 
     objects = 1005  # a listing page holds at most 1,000 keys
     prefix = f"many-{uuid.uuid4().hex[:8]}"
-    put_objects(s3_endpoint, {f"{prefix}/part-{i:04d}.jsonl": json.dumps(conversation(i, "def many_")).encode()
-                              for i in range(objects)})
+    put_objects(
+        s3_endpoint,
+        {
+            f"{prefix}/part-{i:04d}.jsonl": json.dumps(conversation(i, "def many_")).encode()
+            for i in range(objects)
+        },
+    )
     source = f"s3://{BUCKET}/{prefix}/"
-    manifest = s3_source_run(s3_endpoint, tmp_path, tiny_target_dir, source, num_samples=2 * objects,
-                             shard_size=2 * objects, near_dedup=False)
+    manifest = s3_source_run(
+        s3_endpoint,
+        tmp_path,
+        tiny_target_dir,
+        source,
+        num_samples=2 * objects,
+        shard_size=2 * objects,
+        near_dedup=False,
+    )
     assert manifest["counts"]["read"] == manifest["counts"]["kept"] == objects
     assert manifest["kept_per_source"] == {source: objects}
     assert len(list((tmp_path / "cache" / "sources").iterdir())) == objects  # no partial download left behind
 
 
-def test_unparseable_lines_under_the_limit_are_skipped_and_named_by_s3_uri(s3_endpoint, tmp_path, tiny_target_dir):
+def test_unparseable_lines_under_the_limit_are_skipped_and_named_by_s3_uri(
+    s3_endpoint, tmp_path, tiny_target_dir
+):
     from tests.conftest import BUCKET
 
     good = [json.dumps(conversation(i, "def bad_neighbour_")) for i in range(30)]
     broken = [f'{{"messages": [{{"role": "user", "content": "cut off {i}' for i in range(12)]
     key = f"bad-{uuid.uuid4().hex[:8]}/part-0.jsonl"
     put_objects(s3_endpoint, {key: "\n".join(good[:2] + broken + good[2:]).encode()})
-    manifest = s3_source_run(s3_endpoint, tmp_path, tiny_target_dir, f"s3://{BUCKET}/{key}", max_bad_fraction=0.5)
+    manifest = s3_source_run(
+        s3_endpoint, tmp_path, tiny_target_dir, f"s3://{BUCKET}/{key}", max_bad_fraction=0.5
+    )
     counts = manifest["counts"]
     assert counts["kept"] == 30 and counts["rejected.malformed_json"] == 12
     assert sum(v for k, v in counts.items() if k != "read") == counts["read"]
     examples = manifest["rejected_examples"]["malformed_json"]
     broken_lines = [f"s3://{BUCKET}/{key}:{line}" for line in range(3, 3 + len(broken))]
-    assert 0 < len(examples) < len(broken) and examples == broken_lines[:len(examples)]  # the first few, by URI
+    assert (
+        0 < len(examples) < len(broken) and examples == broken_lines[: len(examples)]
+    )  # the first few, by URI

@@ -18,22 +18,37 @@ def drafter_dir(tmp_path, seed):
 
 
 def test_promote_then_pull_and_verify(store, tmp_path):
-    promoted = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1", "eval": {"tau_simulated": 2.0}},
-                       "production", SERVING)
+    promoted = promote(
+        store,
+        "tgt",
+        drafter_dir(tmp_path, 1),
+        {"run_id": "r1", "eval": {"tau_simulated": 2.0}},
+        "production",
+        SERVING,
+    )
     assert read_alias(store, "tgt", "production")["version"] == promoted["version"]
     dest = pull(store, "tgt", "production", tmp_path / "served")
     manifest = verify_dir(dest)
     assert manifest["version"] == promoted["version"]
-    assert {p.name for p in dest.iterdir()} == {"config.json", "model.safetensors", "capture_contract.json",
-                                                "README.md", "manifest.json"}
+    assert {p.name for p in dest.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "capture_contract.json",
+        "README.md",
+        "manifest.json",
+    }
     card = (dest / "README.md").read_text()
     assert "--speculative-algorithm EAGLE3" in card and "--speculative-num-steps 3" in card
     assert [v["version"] for v in list_versions(store, "tgt")] == [promoted["version"]]
 
 
 def test_second_promotion_moves_previous_and_rollback_restores(store, tmp_path):
-    first = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
-    second = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)["version"]
+    first = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)[
+        "version"
+    ]
+    second = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)[
+        "version"
+    ]
     assert first != second
     assert read_alias(store, "tgt", "previous")["version"] == first
     rollback(store, "tgt")
@@ -52,7 +67,9 @@ def test_pull_of_a_missing_alias_is_a_clear_error(store, tmp_path):
 def test_verify_detects_a_tampered_directory(store, tmp_path):
     promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)
     dest = pull(store, "tgt", "production", tmp_path / "served")
-    (dest / "config.json").write_text((dest / "config.json").read_text().replace('"num_hidden_layers": 1', '"num_hidden_layers": 2'))
+    (dest / "config.json").write_text(
+        (dest / "config.json").read_text().replace('"num_hidden_layers": 1', '"num_hidden_layers": 2')
+    )
     with pytest.raises(RegistryError, match="checksum mismatch for config.json"):
         verify_dir(dest)
 
@@ -64,7 +81,11 @@ class RacingStore:
     def __init__(self, store, parties):
         import threading
 
-        self.store, self.read_barrier, self.write_barrier = store, threading.Barrier(parties), threading.Barrier(parties)
+        self.store, self.read_barrier, self.write_barrier = (
+            store,
+            threading.Barrier(parties),
+            threading.Barrier(parties),
+        )
         self.waited = threading.local()
 
     def __getattr__(self, name):
@@ -96,8 +117,13 @@ def serialized_store(storage, tmp_path):
     from moto.server import DomainDispatcherApplication, create_backend_app
     from werkzeug.serving import make_server
 
-    server = make_server("127.0.0.1", 0, DomainDispatcherApplication(create_backend_app), False,
-                         request_handler=MotoRequestHandler)
+    server = make_server(
+        "127.0.0.1",
+        0,
+        DomainDispatcherApplication(create_backend_app),
+        False,
+        request_handler=MotoRequestHandler,
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield store_for({**storage, "endpoint_url": f"http://127.0.0.1:{server.server_port}"})
     server.shutdown()
@@ -122,8 +148,14 @@ def test_racing_promoters_exactly_one_wins_and_the_alias_is_never_torn(serialize
 
     def contender(index):
         try:
-            outcomes[index] = promote(racing, "tgt", drafter_dir(tmp_path, index + 1), {"run_id": f"r{index}"},
-                                      "production", SERVING)["version"]
+            outcomes[index] = promote(
+                racing,
+                "tgt",
+                drafter_dir(tmp_path, index + 1),
+                {"run_id": f"r{index}"},
+                "production",
+                SERVING,
+            )["version"]
         except AliasConflict as conflict:
             outcomes[index] = conflict
 
@@ -138,7 +170,10 @@ def test_racing_promoters_exactly_one_wins_and_the_alias_is_never_torn(serialize
     assert all("nothing changed" in str(loser) for loser in losers)
     alias = read_alias(serialized_store, "tgt", "production")
     assert alias["version"] == winners[0]
-    moves = [json.loads(serialized_store.get_bytes(k)) for k in serialized_store.list(layout.alias_history_prefix("tgt"))]
+    moves = [
+        json.loads(serialized_store.get_bytes(k))
+        for k in serialized_store.list(layout.alias_history_prefix("tgt"))
+    ]
     assert [m["version"] for m in moves if m["alias"] == "production"][-1] == winners[0]
     assert len([m for m in moves if m["alias"] == "production"]) == 2  # the base promotion and the winner
 
@@ -146,8 +181,12 @@ def test_racing_promoters_exactly_one_wins_and_the_alias_is_never_torn(serialize
 def test_a_stale_promotion_is_refused(store, tmp_path):
     from pipeline.registry import AliasConflict, move_alias
 
-    first = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
-    second = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)["version"]
+    first = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)[
+        "version"
+    ]
+    second = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)[
+        "version"
+    ]
     with pytest.raises(AliasConflict, match=f"is at {second}, not {first}"):
         move_alias(store, "tgt", "production", first, "stale decision", expected=first)
     assert read_alias(store, "tgt", "production")["version"] == second
@@ -161,8 +200,16 @@ class ReadOnlyStore:
         self.root_uri = store.root_uri
 
     def __getattr__(self, name):
-        if name in ("get_bytes", "get_file", "get_file_verified", "get_verified", "exists", "read_with_tag", "uri",
-                    "key_for"):
+        if name in (
+            "get_bytes",
+            "get_file",
+            "get_file_verified",
+            "get_verified",
+            "exists",
+            "read_with_tag",
+            "uri",
+            "key_for",
+        ):
             return getattr(self.store, name)
         raise PermissionError(f"a reader may not call {name}")
 
@@ -174,17 +221,20 @@ def test_a_read_only_role_is_enough_to_pull(store, tmp_path):
 
 
 def test_plain_sync_of_a_version_then_verify(store, tmp_path):
-    version = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
+    version = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)[
+        "version"
+    ]
     prefix = layout.drafter_version_prefix("tgt", version)
     synced = tmp_path / "synced"
     synced.mkdir()
     for key in store.list(prefix):  # what `aws s3 sync s3://.../versions/<v>/ DIR` copies
-        store.get_file(key, synced / key[len(prefix) + 1:])
+        store.get_file(key, synced / key[len(prefix) + 1 :])
     assert verify_dir(synced)["version"] == version
 
 
-@pytest.mark.parametrize("target, alias", [("../../etc", "production"), ("tgt", "../production"),
-                                           ("tgt", "a/b"), ("tgt", "")])
+@pytest.mark.parametrize(
+    "target, alias", [("../../etc", "production"), ("tgt", "../production"), ("tgt", "a/b"), ("tgt", "")]
+)
 def test_names_that_would_escape_the_registry_are_refused(store, tmp_path, target, alias):
     from pipeline.ids import InvalidIdError
 

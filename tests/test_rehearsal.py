@@ -10,18 +10,44 @@ import pytest
 
 from tests.conftest import REPO, TEST_CACHE
 
-POD_TASKS = {"drafter_data": {"configure", "prompts", "generate_fleet_up", "generate_shard", "responses",
-                              "generate_fleet_down", "capture_fleet_up", "parity", "capture_shard", "captures",
-                              "capture_fleet_down"},
-             "drafter_train": {"configure", "train", "evaluate", "benchmark", "promote"}}
+POD_TASKS = {
+    "drafter_data": {
+        "configure",
+        "prompts",
+        "generate_fleet_up",
+        "generate_shard",
+        "responses",
+        "generate_fleet_down",
+        "capture_fleet_up",
+        "parity",
+        "capture_shard",
+        "captures",
+        "capture_fleet_down",
+    },
+    "drafter_train": {"configure", "train", "evaluate", "benchmark", "promote"},
+}
 
 
 @pytest.mark.slow
 def test_the_production_path_runs_end_to_end_on_a_local_cluster(tmp_path):
     # no credentials from the test process: pods and the Airflow worker get theirs from IAM roles
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "AIRFLOW", "DRAFTER_"))}
-    out = subprocess.run([sys.executable, "-m", "pipeline.dev.rehearsal", "--workspace", str(tmp_path / "ws"),
-                          "--cache", str(TEST_CACHE)], env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.dev.rehearsal",
+            "--workspace",
+            str(tmp_path / "ws"),
+            "--cache",
+            str(TEST_CACHE),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=REPO,
+    )
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 0 and lines[-1] == "rehearsal=passed", (out.stdout[-4000:], out.stderr[-6000:])
     pods = [line for line in lines if line.startswith("pod ")]
@@ -30,13 +56,19 @@ def test_the_production_path_runs_end_to_end_on_a_local_cluster(tmp_path):
         assert {(dag_id, task) for task in tasks} <= ran, (dag_id, sorted(ran))
     # the SGLang fleets ran as StatefulSet pods only around their stages
     fleets = [line for line in lines if line.startswith("generate fleet ")]
-    assert len(fleets) == 1 and "generate fleet sglang/sglang-generate: 2 replica(s)" in fleets[0] and \
-        "capture fleet sglang/sglang-capture-aux: 1 replica(s)" in fleets[0], fleets
-    assert {"sglang-generate-0", "sglang-generate-1", "sglang-capture-aux-0"} <= {line.split()[1].rstrip(":")
-                                                                                 for line in pods}
+    assert (
+        len(fleets) == 1
+        and "generate fleet sglang/sglang-generate: 2 replica(s)" in fleets[0]
+        and "capture fleet sglang/sglang-capture-aux: 1 replica(s)" in fleets[0]
+    ), fleets
+    assert {"sglang-generate-0", "sglang-generate-1", "sglang-capture-aux-0"} <= {
+        line.split()[1].rstrip(":") for line in pods
+    }
     # training on 2 nodes (an Indexed Job) lost a node after a checkpoint; the retry resumed from it
     multi = [line for line in lines if line.startswith("multi-node training:")]
-    assert len(multi) == 1 and "lost after checkpoint step-" in multi[0] and "resumed at step" in multi[0], multi
+    assert len(multi) == 1 and "lost after checkpoint step-" in multi[0] and "resumed at step" in multi[0], (
+        multi
+    )
     assert sum(line.startswith("pod drafter-trainer-") for line in pods) >= 4, pods  # 2 nodes x 2 attempts
     # served twice: the first promotion, then again after the cron run's promotion was rolled back
     served = [line for line in lines if line.startswith("serving ") and "EAGLE3" in line]
@@ -50,8 +82,11 @@ COMMANDS = ("docker ", "kubectl ", "helm ", "aws ", "drafter ", "curl ", "airflo
 def test_every_runbook_command_is_rehearsed_or_marked_for_a_real_cluster():
     from pipeline.dev.rehearsal import REAL_CLUSTER, REHEARSED, RUNBOOK, Runbook, runbook_commands
 
-    commands = [line.strip() for line in RUNBOOK.read_text().splitlines()
-                if line.startswith("    ") and line.strip().startswith(COMMANDS)]
+    commands = [
+        line.strip()
+        for line in RUNBOOK.read_text().splitlines()
+        if line.startswith("    ") and line.strip().startswith(COMMANDS)
+    ]
     assert len(commands) >= 20
     unmarked = [c for c in commands if not c.endswith((REHEARSED, REAL_CLUSTER))]
     assert not unmarked, unmarked
@@ -65,27 +100,65 @@ def test_every_runbook_command_is_rehearsed_or_marked_for_a_real_cluster():
 # thresholds a tiny target can meet, and the CPU's precision. Everything else (engines, storage, how the
 # target loads, prompt sources, the rendezvous, launch commands) must be Kimi's.
 REHEARSAL_SIZES = {
-    "prompts.num_samples", "prompts.eval_fraction", "prompts.shard_size", "prompts.max_prompt_tokens",
-    "generate.batch_size", "generate.max_new_tokens", "generate.sglang.concurrency", "generate.sglang.timeout_s",
-    "generate.sglang.urls", "capture.batch_size", "capture.max_length", "capture.parity.samples",
-    "capture.aux_layer_ids", "capture.sglang.concurrency", "capture.sglang.timeout_s", "capture.sglang.urls",
-    "target.hidden_size", "target.num_layers", "target.vocab_size",
-    "drafter.draft_vocab_size", "drafter.head_dim", "drafter.intermediate_size", "drafter.num_heads",
+    "prompts.num_samples",
+    "prompts.eval_fraction",
+    "prompts.shard_size",
+    "prompts.max_prompt_tokens",
+    "generate.batch_size",
+    "generate.max_new_tokens",
+    "generate.sglang.concurrency",
+    "generate.sglang.timeout_s",
+    "generate.sglang.urls",
+    "capture.batch_size",
+    "capture.max_length",
+    "capture.parity.samples",
+    "capture.aux_layer_ids",
+    "capture.sglang.concurrency",
+    "capture.sglang.timeout_s",
+    "capture.sglang.urls",
+    "target.hidden_size",
+    "target.num_layers",
+    "target.vocab_size",
+    "drafter.draft_vocab_size",
+    "drafter.head_dim",
+    "drafter.intermediate_size",
+    "drafter.num_heads",
     "drafter.num_kv_heads",
-    "train.attention_chunk", "train.checkpoint_every_steps", "train.epochs", "train.learning_rate", "train.log_every",
-    "train.max_length", "train.micro_batch_size", "train.nproc", "train.ttt_steps", "train.warmup_ratio",
-    "train.precision", "train.deepspeed_config",  # no bf16 on this CPU
-    "evaluate.micro_batch_size", "gate.min_cond_acc", "gate.min_tau_simulated", "gate.max_regression_vs_incumbent",
-    "benchmark.num_prompts", "benchmark.max_new_tokens", "benchmark.min_speedup_vs_baseline",
-    "benchmark.min_speedup_vs_incumbent", "benchmark.min_speedup_vs_ngram", "benchmark.sglang.concurrency",
-    "benchmark.sglang.startup_timeout_s", "benchmark.sglang.port",
+    "train.attention_chunk",
+    "train.checkpoint_every_steps",
+    "train.epochs",
+    "train.learning_rate",
+    "train.log_every",
+    "train.max_length",
+    "train.micro_batch_size",
+    "train.nproc",
+    "train.ttt_steps",
+    "train.warmup_ratio",
+    "train.precision",
+    "train.deepspeed_config",  # no bf16 on this CPU
+    "evaluate.micro_batch_size",
+    "gate.min_cond_acc",
+    "gate.min_tau_simulated",
+    "gate.max_regression_vs_incumbent",
+    "benchmark.num_prompts",
+    "benchmark.max_new_tokens",
+    "benchmark.min_speedup_vs_baseline",
+    "benchmark.min_speedup_vs_incumbent",
+    "benchmark.min_speedup_vs_ngram",
+    "benchmark.sglang.concurrency",
+    "benchmark.sglang.startup_timeout_s",
+    "benchmark.sglang.port",
 }
 
 
 def _leaves(node, prefix=""):
     if not isinstance(node, dict):
         return {prefix[:-1]: node}
-    return {key: value for name, child in node.items() for key, value in _leaves(child, f"{prefix}{name}.").items()}
+    return {
+        key: value
+        for name, child in node.items()
+        for key, value in _leaves(child, f"{prefix}{name}.").items()
+    }
 
 
 def test_the_rehearsal_config_is_kimis_in_everything_but_size():
@@ -93,9 +166,12 @@ def test_the_rehearsal_config_is_kimis_in_everything_but_size():
 
     kimi = _leaves(yaml.safe_load((REPO / "configs" / "kimi-k2.5.yaml").read_text()))
     rehearsal = _leaves(yaml.safe_load((REPO / "configs" / "rehearsal.yaml").read_text()))
-    differ = {key for key in kimi.keys() | rehearsal.keys()
-              if not key.startswith("plan.") and kimi.get(key, "absent") != rehearsal.get(key, "absent")}
+    differ = {
+        key
+        for key in kimi.keys() | rehearsal.keys()
+        if not key.startswith("plan.") and kimi.get(key, "absent") != rehearsal.get(key, "absent")
+    }
     assert differ <= REHEARSAL_SIZES, sorted(differ - REHEARSAL_SIZES)
     for stage in ("generate", "capture"):  # fewer servers: the first pods of the same StatefulSets
         urls = rehearsal[f"{stage}.sglang.urls"]
-        assert urls == kimi[f"{stage}.sglang.urls"][:len(urls)]
+        assert urls == kimi[f"{stage}.sglang.urls"][: len(urls)]

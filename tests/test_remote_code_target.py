@@ -13,9 +13,19 @@ import torch
 from tests.conftest import TEST_CACHE
 
 # Small enough to build in well under a minute; the real rehearsal recipe is larger.
-KIMI_TEST_RECIPE = {"architecture": "deepseek_v3", "num_layers": 6, "hidden_size": 64, "num_heads": 4,
-                    "intermediate_size": 192, "vocab_size": 1024, "seq_len": 96, "batch_size": 16,
-                    "train_steps": 40, "learning_rate": 0.008, "max_corpus_modules": 60}
+KIMI_TEST_RECIPE = {
+    "architecture": "deepseek_v3",
+    "num_layers": 6,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "intermediate_size": 192,
+    "vocab_size": 1024,
+    "seq_len": 96,
+    "batch_size": 16,
+    "train_steps": 40,
+    "learning_rate": 0.008,
+    "max_corpus_modules": 60,
+}
 SEQUENCES = [[1013, 10, 11, 12, 1010, 20, 21], [1013, 30, 31, 1010, 7]]  # 1013 <|im_system|>, 1010 <|im_end|>
 AUX_LAYERS = [1, 3, 4]
 
@@ -45,9 +55,17 @@ def kimi_engine(kimi_target_dir):
 def kimi_run_config(model_dir: Path):
     from pipeline.config import load_config
 
-    return load_config(data={"storage": {"root": str(model_dir.parent / "store"), "local_cache": str(TEST_CACHE)},
-                             "target": {"name": "kimi-tiny", "source": "hf", "model_path": str(model_dir),
-                                        "trust_remote_code": True}})
+    return load_config(
+        data={
+            "storage": {"root": str(model_dir.parent / "store"), "local_cache": str(TEST_CACHE)},
+            "target": {
+                "name": "kimi-tiny",
+                "source": "hf",
+                "model_path": str(model_dir),
+                "trust_remote_code": True,
+            },
+        }
+    )
 
 
 def test_it_ships_its_code_and_loads_only_with_trust_remote_code(kimi_target_dir):
@@ -57,12 +75,20 @@ def test_it_ships_its_code_and_loads_only_with_trust_remote_code(kimi_target_dir
 
     config = json.loads((kimi_target_dir / "config.json").read_text())
     assert config["model_type"] == "tiny_kimi"
-    assert config["auto_map"] == {"AutoConfig": "configuration_tiny_kimi.TinyKimiConfig",
-                                  "AutoModelForCausalLM": "modeling_tiny_kimi.TinyKimiForCausalLM"}
+    assert config["auto_map"] == {
+        "AutoConfig": "configuration_tiny_kimi.TinyKimiConfig",
+        "AutoModelForCausalLM": "modeling_tiny_kimi.TinyKimiForCausalLM",
+    }
     tokenizer_config = json.loads((kimi_target_dir / "tokenizer_config.json").read_text())
-    assert tokenizer_config["auto_map"] == {"AutoTokenizer": ["tokenization_tiny_kimi.TikTokenTokenizer", None]}
-    for name in ("configuration_tiny_kimi.py", "modeling_tiny_kimi.py", "tokenization_tiny_kimi.py",
-                 "tiktoken.model"):
+    assert tokenizer_config["auto_map"] == {
+        "AutoTokenizer": ["tokenization_tiny_kimi.TikTokenTokenizer", None]
+    }
+    for name in (
+        "configuration_tiny_kimi.py",
+        "modeling_tiny_kimi.py",
+        "tokenization_tiny_kimi.py",
+        "tiktoken.model",
+    ):
         assert (kimi_target_dir / name).is_file(), name
     assert not (kimi_target_dir / "tokenizer.json").exists()
     for load in (load_tokenizer, load_model):
@@ -78,11 +104,17 @@ def test_a_tiny_deepseek_v3_target_needs_the_setting_in_the_config():
     target = {"name": "t", "source": "tiny", "tiny": {"architecture": "deepseek_v3"}}
     with pytest.raises(ConfigError, match="set target.trust_remote_code: true"):
         load_config(data={"storage": {"root": "/tmp/x"}, "target": target})
-    config = load_config(data={"storage": {"root": "/tmp/x"}, "target": {**target, "trust_remote_code": True}})
+    config = load_config(
+        data={"storage": {"root": "/tmp/x"}, "target": {**target, "trust_remote_code": True}}
+    )
     assert config.target.tiny.deepseek_v3.n_routed_experts == 4
     with pytest.raises(ConfigError, match="deepseek_v3 is set but"):
-        load_config(data={"storage": {"root": "/tmp/x"},
-                          "target": {"name": "t", "tiny": {"deepseek_v3": {"q_lora_rank": 8}}}})
+        load_config(
+            data={
+                "storage": {"root": "/tmp/x"},
+                "target": {"name": "t", "tiny": {"deepseek_v3": {"q_lora_rank": 8}}},
+            }
+        )
 
 
 def test_llama_recipes_keep_the_names_of_their_cached_builds():
@@ -105,21 +137,32 @@ def test_the_tokenizer_is_tiktoken_and_round_trips_text_and_the_chat_template(ki
     assert type(tokenizer).__module__.endswith("tokenization_tiny_kimi")
     assert isinstance(tokenizer.model, tiktoken.Encoding)
     assert tokenizer.eos_token == "<|im_end|>" and len(tokenizer) == 1024
-    texts = ["def f(x):\n    return x + 1\n", "naïve — 日本語 ✓", "  trailing spaces  \n\n",
-             "<|im_end|> as text"]
+    texts = [
+        "def f(x):\n    return x + 1\n",
+        "naïve — 日本語 ✓",
+        "  trailing spaces  \n\n",
+        "<|im_end|> as text",
+    ]
     for text in texts:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert tokenizer.decode(ids) == text
-    messages = [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"}]
+    messages = [
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "return a + b"},
+    ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
-    assert rendered.endswith("<|im_user|>user<|im_middle|>def add(a, b):<|im_end|>"
-                             "<|im_assistant|>assistant<|im_middle|>return a + b<|im_end|>")
+    assert rendered.endswith(
+        "<|im_user|>user<|im_middle|>def add(a, b):<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>return a + b<|im_end|>"
+    )
     assert rendered.startswith("<|im_system|>system<|im_middle|>You are Kimi")
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     assert tokenizer.decode(ids) == rendered
     assert ids.count(tokenizer.eos_token_id) == 3  # every turn ends with one <|im_end|> token
-    assert tokenizer.decode(ids, skip_special_tokens=True) == "systemYou are Kimi, an AI assistant created by " \
-                                                              "Moonshot AI.userdef add(a, b):assistantreturn a + b"
+    assert (
+        tokenizer.decode(ids, skip_special_tokens=True) == "systemYou are Kimi, an AI assistant created by "
+        "Moonshot AI.userdef add(a, b):assistantreturn a + b"
+    )
 
 
 def test_tiktoken_encodes_the_corpus_like_the_bpe_its_ranks_came_from(kimi_target_dir, kimi_tokenizer):
@@ -133,20 +176,30 @@ def test_tiktoken_encodes_the_corpus_like_the_bpe_its_ranks_came_from(kimi_targe
     assert tiktoken_ranks(bpe) == read_ranks(kimi_target_dir / "tiktoken.model")  # the same BPE, retrained
     # both spell a token's bytes with GPT-2's byte-level characters, so a token maps by its spelling
     bpe_id_to_token_id = {i: kimi_tokenizer.get_vocab()[token] for token, i in bpe.get_vocab().items()}
-    texts = [text for turn in turns[::7] for text in (turn.prompt, turn.response)]  # the build compared them all
+    texts = [
+        text for turn in turns[::7] for text in (turn.prompt, turn.response)
+    ]  # the build compared them all
     for text, encoding in zip(texts, bpe.encode_batch(texts, add_special_tokens=False)):
-        assert kimi_tokenizer(text, add_special_tokens=False)["input_ids"] == \
-            [bpe_id_to_token_id[i] for i in encoding.ids], text[:80]
+        assert kimi_tokenizer(text, add_special_tokens=False)["input_ids"] == [
+            bpe_id_to_token_id[i] for i in encoding.ids
+        ], text[:80]
 
 
 def test_the_loss_mask_covers_assistant_turns_without_character_offsets(kimi_tokenizer):
     from pipeline.chat import tokenize_with_loss_mask
 
-    messages = [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": "return x + 1"},
-                {"role": "user", "content": "and ünïcode?"}, {"role": "assistant", "content": "return 'é'"}]
+    messages = [
+        {"role": "user", "content": "def f(x):"},
+        {"role": "assistant", "content": "return x + 1"},
+        {"role": "user", "content": "and ünïcode?"},
+        {"role": "assistant", "content": "return 'é'"},
+    ]
     ids, mask = tokenize_with_loss_mask(kimi_tokenizer, messages)
     assert ids == kimi_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
-    assert kimi_tokenizer.decode([i for i, m in zip(ids, mask) if m]) == "return x + 1<|im_end|>return 'é'<|im_end|>"
+    assert (
+        kimi_tokenizer.decode([i for i, m in zip(ids, mask) if m])
+        == "return x + 1<|im_end|>return 'é'<|im_end|>"
+    )
 
 
 def test_the_model_is_deepseek_v3_with_kimis_long_context(kimi_target_dir, kimi_engine):
@@ -161,9 +214,16 @@ def test_the_model_is_deepseek_v3_with_kimis_long_context(kimi_target_dir, kimi_
     assert moe_layers == [1, 2, 3, 4, 5]  # first_k_dense_replace 1
     assert config.max_position_embeddings == 262144
     rope = json.loads((kimi_target_dir / "config.json").read_text())["rope_parameters"]
-    assert rope == {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0,
-                    "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
-                    "mscale_all_dim": 1.0}
+    assert rope == {
+        "rope_type": "yarn",
+        "rope_theta": 50000.0,
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    }
     build = json.loads((kimi_target_dir / "build.json").read_text())
     assert build["heldout_perplexity"] < 200  # it learned the corpus at short sequence lengths
 
@@ -191,7 +251,9 @@ def test_the_sglang_stand_in_needs_the_flag_too(kimi_target_dir):
     backend = StandinBackend(kimi_target_dir, AUX_LAYERS, trust_remote_code=True)
     greedy = {"max_new_tokens": 4, "temperature": 0.0}
     plain = backend.generate_one({"sampling_params": greedy}, SEQUENCES[0])  # batched transformers generate
-    with_states = backend.generate_one({"sampling_params": greedy, "return_hidden_states": True}, SEQUENCES[0])
+    with_states = backend.generate_one(
+        {"sampling_params": greedy, "return_hidden_states": True}, SEQUENCES[0]
+    )
     assert plain["output_ids"] == with_states["output_ids"] and 1 <= len(plain["output_ids"]) <= 4
     assert len(with_states["meta_info"]["hidden_states"][0]) == len(SEQUENCES[0])
 
@@ -235,8 +297,12 @@ def test_prompts_generate_and_capture_run_on_it(kimi_target_dir, tmp_path):
     from tests.conftest import storage_config, tiny_config_dict
 
     data = tiny_config_dict(storage_config("file", tmp_path, None))
-    data["target"] = {"name": "kimi-tiny", "source": "hf", "model_path": str(kimi_target_dir),
-                      "trust_remote_code": True}
+    data["target"] = {
+        "name": "kimi-tiny",
+        "source": "hf",
+        "model_path": str(kimi_target_dir),
+        "trust_remote_code": True,
+    }
     data["prompts"].update({"num_samples": 8, "shard_size": 8, "eval_fraction": 0.0})
     data["generate"]["max_new_tokens"] = 8
     data["capture"].update({"aux_layer_ids": AUX_LAYERS, "parity": {"samples": 2}})
@@ -246,4 +312,3 @@ def test_prompts_generate_and_capture_run_on_it(kimi_target_dir, tmp_path):
     captured = capture.run(config, responses.uri, "kimi", store).manifest
     assert captured["counts"]["captured"] == 8
     assert captured["contract"]["target"] == describe_target(config).identity
-

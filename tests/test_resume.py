@@ -36,10 +36,16 @@ class CrashAfter:
 def response_ids(store, uri):
     prefix = store.key_for(uri)
     manifest = read_manifest(store, prefix, kind="responses")
-    return [r["id"] for shard in manifest["shards"] for r in decode_jsonl(read_listed(store, prefix, manifest, shard["name"]))]
+    return [
+        r["id"]
+        for shard in manifest["shards"]
+        for r in decode_jsonl(read_listed(store, prefix, manifest, shard["name"]))
+    ]
 
 
-def test_interrupted_generation_resumes_without_loss_or_duplicates(store, storage, monkeypatch, tiny_target_dir):
+def test_interrupted_generation_resumes_without_loss_or_duplicates(
+    store, storage, monkeypatch, tiny_target_dir
+):
     data = tiny_config_dict(storage)
     data["prompts"].update({"num_samples": 40, "shard_size": 40, "eval_fraction": 0.0})
     data["generate"].update({"batch_size": 8, "checkpoint_every": 8, "max_new_tokens": 8})
@@ -61,8 +67,13 @@ def test_interrupted_generation_resumes_without_loss_or_duplicates(store, storag
 
 
 def drafter(args, config_path):
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args, "--config", str(config_path), "--run-id", "kill"],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", *args, "--config", str(config_path), "--run-id", "kill"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ),
+    )
 
 
 def test_capture_killed_mid_run_resumes_to_exactly_one_copy(tmp_path, tiny_target_dir):
@@ -103,7 +114,14 @@ def test_capture_killed_mid_run_resumes_to_exactly_one_copy(tmp_path, tiny_targe
         reader.close()
     assert len(ids) == len(set(ids))
     expected = response_ids(store, store.uri("responses/tiny-test/kill"))
-    quarantined = [json.loads(line)["id"] for line in
-                   read_listed(store, "captures/tiny-test/kill", manifest, "quarantine.jsonl").splitlines()] \
-        if any(o["name"] == "quarantine.jsonl" for o in manifest["objects"]) else []
+    quarantined = (
+        [
+            json.loads(line)["id"]
+            for line in read_listed(
+                store, "captures/tiny-test/kill", manifest, "quarantine.jsonl"
+            ).splitlines()
+        ]
+        if any(o["name"] == "quarantine.jsonl" for o in manifest["objects"])
+        else []
+    )
     assert sorted(ids + quarantined) == sorted(expected)

@@ -24,24 +24,38 @@ def servers(tiny_target_dir):
 def test_generation_over_http_matches_the_local_engine(servers, tiny_target_dir, tiny_tokenizer):
     engine = SGLangEngine(SGLangClientConfig(urls=list(servers), concurrency=4, retries=0))
     assert engine.version == "sglang-0.5.23-standin"
-    prompts = [tiny_tokenizer.apply_chat_template([{"role": "user", "content": f"def f{i}(x):"}],
-                                                  add_generation_prompt=True, tokenize=True, return_dict=False)
-               for i in range(5)]
+    prompts = [
+        tiny_tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"def f{i}(x):"}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        for i in range(5)
+    ]
     remote = engine.generate(prompts, SamplingParams(max_new_tokens=20))
     local = HFEngine(tiny_target_dir).generate(prompts, SamplingParams(max_new_tokens=20))
     assert [g.output_ids for g in remote] == [g.output_ids for g in local]
     assert [g.finish_reason for g in remote] == [g.finish_reason for g in local]
     with_top = engine.generate(prompts[:2], SamplingParams(max_new_tokens=6, top_logprobs=3))
-    local_top = HFEngine(tiny_target_dir).generate(prompts[:2], SamplingParams(max_new_tokens=6, top_logprobs=3))
+    local_top = HFEngine(tiny_target_dir).generate(
+        prompts[:2], SamplingParams(max_new_tokens=6, top_logprobs=3)
+    )
     for r, l in zip(with_top, local_top):
         assert len(r.top_logprobs) == len(r.output_ids) and len(r.top_logprobs[0]) == 3
-        assert [[e[0] for e in step] for step in r.top_logprobs] == [[e[0] for e in step] for step in l.top_logprobs]
-        assert [step[0][0] for step in r.top_logprobs] == r.output_ids  # greedy: the top-1 is what was generated
+        assert [[e[0] for e in step] for step in r.top_logprobs] == [
+            [e[0] for e in step] for step in l.top_logprobs
+        ]
+        assert [
+            step[0][0] for step in r.top_logprobs
+        ] == r.output_ids  # greedy: the top-1 is what was generated
 
 
 def test_capture_over_http_matches_the_local_engine(servers, tiny_target_dir):
     aux_url, last_url = servers
-    engine = SGLangEngine(SGLangClientConfig(urls=[aux_url], last_hidden_urls=[last_url], retries=0), hidden_size=64)
+    engine = SGLangEngine(
+        SGLangClientConfig(urls=[aux_url], last_hidden_urls=[last_url], retries=0), hidden_size=64
+    )
     sequences = [[3, 10, 11, 12, 4, 20], [3, 30, 4]]
     teacher = TeacherRequest(("last_hidden", "topk"), 6)
     remote = engine.capture(sequences, [1, 2, 3], teacher)
@@ -63,8 +77,12 @@ def test_one_aux_server_is_enough_with_a_topk_teacher(servers, tiny_target_dir):
 
 def test_hidden_state_blocks_parse_without_python_floats_for_every_number():
     rows = np.random.default_rng(0).standard_normal((300, 40)).astype(np.float32)
-    raw = orjson.dumps({"text": "x", "meta_info": {"id": "r", "hidden_states": [rows.tolist(), [0.5] * 40],
-                                                   "prompt_tokens": 300}})
+    raw = orjson.dumps(
+        {
+            "text": "x",
+            "meta_info": {"id": "r", "hidden_states": [rows.tolist(), [0.5] * 40], "prompt_tokens": 300},
+        }
+    )
     rest, values = split_hidden_states(raw)
     assert np.array_equal(values.reshape(300, 40), rows)
     assert orjson.loads(rest)["meta_info"] == {"id": "r", "hidden_states": None, "prompt_tokens": 300}
@@ -79,12 +97,18 @@ def test_an_unreachable_server_is_a_clear_error():
 
 
 def test_stop_token_is_kept_and_aborts_fail():
-    assert parse_generation({"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": 1}}}
-                            ).output_ids == [5, 6, 1]
-    assert parse_generation({"output_ids": [5, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1}}}
-                            ).output_ids == [5, 1]
-    assert parse_generation({"output_ids": [5], "meta_info": {"finish_reason": {"type": "length"}}}
-                            ).finish_reason == "length"
+    assert parse_generation(
+        {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop", "matched": 1}}}
+    ).output_ids == [5, 6, 1]
+    assert parse_generation(
+        {"output_ids": [5, 1], "meta_info": {"finish_reason": {"type": "stop", "matched": 1}}}
+    ).output_ids == [5, 1]
+    assert (
+        parse_generation(
+            {"output_ids": [5], "meta_info": {"finish_reason": {"type": "length"}}}
+        ).finish_reason
+        == "length"
+    )
     with pytest.raises(EngineError, match="aborted"):
         parse_generation({"output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}})
     with pytest.raises(EngineError, match="missing"):
@@ -111,6 +135,7 @@ class Flaky:
                 status, body = outer.replies.pop(0) if outer.replies else (200, b"{}")
                 if status == "sleep":
                     import time
+
                     time.sleep(body)
                     status, body = 200, b"{}"
                 self.send_response(status)
@@ -160,8 +185,9 @@ def test_client_errors_are_not_retried_and_deadlines_hold():
         server.close()
 
 
-def test_the_generate_stage_regenerates_multi_turn_conversations_turn_by_turn(servers, store, storage, tmp_path,
-                                                                             tiny_target_dir, tiny_tokenizer):
+def test_the_generate_stage_regenerates_multi_turn_conversations_turn_by_turn(
+    servers, store, storage, tmp_path, tiny_target_dir, tiny_tokenizer
+):
     import json as jsonlib
 
     from pipeline.chat import prompt_ids
@@ -170,13 +196,25 @@ def test_the_generate_stage_regenerates_multi_turn_conversations_turn_by_turn(se
     from tests.conftest import tiny_config_dict
 
     data = tiny_config_dict(storage)
-    rows = [{"messages": [{"role": "user", "content": f"def first{i}(x):"}, {"role": "assistant", "content": "old"},
-                          {"role": "user", "content": f"def second{i}(y):"}, {"role": "assistant", "content": "old"}]}
-            for i in range(3)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"def first{i}(x):"},
+                {"role": "assistant", "content": "old"},
+                {"role": "user", "content": f"def second{i}(y):"},
+                {"role": "assistant", "content": "old"},
+            ]
+        }
+        for i in range(3)
+    ]
     path = tmp_path / "multi-turn.jsonl"
     path.write_text("\n".join(jsonlib.dumps(r) for r in rows))
     data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(path)}], "eval_fraction": 0.0}
-    data["generate"] = {"engine": "sglang", "max_new_tokens": 12, "sglang": {"urls": [servers[1]], "retries": 0}}
+    data["generate"] = {
+        "engine": "sglang",
+        "max_new_tokens": 12,
+        "sglang": {"urls": [servers[1]], "retries": 0},
+    }
     config = load_config(data=data)
     result = generate.run(config, prompts.run(config, "multi", store).uri, "multi", store)
     assert result.manifest["counts"] == {"input": 3, "succeeded": 3, "skipped": 0, "failed": 0}

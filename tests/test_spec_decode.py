@@ -22,8 +22,16 @@ def random_drafter(target_dir, seed=0):
     frozen = load_frozen_tensors(target_dir)
     vocab, hidden = frozen["embed"].shape
     torch.manual_seed(seed)
-    arch = DrafterArch(hidden_size=hidden, num_heads=2, num_kv_heads=2, head_dim=hidden // 2,
-                       intermediate_size=2 * hidden, vocab_size=vocab, draft_vocab_size=vocab, aux_layer_ids=AUX)
+    arch = DrafterArch(
+        hidden_size=hidden,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=hidden // 2,
+        intermediate_size=2 * hidden,
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        aux_layer_ids=AUX,
+    )
     model = Eagle3Drafter(arch, frozen["embed"].float()).eval()
     model.set_vocab_mapping(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
     return model
@@ -40,7 +48,7 @@ class OracleProposer:
 
     def propose(self, context, steps):
         done = len(context) - self.prompt_len
-        drafts = self.continuation[done:done + steps]
+        drafts = self.continuation[done : done + steps]
         return [t if i < self.wrong_at else (t + 1) % 1000 for i, t in enumerate(drafts)]
 
     def accept(self, context, accepted, aux):
@@ -85,8 +93,9 @@ def test_ngram_proposer_continues_the_latest_match():
 
 
 @pytest.mark.parametrize("steps, topk, draft_tokens", [(2, 2, 4), (3, 4, 10), (4, 2, 8)])
-def test_tree_drafting_output_equals_greedy(tiny_model, tiny_tokenizer, tiny_target_dir, prompts, steps, topk,
-                                            draft_tokens):
+def test_tree_drafting_output_equals_greedy(
+    tiny_model, tiny_tokenizer, tiny_target_dir, prompts, steps, topk, draft_tokens
+):
     from pipeline.spec_decode import tree_speculative_decode
 
     eos = tiny_tokenizer.eos_token_id
@@ -95,7 +104,9 @@ def test_tree_drafting_output_equals_greedy(tiny_model, tiny_tokenizer, tiny_tar
     with torch.inference_mode():
         for prompt in prompts:
             greedy = greedy_decode(plain, prompt, 40, eos)
-            tree = tree_speculative_decode(with_aux, EagleProposer(drafter), prompt, 40, eos, steps, topk, draft_tokens)
+            tree = tree_speculative_decode(
+                with_aux, EagleProposer(drafter), prompt, 40, eos, steps, topk, draft_tokens
+            )
             assert tree.tokens == greedy.tokens
             assert sum(tree.accepted_histogram) == tree.verify_forwards
 

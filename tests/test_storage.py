@@ -6,7 +6,14 @@ import os
 import pytest
 
 from pipeline.ids import InvalidIdError
-from pipeline.manifest import ManifestError, fetch_listed, manifest_exists, publish, read_listed, read_manifest
+from pipeline.manifest import (
+    ManifestError,
+    fetch_listed,
+    manifest_exists,
+    publish,
+    read_listed,
+    read_manifest,
+)
 from pipeline.storage import ObjectMissingError, StorageError
 
 

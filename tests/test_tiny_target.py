@@ -25,6 +25,7 @@ def test_build_records_its_quality_and_is_a_llama_with_a_chat_template(tiny_targ
     assert build["heldout_perplexity"] > 1 and 0 < build["greedy_distinct_2"] <= 1
     config = json.loads((tiny_target_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 7
-    text = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "def f():"}], tokenize=False,
-                                              add_generation_prompt=True)
+    text = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "def f():"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|user|>def f():<|end|>\n<|assistant|>"

@@ -27,9 +27,18 @@ def test_epoch_plans_are_deterministic_disjoint_and_equal_per_rank():
 def write_shards(store, tmp_path, count=3, samples=4):
     entries = []
     for shard in range(count):
-        items = [CaptureSample(f"s{shard}-{i}", torch.arange(5) + i, torch.ones(5, dtype=torch.uint8),
-                               torch.randn(5, 12), None, torch.zeros(5, 2, dtype=torch.long), torch.zeros(5, 2) - 1)
-                 for i in range(samples)]
+        items = [
+            CaptureSample(
+                f"s{shard}-{i}",
+                torch.arange(5) + i,
+                torch.ones(5, dtype=torch.uint8),
+                torch.randn(5, 12),
+                None,
+                torch.zeros(5, 2, dtype=torch.long),
+                torch.zeros(5, 2) - 1,
+            )
+            for i in range(samples)
+        ]
         path = tmp_path / f"shard{shard}.safetensors"
         write_shard(items, path, "fp8")
         info = store.put_file(f"caps/shard{shard}.safetensors", path)

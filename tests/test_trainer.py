@@ -18,8 +18,8 @@ from pipeline.config import load_config
 from pipeline.contract import ContractMismatch
 from pipeline.stages import capture, generate, prompts, train
 from pipeline.stages.train import training_fingerprint
-from pipeline.train_nodes import torchrun_args
 from pipeline.storage import open_store
+from pipeline.train_nodes import torchrun_args
 from tests.conftest import REPO, storage_config, tiny_config_dict
 
 
@@ -34,7 +34,9 @@ def setup(tmp_path_factory, tiny_target_dir):
     config = load_config(data=data)
     store = open_store(config.storage)
     responses = generate.run(config, prompts.run(config, "d", store).uri, "d", store)
-    dataset = capture.publish_dataset(config, [capture.run(config, responses.uri, "d", store).uri], "d", store)
+    dataset = capture.publish_dataset(
+        config, [capture.run(config, responses.uri, "d", store).uri], "d", store
+    )
     return {"data": data, "config": config, "store": store, "dataset": dataset.uri, "tmp": tmp}
 
 
@@ -57,7 +59,10 @@ def test_training_learns_and_writes_metrics(setup):
     epochs = history(result)
     assert len(epochs) == 3 and result.manifest["result"]["stop_reason"] == "completed"
     assert epochs[-1]["cond_acc"][0] > epochs[0]["cond_acc"][0] and epochs[-1]["cond_acc"][0] > 0.2
-    lines = [json.loads(line) for line in (workdir(setup, "uninterrupted") / "metrics.jsonl").read_text().splitlines()]
+    lines = [
+        json.loads(line)
+        for line in (workdir(setup, "uninterrupted") / "metrics.jsonl").read_text().splitlines()
+    ]
     assert {line["kind"] for line in lines} == {"interval", "epoch"}
     steps = [line["global_step"] for line in lines if line["kind"] == "interval"]
     assert steps == sorted(set(steps))
@@ -68,10 +73,21 @@ def test_training_learns_and_writes_metrics(setup):
 def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
     config_path = setup["tmp"] / "config.yaml"
     config_path.write_text(yaml.safe_dump(setup["data"]))
-    command = [sys.executable, "-m", "pipeline.cli", "train", "--config", str(config_path), "--run-id", "killed",
-               "--dataset", setup["dataset"]]
-    process = subprocess.Popen(command, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "train",
+        "--config",
+        str(config_path),
+        "--run-id",
+        "killed",
+        "--dataset",
+        setup["dataset"],
+    ]
+    process = subprocess.Popen(
+        command, cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         metrics = workdir(setup, "killed") / "metrics.jsonl"
@@ -84,7 +100,9 @@ def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
     assert (workdir(setup, "killed") / "checkpoints" / "latest").exists()
     assert not (workdir(setup, "killed") / "train_result.json").exists()
     checkpoints = workdir(setup, "killed") / "checkpoints"
-    partial = checkpoints / "step-99999999"  # what a kill in the middle of a save leaves: files, never committed
+    partial = (
+        checkpoints / "step-99999999"
+    )  # what a kill in the middle of a save leaves: files, never committed
     partial.mkdir(exist_ok=True)
     (partial / "mp_rank_00_model_states.pt").write_bytes(b"cut off")
     resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -100,42 +118,63 @@ def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
     resumed_history = read_manifest(store, "runs/killed/train", kind="train")["history"]
     straight = read_manifest(store, "runs/uninterrupted/train", kind="train")["history"]
     assert resumed_history == straight
-    weights = [load_file(str(workdir(setup, run) / "drafter" / "model.safetensors"))
-               for run in ("killed", "uninterrupted")]
+    weights = [
+        load_file(str(workdir(setup, run) / "drafter" / "model.safetensors"))
+        for run in ("killed", "uninterrupted")
+    ]
     assert all((weights[0][name] == weights[1][name]).all() for name in weights[1])
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len([line for line in lines if line["kind"] == "interval"]) == len({line["global_step"] for line in lines
-                                                                               if line["kind"] == "interval"})
+    assert len([line for line in lines if line["kind"] == "interval"]) == len(
+        {line["global_step"] for line in lines if line["kind"] == "interval"}
+    )
 
 
 def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
     source = workdir(setup, "uninterrupted") / "drafter"
-    config = load_config(data={**setup["data"], "train": {**setup["data"]["train"], "init": "warm",
-                                                          "init_from": str(source), "epochs": 1},
-                               "drafter": {**setup["data"]["drafter"], "draft_vocab_size": 100}})
+    config = load_config(
+        data={
+            **setup["data"],
+            "train": {**setup["data"]["train"], "init": "warm", "init_from": str(source), "epochs": 1},
+            "drafter": {**setup["data"]["drafter"], "draft_vocab_size": 100},
+        }
+    )
     result = train.run(config, setup["dataset"], "warm", setup["store"])
-    old, new = (load_file(str(path / "model.safetensors"))
-                for path in (source, workdir(setup, "warm", config) / "drafter"))
-    assert (old["d2t"] == new["d2t"]).all() and new["lm_head.weight"].shape[0] == old["lm_head.weight"].shape[0] != 100
+    old, new = (
+        load_file(str(path / "model.safetensors"))
+        for path in (source, workdir(setup, "warm", config) / "drafter")
+    )
+    assert (old["d2t"] == new["d2t"]).all() and new["lm_head.weight"].shape[0] == old["lm_head.weight"].shape[
+        0
+    ] != 100
     assert result.manifest["init_from"] == str(source)
     other = setup["tmp"] / "other-contract"
     shutil.copytree(source, other)
-    for name, edit in (("capture_contract.json", lambda c: c.update(aux_layer_ids=[0, 2, 3])),
-                       ("config.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 3]))):
+    for name, edit in (
+        ("capture_contract.json", lambda c: c.update(aux_layer_ids=[0, 2, 3])),
+        ("config.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 3])),
+    ):
         content = json.loads((other / name).read_text())
         edit(content)
         (other / name).write_text(json.dumps(content))
-    config = load_config(data={**setup["data"], "train": {**setup["data"]["train"], "init": "warm",
-                                                          "init_from": str(other)}})
+    config = load_config(
+        data={**setup["data"], "train": {**setup["data"]["train"], "init": "warm", "init_from": str(other)}}
+    )
     with pytest.raises(ContractMismatch, match="aux_layer_ids"):
         train.run(config, setup["dataset"], "warm-refused", setup["store"])
 
 
 def test_training_stops_on_a_plateau(setup):
-    data = {**setup["data"], "train": {**setup["data"]["train"], "epochs": 6, "learning_rate": 1e-9,
-                                       "checkpoint_every_steps": 0,
-                                       "plateau": {"enabled": True, "window_epochs": 1, "min_gain": 0.05}},
-            "gate": {"min_cond_acc": [0.9]}}
+    data = {
+        **setup["data"],
+        "train": {
+            **setup["data"]["train"],
+            "epochs": 6,
+            "learning_rate": 1e-9,
+            "checkpoint_every_steps": 0,
+            "plateau": {"enabled": True, "window_epochs": 1, "min_gain": 0.05},
+        },
+        "gate": {"min_cond_acc": [0.9]},
+    }
     result = train.run(load_config(data=data), setup["dataset"], "plateau", setup["store"])
     assert result.manifest["result"]["stop_reason"] == "plateau"
     assert result.manifest["result"]["epochs_run"] == 2
@@ -143,22 +182,47 @@ def test_training_stops_on_a_plateau(setup):
 
 def test_one_node_runs_standalone_and_several_meet_at_the_rendezvous(tmp_path):
     def settings(**train):
-        return load_config(data={"storage": {"root": str(tmp_path)}, "target": {"name": "t"}, "train": train}).train
+        return load_config(
+            data={"storage": {"root": str(tmp_path)}, "target": {"name": "t"}, "train": train}
+        ).train
 
     worker = ["--module", "pipeline.cli", "train-worker", "--spec", "s3://b/runs/r/train/worker_spec.json"]
-    assert torchrun_args(settings(nproc=8), worker[-1], "r") == ["--standalone", "--nproc-per-node", "8"] + worker
-    several = settings(nproc=8, nodes=4, rendezvous_endpoint="drafter-trainer-0.drafter-trainer",
-                       rendezvous_timeout_s=1800)
-    assert torchrun_args(several, worker[-1], "r") == [
-        "--nnodes", "4", "--nproc-per-node", "8", "--max-restarts", "0", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", "drafter-trainer-0.drafter-trainer:29400", "--rdzv-id", "r",
-        "--rdzv-conf", "join_timeout=1800,read_timeout=1800"] + worker
+    assert (
+        torchrun_args(settings(nproc=8), worker[-1], "r")
+        == ["--standalone", "--nproc-per-node", "8"] + worker
+    )
+    several = settings(
+        nproc=8, nodes=4, rendezvous_endpoint="drafter-trainer-0.drafter-trainer", rendezvous_timeout_s=1800
+    )
+    assert (
+        torchrun_args(several, worker[-1], "r")
+        == [
+            "--nnodes",
+            "4",
+            "--nproc-per-node",
+            "8",
+            "--max-restarts",
+            "0",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "drafter-trainer-0.drafter-trainer:29400",
+            "--rdzv-id",
+            "r",
+            "--rdzv-conf",
+            "join_timeout=1800,read_timeout=1800",
+        ]
+        + worker
+    )
 
 
-@pytest.mark.parametrize("removed, instead", [
-    ("train.hostfile=/etc/drafter-hostfile/hostfile", "train.hostfile was removed"),
-    ("train.launcher=deepspeed", "train.launcher 'deepspeed' was removed"),
-])
+@pytest.mark.parametrize(
+    "removed, instead",
+    [
+        ("train.hostfile=/etc/drafter-hostfile/hostfile", "train.hostfile was removed"),
+        ("train.launcher=deepspeed", "train.launcher 'deepspeed' was removed"),
+    ],
+)
 def test_settings_of_the_ssh_launcher_are_refused_with_what_to_use_instead(tmp_path, removed, instead):
     from pipeline.config import ConfigError
 
@@ -171,8 +235,11 @@ def test_settings_of_the_ssh_launcher_are_refused_with_what_to_use_instead(tmp_p
 
 def test_placement_settings_keep_the_checkpoints_of_a_run(tmp_path):
     """A rerun whose nodes meet on another port resumes the same work dir; another node count does not."""
-    data = {"storage": {"root": str(tmp_path)}, "target": {"name": "t"},
-            "train": {"nodes": 2, "rendezvous_endpoint": "127.0.0.1"}}
+    data = {
+        "storage": {"root": str(tmp_path)},
+        "target": {"name": "t"},
+        "train": {"nodes": 2, "rendezvous_endpoint": "127.0.0.1"},
+    }
     dataset = {"uri": "u", "created_at": "c", "train_shards": [{"sha256": "s"}]}
 
     def fingerprint(**train):

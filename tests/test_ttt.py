@@ -4,14 +4,28 @@ import pytest
 import torch
 
 from pipeline.drafter_model import DraftCache, DrafterArch, Eagle3Drafter, dense_ttt_attention, ttt_attention
-from pipeline.ttt import MetricCounts, Teacher, teacher_from_last_hidden, teacher_from_topk, ttt_loss_and_counts
+from pipeline.ttt import (
+    MetricCounts,
+    Teacher,
+    teacher_from_last_hidden,
+    teacher_from_topk,
+    ttt_loss_and_counts,
+)
 from pipeline.vocab import build_mapping, mapping_from_d2t
 
 
 def small_drafter(seed=0, vocab=50, hidden=16) -> Eagle3Drafter:
     torch.manual_seed(seed)
-    arch = DrafterArch(hidden_size=hidden, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32,
-                       vocab_size=vocab, draft_vocab_size=vocab, aux_layer_ids=[1, 2, 3])
+    arch = DrafterArch(
+        hidden_size=hidden,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        aux_layer_ids=[1, 2, 3],
+    )
     model = Eagle3Drafter(arch, torch.randn(vocab, hidden))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
@@ -46,10 +60,10 @@ def test_training_unroll_equals_serving_time_chain_drafting():
         for anchor in (0, 3, length - 4):
             cache = DraftCache()
             # real entries 0..anchor: feature f_s with the next token x_{s+1}
-            h = model.decode(aux[:, :anchor + 1], ids[:, 1:anchor + 2], 0, cache)[:, -1:]
+            h = model.decode(aux[:, : anchor + 1], ids[:, 1 : anchor + 2], 0, cache)[:, -1:]
             torch.testing.assert_close(h[0, 0], unrolled[0][0, anchor], rtol=1e-4, atol=1e-5)
             for step in (1, 2):
-                token = ids[:, anchor + 1 + step:anchor + 2 + step]
+                token = ids[:, anchor + 1 + step : anchor + 2 + step]
                 h = model.decode(h, token, anchor + step, cache)
                 torch.testing.assert_close(h[0, 0], unrolled[step][0, anchor], rtol=1e-4, atol=1e-5)
 
@@ -60,6 +74,7 @@ def one_hot_logits_fn(choices: dict[int, torch.Tensor], vocab: int):
 
     def logits(_h):
         return torch.nn.functional.one_hot(choices[next(calls)], vocab).float()[None] * 10
+
     return logits
 
 
@@ -68,7 +83,9 @@ def test_alignment_targets_and_mask_are_indexed_by_the_input_token():
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0]])  # assistant tokens are x2..x5
     target_top1 = torch.arange(10, 10 + length)[None]  # teacher's top-1 at position p is 10 + p
-    teacher = Teacher(target_top1, torch.softmax(torch.nn.functional.one_hot(target_top1, vocab).float() * 5, -1))
+    teacher = Teacher(
+        target_top1, torch.softmax(torch.nn.functional.one_hot(target_top1, vocab).float() * 5, -1)
+    )
     d2t = torch.zeros(vocab, dtype=torch.long)
     h = [torch.zeros(1, length, 4)] * steps
     t = torch.arange(length)
@@ -92,24 +109,43 @@ def test_loss_is_weighted_by_step_and_normalized_by_masked_tokens():
     uniform = torch.full((1, length, vocab), 1.0 / vocab)
     teacher = Teacher(torch.zeros(1, length, dtype=torch.long), uniform)
     h = [torch.zeros(1, length, 2)] * 2
-    loss, counts = ttt_loss_and_counts(h, lambda _h: torch.zeros(1, length, vocab), ids, loss_mask, teacher,
-                                       torch.zeros(vocab, dtype=torch.long), 0.8)
+    loss, counts = ttt_loss_and_counts(
+        h,
+        lambda _h: torch.zeros(1, length, vocab),
+        ids,
+        loss_mask,
+        teacher,
+        torch.zeros(vocab, dtype=torch.long),
+        0.8,
+    )
     ce = torch.log(torch.tensor(float(vocab)))  # uniform vs uniform cross-entropy per token
     torch.testing.assert_close(loss, ce * (1 + 0.8))
     assert counts.masked == [3.0, 2.0]
 
 
 def test_metrics_from_summed_counts():
-    counts = MetricCounts(3, loss_sum=[10.0, 8.0, 6.0], correct=[80.0, 50.0, 30.0], masked=[100.0, 100.0, 100.0],
-                          full_correct=[80.0, 40.0, 20.0], chain=[100.0, 100.0, 100.0])
+    counts = MetricCounts(
+        3,
+        loss_sum=[10.0, 8.0, 6.0],
+        correct=[80.0, 50.0, 30.0],
+        masked=[100.0, 100.0, 100.0],
+        full_correct=[80.0, 40.0, 20.0],
+        chain=[100.0, 100.0, 100.0],
+    )
     summary = counts.summary()
     assert summary["acc"] == [0.8, 0.5, 0.3]
     assert summary["full_acc"] == [0.8, 0.4, 0.2]
     assert summary["cond_acc"] == [0.8, 0.5, 0.5]
     assert summary["tau_simulated"] == pytest.approx(1 + 0.8 + 0.4 + 0.2)
     assert summary["loss"] == [0.1, 0.08, 0.06]
-    other = MetricCounts(3, loss_sum=[0.0] * 3, correct=[20.0, 0.0, 0.0], masked=[100.0] * 3,
-                         full_correct=[20.0, 0.0, 0.0], chain=[100.0] * 3)
+    other = MetricCounts(
+        3,
+        loss_sum=[0.0] * 3,
+        correct=[20.0, 0.0, 0.0],
+        masked=[100.0] * 3,
+        full_correct=[20.0, 0.0, 0.0],
+        chain=[100.0] * 3,
+    )
     counts.add(other)  # 100/200 and 80/200 after summing counts, not the mean of two ratios
     assert counts.summary()["acc"][0] == 0.5
     assert MetricCounts.from_tensor(counts.as_tensor()).summary() == counts.summary()

@@ -77,9 +77,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import yaml
 
@@ -96,8 +97,13 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 JOB_INDEX_KEY = "batch.kubernetes.io/job-completion-index"  # a label and an annotation of every Job pod
 JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"
 POD_NAME_CHARACTERS = "bcdfghjklmnpqrstvwxz"  # a Job pod's random name suffix: lowercase, no vowels, no words
-UNSUPPORTED_JOB_FIELDS = ("suspend", "activeDeadlineSeconds", "podFailurePolicy", "backoffLimitPerIndex",
-                          "successPolicy")
+UNSUPPORTED_JOB_FIELDS = (
+    "suspend",
+    "activeDeadlineSeconds",
+    "podFailurePolicy",
+    "backoffLimitPerIndex",
+    "successPolicy",
+)
 
 
 class ClusterError(RuntimeError):
@@ -126,7 +132,7 @@ class LocalNode:
 def _quantity(value: str) -> float:
     """A Kubernetes quantity ("96", "500m", "1600Gi", "64G") as a number."""
     text = str(value)
-    binary = {"Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50}
+    binary = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
     decimal = {"m": 1e-3, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
     for suffix, factor in binary.items():
         if text.endswith(suffix):
@@ -152,7 +158,9 @@ def scheduling_problems(spec: dict[str, Any], node: LocalNode) -> list[str]:
             requested[name] = requested.get(name, 0.0) + _quantity(value)
     for name, amount in requested.items():
         if amount > _quantity(node.capacity.get(name, "0")):
-            problems.append(f"insufficient {name}: requests {amount:g}, the node has {node.capacity.get(name, 0)}")
+            problems.append(
+                f"insufficient {name}: requests {amount:g}, the node has {node.capacity.get(name, 0)}"
+            )
     return problems
 
 
@@ -175,7 +183,9 @@ def _probe_port(container: dict[str, Any]) -> int:
         return port
     named = {entry.get("name"): entry["containerPort"] for entry in container.get("ports") or []}
     if port not in named:
-        raise ClusterError(f"container {container['name']}: readinessProbe port {port!r} is none of its ports")
+        raise ClusterError(
+            f"container {container['name']}: readinessProbe port {port!r} is none of its ports"
+        )
     return named[port]
 
 
@@ -192,7 +202,7 @@ def _answers(host: str, port: int, path: str, timeout: float) -> bool:
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _timestamp(moment: dt.datetime) -> str:
@@ -206,6 +216,7 @@ def expand_variables(text: str, defined: Mapping[str, str]) -> str:
     """Kubernetes' expansion of a container's command, args and env values: `$(NAME)` is NAME's value where
     NAME is defined, else left as it is; `$$` is a literal `$` (so `$$(NAME)` is `$(NAME)`); any other `$`
     stays."""
+
     def replace(found: re.Match[str]) -> str:
         if found["name"] is not None:
             return defined.get(found["name"], found[0])
@@ -234,25 +245,51 @@ def job_problems(job: dict[str, Any]) -> list[str]:
         problems.append("spec.template.spec.containers is required")
     if template.get("restartPolicy") != "Never":
         problems.append("spec.template.spec.restartPolicy must be Never (nothing restarts a container here)")
-    return problems + [f"spec.{key} is not supported here" for key in UNSUPPORTED_JOB_FIELDS
-                       if spec.get(key) not in (None, False)]
+    return problems + [
+        f"spec.{key} is not supported here"
+        for key in UNSUPPORTED_JOB_FIELDS
+        if spec.get(key) not in (None, False)
+    ]
 
 
 class ContainerRun:
     """One container process (its own namespaces), its timestamped log, and on_exit, called once it ended."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], spec_path: Path, log_path: Path,
-                 on_exit: Callable[[], None]):
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        spec_path: Path,
+        log_path: Path,
+        on_exit: Callable[[], None],
+    ):
         self.name, self.env, self.log_path, self._on_exit = name, env, log_path, on_exit
         self.started_at = _now()
         self.finished_at: dt.datetime | None = None
         self.exit_code: int | None = None
         launcher_env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": os.pathsep.join(sys.path)}
         self.process = subprocess.Popen(
-            ["unshare", "--mount", "--uts", "--pid", "--fork", "--kill-child", "--propagation", "private",
-             sys.executable, "-m", "pipeline.dev.container", str(spec_path)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=launcher_env,
-            start_new_session=True)
+            [
+                "unshare",
+                "--mount",
+                "--uts",
+                "--pid",
+                "--fork",
+                "--kill-child",
+                "--propagation",
+                "private",
+                sys.executable,
+                "-m",
+                "pipeline.dev.container",
+                str(spec_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=launcher_env,
+            start_new_session=True,
+        )
         self.argv = argv
         self._log_thread = threading.Thread(target=self._copy_log, daemon=True)
         self._log_thread.start()
@@ -264,7 +301,9 @@ class ContainerRun:
                 out.write(f"{_timestamp(_now())} {raw.decode('utf-8', errors='backslashreplace')}")
                 out.flush()
         code = self.process.wait()
-        self.exit_code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as Kubernetes reports it
+        self.exit_code = (
+            128 - code if code < 0 else code
+        )  # killed by signal N: 128 + N, as Kubernetes reports it
         self.finished_at = _now()
         self._on_exit()
 
@@ -320,9 +359,13 @@ class LocalPod:
         """A fieldRef of the downward API: metadata.name, metadata.namespace, metadata.annotations['KEY'],
         metadata.labels['KEY'] (empty if absent), status.podIP, spec.nodeName or spec.serviceAccountName."""
         meta, spec = self.manifest["metadata"], self.manifest["spec"]
-        fields = {"metadata.name": self.name, "metadata.namespace": self.namespace, "status.podIP": self.ip,
-                  "spec.nodeName": self.node or "",
-                  "spec.serviceAccountName": spec.get("serviceAccountName") or "default"}
+        fields = {
+            "metadata.name": self.name,
+            "metadata.namespace": self.namespace,
+            "status.podIP": self.ip,
+            "spec.nodeName": self.node or "",
+            "spec.serviceAccountName": spec.get("serviceAccountName") or "default",
+        }
         if path in fields:
             return fields[path]
         if found := _SUBSCRIPTED_FIELD.fullmatch(path):
@@ -337,7 +380,9 @@ class LocalPod:
         return run is not None and run.running and self.probed.get(name, True)
 
     def ready(self) -> bool:
-        return all(self.container_ready(container["name"]) for container in self.manifest["spec"]["containers"])
+        return all(
+            self.container_ready(container["name"]) for container in self.manifest["spec"]["containers"]
+        )
 
     def current_phase(self) -> str:
         runs = list(self.containers.values())  # a copy: the pod's start may be adding to them
@@ -372,16 +417,24 @@ class LocalJob:
     def finish(self, kind: str, reason: str, message: str) -> None:
         """Set the Complete or Failed condition; a Job that completed has a completionTime, a failed one not."""
         moment = _now()
-        self.condition = {"type": kind, "status": "True", "reason": reason, "message": message,
-                          "lastProbeTime": _timestamp(moment), "lastTransitionTime": _timestamp(moment)}
+        self.condition = {
+            "type": kind,
+            "status": "True",
+            "reason": reason,
+            "message": message,
+            "lastProbeTime": _timestamp(moment),
+            "lastTransitionTime": _timestamp(moment),
+        }
         if kind == "Complete":
             self.completed_at = moment
 
     def status(self) -> dict[str, Any]:
         """Its status as the API returns it (counts of zero left out, as Kubernetes leaves them out)."""
         counts = {"active": len(self.active), "succeeded": len(self.succeeded), "failed": self.failed}
-        status: dict[str, Any] = {"startTime": _timestamp(self.started_at),
-                                  **{key: count for key, count in counts.items() if count}}
+        status: dict[str, Any] = {
+            "startTime": _timestamp(self.started_at),
+            **{key: count for key, count in counts.items() if count},
+        }
         if self.condition:
             status["conditions"] = [self.condition]
         if self.completed_at:
@@ -393,8 +446,14 @@ class LocalCluster:
     """The node, its applied objects (namespaces, service accounts, volumes, RBAC, StatefulSets and
     Services), its Jobs, the pods it ran and, once started, its API server."""
 
-    def __init__(self, workspace: Path, images: dict[str, LocalImage], nodes: tuple[LocalNode, ...],
-                 aws_endpoint: str | None = None, region: str = "us-east-1"):
+    def __init__(
+        self,
+        workspace: Path,
+        images: dict[str, LocalImage],
+        nodes: tuple[LocalNode, ...],
+        aws_endpoint: str | None = None,
+        region: str = "us-east-1",
+    ):
         self.workspace = Path(workspace)
         self.images, self.nodes = images, nodes
         self.aws_endpoint, self.region = aws_endpoint, region
@@ -466,8 +525,9 @@ class LocalCluster:
 
     def service_account_token(self, namespace: str, account: str) -> str:
         """A service account's bearer token (made on first use), the one its pods find in their token file."""
-        if namespace not in self.namespaces or (account != "default"
-                                                and (namespace, account) not in self.service_accounts):
+        if namespace not in self.namespaces or (
+            account != "default" and (namespace, account) not in self.service_accounts
+        ):
             raise ClusterError(f"service account {namespace}/{account} does not exist")
         with self.lock:
             return self._tokens.setdefault((namespace, account), secrets.token_urlsafe(32))
@@ -490,8 +550,11 @@ class LocalCluster:
         (directory / "namespace").write_text(pod.namespace)
         shutil.copyfile(self.api.ca_file, directory / "ca.crt")
         port = str(self.api.port)
-        env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port,
-               "KUBERNETES_SERVICE_PORT_HTTPS": port}
+        env = {
+            "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+            "KUBERNETES_SERVICE_PORT": port,
+            "KUBERNETES_SERVICE_PORT_HTTPS": port,
+        }
         return env, [{"source": str(directory), "target": SERVICE_ACCOUNT_DIR, "read_only": True}]
 
     # -- StatefulSets ----------------------------------------------------------------------------
@@ -515,8 +578,11 @@ class LocalCluster:
 
     def _stateful_pods(self, namespace: str, name: str) -> dict[int, LocalPod]:
         ordinal = re.compile(rf"{re.escape(name)}-(0|[1-9][0-9]*)")
-        return {int(found[1]): pod for (pod_namespace, pod_name), pod in list(self.pods.items())
-                if pod_namespace == namespace and (found := ordinal.fullmatch(pod_name))}
+        return {
+            int(found[1]): pod
+            for (pod_namespace, pod_name), pod in list(self.pods.items())
+            if pod_namespace == namespace and (found := ordinal.fullmatch(pod_name))
+        }
 
     def _reconcile_later(self, namespace: str, name: str) -> None:
         threading.Thread(target=self._reconcile, args=(namespace, name), daemon=True).start()
@@ -543,10 +609,17 @@ class LocalCluster:
         meta, spec = statefulset["metadata"], statefulset["spec"]
         template = json.loads(json.dumps(spec["template"]))
         name = f"{meta['name']}-{ordinal}"
-        return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "namespace": meta.get("namespace", "default"), "uid": str(uuid.uuid4()),
-                             "labels": (template.get("metadata") or {}).get("labels") or {}},
-                "spec": {**template["spec"], "hostname": name, "subdomain": spec.get("serviceName")}}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": name,
+                "namespace": meta.get("namespace", "default"),
+                "uid": str(uuid.uuid4()),
+                "labels": (template.get("metadata") or {}).get("labels") or {},
+            },
+            "spec": {**template["spec"], "hostname": name, "subdomain": spec.get("serviceName")},
+        }
 
     # -- Jobs (batch/v1, Indexed) -----------------------------------------------------------------
     def create_job(self, manifest: dict[str, Any]) -> LocalJob | None:
@@ -579,20 +652,27 @@ class LocalCluster:
         if job is not None and with_pods:
             uid = job.manifest["metadata"]["uid"]
             for pod in list(self.pods.values()):
-                if pod.namespace == namespace and (pod.manifest["metadata"].get("labels") or {}).get(
-                        JOB_UID_LABEL) == uid:
+                if (
+                    pod.namespace == namespace
+                    and (pod.manifest["metadata"].get("labels") or {}).get(JOB_UID_LABEL) == uid
+                ):
                     self.delete_pod(namespace, pod.name)
         return job
 
     def pods_labelled(self, namespace: str, key: str, value: str) -> list[LocalPod]:
         """The namespace's pods with the label key=value (`kubectl -l key=value`), oldest first."""
-        return [pod for pod in list(self.pods.values())
-                if pod.namespace == namespace and (pod.manifest["metadata"].get("labels") or {}).get(key) == value]
+        return [
+            pod
+            for pod in list(self.pods.values())
+            if pod.namespace == namespace and (pod.manifest["metadata"].get("labels") or {}).get(key) == value
+        ]
 
     def job_pods(self, namespace: str, job: str) -> list[LocalPod]:
         """The pods labelled as the Job's (batch.kubernetes.io/job-name), by completion index, oldest first."""
         pods = self.pods_labelled(namespace, JOB_NAME_LABEL, job)
-        return sorted(pods, key=lambda pod: int((pod.manifest["metadata"].get("labels") or {}).get(JOB_INDEX_KEY, -1)))
+        return sorted(
+            pods, key=lambda pod: int((pod.manifest["metadata"].get("labels") or {}).get(JOB_INDEX_KEY, -1))
+        )
 
     def kill_pod(self, namespace: str, name: str) -> None:
         """SIGKILL every container of a pod, as losing its node does: the pod stays, Failed, with exit code 137."""
@@ -630,9 +710,12 @@ class LocalCluster:
         if len(job.succeeded) == spec["completions"]:
             job.finish("Complete", "CompletionsReached", "Reached expected number of succeeded pods")
             return []
-        waiting = [index for index in range(spec["completions"])
-                   if index not in job.succeeded and index not in job.active]
-        for index in waiting[:max(spec["parallelism"] - len(job.active), 0)]:
+        waiting = [
+            index
+            for index in range(spec["completions"])
+            if index not in job.succeeded and index not in job.active
+        ]
+        for index in waiting[: max(spec["parallelism"] - len(job.active), 0)]:
             job.active[index] = self.create_pod(self._job_pod(job, index))
         return []
 
@@ -657,16 +740,35 @@ class LocalCluster:
         template = json.loads(json.dumps(job.manifest["spec"]["template"]))
         meta, uid = template.get("metadata") or {}, job.manifest["metadata"]["uid"]
         suffix = "".join(secrets.choice(POD_NAME_CHARACTERS) for _ in range(5))
-        labels = {**(meta.get("labels") or {}), JOB_NAME_LABEL: job.name, "job-name": job.name,
-                  JOB_INDEX_KEY: str(index), JOB_UID_LABEL: uid, "controller-uid": uid}
-        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": job.name, "uid": uid, "controller": True,
-                 "blockOwnerDeletion": True}
-        return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": f"{job.name}-{index}-{suffix}", "namespace": job.namespace,
-                             "uid": str(uuid.uuid4()), "labels": labels,
-                             "annotations": {**(meta.get("annotations") or {}), JOB_INDEX_KEY: str(index)},
-                             "ownerReferences": [owner]},
-                "spec": {**_with_completion_index(template["spec"]), "hostname": f"{job.name}-{index}"}}
+        labels = {
+            **(meta.get("labels") or {}),
+            JOB_NAME_LABEL: job.name,
+            "job-name": job.name,
+            JOB_INDEX_KEY: str(index),
+            JOB_UID_LABEL: uid,
+            "controller-uid": uid,
+        }
+        owner = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "name": job.name,
+            "uid": uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"{job.name}-{index}-{suffix}",
+                "namespace": job.namespace,
+                "uid": str(uuid.uuid4()),
+                "labels": labels,
+                "annotations": {**(meta.get("annotations") or {}), JOB_INDEX_KEY: str(index)},
+                "ownerReferences": [owner],
+            },
+            "spec": {**_with_completion_index(template["spec"]), "hostname": f"{job.name}-{index}"},
+        }
 
     # -- pod network and DNS ---------------------------------------------------------------------
     def _allocate_address(self) -> str:
@@ -688,7 +790,9 @@ class LocalCluster:
             hostname, subdomain = pod.manifest["spec"].get("hostname"), pod.manifest["spec"].get("subdomain")
             if hostname and (pod.namespace, subdomain) in self.services and not pod.terminated():
                 fqdn = f"{hostname}.{subdomain}.{pod.namespace}.svc"
-                records.append((pod.namespace, pod.ip, [f"{fqdn}.cluster.local", fqdn, f"{hostname}.{subdomain}"]))
+                records.append(
+                    (pod.namespace, pod.ip, [f"{fqdn}.cluster.local", fqdn, f"{hostname}.{subdomain}"])
+                )
         return records
 
     def address_of(self, hostname: str) -> str | None:
@@ -707,7 +811,10 @@ class LocalCluster:
             records = self._dns_records()
             _replace(self.hosts_file, _hosts_text([(ip, names[:-1]) for _, ip, names in records]))
             for pod in list(self.pods.values()):
-                others = [(ip, names if namespace == pod.namespace else names[:-1]) for namespace, ip, names in records]
+                others = [
+                    (ip, names if namespace == pod.namespace else names[:-1])
+                    for namespace, ip, names in records
+                ]
                 _replace(pod.directory / "dns" / "hosts", _hosts_text([(pod.ip, _own_names(pod)), *others]))
 
     # -- pods ------------------------------------------------------------------------------------
@@ -719,8 +826,9 @@ class LocalCluster:
         with self.lock:
             if (namespace, name) in self.pods:
                 raise ClusterError(f"pod {namespace}/{name} already exists")
-            pod = self.pods[(namespace, name)] = LocalPod(manifest, self._pod_directory(namespace, name),
-                                                          ip=self._allocate_address())
+            pod = self.pods[(namespace, name)] = LocalPod(
+                manifest, self._pod_directory(namespace, name), ip=self._allocate_address()
+            )
         self._write_hosts()
         self._record(pod, "created")
         threading.Thread(target=self._start, args=(pod,), daemon=True).start()
@@ -747,11 +855,17 @@ class LocalCluster:
         problems = {node.name: scheduling_problems(spec, node) for node in self.nodes}
         fitting = [name for name, found in problems.items() if not found]
         if not fitting:
-            self._fail(pod, "FailedScheduling", f"0/{len(self.nodes)} nodes are available: " + "; ".join(
-                f"{name}: {', '.join(found)}" for name, found in problems.items()))
+            self._fail(
+                pod,
+                "FailedScheduling",
+                f"0/{len(self.nodes)} nodes are available: "
+                + "; ".join(f"{name}: {', '.join(found)}" for name, found in problems.items()),
+            )
             return
         pod.node = fitting[0]
-        pod.events.append({"type": "Normal", "reason": "Scheduled", "message": f"assigned to node {pod.node}"})
+        pod.events.append(
+            {"type": "Normal", "reason": "Scheduled", "message": f"assigned to node {pod.node}"}
+        )
         try:
             volumes = self._volumes(pod)
             for container in spec.get("initContainers") or []:
@@ -760,8 +874,11 @@ class LocalCluster:
                 if run.exit_code != 0:
                     self._fail(pod, "InitContainerFailed", f"{container['name']} exited {run.exit_code}")
                     return
-            probed = {container["name"]: _probe_port(container) for container in spec["containers"]
-                      if _http_probe(container)}
+            probed = {
+                container["name"]: _probe_port(container)
+                for container in spec["containers"]
+                if _http_probe(container)
+            }
             pod.probed = dict.fromkeys(probed, False)
             for container in spec["containers"]:
                 pod.containers[container["name"]] = self._run_container(pod, container, volumes)
@@ -777,8 +894,11 @@ class LocalCluster:
             return
         for container in spec["containers"]:
             if container["name"] in probed:
-                threading.Thread(target=self._probe_readiness, args=(pod, container, probed[container["name"]]),
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._probe_readiness,
+                    args=(pod, container, probed[container["name"]]),
+                    daemon=True,
+                ).start()
 
     def _probe_readiness(self, pod: LocalPod, container: dict[str, Any], port: int) -> None:
         """Probe a container's readinessProbe.httpGet at the pod's address while it runs. periodSeconds is
@@ -802,26 +922,36 @@ class LocalCluster:
                 source = pod.directory / "volumes" / name
                 source.mkdir(parents=True)
                 size = empty.get("sizeLimit")
-                volumes[name] = {"source": str(source), "tmpfs": empty.get("medium") == "Memory",
-                                 "size": str(int(_quantity(size))) if size else None}
+                volumes[name] = {
+                    "source": str(source),
+                    "tmpfs": empty.get("medium") == "Memory",
+                    "size": str(int(_quantity(size))) if size else None,
+                }
                 continue
             kind = next((VOLUME_KINDS[key] for key in VOLUME_KINDS if key in volume), None)
             if kind is None:
-                raise ClusterError(f"volume {name}: only persistentVolumeClaim, configMap, secret and emptyDir "
-                                   f"volumes run here, not {sorted(set(volume) - {'name'})}")
+                raise ClusterError(
+                    f"volume {name}: only persistentVolumeClaim, configMap, secret and emptyDir "
+                    f"volumes run here, not {sorted(set(volume) - {'name'})}"
+                )
             source_spec = volume[next(key for key in VOLUME_KINDS if key in volume)]
             claim = source_spec.get("claimName") or source_spec.get("name") or source_spec.get("secretName")
             source = self.volume_dir(kind, namespace, claim)
             if not source.is_dir():
                 raise ClusterError(f"volume {name}: {kind} {namespace}/{claim} does not exist")
-            volumes[name] = {"source": str(source), "tmpfs": False,
-                             "read_only": bool(source_spec.get("readOnly")) or kind != "pvc"}
+            volumes[name] = {
+                "source": str(source),
+                "tmpfs": False,
+                "read_only": bool(source_spec.get("readOnly")) or kind != "pvc",
+            }
         return volumes
 
     def _image(self, container: dict[str, Any]) -> LocalImage:
         reference = container.get("image")
         if reference not in self.images:
-            raise ClusterError(f"image {reference!r} cannot be pulled here; known images: {sorted(self.images)}")
+            raise ClusterError(
+                f"image {reference!r} cannot be pulled here; known images: {sorted(self.images)}"
+            )
         return self.images[reference]
 
     def _identity(self, pod: LocalPod) -> tuple[dict[str, str], list[dict[str, Any]]]:
@@ -837,12 +967,19 @@ class LocalCluster:
         token = pod.directory / "identity"
         token.mkdir(exist_ok=True)
         (token / "token").write_text(f"local-web-identity-token-{namespace}-{account}")
-        env = {"AWS_ROLE_ARN": role, "AWS_WEB_IDENTITY_TOKEN_FILE": f"{IRSA_TOKEN_DIR}/token",
-               "AWS_ROLE_SESSION_NAME": pod.name, "AWS_STS_REGIONAL_ENDPOINTS": "regional",
-               "AWS_REGION": self.region, "AWS_DEFAULT_REGION": self.region}
+        env = {
+            "AWS_ROLE_ARN": role,
+            "AWS_WEB_IDENTITY_TOKEN_FILE": f"{IRSA_TOKEN_DIR}/token",
+            "AWS_ROLE_SESSION_NAME": pod.name,
+            "AWS_STS_REGIONAL_ENDPOINTS": "regional",
+            "AWS_REGION": self.region,
+            "AWS_DEFAULT_REGION": self.region,
+        }
         return env, [{"source": str(token), "target": IRSA_TOKEN_DIR, "read_only": True}]
 
-    def _container_env(self, pod: LocalPod, container: dict[str, Any]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    def _container_env(
+        self, pod: LocalPod, container: dict[str, Any]
+    ) -> tuple[dict[str, str], list[dict[str, Any]]]:
         """The env Kubernetes gives a container (not the image's own, nor HOSTNAME, which the container runtime
         sets), with which `$(NAME)` in its command and args expands, and the token volumes that go with it:
         IRSA's and the API server's env, then the spec's env in order, each value expanded with those before."""
@@ -859,29 +996,59 @@ class LocalCluster:
     def _run_container(self, pod: LocalPod, container: dict[str, Any], volumes: dict[str, dict[str, Any]]):
         image = self._image(container)
         defined, mounts = self._container_env(pod, container)
-        argv = [expand_variables(part, defined) for part in [*(container.get("command") or []),
-                                                             *(container.get("args") or [])]]
+        argv = [
+            expand_variables(part, defined)
+            for part in [*(container.get("command") or []), *(container.get("args") or [])]
+        ]
         if not argv:
-            raise ClusterError(f"container {container['name']}: no command (the local images have no entrypoint)")
+            raise ClusterError(
+                f"container {container['name']}: no command (the local images have no entrypoint)"
+            )
         env = {**image.env, "HOSTNAME": pod.hostname, **defined}
         for mount in container.get("volumeMounts") or []:
             if mount["name"] not in volumes:
-                raise ClusterError(f"container {container['name']} mounts volume {mount['name']!r}, "
-                                   "which the pod does not declare")
+                raise ClusterError(
+                    f"container {container['name']} mounts volume {mount['name']!r}, "
+                    "which the pod does not declare"
+                )
             if mount.get("subPath"):
                 raise ClusterError(f"volume {mount['name']}: subPath mounts are not supported here")
             volume = volumes[mount["name"]]
-            mounts.append({**volume, "target": mount["mountPath"],
-                           "read_only": bool(mount.get("readOnly")) or volume.get("read_only", False)})
+            mounts.append(
+                {
+                    **volume,
+                    "target": mount["mountPath"],
+                    "read_only": bool(mount.get("readOnly")) or volume.get("read_only", False),
+                }
+            )
         spec_path = pod.directory / f"{container['name']}.json"
-        spec_path.write_text(json.dumps({
-            "name": f"{pod.name}/{container['name']}", "rootfs": str(pod.directory / "rootfs" / container["name"]),
-            "image_files": image.files, "masked": list(image.masked), "mounts": mounts, "hostname": pod.hostname,
-            "dns": str(pod.directory / "dns"), "workdir": container.get("workingDir") or image.workdir, "env": env,
-            "argv": argv}))
-        pod.events.append({"type": "Normal", "reason": "Started", "message": f"started container {container['name']}"})
-        return ContainerRun(container["name"], argv, env, spec_path, pod.directory / f"{container['name']}.log",
-                            on_exit=self._write_hosts)
+        spec_path.write_text(
+            json.dumps(
+                {
+                    "name": f"{pod.name}/{container['name']}",
+                    "rootfs": str(pod.directory / "rootfs" / container["name"]),
+                    "image_files": image.files,
+                    "masked": list(image.masked),
+                    "mounts": mounts,
+                    "hostname": pod.hostname,
+                    "dns": str(pod.directory / "dns"),
+                    "workdir": container.get("workingDir") or image.workdir,
+                    "env": env,
+                    "argv": argv,
+                }
+            )
+        )
+        pod.events.append(
+            {"type": "Normal", "reason": "Started", "message": f"started container {container['name']}"}
+        )
+        return ContainerRun(
+            container["name"],
+            argv,
+            env,
+            spec_path,
+            pod.directory / f"{container['name']}.log",
+            on_exit=self._write_hosts,
+        )
 
     def delete_pod(self, namespace: str, name: str) -> None:
         pod = self.pods.pop((namespace, name), None)
@@ -898,11 +1065,18 @@ class LocalCluster:
     def _record(self, pod: LocalPod, what: str) -> None:
         labels = pod.manifest["metadata"].get("labels") or {}
         base = pod.containers.get(pod.manifest["spec"]["containers"][0]["name"])
-        self.history.append({"event": what, "pod": pod.name, "task_id": labels.get("task_id"),
-                             "dag_id": labels.get("dag_id"), "node": pod.node,
-                             "exit_code": base.exit_code if base else None,
-                             "exit_codes": {name: run.exit_code for name, run in pod.containers.items()},
-                             "image": pod.manifest["spec"]["containers"][0].get("image")})
+        self.history.append(
+            {
+                "event": what,
+                "pod": pod.name,
+                "task_id": labels.get("task_id"),
+                "dag_id": labels.get("dag_id"),
+                "node": pod.node,
+                "exit_code": base.exit_code if base else None,
+                "exit_codes": {name: run.exit_code for name, run in pod.containers.items()},
+                "image": pod.manifest["spec"]["containers"][0].get("image"),
+            }
+        )
 
     def shutdown(self) -> None:
         with self._reconciling:  # no StatefulSet creates pods from now on
@@ -924,16 +1098,20 @@ def _env_value(pod: LocalPod, container: str, variable: dict[str, Any], defined:
     if source is None:
         return expand_variables(variable.get("value") or "", defined)
     if set(source) != {"fieldRef"}:
-        raise ClusterError(f"container {container}: env {variable['name']} uses valueFrom {sorted(source)}, which "
-                           "the local cluster does not resolve (fieldRef only)")
+        raise ClusterError(
+            f"container {container}: env {variable['name']} uses valueFrom {sorted(source)}, which "
+            "the local cluster does not resolve (fieldRef only)"
+        )
     return pod.field_value(source["fieldRef"]["fieldPath"])
 
 
 def _with_completion_index(spec: dict[str, Any]) -> dict[str, Any]:
     """The pod spec with JOB_COMPLETION_INDEX, from the pod's index annotation, in every container (init
     containers too) that does not set it itself, as the Job controller adds it."""
-    variable = {"name": "JOB_COMPLETION_INDEX",
-                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{JOB_INDEX_KEY}']"}}}
+    variable = {
+        "name": "JOB_COMPLETION_INDEX",
+        "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{JOB_INDEX_KEY}']"}},
+    }
     for container in [*spec["containers"], *(spec.get("initContainers") or [])]:
         env = container.get("env") or []
         if all(entry["name"] != variable["name"] for entry in env):
@@ -1026,13 +1204,27 @@ class ExecSession:
 
     def __init__(self, run: ContainerRun, command: list[str], stdin: bool):
         self.process = subprocess.Popen(
-            ["nsenter", "--target", str(run.init_pid()), "--mount", "--uts", "--pid", "--root", "--wd", "--",
-             *command],
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=run.env)
+            [
+                "nsenter",
+                "--target",
+                str(run.init_pid()),
+                "--mount",
+                "--uts",
+                "--pid",
+                "--root",
+                "--wd",
+                "--",
+                *command,
+            ],
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=run.env,
+        )
         self._out: dict[str, list[str]] = {"stdout": [], "stderr": []}
-        self._readers = [threading.Thread(target=self._read, args=(channel,), daemon=True)
-                         for channel in self._out]
+        self._readers = [
+            threading.Thread(target=self._read, args=(channel,), daemon=True) for channel in self._out
+        ]
         for reader in self._readers:
             reader.start()
 
@@ -1133,17 +1325,41 @@ class LocalCoreV1Api:
             run = pod.containers.get(container["name"])
             if run is None:
                 continue
-            state = ({"running": {"startedAt": _timestamp(run.started_at)}} if run.running else
-                     {"terminated": {"exitCode": run.exit_code, "reason": "Completed" if run.exit_code == 0 else
-                                     "Error", "startedAt": _timestamp(run.started_at),
-                                     "finishedAt": _timestamp(run.finished_at)}})
-            statuses.append({"name": container["name"], "image": container.get("image"), "imageID": "",
-                             "ready": pod.container_ready(container["name"]), "restartCount": 0,
-                             "started": run.running, "state": state})
-        conditions = [] if pod.reason == "FailedScheduling" else [{"type": "PodScheduled", "status": "True"},
-                                                                   {"type": "Ready", "status": str(pod.ready())}]
-        status: dict[str, Any] = {"phase": pod.current_phase(), "startTime": _timestamp(pod.created_at),
-                                  "podIP": pod.ip, "podIPs": [{"ip": pod.ip}], "conditions": conditions}
+            state = (
+                {"running": {"startedAt": _timestamp(run.started_at)}}
+                if run.running
+                else {
+                    "terminated": {
+                        "exitCode": run.exit_code,
+                        "reason": "Completed" if run.exit_code == 0 else "Error",
+                        "startedAt": _timestamp(run.started_at),
+                        "finishedAt": _timestamp(run.finished_at),
+                    }
+                }
+            )
+            statuses.append(
+                {
+                    "name": container["name"],
+                    "image": container.get("image"),
+                    "imageID": "",
+                    "ready": pod.container_ready(container["name"]),
+                    "restartCount": 0,
+                    "started": run.running,
+                    "state": state,
+                }
+            )
+        conditions = (
+            []
+            if pod.reason == "FailedScheduling"
+            else [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(pod.ready())}]
+        )
+        status: dict[str, Any] = {
+            "phase": pod.current_phase(),
+            "startTime": _timestamp(pod.created_at),
+            "podIP": pod.ip,
+            "podIPs": [{"ip": pod.ip}],
+            "conditions": conditions,
+        }
         if pod.reason:
             status["reason"] = pod.reason
         if statuses:
@@ -1164,10 +1380,15 @@ class LocalCoreV1Api:
         return self._pod_model(self._pod(namespace, name))
 
     def list_namespaced_pod(self, namespace: str, label_selector: str | None = None, **kwargs):
-        pods = [self._pod_model(pod) for (ns, _), pod in list(self.cluster.pods.items())
-                if ns == namespace and _label_selector_matches(label_selector, pod.manifest["metadata"].get("labels")
-                                                               or {})]
-        return self._model({"items": [self.api_client.sanitize_for_serialization(p) for p in pods]}, "V1PodList")
+        pods = [
+            self._pod_model(pod)
+            for (ns, _), pod in list(self.cluster.pods.items())
+            if ns == namespace
+            and _label_selector_matches(label_selector, pod.manifest["metadata"].get("labels") or {})
+        ]
+        return self._model(
+            {"items": [self.api_client.sanitize_for_serialization(p) for p in pods]}, "V1PodList"
+        )
 
     def patch_namespaced_pod(self, name: str, namespace: str, body: dict[str, Any], **kwargs):
         pod = self._pod(namespace, name)
@@ -1179,8 +1400,16 @@ class LocalCoreV1Api:
         self._pod(namespace, name)
         self.cluster.delete_pod(namespace, name)
 
-    def read_namespaced_pod_log(self, name: str, namespace: str, container: str | None = None, follow: bool = False,
-                                timestamps: bool = False, since_seconds: int | None = None, **kwargs):
+    def read_namespaced_pod_log(
+        self,
+        name: str,
+        namespace: str,
+        container: str | None = None,
+        follow: bool = False,
+        timestamps: bool = False,
+        since_seconds: int | None = None,
+        **kwargs,
+    ):
         pod = self._pod(namespace, name)
         run = pod.containers.get(container or pod.manifest["spec"]["containers"][0]["name"])
         stream = LogStream(run, follow, timestamps, since_seconds)
@@ -1191,14 +1420,27 @@ class LocalCoreV1Api:
     def list_namespaced_event(self, namespace: str, field_selector: str | None = None, **kwargs):
         name = (field_selector or "").partition("involvedObject.name=")[2]
         pod = self.cluster.pods.get((namespace, name))
-        items = [{"metadata": {"name": f"{name}.{i}", "uid": f"{name}-{i}", "resourceVersion": str(i)},
-                  "involvedObject": {"kind": "Pod", "name": name, "namespace": namespace},
-                  "reason": event["reason"], "message": event["message"], "type": event["type"]}
-                 for i, event in enumerate(pod.events if pod else [])]
+        items = [
+            {
+                "metadata": {"name": f"{name}.{i}", "uid": f"{name}-{i}", "resourceVersion": str(i)},
+                "involvedObject": {"kind": "Pod", "name": name, "namespace": namespace},
+                "reason": event["reason"],
+                "message": event["message"],
+                "type": event["type"],
+            }
+            for i, event in enumerate(pod.events if pod else [])
+        ]
         return self._model({"items": items, "metadata": {}}, "CoreV1EventList")
 
-    def connect_get_namespaced_pod_exec(self, name: str, namespace: str, container: str | None = None,
-                                        command: list[str] | None = None, stdin: bool = False, **kwargs):
+    def connect_get_namespaced_pod_exec(
+        self,
+        name: str,
+        namespace: str,
+        container: str | None = None,
+        command: list[str] | None = None,
+        stdin: bool = False,
+        **kwargs,
+    ):
         pod = self._pod(namespace, name)
         run = pod.containers.get(container or pod.manifest["spec"]["containers"][0]["name"])
         if run is None or not run.running:

@@ -29,11 +29,12 @@ import logging
 import re
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
@@ -54,8 +55,15 @@ class ApiError(Exception):
         self.code, self.reason, self.message = code, reason, message
 
     def status(self) -> dict[str, Any]:
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                "message": self.message, "reason": self.reason, "code": self.code}
+        return {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": self.message,
+            "reason": self.reason,
+            "code": self.code,
+        }
 
 
 @dataclass(frozen=True)
@@ -117,8 +125,9 @@ class Rbac:
 
     def allows(self, user: User, verb: str, group: str, resource: str, namespace: str, name: str) -> bool:
         for (bound_in, _), binding in list(self.bindings.items()):
-            if bound_in != namespace or not any(_is_user(subject, user, bound_in)
-                                                for subject in binding.get("subjects") or []):
+            if bound_in != namespace or not any(
+                _is_user(subject, user, bound_in) for subject in binding.get("subjects") or []
+            ):
                 continue
             ref = binding["roleRef"]
             rules = self.rules.get((ref["kind"], namespace if ref["kind"] == "Role" else "", ref["name"]), [])
@@ -128,8 +137,11 @@ class Rbac:
 
 
 def _is_user(subject: dict[str, Any], user: User, binding_namespace: str) -> bool:
-    return (subject.get("kind") == "ServiceAccount" and subject.get("name") == user[1]
-            and subject.get("namespace", binding_namespace) == user[0])
+    return (
+        subject.get("kind") == "ServiceAccount"
+        and subject.get("name") == user[1]
+        and subject.get("namespace", binding_namespace) == user[0]
+    )
 
 
 def _grants(rule: dict[str, Any], verb: str, group: str, resource: str, name: str) -> bool:
@@ -137,8 +149,12 @@ def _grants(rule: dict[str, Any], verb: str, group: str, resource: str, name: st
         values = rule.get(key) or []
         return "*" in values or wanted in values
 
-    return (covers("verbs", verb) and covers("apiGroups", group) and covers("resources", resource)
-            and (not rule.get("resourceNames") or name in rule["resourceNames"]))
+    return (
+        covers("verbs", verb)
+        and covers("apiGroups", group)
+        and covers("resources", resource)
+        and (not rule.get("resourceNames") or name in rule["resourceNames"])
+    )
 
 
 # -- StatefulSets -----------------------------------------------------------------------------------
@@ -152,21 +168,32 @@ def _statefulset(cluster: LocalCluster, request: Request) -> dict[str, Any]:
 def read_scale(cluster: LocalCluster, request: Request) -> dict[str, Any]:
     statefulset = _statefulset(cluster, request)
     labels = (statefulset["spec"].get("selector") or {}).get("matchLabels") or {}
-    return {"kind": "Scale", "apiVersion": "autoscaling/v1",
-            "metadata": {"name": request.name, "namespace": request.namespace},
-            "spec": {"replicas": statefulset["spec"].get("replicas", 1)},
-            "status": {"replicas": cluster.statefulset_status(request.namespace, request.name)["replicas"],
-                       "selector": ",".join(f"{key}={value}" for key, value in labels.items())}}
+    return {
+        "kind": "Scale",
+        "apiVersion": "autoscaling/v1",
+        "metadata": {"name": request.name, "namespace": request.namespace},
+        "spec": {"replicas": statefulset["spec"].get("replicas", 1)},
+        "status": {
+            "replicas": cluster.statefulset_status(request.namespace, request.name)["replicas"],
+            "selector": ",".join(f"{key}={value}" for key, value in labels.items()),
+        },
+    }
 
 
 def read_statefulset(cluster: LocalCluster, request: Request) -> dict[str, Any]:
-    return {**_statefulset(cluster, request), "status": cluster.statefulset_status(request.namespace, request.name)}
+    return {
+        **_statefulset(cluster, request),
+        "status": cluster.statefulset_status(request.namespace, request.name),
+    }
 
 
 def patch_scale(cluster: LocalCluster, request: Request) -> dict[str, Any]:
     if request.content_type != MERGE_PATCH:
-        raise ApiError(415, "UnsupportedMediaType", "the body of the request was in an unknown format - "
-                                                    f"accepted media types include: {MERGE_PATCH}")
+        raise ApiError(
+            415,
+            "UnsupportedMediaType",
+            f"the body of the request was in an unknown format - accepted media types include: {MERGE_PATCH}",
+        )
     try:
         patch = json.loads(request.body or b"{}")
     except ValueError as err:
@@ -176,10 +203,16 @@ def patch_scale(cluster: LocalCluster, request: Request) -> dict[str, Any]:
     if isinstance(spec, dict) and "replicas" in spec:
         replicas = spec["replicas"]
         if not isinstance(replicas, int) or isinstance(replicas, bool):
-            raise ApiError(400, "BadRequest", f"spec.replicas: cannot unmarshal {json.dumps(replicas)} into int32")
+            raise ApiError(
+                400, "BadRequest", f"spec.replicas: cannot unmarshal {json.dumps(replicas)} into int32"
+            )
         if replicas < 0:
-            raise ApiError(422, "Invalid", f'Scale.autoscaling "{request.name}" is invalid: spec.replicas: '
-                                           f"Invalid value: {replicas}: must be greater than or equal to 0")
+            raise ApiError(
+                422,
+                "Invalid",
+                f'Scale.autoscaling "{request.name}" is invalid: spec.replicas: '
+                f"Invalid value: {replicas}: must be greater than or equal to 0",
+            )
         cluster.scale_statefulset(request.namespace, request.name, replicas)
     return read_scale(cluster, request)
 
@@ -195,8 +228,11 @@ def create_job(cluster: LocalCluster, request: Request) -> dict[str, Any]:
     meta = job.get("metadata") or {}
     name = meta.get("name") or ""
     if meta.get("namespace", request.namespace) != request.namespace:
-        raise ApiError(400, "BadRequest", "the namespace of the provided object does not match the namespace "
-                                          "sent on the request")
+        raise ApiError(
+            400,
+            "BadRequest",
+            "the namespace of the provided object does not match the namespace sent on the request",
+        )
     if request.namespace not in cluster.namespaces:
         raise ApiError(404, "NotFound", f'namespaces "{request.namespace}" not found')
     try:
@@ -220,27 +256,50 @@ def delete_job(cluster: LocalCluster, request: Request) -> dict[str, Any]:
     options = request.json() if request.body else {}
     policy = options.get("propagationPolicy", "Orphan") if isinstance(options, dict) else None
     if policy not in ("Orphan", "Background", "Foreground"):
-        raise ApiError(422, "Invalid", f"DeleteOptions is invalid: propagationPolicy: Unsupported value: {policy!r}")
+        raise ApiError(
+            422, "Invalid", f"DeleteOptions is invalid: propagationPolicy: Unsupported value: {policy!r}"
+        )
     job = cluster.delete_job(request.namespace, request.name, with_pods=policy != "Orphan")
     if job is None:
         raise ApiError(404, "NotFound", f'jobs.batch "{request.name}" not found')
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
-            "details": {"name": request.name, "group": "batch", "kind": "jobs", "uid": job.manifest["metadata"]["uid"]}}
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Success",
+        "details": {
+            "name": request.name,
+            "group": "batch",
+            "kind": "jobs",
+            "uid": job.manifest["metadata"]["uid"],
+        },
+    }
 
 
 ROUTES = (
     Route("GET", _object_path("apps", "v1", "statefulsets"), "apps", "statefulsets", read_statefulset),
-    Route("GET", _object_path("apps", "v1", "statefulsets", "scale"), "apps", "statefulsets/scale", read_scale),
-    Route("PATCH", _object_path("apps", "v1", "statefulsets", "scale"), "apps", "statefulsets/scale", patch_scale),
-    Route("POST", re.compile(_collection_path("batch", "v1", "jobs")), "batch", "jobs", create_job, success=201),
+    Route(
+        "GET", _object_path("apps", "v1", "statefulsets", "scale"), "apps", "statefulsets/scale", read_scale
+    ),
+    Route(
+        "PATCH",
+        _object_path("apps", "v1", "statefulsets", "scale"),
+        "apps",
+        "statefulsets/scale",
+        patch_scale,
+    ),
+    Route(
+        "POST", re.compile(_collection_path("batch", "v1", "jobs")), "batch", "jobs", create_job, success=201
+    ),
     Route("GET", _object_path("batch", "v1", "jobs"), "batch", "jobs", read_job),
     Route("DELETE", _object_path("batch", "v1", "jobs"), "batch", "jobs", delete_job),
 )
 
 
 # -- serving ----------------------------------------------------------------------------------------
-def answer(cluster: LocalCluster, method: str, target: str, headers: Message,
-           body: bytes) -> tuple[int, dict[str, Any]]:
+def answer(
+    cluster: LocalCluster, method: str, target: str, headers: Message, body: bytes
+) -> tuple[int, dict[str, Any]]:
     """One API request: authenticated, routed, authorized, handled: its status code and object. Raises ApiError
     for a refusal."""
     scheme, _, token = (headers.get("Authorization") or "").partition(" ")
@@ -253,13 +312,19 @@ def answer(cluster: LocalCluster, method: str, target: str, headers: Message,
         raise ApiError(404, "NotFound", "the server could not find the requested resource")
     routed = next(((route, found) for route, found in matches if route.method == method), None)
     if routed is None:
-        raise ApiError(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
+        raise ApiError(
+            405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
+        )
     route, found = routed
     namespace, name, verb = found["namespace"], found.groupdict().get("name") or "", VERBS[method]
     if not cluster.rbac.allows(user, verb, route.group, route.resource, namespace, name):
-        raise ApiError(403, "Forbidden", f'{route.qualified(name)} is forbidden: User "system:serviceaccount:'
-                                         f'{user[0]}:{user[1]}" cannot {verb} resource "{route.resource}" in API '
-                                         f'group "{route.group}" in the namespace "{namespace}"')
+        raise ApiError(
+            403,
+            "Forbidden",
+            f'{route.qualified(name)} is forbidden: User "system:serviceaccount:'
+            f'{user[0]}:{user[1]}" cannot {verb} resource "{route.resource}" in API '
+            f'group "{route.group}" in the namespace "{namespace}"',
+        )
     return route.success, route.handler(cluster, Request(namespace, name, body, headers.get_content_type()))
 
 
@@ -304,7 +369,9 @@ class _TlsServer(ThreadingHTTPServer):
         with self.context.wrap_socket(request, server_side=True) as connection:
             super().finish_request(connection, client_address)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:  # a client that refused the certificate
+    def handle_error(
+        self, request: Any, client_address: Any
+    ) -> None:  # a client that refused the certificate
         log.debug("API connection from %s ended", client_address, exc_info=True)
 
 
@@ -317,21 +384,36 @@ def write_certificate(certificate: Path, key: Path) -> None:
 
     private = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver (local cluster)")])
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     identifier = x509.SubjectKeyIdentifier.from_public_key(private.public_key())
-    built = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(private.public_key())
-             .serial_number(x509.random_serial_number())
-             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=7))
-             .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                                                         x509.DNSName("kubernetes.default.svc")]), critical=False)
-             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-             .add_extension(identifier, critical=False)
-             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(identifier), critical=False)
-             .sign(private, hashes.SHA256()))
+    built = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(private.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=7))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("kubernetes.default.svc")]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(identifier, critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(identifier), critical=False
+        )
+        .sign(private, hashes.SHA256())
+    )
     key.touch(mode=0o600)
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    key.write_bytes(
+        private.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
     certificate.write_bytes(built.public_bytes(serialization.Encoding.PEM))
 
 

@@ -54,8 +54,14 @@ def _system(root: Path) -> None:
     (layers / "upper").mkdir(parents=True)
     (layers / "work").mkdir()
     (root / "etc").mkdir()
-    _mount("-t", "overlay", "overlay", "-o", f"lowerdir=/etc,upperdir={layers / 'upper'},workdir={layers / 'work'}",
-           str(root / "etc"))
+    _mount(
+        "-t",
+        "overlay",
+        "overlay",
+        "-o",
+        f"lowerdir=/etc,upperdir={layers / 'upper'},workdir={layers / 'work'}",
+        str(root / "etc"),
+    )
     _bind("/dev", root / "dev", read_only=False, recursive=True)
     _bind("/sys", root / "sys", read_only=True, recursive=True)
     (root / "proc").mkdir()

@@ -56,9 +56,19 @@ SHIM = PROJECT_ROOT / "pipeline" / "dev" / "sglang_shim"
 BUCKET = "drafter-pipeline"
 ACCOUNT = "123456789012"
 # the tiny Kimi-like target: DeepSeek-V3 architecture (MLA + MoE), its own code and tiktoken tokenizer
-TARGET_RECIPE = TinyTargetRecipe(architecture="deepseek_v3", num_layers=8, hidden_size=64, num_heads=4,
-                                 intermediate_size=192, vocab_size=1024, seq_len=96, batch_size=16, train_steps=200,
-                                 learning_rate=0.008, max_corpus_modules=60)
+TARGET_RECIPE = TinyTargetRecipe(
+    architecture="deepseek_v3",
+    num_layers=8,
+    hidden_size=64,
+    num_heads=4,
+    intermediate_size=192,
+    vocab_size=1024,
+    seq_len=96,
+    batch_size=16,
+    train_steps=200,
+    learning_rate=0.008,
+    max_corpus_modules=60,
+)
 # a plain server the rehearsal itself compares the serving pod's output with (not part of the cluster)
 REFERENCE_PORT = 30101
 FLEETS = {"generate": "sglang-generate", "capture": "sglang-capture-aux"}
@@ -66,7 +76,12 @@ FLEETS = {"generate": "sglang-generate", "capture": "sglang-capture-aux"}
 # rank per node), from the run-config volume where the train pod reads it
 TRAINER_JOB = "drafter-trainer"
 TRAINER_MANIFEST = "/etc/drafter/trainer-workers.yaml"
-MULTI_NODE = ["train.nodes=2", "train.nproc=1", "train.launcher=kubernetes", f"train.kubernetes_job={TRAINER_MANIFEST}"]
+MULTI_NODE = [
+    "train.nodes=2",
+    "train.nproc=1",
+    "train.launcher=kubernetes",
+    f"train.kubernetes_job={TRAINER_MANIFEST}",
+]
 SERVING_PORT = 30000
 
 
@@ -88,26 +103,47 @@ def _images() -> dict[str, LocalImage]:
 
     deployment = yaml.safe_load(DEPLOYMENT.read_text())["kubernetes"]["images"]
     python_home = str(Path(sys.base_prefix).resolve())
-    files = {"/opt/drafter": str(PROJECT_ROOT), str(PROJECT_ROOT): str(PROJECT_ROOT), python_home: python_home}
+    files = {
+        "/opt/drafter": str(PROJECT_ROOT),
+        str(PROJECT_ROOT): str(PROJECT_ROOT),
+        python_home: python_home,
+    }
     masked = tuple(str(PROJECT_ROOT / name) for name in (".drafter", ".git", "test-artifacts"))
     masked += tuple(f"/opt/drafter/{name}" for name in (".drafter", ".git", "test-artifacts"))
     path = f"{PROJECT_ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin"
-    base = {"PATH": path, "PYTHONUNBUFFERED": "1", "HOME": "/root", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false", "DRAFTER_HOME": "/opt/drafter"}
+    base = {
+        "PATH": path,
+        "PYTHONUNBUFFERED": "1",
+        "HOME": "/root",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DRAFTER_HOME": "/opt/drafter",
+    }
     pipeline = LocalImage(files, "/opt/drafter", base, masked)
-    sglang = LocalImage({**files, "/opt/sglang-shim": str(SHIM)}, "/opt/drafter",
-                        {**base, "PYTHONPATH": "/opt/sglang-shim"}, masked)
+    sglang = LocalImage(
+        {**files, "/opt/sglang-shim": str(SHIM)},
+        "/opt/drafter",
+        {**base, "PYTHONPATH": "/opt/sglang-shim"},
+        masked,
+    )
     sidecar = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})
-    return {deployment["pipeline"]: pipeline, deployment["trainer"]: pipeline, deployment["sglang"]: sglang,
-            PodDefaults.SIDECAR_CONTAINER.image: sidecar}
+    return {
+        deployment["pipeline"]: pipeline,
+        deployment["trainer"]: pipeline,
+        deployment["sglang"]: sglang,
+        PodDefaults.SIDECAR_CONTAINER.image: sidecar,
+    }
 
 
 NODES = (
     LocalNode("cpu-node", {"kubernetes.io/os": "linux"}, (), {"cpu": "64", "memory": "512Gi"}),
     # an 8 x H200 node as cloud providers offer it (p5en.48xlarge), GPUs tainted for GPU pods only
-    LocalNode("gpu-node", {"kubernetes.io/os": "linux", "nvidia.com/gpu.product": "NVIDIA-H200"},
-              ({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
-              {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8"}),
+    LocalNode(
+        "gpu-node",
+        {"kubernetes.io/os": "linux", "nvidia.com/gpu.product": "NVIDIA-H200"},
+        ({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
+        {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8"},
+    ),
 )
 
 
@@ -126,9 +162,17 @@ class Runbook:
     as written, `kubectl apply` and `aws s3api` as the same calls to the local cluster and S3 server,
     `airflow` commands with the rehearsal's Airflow. Every one of them must have run by the end."""
 
-    HANDLED = ("aws s3api", "kubectl apply", "kubectl -n airflow exec", "curl", "drafter ",
-               "kubectl -n sglang rollout restart", "kubectl -n sglang scale", "kubectl -n sglang rollout status",
-               "kubectl -n drafter logs")
+    HANDLED = (
+        "aws s3api",
+        "kubectl apply",
+        "kubectl -n airflow exec",
+        "curl",
+        "drafter ",
+        "kubectl -n sglang rollout restart",
+        "kubectl -n sglang scale",
+        "kubectl -n sglang rollout status",
+        "kubectl -n drafter logs",
+    )
 
     def __init__(self, handlers: dict[str, Any]):
         if set(handlers) != set(self.HANDLED):
@@ -163,8 +207,16 @@ def run_drafter(command: str) -> str:
     import shlex
 
     argv = shlex.split(command)
-    out = subprocess.run([str(PROJECT_ROOT / ".venv" / "bin" / argv[0]) if (PROJECT_ROOT / ".venv").is_dir()
-                          else argv[0], *argv[1:]], capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=600)
+    out = subprocess.run(
+        [
+            str(PROJECT_ROOT / ".venv" / "bin" / argv[0]) if (PROJECT_ROOT / ".venv").is_dir() else argv[0],
+            *argv[1:],
+        ],
+        capture_output=True,
+        text=True,
+        cwd=PROJECT_ROOT,
+        timeout=600,
+    )
     if out.returncode != 0:
         raise RehearsalFailed(f"`{command}` exited {out.returncode}: {out.stderr[-2000:]}")
     return out.stdout
@@ -186,8 +238,13 @@ def aws_s3api(endpoint: str):
 
     import boto3
 
-    admin = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="bucket-owner",
-                         aws_secret_access_key="bucket-owner")
+    admin = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="bucket-owner",
+        aws_secret_access_key="bucket-owner",
+    )
 
     def run(command: str) -> str:
         argv = shlex.split(command)
@@ -237,7 +294,7 @@ def sized_for_the_tiny_target(path: Path, workspace: Path) -> Path:
             args = container.get("args") or []
             if "--return-aux-hidden-state-layer-ids" in args:
                 at = args.index("--return-aux-hidden-state-layer-ids") + 1
-                args[at:at + len(aux_ids)] = [str(i) for i in aux_ids]
+                args[at : at + len(aux_ids)] = [str(i) for i in aux_ids]
     sized = workspace / "manifests" / path.name
     sized.parent.mkdir(parents=True, exist_ok=True)
     sized.write_text(yaml.safe_dump_all(docs, sort_keys=False))
@@ -254,6 +311,7 @@ def one_rank_per_node(path: Path) -> str:
 
 def kubectl_scale(cluster: LocalCluster):
     """`kubectl -n NS scale statefulset/NAME --replicas=N`."""
+
     def run(command: str) -> str:
         argv = command.split()
         namespace, name = argv[argv.index("-n") + 1], argv[argv.index("scale") + 1].split("/", 1)[1]
@@ -266,6 +324,7 @@ def kubectl_scale(cluster: LocalCluster):
 
 def kubectl_rollout_status(cluster: LocalCluster):
     """`kubectl -n NS rollout status statefulset/NAME --timeout=...`: wait until every replica is ready."""
+
     def run(command: str) -> str:
         argv = command.split()
         namespace, name = argv[argv.index("-n") + 1], argv[argv.index("status") + 1].split("/", 1)[1]
@@ -273,7 +332,9 @@ def kubectl_rollout_status(cluster: LocalCluster):
         while time.monotonic() < deadline:
             status = cluster.statefulset_status(namespace, name)
             if status["readyReplicas"] >= status["replicas"] > 0:
-                return f"partitioned roll out complete: {status['readyReplicas']} new pods have been updated..."
+                return (
+                    f"partitioned roll out complete: {status['readyReplicas']} new pods have been updated..."
+                )
             time.sleep(1)
         raise RehearsalFailed(f"statefulset {namespace}/{name} was not ready within 300 s: {status}")
 
@@ -285,8 +346,12 @@ def airflow_command(command: str) -> str:
     import shlex
 
     argv = shlex.split(command.split(" -- ", 1)[1])
-    out = subprocess.run([str(Path(sys.executable).with_name("airflow")), *argv[1:]], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("airflow")), *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if out.returncode != 0:
         raise RehearsalFailed(f"`{' '.join(argv)}` exited {out.returncode}: {out.stderr[-2000:]}")
     return out.stdout
@@ -294,6 +359,7 @@ def airflow_command(command: str) -> str:
 
 def capture_server_info(cluster: LocalCluster):
     """`curl` of a capture server's /server_info, by its pod's DNS name, with the fields the runbook names."""
+
     def run(command: str) -> str:
         from urllib.parse import urlsplit
 
@@ -309,9 +375,13 @@ def _checked_server_info(url: str) -> str:
     import requests
 
     info = requests.get(url, timeout=30).json()
-    _check(info.get("enable_return_aux_hidden_states") is True and info.get("disable_radix_cache") is True
-           and info.get("chunked_prefill_size") == -1 and str(info.get("version", "")).startswith("0.5.23"),
-           f"the capture server reports the settings the runbook asks for: {info}")
+    _check(
+        info.get("enable_return_aux_hidden_states") is True
+        and info.get("disable_radix_cache") is True
+        and info.get("chunked_prefill_size") == -1
+        and str(info.get("version", "")).startswith("0.5.23"),
+        f"the capture server reports the settings the runbook asks for: {info}",
+    )
     return json.dumps(info)
 
 
@@ -321,9 +391,16 @@ def worker_identity(workspace: Path, endpoint: str) -> None:
     token.write_text("local-web-identity-token-airflow-worker")
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         os.environ.pop(name, None)
-    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_REGION": "us-east-1", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/drafter-pipeline-writer",
-                       "AWS_WEB_IDENTITY_TOKEN_FILE": str(token), "AWS_ROLE_SESSION_NAME": "airflow-worker"})
+    os.environ.update(
+        {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_REGION": "us-east-1",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/drafter-pipeline-writer",
+            "AWS_WEB_IDENTITY_TOKEN_FILE": str(token),
+            "AWS_ROLE_SESSION_NAME": "airflow-worker",
+        }
+    )
 
 
 def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
@@ -338,7 +415,9 @@ def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
     write_prompt_files(cluster.volume_dir("pvc", "drafter", "drafter-prompts"))
     configs = cluster.volume_dir("pvc", "drafter", "drafter-run-configs")
     shutil.copy(REHEARSAL_CONFIG, configs / "kimi-k2.5.yaml")
-    (configs / Path(TRAINER_MANIFEST).name).write_text(one_rank_per_node(PROJECT_ROOT / "infra/k8s/trainer-workers.yaml"))
+    (configs / Path(TRAINER_MANIFEST).name).write_text(
+        one_rank_per_node(PROJECT_ROOT / "infra/k8s/trainer-workers.yaml")
+    )
     return cluster.volume_dir("pvc", "drafter", "kimi-k2-5-weights") / "Kimi-K2.5"
 
 
@@ -356,8 +435,15 @@ def write_prompt_files(directory: Path) -> None:
     sharegpt = [json.dumps(c) for c in conversations[0::2]]
     sharegpt.insert(len(sharegpt) // 2, MALFORMED_LINE)
     (directory / "sharegpt.jsonl").write_text("\n".join(sharegpt) + "\n")
-    rows = [{"messages": [{"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
-                          for t in c["conversations"]]} for c in conversations[1::2]]
+    rows = [
+        {
+            "messages": [
+                {"role": "user" if t["from"] == "human" else "assistant", "content": t["value"]}
+                for t in c["conversations"]
+            ]
+        }
+        for c in conversations[1::2]
+    ]
     pq.write_table(pa.Table.from_pylist(rows), directory / "ultrachat.parquet")
 
 
@@ -365,9 +451,21 @@ def start_reference_server(model_dir: Path, workspace: Path, processes: list[sub
     """A plain (non-speculative) server of the target on this machine: what the serving pod's greedy
     output is compared with. The rehearsal's own instrument, not part of the deployment."""
     log_file = open(workspace / "reference-server.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "pipeline.sglang_standin", "--model-path", str(model_dir),
-                                "--port", str(REFERENCE_PORT), "--trust-remote-code"],
-                               stdout=log_file, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.sglang_standin",
+            "--model-path",
+            str(model_dir),
+            "--port",
+            str(REFERENCE_PORT),
+            "--trust-remote-code",
+        ],
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        cwd=PROJECT_ROOT,
+    )
     processes.append(process)
     url = f"http://127.0.0.1:{REFERENCE_PORT}"
     _await_health(url, _exited(process), 300)
@@ -402,18 +500,27 @@ def airflow_environment(workspace: Path) -> None:
         raise RehearsalFailed("Airflow was imported before the rehearsal set its environment")
     home = workspace / "airflow"
     home.mkdir(parents=True, exist_ok=True)
-    os.environ.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-                       "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
-                       "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-                       "DRAFTER_DEPLOYMENT": str(DEPLOYMENT)})
+    os.environ.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
+            "DRAFTER_DEPLOYMENT": str(DEPLOYMENT),
+        }
+    )
 
 
 def start_airflow(workspace: Path, cluster: LocalCluster):
     """Airflow's metadata database and the DAGs, parsed with the Kubernetes deployment."""
     if str(PROJECT_ROOT / "dags") not in sys.path:
         sys.path.insert(0, str(PROJECT_ROOT / "dags"))
-    migrate = subprocess.run([str(Path(sys.executable).with_name("airflow")), "db", "migrate"], capture_output=True,
-                             text=True, timeout=600)
+    migrate = subprocess.run(
+        [str(Path(sys.executable).with_name("airflow")), "db", "migrate"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if migrate.returncode != 0:
         raise RehearsalFailed(f"airflow db migrate failed: {migrate.stderr[-2000:]}")
     use_local_cluster(cluster)
@@ -446,8 +553,12 @@ def dataset_events() -> list[dict[str, Any]]:
     from sqlalchemy import select
 
     with Session() as session:
-        rows = session.execute(select(AssetEvent).join(AssetModel, AssetEvent.asset_id == AssetModel.id)
-                               .where(AssetModel.name == "drafter_dataset").order_by(AssetEvent.id)).scalars()
+        rows = session.execute(
+            select(AssetEvent)
+            .join(AssetModel, AssetEvent.asset_id == AssetModel.id)
+            .where(AssetModel.name == "drafter_dataset")
+            .order_by(AssetEvent.id)
+        ).scalars()
         return [dict(event.extra or {}) for event in rows]
 
 
@@ -462,15 +573,25 @@ def scheduled_run(dag, cron: str):
     from airflow.utils.types import DagRunTriggeredByType, DagRunType
     from croniter import croniter
 
-    tick = croniter(cron, dt.datetime.now(dt.timezone.utc)).get_prev(dt.datetime)
+    tick = croniter(cron, dt.datetime.now(dt.UTC)).get_prev(dt.datetime)
 
     def create_scheduled(*, dag, logical_date, data_interval, run_after, session, **_):
-        run_id = dagrun_module.DagRun.generate_run_id(run_type=DagRunType.SCHEDULED, logical_date=logical_date,
-                                                      run_after=run_after)
-        return dag.create_dagrun(run_id=run_id, logical_date=logical_date, data_interval=data_interval,
-                                 run_after=run_after, conf=None, run_type=DagRunType.SCHEDULED,
-                                 state=DagRunState.RUNNING, triggered_by=DagRunTriggeredByType.TIMETABLE,
-                                 triggering_user_name=None, start_date=logical_date, session=session)
+        run_id = dagrun_module.DagRun.generate_run_id(
+            run_type=DagRunType.SCHEDULED, logical_date=logical_date, run_after=run_after
+        )
+        return dag.create_dagrun(
+            run_id=run_id,
+            logical_date=logical_date,
+            data_interval=data_interval,
+            run_after=run_after,
+            conf=None,
+            run_type=DagRunType.SCHEDULED,
+            state=DagRunState.RUNNING,
+            triggered_by=DagRunTriggeredByType.TIMETABLE,
+            triggering_user_name=None,
+            start_date=logical_date,
+            session=session,
+        )
 
     with mock.patch.object(dagrun_module, "get_or_create_dagrun", create_scheduled):
         return dag.test(logical_date=tick, run_after=tick)
@@ -482,8 +603,11 @@ class ServingDeployment:
 
     def __init__(self, cluster: LocalCluster):
         self.cluster = cluster
-        self.doc = next(d for d in yaml.safe_load_all((PROJECT_ROOT / "infra/k8s/sglang-serve.yaml").read_text())
-                        if d and d["kind"] == "Deployment")
+        self.doc = next(
+            d
+            for d in yaml.safe_load_all((PROJECT_ROOT / "infra/k8s/sglang-serve.yaml").read_text())
+            if d and d["kind"] == "Deployment"
+        )
         self.generation = 0
         self.pod = None
 
@@ -492,10 +616,18 @@ class ServingDeployment:
             self.cluster.delete_pod(self.doc["metadata"]["namespace"], self.pod.name)
         self.generation += 1
         template = self.doc["spec"]["template"]
-        self.pod = self.cluster.create_pod({
-            "apiVersion": "v1", "kind": "Pod", "spec": json.loads(json.dumps(template["spec"])),
-            "metadata": {"name": f"{self.doc['metadata']['name']}-{self.generation}",
-                         "namespace": self.doc["metadata"]["namespace"], "labels": template["metadata"]["labels"]}})
+        self.pod = self.cluster.create_pod(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "spec": json.loads(json.dumps(template["spec"])),
+                "metadata": {
+                    "name": f"{self.doc['metadata']['name']}-{self.generation}",
+                    "namespace": self.doc["metadata"]["namespace"],
+                    "labels": template["metadata"]["labels"],
+                },
+            }
+        )
         self._await_ready(self.url, 600)
         return f"pod {self.pod.name} serves {self.served_version()}"
 
@@ -504,14 +636,20 @@ class ServingDeployment:
             _await_health(url, self._gone, timeout_s)
         except RehearsalFailed as failure:
             logs = [path.read_text()[-3000:] for path in sorted(self.pod.directory.glob("*.log"))]
-            raise RehearsalFailed(f"the serving pod did not become ready: {failure}; events "
-                                  f"{self.pod.events[-2:]}\n" + "\n".join(logs)) from failure
+            raise RehearsalFailed(
+                f"the serving pod did not become ready: {failure}; events "
+                f"{self.pod.events[-2:]}\n" + "\n".join(logs)
+            ) from failure
 
     def _gone(self) -> str | None:
         server = self.pod.containers.get("sglang")
         if self.pod.phase == "Failed":
             return f"the pod failed ({self.pod.reason})"
-        return f"the server exited with code {server.exit_code}" if server is not None and not server.running else None
+        return (
+            f"the server exited with code {server.exit_code}"
+            if server is not None and not server.running
+            else None
+        )
 
     @property
     def url(self) -> str:
@@ -541,9 +679,14 @@ def check_serving(serving: ServingDeployment, expected_version: str, reference_u
     speculative = requests.post(f"{url}/generate", json=prompt, timeout=300).json()
     plain = requests.post(f"{reference_url}/generate", json=prompt, timeout=300).json()
     _check(serving.served_version() == expected_version, f"the serving pod pulled version {expected_version}")
-    _check(info.get("speculative_algorithm") == "EAGLE3", "the serving server runs EAGLE3 with the pulled drafter")
-    _check(speculative["output_ids"] == plain["output_ids"],
-           "the speculative output equals the plain server's greedy output token for token")
+    _check(
+        info.get("speculative_algorithm") == "EAGLE3",
+        "the serving server runs EAGLE3 with the pulled drafter",
+    )
+    _check(
+        speculative["output_ids"] == plain["output_ids"],
+        "the speculative output equals the plain server's greedy output token for token",
+    )
     accept = speculative["meta_info"].get("spec_accept_length", 0)
     _check(accept > 1.0, f"the served drafter is accepted: {accept:.2f} tokens per verify step")
     return f"serving {expected_version}: EAGLE3 accept length {accept:.2f} with flags {serving.flags()}"
@@ -555,12 +698,19 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
     server, endpoint = start_s3()
     cluster = LocalCluster(workspace / "cluster", _images(), NODES, aws_endpoint=endpoint)
     serving = ServingDeployment(cluster)
-    runbook = Runbook({"aws s3api": aws_s3api(endpoint), "kubectl apply": kubectl_apply(cluster, workspace),
-                       "kubectl -n sglang scale": kubectl_scale(cluster),
-                       "kubectl -n sglang rollout status": kubectl_rollout_status(cluster),
-                       "kubectl -n drafter logs": kubectl_logs(cluster),
-                       "kubectl -n airflow exec": airflow_command, "curl": capture_server_info(cluster),
-                       "drafter ": run_drafter, "kubectl -n sglang rollout restart": serving.restart})
+    runbook = Runbook(
+        {
+            "aws s3api": aws_s3api(endpoint),
+            "kubectl apply": kubectl_apply(cluster, workspace),
+            "kubectl -n sglang scale": kubectl_scale(cluster),
+            "kubectl -n sglang rollout status": kubectl_rollout_status(cluster),
+            "kubectl -n drafter logs": kubectl_logs(cluster),
+            "kubectl -n airflow exec": airflow_command,
+            "curl": capture_server_info(cluster),
+            "drafter ": run_drafter,
+            "kubectl -n sglang rollout restart": serving.restart,
+        }
+    )
     processes: list[subprocess.Popen] = []
     try:
         cluster.start_api()
@@ -569,14 +719,18 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
             if command.startswith(("aws s3api", "kubectl apply")):
                 runbook.run(command)
         model_dir = fill_volumes(cluster, cache)
-        reference_url = start_reference_server(model_dir, workspace, processes)  # stopped below, started or not
+        reference_url = start_reference_server(
+            model_dir, workspace, processes
+        )  # stopped below, started or not
         check_fleets_at_rest(cluster, "the manifests were applied")
         for command in runbook_commands():  # §1.5: one capture server up for a look at its flags, then down
             if command.startswith(("kubectl -n sglang scale", "kubectl -n sglang rollout status", "curl")):
                 runbook.run(command)
         start_airflow(workspace, cluster)
-        runbook.run('kubectl -n airflow exec deploy/airflow-scheduler -- airflow pools set drafter_gpu 2 '
-                    '"GPU-bound drafter tasks"')
+        runbook.run(
+            "kubectl -n airflow exec deploy/airflow-scheduler -- airflow pools set drafter_gpu 2 "
+            '"GPU-bound drafter tasks"'
+        )
         lines = run_dags(runbook, serving, cluster, reference_url, workspace)
         missed = runbook.missed()
         _check(not missed, f"every [rehearsed] command of docs/RUNBOOK.md ran (missed: {missed})")
@@ -622,11 +776,18 @@ class NodeLoss:
     def _kill_node_after_a_checkpoint(self) -> bool:
         cache = self.cluster.volume_dir("pvc", "drafter", "drafter-cache")
         while not self._stop.wait(0.2):
-            pods = {pod.manifest["metadata"]["labels"].get("batch.kubernetes.io/job-completion-index"): pod
-                    for pod in self.cluster.job_pods("drafter", TRAINER_JOB)}
+            pods = {
+                pod.manifest["metadata"]["labels"].get("batch.kubernetes.io/job-completion-index"): pod
+                for pod in self.cluster.job_pods("drafter", TRAINER_JOB)
+            }
             committed = [path.read_text().strip() for path in cache.glob("runs/*/train-*/checkpoints/latest")]
             # a step checkpoint (not an epoch's end): the loss comes mid-epoch
-            if committed and committed[0].startswith("step-") and "1" in pods and pods["1"].current_phase() == "Running":
+            if (
+                committed
+                and committed[0].startswith("step-")
+                and "1" in pods
+                and pods["1"].current_phase() == "Running"
+            ):
                 tag = committed[0]
                 self.cluster.kill_pod("drafter", pods["1"].name)
                 self.killed = {"pod": pods["1"].name, "checkpoint": tag}
@@ -644,7 +805,8 @@ class NodeLoss:
                 return
             if outcome == "Failed":
                 self.failed_job_logs = self.runbook.run(
-                    f"kubectl -n drafter logs -l batch.kubernetes.io/job-name={TRAINER_JOB} --prefix")
+                    f"kubectl -n drafter logs -l batch.kubernetes.io/job-name={TRAINER_JOB} --prefix"
+                )
                 return
 
 
@@ -659,6 +821,7 @@ def _api_as(cluster: LocalCluster, namespace: str, account: str, workspace: Path
 
 def kubectl_logs(cluster: LocalCluster):
     """`kubectl -n NS logs -l KEY=VALUE --prefix`: every container log of the pods with that label."""
+
     def run(command: str) -> str:
         argv = command.split()
         namespace = argv[argv.index("-n") + 1]
@@ -677,29 +840,39 @@ def check_multi_node_training(run, node_loss: NodeLoss) -> str:
     """The first attempt lost a node after a committed checkpoint; the retry resumed both nodes from it."""
     _check(node_loss.error is None, f"the node-loss watcher ran without error ({node_loss.error!r})")
     _check(bool(node_loss.killed), "node 1 of the 2-node training was lost after a checkpoint was committed")
-    _check("[pod/" in node_loss.failed_job_logs and "node" in node_loss.failed_job_logs,
-           "the failed Job's node logs were read with the runbook's kubectl logs command")
+    _check(
+        "[pod/" in node_loss.failed_job_logs and "node" in node_loss.failed_job_logs,
+        "the failed Job's node logs were read with the runbook's kubectl logs command",
+    )
     train = next(ti for ti in run.get_task_instances() if ti.task_id == "train")
-    _check(train.try_number == 2, f"the train task failed once (the lost node) and its retry succeeded "
-                                  f"(try {train.try_number})")
+    _check(
+        train.try_number == 2,
+        f"the train task failed once (the lost node) and its retry succeeded (try {train.try_number})",
+    )
     result = _train_result(train.xcom_pull(task_ids="train")["uri"])
     resumed_at = result["global_steps"] - result["steps_this_attempt"]
     tag = node_loss.killed["checkpoint"]
-    _check(result["nodes"] == 2 and result["world_size"] == 2,
-           f"the retry trained on 2 nodes x 1 rank ({result['nodes']} nodes, world size {result['world_size']})")
-    _check(0 < resumed_at < result["global_steps"] and resumed_at == int(tag.split("-")[1]),
-           f"the retry resumed from the committed checkpoint {tag} (step {resumed_at} of {result['global_steps']}), "
-           "not from scratch")
-    return (f"multi-node training: 2 nodes x 1 rank as Indexed Job {TRAINER_JOB}; node 1 ({node_loss.killed['pod']}) "
-            f"lost after checkpoint {tag}; the retry resumed at step {resumed_at} and finished at step "
-            f"{result['global_steps']} ({result['steps_this_attempt']} steps this attempt)")
+    _check(
+        result["nodes"] == 2 and result["world_size"] == 2,
+        f"the retry trained on 2 nodes x 1 rank ({result['nodes']} nodes, world size {result['world_size']})",
+    )
+    _check(
+        0 < resumed_at < result["global_steps"] and resumed_at == int(tag.split("-")[1]),
+        f"the retry resumed from the committed checkpoint {tag} (step {resumed_at} of {result['global_steps']}), "
+        "not from scratch",
+    )
+    return (
+        f"multi-node training: 2 nodes x 1 rank as Indexed Job {TRAINER_JOB}; node 1 ({node_loss.killed['pod']}) "
+        f"lost after checkpoint {tag}; the retry resumed at step {resumed_at} and finished at step "
+        f"{result['global_steps']} ({result['steps_this_attempt']} steps this attempt)"
+    )
 
 
 def _train_result(train_uri: str) -> dict[str, Any]:
     """runs/<id>/train/train_result.json, read from S3 as the worker's role."""
     import boto3
 
-    bucket, key = train_uri[len("s3://"):].split("/", 1)
+    bucket, key = train_uri[len("s3://") :].split("/", 1)
     body = boto3.client("s3").get_object(Bucket=bucket, Key=f"{key}/train_result.json")["Body"].read()
     return json.loads(body)
 
@@ -719,21 +892,32 @@ def check_fleets_followed_their_stages(run, cluster: LocalCluster) -> str:
     for stage, name in FLEETS.items():
         up = next(ti for ti in run.get_task_instances() if ti.task_id == f"{stage}_fleet_up")
         scaled = up.xcom_pull(task_ids=up.task_id) or {}
-        _check(states[f"{stage}_fleet_down"] == "success" and scaled.get("scaled") is True,
-               f"{run.run_id}: the {stage} fleet was scaled up ({scaled}) and back down by its tasks")
-        pods = sorted({row["pod"] for row in cluster.history if row["pod"].startswith(f"{name}-")
-                       and row["event"] == "deleted"})
+        _check(
+            states[f"{stage}_fleet_down"] == "success" and scaled.get("scaled") is True,
+            f"{run.run_id}: the {stage} fleet was scaled up ({scaled}) and back down by its tasks",
+        )
+        pods = sorted(
+            {
+                row["pod"]
+                for row in cluster.history
+                if row["pod"].startswith(f"{name}-") and row["event"] == "deleted"
+            }
+        )
         _check(len(pods) >= scaled["replicas"], f"{stage} fleet pods ran and were deleted: {pods}")
-        summary.append(f"{stage} fleet {scaled['statefulset']}: {scaled['replicas']} replica(s) ready in "
-                       f"{scaled['ready_seconds']} s, pods {', '.join(pods)}, back to 0")
+        summary.append(
+            f"{stage} fleet {scaled['statefulset']}: {scaled['replicas']} replica(s) ready in "
+            f"{scaled['ready_seconds']} s, pods {', '.join(pods)}, back to 0"
+        )
     check_fleets_at_rest(cluster, f"after {run.run_id}")
     return "; ".join(summary)
 
 
-def run_dags(runbook: Runbook, serving: ServingDeployment, cluster: LocalCluster, reference_url: str,
-             workspace: Path) -> list[str]:
+def run_dags(
+    runbook: Runbook, serving: ServingDeployment, cluster: LocalCluster, reference_url: str, workspace: Path
+) -> list[str]:
     """§2 to §6 of the runbook: the first run, serving it, a failing run, the cron, rollback, status."""
     from drafter_support import DEPLOYMENT
+
     from pipeline.ids import safe_id
 
     lines = []
@@ -743,19 +927,26 @@ def run_dags(runbook: Runbook, serving: ServingDeployment, cluster: LocalCluster
     _check(str(data.state) == "success", "drafter_data ran every stage task as a pod and succeeded")
     lines.append(check_fleets_followed_their_stages(data, cluster))
     events = dataset_events()
-    _check(len(events) == 1 and events[0].get("dataset_uri", "").startswith(f"s3://{BUCKET}/"),
-           f"drafter_data published the drafter_dataset Asset: {events}")
+    _check(
+        len(events) == 1 and events[0].get("dataset_uri", "").startswith(f"s3://{BUCKET}/"),
+        f"drafter_data published the drafter_dataset Asset: {events}",
+    )
 
     with NodeLoss(cluster, runbook, workspace) as node_loss:
-        first = parsed_dag("drafter_train").test(run_conf={"dataset_uri": events[0]["dataset_uri"],
-                                                          "overrides": MULTI_NODE})
+        first = parsed_dag("drafter_train").test(
+            run_conf={"dataset_uri": events[0]["dataset_uri"], "overrides": MULTI_NODE}
+        )
     lines.append(f"drafter_train {first.run_id} ({' '.join(MULTI_NODE)}): {first.state} {task_states(first)}")
-    _check(str(first.state) == "success" and task_states(first)["promote"] == "success",
-           "drafter_train on the published dataset trained, gated, benchmarked and promoted into S3")
+    _check(
+        str(first.state) == "success" and task_states(first)["promote"] == "success",
+        "drafter_train on the published dataset trained, gated, benchmarked and promoted into S3",
+    )
     lines.append(check_multi_node_training(first, node_loss))
     runbook.run("drafter list --config configs/kimi-k2.5.yaml")
-    runbook.run("drafter plan --config configs/kimi-k2.5.yaml --samples 200000 --measured-from <the train run id>",
-                **{"the train run id": safe_id(first.run_id)})
+    runbook.run(
+        "drafter plan --config configs/kimi-k2.5.yaml --samples 200000 --measured-from <the train run id>",
+        **{"the train run id": safe_id(first.run_id)},
+    )
     first_version = promoted_version(first)
     runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
     lines.append(check_serving(serving, first_version, reference_url))
@@ -763,13 +954,19 @@ def run_dags(runbook: Runbook, serving: ServingDeployment, cluster: LocalCluster
     broken = parsed_dag("drafter_train").test(run_conf={"overrides": ["train.epochs=0"]})
     configure = next(ti for ti in broken.get_task_instances() if ti.task_id == "configure")
     lines.append(f"drafter_train {broken.run_id} (train.epochs=0): {broken.state} {task_states(broken)}")
-    _check(str(configure.state) == "failed" and configure.try_number == 1 and configure.max_tries >= 1,
-           "a config error failed its pod's task at once, without the retries a transient fault gets")
+    _check(
+        str(configure.state) == "failed" and configure.try_number == 1 and configure.max_tries >= 1,
+        "a config error failed its pod's task at once, without the retries a transient fault gets",
+    )
 
     cron = scheduled_run(parsed_dag("drafter_train"), DEPLOYMENT.retrain_cron)
-    lines.append(f"drafter_train {cron.run_id} (cron {DEPLOYMENT.retrain_cron}): {cron.state} {task_states(cron)}")
-    _check(cron.run_id.startswith("scheduled__") and str(cron.state) == "success",
-           "the cron-scheduled drafter_train run (no trigger form) trained with the deployment's run config")
+    lines.append(
+        f"drafter_train {cron.run_id} (cron {DEPLOYMENT.retrain_cron}): {cron.state} {task_states(cron)}"
+    )
+    _check(
+        cron.run_id.startswith("scheduled__") and str(cron.state) == "success",
+        "the cron-scheduled drafter_train run (no trigger form) trained with the deployment's run config",
+    )
     second_version = promoted_version(cron)
     _check(second_version != first_version, f"the cron run promoted a new version {second_version}")
 
@@ -792,16 +989,24 @@ def pod_lines(cluster: LocalCluster) -> list[str]:
     lines = []
     for row in cluster.pods_run():
         ended = "running until deleted" if row["exit_code"] is None else f"exit {row['exit_code']}"
-        lines.append(f"pod {row['pod']}: {row['dag_id'] or '-'}.{row['task_id'] or '-'} on {row['node']} "
-                     f"image {row['image']} {ended}")
+        lines.append(
+            f"pod {row['pod']}: {row['dag_id'] or '-'}.{row['task_id'] or '-'} on {row['node']} "
+            f"image {row['image']} {ended}"
+        )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workspace", type=Path, help="where the cluster, volumes and Airflow live (default: temp)")
-    parser.add_argument("--cache", type=Path, default=PROJECT_ROOT / ".drafter" / "cache",
-                        help="where the tiny target is built once")
+    parser.add_argument(
+        "--workspace", type=Path, help="where the cluster, volumes and Airflow live (default: temp)"
+    )
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        default=PROJECT_ROOT / ".drafter" / "cache",
+        help="where the tiny target is built once",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the workspace afterwards")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -70,4 +70,6 @@ class CaptureEngine(Protocol):
     name: str
     version: str
 
-    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest) -> list[Capture]: ...
+    def capture(
+        self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest
+    ) -> list[Capture]: ...

@@ -39,27 +39,44 @@ class HFEngine:
         sampling = params.temperature > 1e-6
         torch.manual_seed(params.seed)
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=params.max_new_tokens, do_sample=sampling,
-            temperature=params.temperature if sampling else None, top_p=None, top_k=None,
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id, return_dict_in_generate=True,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=params.max_new_tokens,
+            do_sample=sampling,
+            temperature=params.temperature if sampling else None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            return_dict_in_generate=True,
             output_logits=params.top_logprobs > 0,
         )
         top = None
         if params.top_logprobs:  # raw logits of every step -> [batch, steps, k]
-            values, indices = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).topk(params.top_logprobs, -1)
+            values, indices = torch.log_softmax(torch.stack(out.logits, 1).float(), -1).topk(
+                params.top_logprobs, -1
+            )
             top = torch.stack([indices.float(), values], -1).tolist()
         results = []
-        for index, row in enumerate(out.sequences[:, ids.shape[1]:].tolist()):
+        for index, row in enumerate(out.sequences[:, ids.shape[1] :].tolist()):
             length = row.index(self.eos_id) + 1 if self.eos_id in row else len(row)
-            results.append(Generation(row[:length], "stop" if self.eos_id in row else "length",
-                                      [[[int(i), v] for i, v in step] for step in top[index][:length]] if top else None))
+            results.append(
+                Generation(
+                    row[:length],
+                    "stop" if self.eos_id in row else "length",
+                    [[[int(i), v] for i, v in step] for step in top[index][:length]] if top else None,
+                )
+            )
         return results
 
     @torch.no_grad()
-    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int],
-                teacher: TeacherRequest = TeacherRequest()) -> list[Capture]:
+    def capture(
+        self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest = TeacherRequest()
+    ) -> list[Capture]:
         if aux_layer_ids[-1] >= self.num_layers - 1:
-            raise ValueError(f"aux layer {aux_layer_ids[-1]} must be below the last layer ({self.num_layers - 1})")
+            raise ValueError(
+                f"aux layer {aux_layer_ids[-1]} must be below the last layer ({self.num_layers - 1})"
+            )
         ids, mask = self._padded(sequences, left=False)
         # hidden_states[k + 1] is the output of decoder layer k; hidden_states[N] is the final-norm output.
         wanted = [k + 1 for k in aux_layer_ids] + [self.num_layers]
@@ -73,10 +90,12 @@ class HFEngine:
         captures = []
         for row, seq in enumerate(sequences):
             n = len(seq)
-            captures.append(Capture(
-                aux[row, :n].clone(),
-                last[row, :n].clone() if last is not None else None,
-                top_ids[row, :n].clone() if top_ids is not None else None,
-                top_values[row, :n].clone() if top_values is not None else None,
-            ))
+            captures.append(
+                Capture(
+                    aux[row, :n].clone(),
+                    last[row, :n].clone() if last is not None else None,
+                    top_ids[row, :n].clone() if top_ids is not None else None,
+                    top_values[row, :n].clone() if top_values is not None else None,
+                )
+            )
         return captures

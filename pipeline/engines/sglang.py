@@ -27,7 +27,14 @@ import orjson
 import torch
 
 from pipeline.config import SGLangClientConfig
-from pipeline.engines import Capture, EngineError, EngineUnavailable, Generation, SamplingParams, TeacherRequest
+from pipeline.engines import (
+    Capture,
+    EngineError,
+    EngineUnavailable,
+    Generation,
+    SamplingParams,
+    TeacherRequest,
+)
 
 log = logging.getLogger(__name__)
 # The one SGLang version captures and serving run on (layer-id semantics changed between releases);
@@ -47,8 +54,9 @@ class SGLangClient:
         self._next_url = cycle(self.urls)
         self._lock = Lock()
         self.session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=len(self.urls),
-                                                pool_maxsize=max(4, settings.concurrency))
+        adapter = requests.adapters.HTTPAdapter(
+            pool_connections=len(self.urls), pool_maxsize=max(4, settings.concurrency)
+        )
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
 
@@ -65,7 +73,9 @@ class SGLangClient:
 
         body = orjson.dumps(payload)
         last_error = "no attempt made"
-        deadline = time.monotonic() + (self.settings.deadline_s or self.settings.timeout_s * (self.settings.retries + 1))
+        deadline = time.monotonic() + (
+            self.settings.deadline_s or self.settings.timeout_s * (self.settings.retries + 1)
+        )
         for attempt in range(self.settings.retries + 1):
             url = self._url() + path
             remaining = deadline - time.monotonic()
@@ -73,8 +83,12 @@ class SGLangClient:
                 last_error += "; the request's deadline passed"
                 break
             try:
-                response = self.session.post(url, data=body, headers={"Content-Type": "application/json"},
-                                             timeout=min(self.settings.timeout_s, remaining))
+                response = self.session.post(
+                    url,
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=min(self.settings.timeout_s, remaining),
+                )
             except (requests.ConnectionError, requests.Timeout) as err:
                 last_error = f"{type(err).__name__} from {url}"
             else:
@@ -85,13 +99,19 @@ class SGLangClient:
                 elif response.status_code in RETRYABLE_STATUS:
                     last_error = f"HTTP {response.status_code} from {url}"
                 else:
-                    raise EngineError(f"SGLang rejected the request at {url}: HTTP {response.status_code} "
-                                      f"{_error_message(response)}")
+                    raise EngineError(
+                        f"SGLang rejected the request at {url}: HTTP {response.status_code} "
+                        f"{_error_message(response)}"
+                    )
             if attempt < self.settings.retries:
-                delay = min(30.0, 0.5 * 2 ** attempt, max(0.0, deadline - time.monotonic())) * (0.5 + random.random())
+                delay = min(30.0, 0.5 * 2**attempt, max(0.0, deadline - time.monotonic())) * (
+                    0.5 + random.random()
+                )
                 log.warning("SGLang request failed (%s); retry %d in %.1fs", last_error, attempt + 1, delay)
                 time.sleep(delay)
-        raise EngineUnavailable(f"SGLang request failed after {self.settings.retries + 1} attempts: {last_error}")
+        raise EngineUnavailable(
+            f"SGLang request failed after {self.settings.retries + 1} attempts: {last_error}"
+        )
 
     def get(self, path: str) -> Any:
         return self.get_from(self._url(), path)
@@ -141,7 +161,7 @@ def parse_generation(payload: dict[str, Any]) -> Generation:
         output_ids.append(matched)
     top = payload["meta_info"].get("output_top_logprobs")
     if top is not None:  # entries are [logprob, token_id, text]; kept as [token_id, logprob]
-        top = [[[int(entry[1]), entry[0]] for entry in step] for step in top[:len(output_ids)]]
+        top = [[[int(entry[1]), entry[0]] for entry in step] for step in top[: len(output_ids)]]
     return Generation(output_ids, "stop" if kind == "stop" else "length", top)
 
 
@@ -171,27 +191,31 @@ def split_hidden_states(raw: bytes) -> tuple[bytes, np.ndarray | None]:
     if key < 0:
         return raw, None
     start = key + len(b'"hidden_states":')
-    while raw[start:start + 1] in (b" ", b"\n"):
+    while raw[start : start + 1] in (b" ", b"\n"):
         start += 1
-    if raw[start:start + 1] != b"[":
+    if raw[start : start + 1] != b"[":
         return raw, None
     block_end = raw.find(b"]]", start) + 2  # the prompt block "[[..],..,[..]]" closes with the first "]]"
     if block_end < 2:
         raise EngineError("truncated hidden_states in the SGLang response")
     # decode-step rows, if any, follow as ",[..]" and the list closes with the next "]]"
-    value_end = block_end if raw[block_end:block_end + 1] == b"]" else raw.find(b"]]", block_end) + 1
-    values = _parse_rows(raw[start + 2:block_end - 1])
-    return raw[:start] + b"null" + raw[value_end + 1:], values
+    value_end = block_end if raw[block_end : block_end + 1] == b"]" else raw.find(b"]]", block_end) + 1
+    values = _parse_rows(raw[start + 2 : block_end - 1])
+    return raw[:start] + b"null" + raw[value_end + 1 :], values
 
 
 def prompt_states(values: np.ndarray | None, length: int, width: int) -> torch.Tensor:
     """The prompt block as a [length, width] float32 tensor, refusing blocks with missing rows."""
     if values is None:
-        raise EngineError("response has no hidden_states; start the server with --enable-return-hidden-states")
+        raise EngineError(
+            "response has no hidden_states; start the server with --enable-return-hidden-states"
+        )
     if values.size != length * width:
-        raise EngineError(f"hidden state block has {values.size} numbers, expected {length} x {width}: prompt rows "
-                          "go missing with radix-cache hits or chunked prefill (use --disable-radix-cache "
-                          "--chunked-prefill-size -1)")
+        raise EngineError(
+            f"hidden state block has {values.size} numbers, expected {length} x {width}: prompt rows "
+            "go missing with radix-cache hits or chunked prefill (use --disable-radix-cache "
+            "--chunked-prefill-size -1)"
+        )
     return torch.from_numpy(values.reshape(length, width))
 
 
@@ -205,17 +229,27 @@ def parse_topk(meta: dict[str, Any], length: int, k: int) -> tuple[torch.Tensor,
     try:
         rows = list(meta["input_top_logprobs"][1:]) + [meta["output_top_logprobs"][0]]
     except (KeyError, IndexError, TypeError) as err:
-        raise EngineError("response has no top log-probs; request return_logprob with top_logprobs_num") from err
+        raise EngineError(
+            "response has no top log-probs; request return_logprob with top_logprobs_num"
+        ) from err
     if len(rows) != length or any(row is None or len(row) != k for row in rows):
         raise EngineError(f"top log-probs cover {len(rows)} positions, expected {length} rows of {k}")
     ids = torch.tensor([[int(entry[1]) for entry in row] for row in rows], dtype=torch.long)
-    logprobs = torch.tensor([[float("nan") if entry[0] is None else float(entry[0]) for entry in row]
-                             for row in rows], dtype=torch.float32)
+    logprobs = torch.tensor(
+        [[float("nan") if entry[0] is None else float(entry[0]) for entry in row] for row in rows],
+        dtype=torch.float32,
+    )
     return ids, logprobs
 
 
-def capture_server_problems(info: dict[str, Any], aux_layer_ids: list[int] | None, num_layers: int,
-                            max_length: int, aux_server: bool, prompt_logprobs: bool) -> list[str]:
+def capture_server_problems(
+    info: dict[str, Any],
+    aux_layer_ids: list[int] | None,
+    num_layers: int,
+    max_length: int,
+    aux_server: bool,
+    prompt_logprobs: bool,
+) -> list[str]:
     """What in a server's /server_info makes it unfit to capture under this contract.
 
     Keys are SGLang 0.5.23's resolved server args. With no explicit ids an aux server captures the
@@ -224,7 +258,9 @@ def capture_server_problems(info: dict[str, Any], aux_layer_ids: list[int] | Non
     problems = []
     version = str(info.get("version", ""))
     if version.split("-")[0] != SGLANG_VERSION:
-        problems.append(f"the server runs SGLang {version or '(unreported)'}; captures are coded to {SGLANG_VERSION}")
+        problems.append(
+            f"the server runs SGLang {version or '(unreported)'}; captures are coded to {SGLANG_VERSION}"
+        )
 
     def setting(key):
         if key not in info:
@@ -235,17 +271,24 @@ def capture_server_problems(info: dict[str, Any], aux_layer_ids: list[int] | Non
         problems.append("the server was not started with --enable-return-hidden-states")
     wants_aux = setting("enable_return_aux_hidden_states")
     if wants_aux is not None and bool(wants_aux) != aux_server:
-        problems.append("an aux-state server needs --enable-return-aux-hidden-states" if aux_server else
-                        "a last-hidden server must not run with --enable-return-aux-hidden-states")
+        problems.append(
+            "an aux-state server needs --enable-return-aux-hidden-states"
+            if aux_server
+            else "a last-hidden server must not run with --enable-return-aux-hidden-states"
+        )
     if aux_server and wants_aux:
         served = info.get("return_aux_hidden_state_layer_ids") or [1, num_layers // 2 - 1, num_layers - 4]
         if list(served) != list(aux_layer_ids or []):
-            problems.append(f"the server captures aux layers {list(served)}, the contract says {aux_layer_ids}")
+            problems.append(
+                f"the server captures aux layers {list(served)}, the contract says {aux_layer_ids}"
+            )
     if setting("disable_radix_cache") is not True and not prompt_logprobs:
         problems.append("prompt rows go missing on radix-cache hits: start with --disable-radix-cache")
     chunk = setting("chunked_prefill_size")
     if chunk is not None and chunk != -1 and chunk < max_length:
-        problems.append(f"chunked_prefill_size {chunk} < capture.max_length {max_length}: use --chunked-prefill-size -1")
+        problems.append(
+            f"chunked_prefill_size {chunk} < capture.max_length {max_length}: use --chunked-prefill-size -1"
+        )
     return problems
 
 
@@ -257,7 +300,9 @@ class SGLangEngine:
     def __init__(self, settings: SGLangClientConfig, hidden_size: int | None = None):
         self.settings = settings
         self.client = SGLangClient(settings)
-        self.teacher_client = SGLangClient(settings, settings.last_hidden_urls) if settings.last_hidden_urls else None
+        self.teacher_client = (
+            SGLangClient(settings, settings.last_hidden_urls) if settings.last_hidden_urls else None
+        )
         self.hidden_size = hidden_size
         self.version = self._server_version()
 
@@ -271,8 +316,9 @@ class SGLangEngine:
         except Exception as err:  # any failure to reach the server is fatal here, with its reason
             raise EngineError(f"cannot reach SGLang at {url}: {err}") from err
 
-    def verify_capture_servers(self, aux_layer_ids: list[int], num_layers: int, max_length: int,
-                               teacher: TeacherRequest) -> None:
+    def verify_capture_servers(
+        self, aux_layer_ids: list[int], num_layers: int, max_length: int, teacher: TeacherRequest
+    ) -> None:
         """Refuse to capture through servers whose settings disagree with the capture contract."""
         checks = [(url, self.client, True) for url in self.client.urls]
         if "last_hidden" in teacher.kinds and self.teacher_client is not None:
@@ -281,19 +327,28 @@ class SGLangEngine:
         for url, client, aux_server in checks:
             info = self._server_info(client, url)
             prompt_logprobs = aux_server and "topk" in teacher.kinds
-            problems += [f"{url}: {p}" for p in capture_server_problems(info, aux_layer_ids, num_layers, max_length,
-                                                                        aux_server, prompt_logprobs)]
+            problems += [
+                f"{url}: {p}"
+                for p in capture_server_problems(
+                    info, aux_layer_ids, num_layers, max_length, aux_server, prompt_logprobs
+                )
+            ]
         if problems:
-            raise EngineError("SGLang capture servers disagree with the capture contract:\n  " + "\n  ".join(problems))
+            raise EngineError(
+                "SGLang capture servers disagree with the capture contract:\n  " + "\n  ".join(problems)
+            )
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         sampling = {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature}
-        extra = {"return_logprob": True, "top_logprobs_num": params.top_logprobs} if params.top_logprobs else {}
+        extra = (
+            {"return_logprob": True, "top_logprobs_num": params.top_logprobs} if params.top_logprobs else {}
+        )
         payloads = [{"input_ids": p, "sampling_params": sampling, **extra} for p in prompts]
         return [parse_generation(r) for r in self.client.map("/generate", payloads)]
 
-    def capture(self, sequences: list[list[int]], aux_layer_ids: list[int],
-                teacher: TeacherRequest = TeacherRequest()) -> list[Capture]:
+    def capture(
+        self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest = TeacherRequest()
+    ) -> list[Capture]:
         """Aux states (and top-K log-probs) from the aux-state servers; last hidden from the teacher servers.
 
         The aux layers are fixed when the aux servers start (--return-aux-hidden-state-layer-ids); the
@@ -302,8 +357,10 @@ class SGLangEngine:
         if self.hidden_size is None:
             raise EngineError("SGLang capture needs the target's hidden size")
         if "last_hidden" in teacher.kinds and self.teacher_client is None:
-            raise EngineError("a last_hidden teacher needs capture.sglang.last_hidden_urls (servers started "
-                              "without --enable-return-aux-hidden-states)")
+            raise EngineError(
+                "a last_hidden teacher needs capture.sglang.last_hidden_urls (servers started "
+                "without --enable-return-aux-hidden-states)"
+            )
         payloads = [self._capture_payload(s, teacher) for s in sequences]
         aux_responses = self.client.map("/generate", payloads, raw=True)
         captures = []
@@ -311,20 +368,27 @@ class SGLangEngine:
             rest, values = split_hidden_states(raw)
             capture = Capture(prompt_states(values, len(sequence), 3 * self.hidden_size))
             if "topk" in teacher.kinds:
-                capture.topk_ids, capture.topk_logprobs = parse_topk(orjson.loads(rest)["meta_info"], len(sequence),
-                                                                     teacher.topk)
+                capture.topk_ids, capture.topk_logprobs = parse_topk(
+                    orjson.loads(rest)["meta_info"], len(sequence), teacher.topk
+                )
             captures.append(capture)
         if "last_hidden" in teacher.kinds:
             plain = [{**p, "return_logprob": False} for p in payloads]
-            for capture, raw, sequence in zip(captures, self.teacher_client.map("/generate", plain, raw=True),
-                                              sequences):
-                capture.last_hidden = prompt_states(split_hidden_states(raw)[1], len(sequence), self.hidden_size)
+            for capture, raw, sequence in zip(
+                captures, self.teacher_client.map("/generate", plain, raw=True), sequences
+            ):
+                capture.last_hidden = prompt_states(
+                    split_hidden_states(raw)[1], len(sequence), self.hidden_size
+                )
         return captures
 
     @staticmethod
     def _capture_payload(sequence: list[int], teacher: TeacherRequest) -> dict[str, Any]:
-        payload: dict[str, Any] = {"input_ids": sequence, "return_hidden_states": True,
-                                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        payload: dict[str, Any] = {
+            "input_ids": sequence,
+            "return_hidden_states": True,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        }
         if "topk" in teacher.kinds:
             payload.update({"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": teacher.topk})
         return payload

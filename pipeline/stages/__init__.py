@@ -5,8 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-STAGES = ("prompts", "generate", "parity", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote",
-          "report")
+STAGES = (
+    "prompts",
+    "generate",
+    "parity",
+    "capture",
+    "dataset",
+    "train",
+    "evaluate",
+    "gate",
+    "benchmark",
+    "promote",
+    "report",
+)
 
 
 @dataclass

@@ -24,12 +24,12 @@ from pipeline.chat import capture_sequence
 from pipeline.config import RunConfig, default_aux_layer_ids
 from pipeline.contract import CaptureContract, build_contract, require_same_contract
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest, engine_servers
+from pipeline.engines.hf import HFEngine
 from pipeline.manifest import listed_shard, manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
 from pipeline.records import decode_jsonl, encode_jsonl
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
-from pipeline.engines.hf import HFEngine
 from pipeline.target import TargetInfo, describe_target, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -53,9 +53,17 @@ def make_engine(config: RunConfig, target: TargetInfo) -> CaptureEngine:
 
 
 def contract_for(config: RunConfig, target: TargetInfo, engine: CaptureEngine) -> CaptureContract:
-    return build_contract(aux_layer_ids(config, target.num_layers), target.num_layers, target.hidden_size,
-                          target.vocab_size, target.identity, {"name": engine.name, "version": engine.version},
-                          config.capture.encoding, list(config.capture.teacher), config.capture.teacher_topk)
+    return build_contract(
+        aux_layer_ids(config, target.num_layers),
+        target.num_layers,
+        target.hidden_size,
+        target.vocab_size,
+        target.identity,
+        {"name": engine.name, "version": engine.version},
+        config.capture.encoding,
+        list(config.capture.teacher),
+        config.capture.teacher_topk,
+    )
 
 
 def teacher_request(config: RunConfig) -> TeacherRequest:
@@ -99,9 +107,17 @@ def sample_problem(capture: Capture, length: int, hidden_size: int, teacher: Tea
     return None
 
 
-def capture_records(records: list[dict[str, Any]], engine: CaptureEngine, tokenizer, config: RunConfig,
-                    target: TargetInfo, layer_ids: list[int], counts: Counter, progress: Progress,
-                    quarantine: list[dict[str, str]]) -> list[CaptureSample]:
+def capture_records(
+    records: list[dict[str, Any]],
+    engine: CaptureEngine,
+    tokenizer,
+    config: RunConfig,
+    target: TargetInfo,
+    layer_ids: list[int],
+    counts: Counter,
+    progress: Progress,
+    quarantine: list[dict[str, str]],
+) -> list[CaptureSample]:
     prepared = []
     for record in records:
         last_ids = (record.get("generation") or {}).get("last_output_ids")
@@ -115,7 +131,7 @@ def capture_records(records: list[dict[str, Any]], engine: CaptureEngine, tokeni
     samples = []
     teacher = teacher_request(config)
     for start in range(0, len(prepared), config.capture.batch_size):
-        batch = prepared[start:start + config.capture.batch_size]
+        batch = prepared[start : start + config.capture.batch_size]
         captures = engine.capture([ids for _, ids, _ in batch], layer_ids, teacher)
         for (sample_id, ids, mask), capture in zip(batch, captures):
             problem = sample_problem(capture, len(ids), target.hidden_size, teacher)
@@ -123,14 +139,25 @@ def capture_records(records: list[dict[str, Any]], engine: CaptureEngine, tokeni
                 counts[f"quarantined.{problem}"] += 1
                 quarantine.append({"id": sample_id, "reason": problem})
                 continue
-            samples.append(CaptureSample(sample_id, torch.tensor(ids), torch.tensor(mask, dtype=torch.uint8),
-                                         capture.aux, capture.last_hidden, capture.topk_ids, capture.topk_logprobs))
+            samples.append(
+                CaptureSample(
+                    sample_id,
+                    torch.tensor(ids),
+                    torch.tensor(mask, dtype=torch.uint8),
+                    capture.aux,
+                    capture.last_hidden,
+                    capture.topk_ids,
+                    capture.topk_logprobs,
+                )
+            )
             counts["captured"] += 1
         progress.update(len(batch))
     return samples
 
 
-def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore | None = None) -> StageResult:
+def run(
+    config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore | None = None
+) -> StageResult:
     store = store or open_store(config.storage)
     in_prefix = store.key_for(responses_uri)
     responses = read_manifest(store, in_prefix, kind="responses")
@@ -143,8 +170,11 @@ def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
     unfinished = [s for s in responses["shards"] if _finished_marker(store, prefix, s, contract) is None]
-    parity = verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses) \
-        if unfinished else {"skipped": "every shard was already captured (the engine was checked before that)"}
+    parity = (
+        verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
+        if unfinished
+        else {"skipped": "every shard was already captured (the engine was checked before that)"}
+    )
     counts: Counter = Counter()
     objects: list[ObjectInfo] = []
     shards, quarantine = [], []
@@ -154,31 +184,63 @@ def run(config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore
             marker = _finished_marker(store, prefix, shard, contract)
             if marker is None:
                 records = decode_jsonl(read_listed(store, in_prefix, responses, shard["name"]))
-                marker = _capture_shard(store, prefix, shard, records, engine, tokenizer, config, target, contract,
-                                        Path(tmp), progress)
+                marker = _capture_shard(
+                    store,
+                    prefix,
+                    shard,
+                    records,
+                    engine,
+                    tokenizer,
+                    config,
+                    target,
+                    contract,
+                    Path(tmp),
+                    progress,
+                )
             else:
                 progress.update(shard["samples"])
             counts.update(marker["counts"])
             quarantine += marker["quarantine"]
             if marker["shard"] is not None:
-                objects.append(ObjectInfo(f"{prefix}/{marker['shard']['name']}", marker["bytes"], marker["sha256"]))
+                objects.append(
+                    ObjectInfo(f"{prefix}/{marker['shard']['name']}", marker["bytes"], marker["sha256"])
+                )
                 shards.append(marker["shard"])
     progress.close()
     if not shards:
         raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
     if quarantine:
         objects.append(store.put_bytes(f"{prefix}/quarantine.jsonl", encode_jsonl(quarantine)))
-    manifest = publish(store, prefix, "capture", objects, {
-        "snapshot": snapshot, "responses": store.uri(in_prefix), "contract": contract, "parity": parity,
-        "config": config.capture.model_dump(mode="json"), "counts": dict(counts), "shards": shards,
-        "totals": {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")},
-    })
+    manifest = publish(
+        store,
+        prefix,
+        "capture",
+        objects,
+        {
+            "snapshot": snapshot,
+            "responses": store.uri(in_prefix),
+            "contract": contract,
+            "parity": parity,
+            "config": config.capture.model_dump(mode="json"),
+            "counts": dict(counts),
+            "shards": shards,
+            "totals": {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")},
+        },
+    )
     log.info("capture: %s", dict(counts))
     return StageResult(store.uri(prefix), manifest)
 
 
-def verify_engine(config: RunConfig, engine: CaptureEngine, target: TargetInfo, contract: dict[str, Any], tokenizer,
-                  store: ObjectStore, responses_prefix: str, responses: dict[str, Any]) -> dict[str, Any]:
+def verify_engine(
+    config: RunConfig,
+    engine: CaptureEngine,
+    target: TargetInfo,
+    contract: dict[str, Any],
+    tokenizer,
+    store: ObjectStore,
+    responses_prefix: str,
+    responses: dict[str, Any],
+) -> dict[str, Any]:
     """Check the engine before anything is captured; raises on any disagreement with the contract.
 
     SGLang servers' settings are always checked; then, unless parity.samples is 0, the engine's states
@@ -186,28 +248,48 @@ def verify_engine(config: RunConfig, engine: CaptureEngine, target: TargetInfo, 
     """
     teacher = teacher_request(config)
     if config.capture.engine == "sglang":
-        engine.verify_capture_servers(contract["aux_layer_ids"], target.num_layers, config.capture.max_length, teacher)
+        engine.verify_capture_servers(
+            contract["aux_layer_ids"], target.num_layers, config.capture.max_length, teacher
+        )
     settings = config.capture.parity
     if settings.samples == 0:
         return {"skipped": "capture.parity.samples is 0"}
     from pipeline.parity import ParityFailed, check_parity
 
     first = responses["shards"][0]["name"]
-    records = decode_jsonl(read_listed(store, responses_prefix, responses, first))[:settings.samples]
-    sequences = [capture_sequence(tokenizer, r["messages"], (r.get("generation") or {}).get("last_output_ids"),
-                                  config.capture.max_length)[0] for r in records]
-    reference = engine.model if isinstance(engine, HFEngine) else load_model(
-        target.model_dir, trust_remote_code=config.target.trust_remote_code)
-    report = check_parity(engine, reference, sequences, contract["aux_layer_ids"], teacher, settings.tolerance)
+    records = decode_jsonl(read_listed(store, responses_prefix, responses, first))[: settings.samples]
+    sequences = [
+        capture_sequence(
+            tokenizer,
+            r["messages"],
+            (r.get("generation") or {}).get("last_output_ids"),
+            config.capture.max_length,
+        )[0]
+        for r in records
+    ]
+    reference = (
+        engine.model
+        if isinstance(engine, HFEngine)
+        else load_model(target.model_dir, trust_remote_code=config.target.trust_remote_code)
+    )
+    report = check_parity(
+        engine, reference, sequences, contract["aux_layer_ids"], teacher, settings.tolerance
+    )
     if not report.passed:
-        raise ParityFailed("capture engine disagrees with the reference forward:\n  " + "\n  ".join(report.problems))
-    log.info("capture parity on %d samples: aux relative errors %s", report.samples,
-             [f"{e:.2g}" for e in report.aux_rel_error])
+        raise ParityFailed(
+            "capture engine disagrees with the reference forward:\n  " + "\n  ".join(report.problems)
+        )
+    log.info(
+        "capture parity on %d samples: aux relative errors %s",
+        report.samples,
+        [f"{e:.2g}" for e in report.aux_rel_error],
+    )
     return report.as_dict()
 
 
-def run_shard(config: RunConfig, responses_uri: str, snapshot: str, shard_name: str,
-              store: ObjectStore | None = None) -> dict[str, Any]:
+def run_shard(
+    config: RunConfig, responses_uri: str, snapshot: str, shard_name: str, store: ObjectStore | None = None
+) -> dict[str, Any]:
     """One response shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
     in_prefix, responses, shard = listed_shard(store, responses_uri, "responses", shard_name)
@@ -219,11 +301,19 @@ def run_shard(config: RunConfig, responses_uri: str, snapshot: str, shard_name: 
     if marker is None:
         progress = Progress(total=shard["samples"], desc=f"capture {shard_name}", unit="sample")
         with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
-            marker = _capture_shard(store, prefix, shard, decode_jsonl(read_listed(store, in_prefix, responses,
-                                                                                   shard_name)),
-                                    engine, load_tokenizer(target.model_dir, config.target.trust_remote_code),
-                                    config, target, contract, Path(tmp),
-                                    progress)
+            marker = _capture_shard(
+                store,
+                prefix,
+                shard,
+                decode_jsonl(read_listed(store, in_prefix, responses, shard_name)),
+                engine,
+                load_tokenizer(target.model_dir, config.target.trust_remote_code),
+                config,
+                target,
+                contract,
+                Path(tmp),
+                progress,
+            )
         progress.close()
     return {"shard": shard_name, "counts": marker["counts"]}
 
@@ -244,8 +334,9 @@ def _marker_key(prefix: str, response_shard: dict[str, Any]) -> str:
     return f"{prefix}/{response_shard['name']}.done.json"
 
 
-def _finished_marker(store: ObjectStore, prefix: str, response_shard: dict[str, Any],
-                     contract: dict[str, Any]) -> dict[str, Any] | None:
+def _finished_marker(
+    store: ObjectStore, prefix: str, response_shard: dict[str, Any], contract: dict[str, Any]
+) -> dict[str, Any] | None:
     """The record of a response shard captured by an earlier attempt, if its output is complete."""
     key = _marker_key(prefix, response_shard)
     if not store.exists(key):
@@ -257,33 +348,58 @@ def _finished_marker(store: ObjectStore, prefix: str, response_shard: dict[str, 
     return marker
 
 
-def _capture_shard(store: ObjectStore, prefix: str, response_shard: dict[str, Any], records: list[dict[str, Any]],
-                   engine: CaptureEngine, tokenizer, config: RunConfig, target: TargetInfo,
-                   contract: dict[str, Any], tmp: Path, progress: Progress) -> dict[str, Any]:
+def _capture_shard(
+    store: ObjectStore,
+    prefix: str,
+    response_shard: dict[str, Any],
+    records: list[dict[str, Any]],
+    engine: CaptureEngine,
+    tokenizer,
+    config: RunConfig,
+    target: TargetInfo,
+    contract: dict[str, Any],
+    tmp: Path,
+    progress: Progress,
+) -> dict[str, Any]:
     """Capture one response shard into one capture shard; the marker is written after the data."""
     started = time.monotonic()
     counts: Counter = Counter()
     quarantine: list[dict[str, str]] = []
-    samples = capture_records(records, engine, tokenizer, config, target, contract["aux_layer_ids"], counts,
-                              progress, quarantine)
-    marker: dict[str, Any] = {"shard": None, "counts": dict(counts), "quarantine": quarantine, "contract": contract}
+    samples = capture_records(
+        records, engine, tokenizer, config, target, contract["aux_layer_ids"], counts, progress, quarantine
+    )
+    marker: dict[str, Any] = {
+        "shard": None,
+        "counts": dict(counts),
+        "quarantine": quarantine,
+        "contract": contract,
+    }
     if samples:
         name = response_shard["name"].replace(".jsonl", ".safetensors")
         path = tmp / name
         stats = write_shard(samples, path, config.capture.encoding)
         info = store.put_file(f"{prefix}/{name}", path)
         path.unlink()
-        marker.update({"bytes": info.bytes, "sha256": info.sha256,
-                       "shard": {"name": name, "split": response_shard["split"], **stats}})
+        marker.update(
+            {
+                "bytes": info.bytes,
+                "sha256": info.sha256,
+                "shard": {"name": name, "split": response_shard["split"], **stats},
+            }
+        )
     else:
         log.warning("capture: shard %s produced no valid samples: %s", response_shard["name"], dict(counts))
-    marker["timing"] = {"seconds": round(time.monotonic() - started, 3), "servers": engine_servers(config.capture)}
+    marker["timing"] = {
+        "seconds": round(time.monotonic() - started, 3),
+        "servers": engine_servers(config.capture),
+    }
     store.put_bytes(_marker_key(prefix, response_shard), json.dumps(marker).encode())
     return marker
 
 
-def publish_dataset(config: RunConfig, capture_uris: list[str], dataset: str,
-                    store: ObjectStore | None = None) -> StageResult:
+def publish_dataset(
+    config: RunConfig, capture_uris: list[str], dataset: str, store: ObjectStore | None = None
+) -> StageResult:
     """A dataset snapshot: the capture shards a training run reads, all under one contract."""
     store = store or open_store(config.storage)
     contract = None
@@ -297,17 +413,35 @@ def publish_dataset(config: RunConfig, capture_uris: list[str], dataset: str,
         by_name = {o["name"]: o for o in manifest["objects"]}
         for shard in manifest["shards"]:
             obj = by_name[shard["name"]]
-            splits[shard["split"]].append({"key": f"{capture_prefix}/{shard['name']}", "bytes": obj["bytes"],
-                                           "sha256": obj["sha256"], **shard})
+            splits[shard["split"]].append(
+                {
+                    "key": f"{capture_prefix}/{shard['name']}",
+                    "bytes": obj["bytes"],
+                    "sha256": obj["sha256"],
+                    **shard,
+                }
+            )
     if not splits["train"]:
         raise CaptureFailed(f"dataset {dataset} would have no training shards")
     prefix = layout.dataset_prefix(config.target.name, dataset)
-    manifest = publish(store, prefix, "dataset", [], {
-        "dataset": dataset, "target": config.target.name, "captures": capture_uris, "contract": contract,
-        "train_shards": splits["train"], "eval_shards": splits["eval"],
-        "totals": {split: {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")}
-                   for split, shards in splits.items()},
-    })
+    manifest = publish(
+        store,
+        prefix,
+        "dataset",
+        [],
+        {
+            "dataset": dataset,
+            "target": config.target.name,
+            "captures": capture_uris,
+            "contract": contract,
+            "train_shards": splits["train"],
+            "eval_shards": splits["eval"],
+            "totals": {
+                split: {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")}
+                for split, shards in splits.items()
+            },
+        },
+    )
     return StageResult(store.uri(prefix), manifest)
 
 
@@ -318,6 +452,8 @@ def latest_dataset(config: RunConfig, store: ObjectStore) -> str:
     base = layout.dataset_prefix(config.target.name, "x").rsplit("/", 1)[0]
     manifests = [key for key in store.list(base) if key.endswith("/" + MANIFEST_NAME)]
     if not manifests:
-        raise CaptureFailed(f"no dataset has been published for target {config.target.name} under {store.uri(base)}")
+        raise CaptureFailed(
+            f"no dataset has been published for target {config.target.name} under {store.uri(base)}"
+        )
     newest = max(manifests, key=lambda key: json.loads(store.get_bytes(key))["created_at"])
     return store.uri(newest.rsplit("/", 1)[0])

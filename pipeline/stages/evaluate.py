@@ -30,40 +30,65 @@ class EvaluationFailed(RuntimeError):
     pass
 
 
-def evaluate_drafter(drafter_dir: Path, shards: StreamingShards, target_dir: Path, steps: int, micro_batch: int,
-                     chunk: int, teacher: str = "auto") -> dict[str, Any]:
+def evaluate_drafter(
+    drafter_dir: Path,
+    shards: StreamingShards,
+    target_dir: Path,
+    steps: int,
+    micro_batch: int,
+    chunk: int,
+    teacher: str = "auto",
+) -> dict[str, Any]:
     """Metrics of one drafter over every sample of the shards, from counts summed over all of them."""
     frozen = load_frozen_tensors(target_dir)
     drafter, contract = load_drafter(drafter_dir, frozen["embed"].float())
     teacher = choose_teacher(teacher, shards.teachers())
-    objective = DraftObjective(drafter, frozen["lm_head"].float(), teacher, steps, 1.0, chunk, TREE_WIDTHS).eval()
+    objective = DraftObjective(
+        drafter, frozen["lm_head"].float(), teacher, steps, 1.0, chunk, TREE_WIDTHS
+    ).eval()
     totals = MetricCounts.empty(steps, TREE_WIDTHS)
     plan = sequential_plan(shards.shards, micro_batch)
     with torch.no_grad():
         for samples in Progress(shards.batches(plan), total=len(plan), desc="evaluate", unit="batch"):
             _, counts = objective(**collate(samples, torch.float32))
             totals.add(counts)
-    return {"samples": sum(s.samples for s in shards.shards), "ttt_steps": steps, "teacher": teacher,
-            "counts": totals.as_tensor().tolist(), **totals.summary(), "contract": contract}
+    return {
+        "samples": sum(s.samples for s in shards.shards),
+        "ttt_steps": steps,
+        "teacher": teacher,
+        "counts": totals.as_tensor().tolist(),
+        **totals.summary(),
+        "contract": contract,
+    }
 
 
-def evaluate_incumbent(incumbent: tuple[str, Path], contract: dict[str, Any], shards: StreamingShards,
-                       target_dir: Path, steps: int, config: RunConfig) -> dict[str, Any]:
+def evaluate_incumbent(
+    incumbent: tuple[str, Path],
+    contract: dict[str, Any],
+    shards: StreamingShards,
+    target_dir: Path,
+    steps: int,
+    config: RunConfig,
+) -> dict[str, Any]:
     """The incumbent on the same eval set, or why it cannot be compared (a different capture contract)."""
     version, directory = incumbent
     _, _, incumbent_contract = read_drafter_dir(directory)
     problems = contract_differences(contract, incumbent_contract)
     if problems:
         return {"version": version, "skipped": "different capture contract: " + "; ".join(problems)}
-    result = evaluate_drafter(directory, shards, target_dir, steps, config.evaluate.micro_batch_size,
-                              config.train.attention_chunk)
-    return {"version": version, **{k: result[k] for k in ("acc", "full_acc", "cond_acc", "tau_simulated", "full_acc_at")}}
+    result = evaluate_drafter(
+        directory, shards, target_dir, steps, config.evaluate.micro_batch_size, config.train.attention_chunk
+    )
+    return {
+        "version": version,
+        **{k: result[k] for k in ("acc", "full_acc", "cond_acc", "tau_simulated", "full_acc_at")},
+    }
 
 
 def local_drafter_dir(store: ObjectStore, train_prefix: str, workdir: Path) -> Path:
     """The trained drafter's files, fetched from the store and verified against the train manifest."""
-    from pipeline.manifest import fetch_listed
     from pipeline.export import DRAFTER_FILES
+    from pipeline.manifest import fetch_listed
 
     manifest = read_manifest(store, train_prefix, kind="train")
     out = workdir / "candidate_drafter"
@@ -72,30 +97,60 @@ def local_drafter_dir(store: ObjectStore, train_prefix: str, workdir: Path) -> P
     return out
 
 
-def run(config: RunConfig, train_uri: str, dataset_uri: str, run_id: str, store: ObjectStore | None = None,
-        incumbent: tuple[str, Path] | None = None) -> StageResult:
+def run(
+    config: RunConfig,
+    train_uri: str,
+    dataset_uri: str,
+    run_id: str,
+    store: ObjectStore | None = None,
+    incumbent: tuple[str, Path] | None = None,
+) -> StageResult:
     store = store or open_store(config.storage)
     dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
     if not dataset["eval_shards"]:
-        raise EvaluationFailed(f"dataset {dataset_uri} has no held-out (eval) shards; raise prompts.eval_fraction")
+        raise EvaluationFailed(
+            f"dataset {dataset_uri} has no held-out (eval) shards; raise prompts.eval_fraction"
+        )
     workdir = config.storage.run_workdir(run_id)
     drafter_dir = local_drafter_dir(store, store.key_for(train_uri), workdir)
     target = describe_target(config)
     refs = [ShardRef.from_manifest(entry) for entry in dataset["eval_shards"]]
-    cache = ShardCache(store, Path(config.storage.local_cache) / "shards", int(config.train.cache_gb * (1 << 30)))
+    cache = ShardCache(
+        store, Path(config.storage.local_cache) / "shards", int(config.train.cache_gb * (1 << 30))
+    )
     shards = StreamingShards(refs, cache, config.train.max_length, config.train.prefetch_shards)
     steps = config.evaluate.ttt_steps or config.train.ttt_steps
-    result = evaluate_drafter(drafter_dir, shards, target.model_dir, steps, config.evaluate.micro_batch_size,
-                              config.train.attention_chunk)
+    result = evaluate_drafter(
+        drafter_dir,
+        shards,
+        target.model_dir,
+        steps,
+        config.evaluate.micro_batch_size,
+        config.train.attention_chunk,
+    )
     require_same_contract(dataset["contract"], result.pop("contract"), "evaluating the candidate drafter")
     result.update({"drafter": train_uri, "dataset": dataset_uri})
     if incumbent is not None:
-        result["incumbent"] = evaluate_incumbent(incumbent, dataset["contract"], shards, target.model_dir, steps, config)
+        result["incumbent"] = evaluate_incumbent(
+            incumbent, dataset["contract"], shards, target.model_dir, steps, config
+        )
     shards.close()
     prefix = f"{layout.run_prefix(run_id)}/eval"
     info = store.put_bytes(f"{prefix}/eval.json", json.dumps(result, indent=2).encode())
-    manifest = publish(store, prefix, "eval", [info], {"run_id": run_id, "summary": {
-        k: result[k] for k in ("samples", "acc", "full_acc", "cond_acc", "tau_simulated")}})
-    log.info("evaluate: cond_acc %s tau_simulated %.3f over %d samples", result["cond_acc"],
-             result["tau_simulated"], result["samples"])
+    manifest = publish(
+        store,
+        prefix,
+        "eval",
+        [info],
+        {
+            "run_id": run_id,
+            "summary": {k: result[k] for k in ("samples", "acc", "full_acc", "cond_acc", "tau_simulated")},
+        },
+    )
+    log.info(
+        "evaluate: cond_acc %s tau_simulated %.3f over %d samples",
+        result["cond_acc"],
+        result["tau_simulated"],
+        result["samples"],
+    )
     return StageResult(store.uri(prefix), manifest)

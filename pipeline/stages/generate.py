@@ -40,27 +40,39 @@ def make_engine(config: RunConfig) -> GenerationEngine:
     return SGLangEngine(config.generate.sglang)
 
 
-def regenerate(records: list[dict[str, Any]], engine: GenerationEngine, tokenizer, config: RunConfig,
-               progress: Progress) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+def regenerate(
+    records: list[dict[str, Any]], engine: GenerationEngine, tokenizer, config: RunConfig, progress: Progress
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Replace every assistant turn by the target's answer given the regenerated history.
 
     Turn r of all conversations that have one is generated in batches before turn r + 1.
     Returns the regenerated records and the failures ({"id", "error"}).
     """
     settings = config.generate
-    states = [{"record": r, "history": [m for m in r["messages"] if m["role"] == "system"],
-               "users": [m for m in r["messages"] if m["role"] == "user"], "finish": [], "tokens": 0}
-              for r in records]
+    states = [
+        {
+            "record": r,
+            "history": [m for m in r["messages"] if m["role"] == "system"],
+            "users": [m for m in r["messages"] if m["role"] == "user"],
+            "finish": [],
+            "tokens": 0,
+        }
+        for r in records
+    ]
     for turn in range(max(user_turn_count(r["messages"]) for r in records)):
         active = [s for s in states if turn < len(s["users"]) and s.get("error") is None]
         for s in active:
             s["history"].append(s["users"][turn])
         active.sort(key=lambda s: len(prompt_ids(tokenizer, s["history"])))
         for start in range(0, len(active), settings.batch_size):
-            batch = active[start:start + settings.batch_size]
+            batch = active[start : start + settings.batch_size]
             prompts = [prompt_ids(tokenizer, s["history"]) for s in batch]
-            params = SamplingParams(settings.max_new_tokens, settings.temperature, seed=turn * 1_000_003 + start,
-                                    top_logprobs=settings.teacher_topk or 0)
+            params = SamplingParams(
+                settings.max_new_tokens,
+                settings.temperature,
+                seed=turn * 1_000_003 + start,
+                top_logprobs=settings.teacher_topk or 0,
+            )
             try:
                 results = engine.generate(prompts, params)
             except EngineUnavailable:
@@ -89,8 +101,12 @@ def regenerate(records: list[dict[str, Any]], engine: GenerationEngine, tokenize
             continue
         record = dict(s["record"])
         record["messages"] = s["history"]
-        record["generation"] = {"engine": getattr(engine, "name", "?"), "finish_reasons": s["finish"],
-                                "completion_tokens": s["tokens"], "last_output_ids": s["last_output_ids"]}
+        record["generation"] = {
+            "engine": getattr(engine, "name", "?"),
+            "finish_reasons": s["finish"],
+            "completion_tokens": s["tokens"],
+            "last_output_ids": s["last_output_ids"],
+        }
         if s.get("last_top_logprobs") is not None:
             record["generation"]["last_top_logprobs"] = s["last_top_logprobs"]
         done.append(record)
@@ -121,8 +137,16 @@ def _finished_parts(store: ObjectStore, prefix: str, shard_name: str) -> dict[st
     return done
 
 
-def generate_shard(store: ObjectStore, prefix: str, shard: dict[str, Any], records: list[dict[str, Any]],
-                   engine: GenerationEngine, tokenizer, config: RunConfig, progress: Progress) -> dict[str, Any]:
+def generate_shard(
+    store: ObjectStore,
+    prefix: str,
+    shard: dict[str, Any],
+    records: list[dict[str, Any]],
+    engine: GenerationEngine,
+    tokenizer,
+    config: RunConfig,
+    progress: Progress,
+) -> dict[str, Any]:
     """Regenerate one shard part by part; a rerun skips every record an earlier attempt finished."""
     started = time.monotonic()
     earlier = _finished_parts(store, prefix, shard["name"])
@@ -133,25 +157,38 @@ def generate_shard(store: ObjectStore, prefix: str, shard: dict[str, Any], recor
     parts_prefix = _parts_prefix(prefix, shard["name"])
     first_part = len(store.list(parts_prefix))
     for number, start in enumerate(range(0, len(todo), part_size)):
-        done, failed = regenerate(todo[start:start + part_size], engine, tokenizer, config, progress)
+        done, failed = regenerate(todo[start : start + part_size], engine, tokenizer, config, progress)
         failures += failed
         if done:
             store.put_bytes(f"{parts_prefix}/part-{first_part + number:05d}.jsonl", encode_jsonl(done))
             earlier.update({record["id"]: record for record in done})
     ordered = [earlier[r["id"]] for r in records if r["id"] in earlier]
     info = store.put_bytes(f"{prefix}/{shard['name']}", encode_jsonl(ordered))
-    counts = {"succeeded": len(todo) - len(failures), "skipped": len(records) - len(todo), "failed": len(failures)}
-    marker = {"bytes": info.bytes, "sha256": info.sha256, "failures": failures, "counts": counts,
-              "shard": {"name": shard["name"], "split": shard["split"], "samples": len(ordered)},
-              "timing": {"seconds": round(time.monotonic() - started, 3), "servers": engine_servers(config.generate)}}
+    counts = {
+        "succeeded": len(todo) - len(failures),
+        "skipped": len(records) - len(todo),
+        "failed": len(failures),
+    }
+    marker = {
+        "bytes": info.bytes,
+        "sha256": info.sha256,
+        "failures": failures,
+        "counts": counts,
+        "shard": {"name": shard["name"], "split": shard["split"], "samples": len(ordered)},
+        "timing": {
+            "seconds": round(time.monotonic() - started, 3),
+            "servers": engine_servers(config.generate),
+        },
+    }
     store.put_bytes(_marker_key(prefix, shard["name"]), json.dumps(marker).encode())
     for key in store.list(parts_prefix):
         store.delete(key)
     return marker
 
 
-def run_shard(config: RunConfig, prompts_uri: str, snapshot: str, shard_name: str,
-              store: ObjectStore | None = None) -> dict[str, Any]:
+def run_shard(
+    config: RunConfig, prompts_uri: str, snapshot: str, shard_name: str, store: ObjectStore | None = None
+) -> dict[str, Any]:
     """One prompt shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
     in_prefix, prompts, shard = listed_shard(store, prompts_uri, "prompts", shard_name)
@@ -162,9 +199,16 @@ def run_shard(config: RunConfig, prompts_uri: str, snapshot: str, shard_name: st
 
         progress = Progress(total=shard["samples"], desc=f"generate {shard_name}", unit="conv")
         records = decode_jsonl(read_listed(store, in_prefix, prompts, shard_name))
-        marker = generate_shard(store, prefix, shard, records, make_engine(config),
-                                load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code), config,
-                                progress)
+        marker = generate_shard(
+            store,
+            prefix,
+            shard,
+            records,
+            make_engine(config),
+            load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code),
+            config,
+            progress,
+        )
         progress.close()
     return {"shard": shard_name, "samples": marker["shard"]["samples"], "failed": len(marker["failures"])}
 
@@ -206,10 +250,20 @@ def run(config: RunConfig, prompts_uri: str, snapshot: str, store: ObjectStore |
         raise GenerationFailed(f"generation produced no responses: {totals}")
     if failures:
         objects.append(store.put_bytes(f"{prefix}/failures.jsonl", encode_jsonl(failures)))
-    manifest = publish(store, prefix, "responses", objects, {
-        "snapshot": snapshot, "prompts": store.uri(in_prefix), "target": config.target.name,
-        "engine": config.generate.engine, "config": config.generate.model_dump(mode="json"),
-        "counts": totals, "shards": shards,
-    })
+    manifest = publish(
+        store,
+        prefix,
+        "responses",
+        objects,
+        {
+            "snapshot": snapshot,
+            "prompts": store.uri(in_prefix),
+            "target": config.target.name,
+            "engine": config.generate.engine,
+            "config": config.generate.model_dump(mode="json"),
+            "counts": totals,
+            "shards": shards,
+        },
+    )
     log.info("generate: %s", totals)
     return StageResult(store.uri(prefix), manifest)

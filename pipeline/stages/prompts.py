@@ -7,9 +7,10 @@ import logging
 import tempfile
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -37,8 +38,12 @@ def _hash_order(record: dict[str, Any]) -> str:
     return hashlib.sha256(repr(record.get("source", record)).encode()).hexdigest()
 
 
-SOURCE_SUFFIXES = {"jsonl": (".jsonl", ".json"), "json": (".json", ".jsonl"), "parquet": (".parquet",),
-                   "arrow": (".arrow",)}
+SOURCE_SUFFIXES = {
+    "jsonl": (".jsonl", ".json"),
+    "json": (".json", ".jsonl"),
+    "parquet": (".parquet",),
+    "arrow": (".arrow",),
+}
 DATASETS_BUILDER = {"json": "json", "parquet": "parquet", "arrow": "arrow"}
 # Objects of an s3:// source downloaded at once; sources can hold thousands of small files.
 S3_DOWNLOAD_CONCURRENCY = 16
@@ -76,8 +81,10 @@ def _s3_client(storage: StorageConfig):
     from botocore.config import Config
 
     # standard retries ride out throttling (503 SlowDown), 5xx and dropped connections, as the store does
-    config = Config(retries={"mode": "standard", "max_attempts": storage.max_attempts},
-                    max_pool_connections=S3_DOWNLOAD_CONCURRENCY)
+    config = Config(
+        retries={"mode": "standard", "max_attempts": storage.max_attempts},
+        max_pool_connections=S3_DOWNLOAD_CONCURRENCY,
+    )
     return boto3.client("s3", endpoint_url=storage.endpoint_url, region_name=storage.region, config=config)
 
 
@@ -85,9 +92,15 @@ def _list_source_objects(client, bucket: str, key: str, kind: str) -> list[dict[
     """The object `key`, or every object of the kind under the prefix `key`, over all listing pages."""
     under_prefix = key.endswith("/") or not key
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key)
-    return sorted((obj for page in pages for obj in page.get("Contents", [])
-                   if obj["Key"] == key or under_prefix and obj["Key"].endswith(SOURCE_SUFFIXES[kind])),
-                  key=lambda obj: obj["Key"])
+    return sorted(
+        (
+            obj
+            for page in pages
+            for obj in page.get("Contents", [])
+            if obj["Key"] == key or under_prefix and obj["Key"].endswith(SOURCE_SUFFIXES[kind])
+        ),
+        key=lambda obj: obj["Key"],
+    )
 
 
 def _cache_path(storage: StorageConfig, uri: str, etag: str) -> Path:
@@ -96,8 +109,9 @@ def _cache_path(storage: StorageConfig, uri: str, etag: str) -> Path:
     return Path(storage.local_cache) / "sources" / (name + Path(uri).suffix)
 
 
-def _download_missing(client, bucket: str, objects: list[dict[str, Any]], files: list[SourceFile],
-                      max_attempts: int) -> None:
+def _download_missing(
+    client, bucket: str, objects: list[dict[str, Any]], files: list[SourceFile], max_attempts: int
+) -> None:
     """Download the listed objects not cached yet, several at a time.
 
     Each lands under its cache name only once complete, through a partial name of its own, because
@@ -128,14 +142,19 @@ def _s3_source_files(uri: str, kind: str, storage: StorageConfig) -> list[Source
     """Download an s3:// object, or every object of the source's kind under an s3:// prefix, to the cache."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     client = _s3_client(storage)
     try:
         objects = _list_source_objects(client, bucket, key, kind)
         if not objects:
             raise PromptSourceError(f"prompt source {uri}: no {kind} objects there")
-        files = [SourceFile(_cache_path(storage, f"s3://{bucket}/{obj['Key']}", obj["ETag"]),
-                            f"s3://{bucket}/{obj['Key']}") for obj in objects]
+        files = [
+            SourceFile(
+                _cache_path(storage, f"s3://{bucket}/{obj['Key']}", obj["ETag"]),
+                f"s3://{bucket}/{obj['Key']}",
+            )
+            for obj in objects
+        ]
         _download_missing(client, bucket, objects, files, storage.max_attempts)
         return files
     except (BotoCoreError, ClientError) as err:
@@ -143,7 +162,7 @@ def _s3_source_files(uri: str, kind: str, storage: StorageConfig) -> list[Source
 
 
 def _local_source_files(path: str, kind: str) -> list[SourceFile]:
-    local = Path(path[len("file://"):] if path.startswith("file://") else path)
+    local = Path(path[len("file://") :] if path.startswith("file://") else path)
     if local.is_dir():
         files = sorted(p for p in local.rglob("*") if p.suffix in SOURCE_SUFFIXES[kind])
     elif any(ch in local.name for ch in "*?["):
@@ -185,15 +204,21 @@ def _iter_with_datasets(files: list[SourceFile], source: PromptSource) -> Iterat
     import datasets
 
     try:
-        stream = datasets.load_dataset(DATASETS_BUILDER[source.kind], data_files=[str(f.path) for f in files],
-                                       split="train", streaming=True)
+        stream = datasets.load_dataset(
+            DATASETS_BUILDER[source.kind],
+            data_files=[str(f.path) for f in files],
+            split="train",
+            streaming=True,
+        )
         for index, record in enumerate(stream):
             yield SourceRecord(f"{source.path}[{index}]", record)
     except Exception as err:  # datasets raises many types for unreadable files
         message = str(err)
         for file in files:  # errors name the cached copy of an S3 object; name the object instead
             message = message.replace(str(file.path), file.name)
-        raise PromptSourceError(f"cannot read prompt source {source.path!r} as {source.kind}: {message}") from err
+        raise PromptSourceError(
+            f"cannot read prompt source {source.path!r} as {source.kind}: {message}"
+        ) from err
 
 
 def iter_source(source: PromptSource, storage: StorageConfig) -> Iterator[SourceRecord]:
@@ -297,10 +322,16 @@ class PromptFilter:
                 continue
             first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
             verdicts.append((sample_id, messages))
-            candidates.append((len(verdicts) - 1, messages[:first_user + 1]))
-        texts = [self.tokenizer.apply_chat_template(prefix, add_generation_prompt=True, tokenize=False)
-                 for _, prefix in candidates]
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]] if texts else []
+            candidates.append((len(verdicts) - 1, messages[: first_user + 1]))
+        texts = [
+            self.tokenizer.apply_chat_template(prefix, add_generation_prompt=True, tokenize=False)
+            for _, prefix in candidates
+        ]
+        lengths = (
+            [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+            if texts
+            else []
+        )
         for (index, _), length in zip(candidates, lengths):
             if length < self.settings.min_prompt_tokens:
                 verdicts[index] = BadRecord("too_short")
@@ -350,7 +381,8 @@ def _check_malformed_share(counts: Counter, examples: RejectedExamples, max_bad_
         f"{malformed} of {read} prompt records read are not valid JSON ({malformed / read:.1%}, more than "
         f"prompts.max_bad_fraction={max_bad_fraction}): {', '.join(first[:3])}"
         f"{', ...' if malformed > 3 else ''} (the first: {examples.first_detail['malformed_json']}); fix or remove "
-        "those lines, or raise prompts.max_bad_fraction to skip them (a file holding one JSON array is kind json)")
+        "those lines, or raise prompts.max_bad_fraction to skip them (a file holding one JSON array is kind json)"
+    )
 
 
 def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> StageResult:
@@ -379,9 +411,14 @@ def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> S
                     continue
                 sample_id, messages = verdict
                 source = settings.sources[source_index]
-                writer.add({"id": sample_id, "split": split_of(sample_id, settings.eval_fraction),
-                            "source": item.record.get("source") or source.path or source.kind,
-                            "messages": messages})
+                writer.add(
+                    {
+                        "id": sample_id,
+                        "split": split_of(sample_id, settings.eval_fraction),
+                        "source": item.record.get("source") or source.path or source.kind,
+                        "messages": messages,
+                    }
+                )
                 counts["kept"] += 1
                 kept_per_source[source_index] += 1
                 progress.update(1)
@@ -392,15 +429,22 @@ def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> S
         writer.close()
     if counts["kept"] == 0:
         raise PromptSourceError(f"no usable conversations in the prompt sources; counts: {dict(counts)}")
-    manifest = publish(store, prefix, "prompts", writer.objects, {
-        "snapshot": snapshot,
-        "config": settings.model_dump(mode="json"),
-        "counts": dict(counts),
-        "rejected_examples": rejected_examples.places,
-        "kept_per_source": {settings.sources[i].path or settings.sources[i].kind: n
-                            for i, n in kept_per_source.items()},
-        "shards": writer.shards,
-    })
+    manifest = publish(
+        store,
+        prefix,
+        "prompts",
+        writer.objects,
+        {
+            "snapshot": snapshot,
+            "config": settings.model_dump(mode="json"),
+            "counts": dict(counts),
+            "rejected_examples": rejected_examples.places,
+            "kept_per_source": {
+                settings.sources[i].path or settings.sources[i].kind: n for i, n in kept_per_source.items()
+            },
+            "shards": writer.shards,
+        },
+    )
     rejected = {k: v for k, v in counts.items() if k.startswith("rejected.")}
     log.info("prompts: kept %d of %d read; rejected %s", counts["kept"], counts["read"], rejected or "none")
     return StageResult(store.uri(prefix), manifest)

@@ -19,12 +19,11 @@ from typing import Any
 from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.contract import build_contract, require_same_contract
-from pipeline.export import DRAFTER_FILES
+from pipeline.export import DRAFTER_FILES, read_drafter_dir
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.stages import StageResult
 from pipeline.stages.capture import aux_layer_ids
 from pipeline.storage import ObjectStore, open_store
-from pipeline.export import read_drafter_dir
 from pipeline.target import describe_target
 from pipeline.train_data import ShardRef, assistant_token_counts
 from pipeline.train_nodes import TrainingFailed, node_launcher
@@ -37,12 +36,19 @@ log = logging.getLogger(__name__)
 def expected_contract(config: RunConfig) -> dict[str, Any]:
     """What this config's target and capture settings say the features must be."""
     target = describe_target(config)
-    return build_contract(aux_layer_ids(config, target.num_layers), target.num_layers, target.hidden_size,
-                          target.vocab_size, target.identity, {"name": "any", "version": "any"}).model_dump()
+    return build_contract(
+        aux_layer_ids(config, target.num_layers),
+        target.num_layers,
+        target.hidden_size,
+        target.vocab_size,
+        target.identity,
+        {"name": "any", "version": "any"},
+    ).model_dump()
 
 
-def draft_vocabulary(config: RunConfig, store: ObjectStore, dataset: dict[str, Any],
-                     init_dir: Path | None) -> list[int]:
+def draft_vocabulary(
+    config: RunConfig, store: ObjectStore, dataset: dict[str, Any], init_dir: Path | None
+) -> list[int]:
     """Target ids of the draft vocabulary: a warm start's own mapping, else the most frequent assistant tokens."""
     vocab_size = dataset["contract"]["vocab_size"]
     if init_dir is not None:
@@ -56,16 +62,25 @@ def draft_vocabulary(config: RunConfig, store: ObjectStore, dataset: dict[str, A
 
 # Who starts the nodes and where they meet change nothing that is trained: an attempt on another
 # rendezvous port resumes the same checkpoints. The node and rank counts do count (one ZeRO shard per rank).
-PLACEMENT_SETTINGS = {"launcher", "rendezvous_endpoint", "rendezvous_port", "rendezvous_timeout_s", "kubernetes_job"}
+PLACEMENT_SETTINGS = {
+    "launcher",
+    "rendezvous_endpoint",
+    "rendezvous_port",
+    "rendezvous_timeout_s",
+    "kubernetes_job",
+}
 
 
 def training_fingerprint(config: RunConfig, dataset: dict[str, Any]) -> str:
     """What a training run depends on. Checkpoints in a work dir are resumed only under the same one,
     so a rerun with another dataset or other settings never continues someone else's optimizer state."""
-    inputs = {"dataset": dataset["uri"], "dataset_created": dataset["created_at"],
-              "shards": [s["sha256"] for s in dataset["train_shards"]],
-              "train": config.train.model_dump(mode="json", exclude=PLACEMENT_SETTINGS),
-              "drafter": config.drafter.model_dump(mode="json")}
+    inputs = {
+        "dataset": dataset["uri"],
+        "dataset_created": dataset["created_at"],
+        "shards": [s["sha256"] for s in dataset["train_shards"]],
+        "train": config.train.model_dump(mode="json", exclude=PLACEMENT_SETTINGS),
+        "drafter": config.drafter.model_dump(mode="json"),
+    }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -77,23 +92,29 @@ def resolve_init_dir(config: RunConfig, store: ObjectStore, workdir: Path) -> Pa
     if source.startswith("registry:"):
         from pipeline.registry import pull
 
-        return pull(store, config.target.name, source[len("registry:"):], workdir / "init_drafter")
+        return pull(store, config.target.name, source[len("registry:") :], workdir / "init_drafter")
     path = Path(source)
     if not path.is_dir():
-        raise TrainingFailed(f"train.init_from {source!r} is neither a drafter directory nor registry:<alias>")
+        raise TrainingFailed(
+            f"train.init_from {source!r} is neither a drafter directory nor registry:<alias>"
+        )
     return path
 
 
-def worker_spec(config: RunConfig, store: ObjectStore, dataset: dict[str, Any], run_id: str,
-                workdir: Path) -> dict[str, Any]:
+def worker_spec(
+    config: RunConfig, store: ObjectStore, dataset: dict[str, Any], run_id: str, workdir: Path
+) -> dict[str, Any]:
     """What every rank needs. Its local paths (work dir, shard cache, target, warm start) are the same on
     every node: the node pods mount the cache and weight volumes where this pod does."""
     init_dir = resolve_init_dir(config, store, workdir)
     return {
-        "config": config.dump(), "run_id": run_id, "workdir": str(workdir),
+        "config": config.dump(),
+        "run_id": run_id,
+        "workdir": str(workdir),
         "train_shards": dataset["train_shards"],
         "shard_cache": str((Path(config.storage.local_cache) / "shards").resolve()),
-        "target_dir": str(describe_target(config).model_dir.resolve()), "contract": dataset["contract"],
+        "target_dir": str(describe_target(config).model_dir.resolve()),
+        "contract": dataset["contract"],
         "init_dir": str(init_dir.resolve()) if init_dir else None,
         "draft_vocab": draft_vocabulary(config, store, dataset, init_dir),
     }
@@ -108,33 +129,59 @@ def run(config: RunConfig, dataset_uri: str, run_id: str, store: ObjectStore | N
     if manifest_exists(store, prefix):
         log.info("training of run %s already published; reusing it", run_id)
         return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="train"))
-    workdir = (config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}").resolve()
+    workdir = (
+        config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}"
+    ).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     spec = worker_spec(config, store, dataset, run_id, workdir)
     spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), json.dumps(spec, indent=2).encode())
     (workdir / "train_result.json").unlink(missing_ok=True)
-    code = node_launcher(config.train, config.storage).train(store.uri(spec_object.key), run_id, workdir / "train.log")
+    code = node_launcher(config.train, config.storage).train(
+        store.uri(spec_object.key), run_id, workdir / "train.log"
+    )
     if code != 0:
         raise TrainingFailed(f"training exited with code {code}; full log: {workdir / 'train.log'}")
     if not (workdir / "train_result.json").exists():
-        raise TrainingFailed(f"training finished without rank 0's result in {workdir}: the nodes must write the "
-                             "work dir this process reads (storage.local_cache on the volume every node mounts)")
-    return _publish(config, store, prefix, workdir, [spec_object], {
-        "run_id": run_id, "dataset": store.uri(dataset_prefix), "contract": dataset["contract"],
-        "init_from": config.train.init_from if spec["init_dir"] else None})
+        raise TrainingFailed(
+            f"training finished without rank 0's result in {workdir}: the nodes must write the "
+            "work dir this process reads (storage.local_cache on the volume every node mounts)"
+        )
+    return _publish(
+        config,
+        store,
+        prefix,
+        workdir,
+        [spec_object],
+        {
+            "run_id": run_id,
+            "dataset": store.uri(dataset_prefix),
+            "contract": dataset["contract"],
+            "init_from": config.train.init_from if spec["init_dir"] else None,
+        },
+    )
 
 
-def _publish(config: RunConfig, store: ObjectStore, prefix: str, workdir: Path, objects: list,
-             fields: dict[str, Any]) -> StageResult:
+def _publish(
+    config: RunConfig, store: ObjectStore, prefix: str, workdir: Path, objects: list, fields: dict[str, Any]
+) -> StageResult:
     """Rank 0's drafter, metrics and result, then the manifest listing them."""
     result = json.loads((workdir / "train_result.json").read_text())
-    objects = objects + [store.put_file(f"{prefix}/drafter/{name}", workdir / "drafter" / name)
-                         for name in DRAFTER_FILES]
+    objects = objects + [
+        store.put_file(f"{prefix}/drafter/{name}", workdir / "drafter" / name) for name in DRAFTER_FILES
+    ]
     objects.append(store.put_file(f"{prefix}/metrics.jsonl", workdir / "metrics.jsonl"))
     objects.append(store.put_file(f"{prefix}/train_result.json", workdir / "train_result.json"))
-    manifest = publish(store, prefix, "train", objects, {
-        **fields, "config": config.train.model_dump(mode="json"),
-        "drafter_config": config.drafter.model_dump(mode="json"),
-        "result": {k: v for k, v in result.items() if k != "history"}, "history": result["history"],
-    })
+    manifest = publish(
+        store,
+        prefix,
+        "train",
+        objects,
+        {
+            **fields,
+            "config": config.train.model_dump(mode="json"),
+            "drafter_config": config.drafter.model_dump(mode="json"),
+            "result": {k: v for k, v in result.items() if k != "history"},
+            "history": result["history"],
+        },
+    )
     return StageResult(store.uri(prefix), manifest)

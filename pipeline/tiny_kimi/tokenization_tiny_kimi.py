@@ -25,7 +25,11 @@ PRETOKENIZE_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N
 
 def byte_to_char() -> dict[int, str]:
     """GPT-2's printable stand-in character for every byte, so that a token's bytes read as a string."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     mapping, shifted = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -53,8 +57,10 @@ def read_ranks(path: str | os.PathLike) -> dict[bytes, int]:
 
 
 def write_ranks(ranks: dict[bytes, int], path: str | os.PathLike) -> None:
-    lines = [base64.b64encode(token) + b" " + str(rank).encode() for token, rank in sorted(ranks.items(),
-                                                                                          key=lambda item: item[1])]
+    lines = [
+        base64.b64encode(token) + b" " + str(rank).encode()
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1])
+    ]
     Path(path).write_bytes(b"\n".join(lines) + b"\n")
 
 
@@ -66,27 +72,44 @@ class TikTokenTokenizer(PreTrainedTokenizer):
     vocab_files_names = VOCAB_FILES_NAMES
     model_input_names = ["input_ids", "attention_mask"]
 
-    def __init__(self, vocab_file: str, bos_token: str = "[BOS]", eos_token: str = "[EOS]",
-                 unk_token: str = "[UNK]", pad_token: str = "[PAD]", added_tokens_decoder: dict | None = None,
-                 **kwargs):
+    def __init__(
+        self,
+        vocab_file: str,
+        bos_token: str = "[BOS]",
+        eos_token: str = "[EOS]",
+        unk_token: str = "[UNK]",
+        pad_token: str = "[PAD]",
+        added_tokens_decoder: dict | None = None,
+        **kwargs,
+    ):
         ranks = read_ranks(vocab_file)
         named = {int(i): _content(token) for i, token in (added_tokens_decoder or {}).items()}
         slots = range(len(ranks), len(ranks) + SPECIAL_TOKEN_SLOTS)
         self.special_tokens = {named.get(i, f"<|reserved_token_{i}|>"): i for i in slots}
         self.vocab_file = vocab_file
-        self.model = tiktoken.Encoding(name=Path(vocab_file).name, pat_str=PRETOKENIZE_PATTERN,
-                                       mergeable_ranks=ranks, special_tokens=self.special_tokens)
+        self.model = tiktoken.Encoding(
+            name=Path(vocab_file).name,
+            pat_str=PRETOKENIZE_PATTERN,
+            mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
         chars = byte_to_char()
         self.byte_decoder = {char: byte for byte, char in chars.items()}
         self.decoder = {rank: "".join(chars[byte] for byte in token) for token, rank in ranks.items()}
         self.decoder.update({i: name for name, i in self.special_tokens.items()})
         self.encoder = {token: i for i, token in self.decoder.items()}
         named_roles = {str(bos_token), str(eos_token), str(unk_token), str(pad_token)}
-        kwargs.setdefault("extra_special_tokens", [name for name in self.special_tokens if name not in named_roles])
+        kwargs.setdefault(
+            "extra_special_tokens", [name for name in self.special_tokens if name not in named_roles]
+        )
         super().__init__(
-            bos_token=bos_token, eos_token=eos_token, unk_token=unk_token, pad_token=pad_token,
-            added_tokens_decoder={i: AddedToken(name, special=True, normalized=False)
-                                  for name, i in self.special_tokens.items()},
+            bos_token=bos_token,
+            eos_token=eos_token,
+            unk_token=unk_token,
+            pad_token=pad_token,
+            added_tokens_decoder={
+                i: AddedToken(name, special=True, normalized=False) for name, i in self.special_tokens.items()
+            },
             **kwargs,
         )
 

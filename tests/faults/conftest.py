@@ -21,8 +21,17 @@ def record(request):
     """record(kind, fault, outcome, tried=1, lost=0, duplicated=0) after the case's assertions hold."""
 
     def add(kind: str, fault: str, outcome: str, tried: int = 1, lost: int = 0, duplicated: int = 0) -> None:
-        _records.append({"case": request.node.nodeid.split("::")[-1].split("[")[0], "kind": kind, "fault": fault,
-                         "outcome": outcome, "tried": tried, "samples_lost": lost, "samples_duplicated": duplicated})
+        _records.append(
+            {
+                "case": request.node.nodeid.split("::")[-1].split("[")[0],
+                "kind": kind,
+                "fault": fault,
+                "outcome": outcome,
+                "tried": tried,
+                "samples_lost": lost,
+                "samples_duplicated": duplicated,
+            }
+        )
 
     return add
 
@@ -40,7 +49,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture
 def s3_proxy(s3_endpoint):
-    host, port = s3_endpoint[len("http://"):].split(":")
+    host, port = s3_endpoint[len("http://") :].split(":")
     proxy = FaultProxy(host, int(port)).start()
     yield proxy
     proxy.stop()
@@ -51,5 +60,10 @@ def proxied_storage(proxy: FaultProxy, tmp_path: Path) -> dict:
 
     from tests.conftest import BUCKET, TEST_CACHE
 
-    return {"root": f"s3://{BUCKET}/faults-{uuid.uuid4().hex[:10]}", "endpoint_url": proxy.url,
-            "local_cache": str(TEST_CACHE), "multipart_threshold_mb": 5, "max_attempts": 6}
+    return {
+        "root": f"s3://{BUCKET}/faults-{uuid.uuid4().hex[:10]}",
+        "endpoint_url": proxy.url,
+        "local_cache": str(TEST_CACHE),
+        "multipart_threshold_mb": 5,
+        "max_attempts": 6,
+    }

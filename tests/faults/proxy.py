@@ -19,12 +19,20 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
-HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "proxy-connection", "te",
-              "trailer", "upgrade"}
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+}
 
 
 @dataclass
@@ -40,7 +48,11 @@ class Rule:
     fired: int = 0
 
     def matches(self, method: str, path: str) -> bool:
-        return self.fired < self.times and self.method in ("*", method) and re.search(self.path, path) is not None
+        return (
+            self.fired < self.times
+            and self.method in ("*", method)
+            and re.search(self.path, path) is not None
+        )
 
 
 @dataclass
@@ -75,7 +87,7 @@ class FaultProxy:
                     return rule
         return None
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -155,7 +167,9 @@ def _handler(proxy: FaultProxy):
                 time.sleep(rule.seconds)
             if self.command == "GET" and key in proxy.last_get:
                 with proxy.lock:
-                    stale = next((r for r in proxy.rules if r.action == "stale" and r.matches("GET", key)), None)
+                    stale = next(
+                        (r for r in proxy.rules if r.action == "stale" and r.matches("GET", key)), None
+                    )
                     if stale is not None:
                         stale.fired += 1
                 if stale is not None:

@@ -22,17 +22,26 @@ from tests.test_registry import SERVING, drafter_dir
 LOCAL = REPO / "configs" / "local.yaml"
 
 
-@pytest.mark.parametrize("overrides, message, what", [
-    (["train.epochz=3"], "epochz", "an unknown key (train.epochz)"),
-    (["train.epochs=many"], "epochs", "a wrong type (train.epochs=many)"),
-    (["capture.encoding=fp4"], "encoding", "an unsupported capture encoding (fp4)"),
-    (["capture.aux_layer_ids=[1,2,99]", "target.num_layers=8"], "out of range",
-     "a capture contract naming layers the target does not have"),
-    (["target.vocab_size=1024", "drafter.draft_vocab_size=4096"], "draft_vocab_size exceeds",
-     "a draft vocabulary larger than the target's"),
-    (["target.name=../../etc"], "target.name", "a target name that climbs out of the store"),
-    (["storage.root=ftp://host/x"], "file:// or s3://", "a storage root with an unknown scheme"),
-])
+@pytest.mark.parametrize(
+    "overrides, message, what",
+    [
+        (["train.epochz=3"], "epochz", "an unknown key (train.epochz)"),
+        (["train.epochs=many"], "epochs", "a wrong type (train.epochs=many)"),
+        (["capture.encoding=fp4"], "encoding", "an unsupported capture encoding (fp4)"),
+        (
+            ["capture.aux_layer_ids=[1,2,99]", "target.num_layers=8"],
+            "out of range",
+            "a capture contract naming layers the target does not have",
+        ),
+        (
+            ["target.vocab_size=1024", "drafter.draft_vocab_size=4096"],
+            "draft_vocab_size exceeds",
+            "a draft vocabulary larger than the target's",
+        ),
+        (["target.name=../../etc"], "target.name", "a target name that climbs out of the store"),
+        (["storage.root=ftp://host/x"], "file:// or s3://", "a storage root with an unknown scheme"),
+    ],
+)
 def test_malformed_configs_are_refused_by_name(overrides, message, what, record):
     with pytest.raises(ConfigError, match=message):
         load_config(LOCAL, overrides)
@@ -49,12 +58,21 @@ def test_yaml_that_is_not_a_config_is_refused(tmp_path, record):
 
 @pytest.mark.parametrize("run_id", ["../escape", "a/b", "..", "x" * 300, "-rf"])
 def test_run_ids_that_would_become_bad_paths_are_refused(run_id, record):
-    result = subprocess.run([sys.executable, "-m", "pipeline.cli", "gate", "--config", str(LOCAL), "--run-id", run_id],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and ("run id" in result.stderr or "expected one argument" in result.stderr), \
-        result.stderr
-    record("bad input", f"run id {run_id[:20]!r}{'...' if len(run_id) > 20 else ''} on the command line",
-           "exit 2 with the reason; nothing written")
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "gate", "--config", str(LOCAL), "--run-id", run_id],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and (
+        "run id" in result.stderr or "expected one argument" in result.stderr
+    ), result.stderr
+    record(
+        "bad input",
+        f"run id {run_id[:20]!r}{'...' if len(run_id) > 20 else ''} on the command line",
+        "exit 2 with the reason; nothing written",
+    )
 
 
 @pytest.mark.parametrize("key", ["../x", "a/../../b", "/abs/path", "a//b"])
@@ -84,15 +102,22 @@ GOOD = [json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]})
 
 
 def test_malformed_prompt_records_are_counted_and_skipped(tmp_path, record):
-    bad = [json.dumps({"messages": "not a list"}), json.dumps({"conversations": []}),
-           json.dumps({"messages": [{"role": "wizard", "content": "?"}]}), json.dumps({"text": 5})]
+    bad = [
+        json.dumps({"messages": "not a list"}),
+        json.dumps({"conversations": []}),
+        json.dumps({"messages": [{"role": "wizard", "content": "?"}]}),
+        json.dumps({"text": 5}),
+    ]
     manifest = _prompts(tmp_path, GOOD[:5] + bad + GOOD[5:])
     assert sum(s["samples"] for s in manifest["shards"]) == 10
     rejected = {k: v for k, v in manifest["counts"].items() if k.startswith("rejected.")}
     assert sum(rejected.values()) == 4 and manifest["counts"]["kept"] == 10, manifest["counts"]
-    record("bad input", "a prompt file with 4 malformed records among 10 good ones",
-           f"the 10 good ones kept; the 4 counted by reason in the manifest ({', '.join(sorted(rejected))})",
-           tried=4)
+    record(
+        "bad input",
+        "a prompt file with 4 malformed records among 10 good ones",
+        f"the 10 good ones kept; the 4 counted by reason in the manifest ({', '.join(sorted(rejected))})",
+        tried=4,
+    )
 
 
 def test_an_unparseable_prompt_file_is_a_clear_error(tmp_path, record):
@@ -102,28 +127,47 @@ def test_an_unparseable_prompt_file_is_a_clear_error(tmp_path, record):
     with pytest.raises(PromptSourceError, match=rf"{bad_line}\b.*raise prompts\.max_bad_fraction"):
         _prompts(tmp_path, GOOD[:5] + ["{not json"] + GOOD[5:], max_bad_fraction=0.05)
     assert not (tmp_path / "store" / "prompts").exists()
-    record("bad input", "a prompt file with 1 line in 11 that is not JSON, more than prompts.max_bad_fraction (5%)",
-           "PromptSourceError naming file:line of the bad line and the setting to raise; nothing published")
+    record(
+        "bad input",
+        "a prompt file with 1 line in 11 that is not JSON, more than prompts.max_bad_fraction (5%)",
+        "PromptSourceError naming file:line of the bad line and the setting to raise; nothing published",
+    )
 
 
 def test_a_few_unparseable_prompt_lines_are_counted_and_skipped(tmp_path, record):
     cut_off = '{"messages": [{"role": "user", "content": "def cut(x'
-    manifest = _prompts(tmp_path, GOOD[:3] + ["{not json"] + GOOD[3:7] + [cut_off] + GOOD[7:], max_bad_fraction=0.2)
+    manifest = _prompts(
+        tmp_path, GOOD[:3] + ["{not json"] + GOOD[3:7] + [cut_off] + GOOD[7:], max_bad_fraction=0.2
+    )
     counts = manifest["counts"]
     assert counts["kept"] == 10 and counts["rejected.malformed_json"] == 2, counts
     assert sum(v for k, v in counts.items() if k != "read") == counts["read"]  # nothing vanishes
     source = tmp_path / "prompts.jsonl"
     assert manifest["rejected_examples"]["malformed_json"] == [f"{source}:4", f"{source}:9"]
-    record("bad input", "a prompt file with 2 lines in 12 that are not JSON, within prompts.max_bad_fraction (20%)",
-           "the 10 good ones kept; the 2 counted as rejected.malformed_json, their file:line in the manifest",
-           tried=2)
+    record(
+        "bad input",
+        "a prompt file with 2 lines in 12 that are not JSON, within prompts.max_bad_fraction (20%)",
+        "the 10 good ones kept; the 2 counted as rejected.malformed_json, their file:line in the manifest",
+        tried=2,
+    )
 
 
-@pytest.mark.parametrize("damage, message, what", [
-    (lambda t: t.pop("midlayer.mlp.up_proj.weight"), "missing tensor", "a missing tensor"),
-    (lambda t: t.__setitem__("fc.weight", torch.zeros(16, 32)), "fc.weight has shape", "a mis-shaped tensor"),
-    (lambda t: t.__setitem__("norm.weight", torch.full((16,), float("nan"))), "non-finite", "NaN weights"),
-])
+@pytest.mark.parametrize(
+    "damage, message, what",
+    [
+        (lambda t: t.pop("midlayer.mlp.up_proj.weight"), "missing tensor", "a missing tensor"),
+        (
+            lambda t: t.__setitem__("fc.weight", torch.zeros(16, 32)),
+            "fc.weight has shape",
+            "a mis-shaped tensor",
+        ),
+        (
+            lambda t: t.__setitem__("norm.weight", torch.full((16,), float("nan"))),
+            "non-finite",
+            "NaN weights",
+        ),
+    ],
+)
 def test_broken_drafter_directories_are_refused(tmp_path, damage, message, what, store, record):
     directory = drafter_dir(tmp_path, 1)
     tensors = load_file(str(directory / "model.safetensors"))
@@ -148,16 +192,28 @@ def test_checksum_mismatch_on_pull_keeps_the_served_copy(store, tmp_path, record
         pull(store, "tgt", "production", served)
     assert (served / "model.safetensors").read_bytes() == before
     assert verify_dir(served)["version"] == good
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".served")) == []  # no partial download
-    record("bad input", "a registry object whose bytes no longer match the manifest sha256, on pull",
-           "RegistryError 'checksum mismatch'; the served copy stays as it was")
+    assert (
+        sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".served")) == []
+    )  # no partial download
+    record(
+        "bad input",
+        "a registry object whose bytes no longer match the manifest sha256, on pull",
+        "RegistryError 'checksum mismatch'; the served copy stays as it was",
+    )
 
 
 def _shard(tmp_path):
     from pipeline.capture_shard import CaptureSample, write_shard
 
-    sample = CaptureSample("s0", torch.randint(0, 100, (12,)), torch.ones(12, dtype=torch.uint8), torch.randn(12, 48),
-                           None, torch.randint(0, 100, (12, 4)), torch.randn(12, 4))
+    sample = CaptureSample(
+        "s0",
+        torch.randint(0, 100, (12,)),
+        torch.ones(12, dtype=torch.uint8),
+        torch.randn(12, 48),
+        None,
+        torch.randint(0, 100, (12, 4)),
+        torch.randn(12, 4),
+    )
     path = tmp_path / "train-00000.safetensors"
     write_shard([sample], path, "fp8")
     return path
@@ -169,20 +225,34 @@ def test_a_dataset_shard_that_does_not_match_its_manifest_is_refused(store, tmp_
 
     path = _shard(tmp_path)
     info = store.put_file("captures/t/s/train-00000.safetensors", path)
-    store.put_bytes("captures/t/s/train-00000.safetensors", path.read_bytes()[:-16] + b"\x00" * 16)  # torn rewrite
+    store.put_bytes(
+        "captures/t/s/train-00000.safetensors", path.read_bytes()[:-16] + b"\x00" * 16
+    )  # torn rewrite
     cache = ShardCache(store, tmp_path / "cache", 1 << 30)
-    ref = ShardRef(key="captures/t/s/train-00000.safetensors", sha256=info.sha256, bytes=info.bytes, samples=1)
+    ref = ShardRef(
+        key="captures/t/s/train-00000.safetensors", sha256=info.sha256, bytes=info.bytes, samples=1
+    )
     with pytest.raises(StorageError, match="checksum mismatch"):
         cache.fetch(ref)
     assert list((tmp_path / "cache").iterdir()) == []  # nothing half-written is left to train on
-    record("bad input", "a dataset shard whose bytes differ from the dataset manifest's sha256",
-           "StorageError 'checksum mismatch'; nothing cached for training")
+    record(
+        "bad input",
+        "a dataset shard whose bytes differ from the dataset manifest's sha256",
+        "StorageError 'checksum mismatch'; nothing cached for training",
+    )
 
 
-@pytest.mark.parametrize("damage, message, what", [
-    (lambda raw: b"\x00" * 64, "implausibly large|not a capture shard|Expecting|header", "random bytes"),
-    (lambda raw: raw.replace(b'"format"', b'"formax"', 1), "not a capture shard", "a shard without its format tag"),
-])
+@pytest.mark.parametrize(
+    "damage, message, what",
+    [
+        (lambda raw: b"\x00" * 64, "implausibly large|not a capture shard|Expecting|header", "random bytes"),
+        (
+            lambda raw: raw.replace(b'"format"', b'"formax"', 1),
+            "not a capture shard",
+            "a shard without its format tag",
+        ),
+    ],
+)
 def test_files_that_are_not_capture_shards_are_refused(tmp_path, damage, message, what, record):
     from pipeline.capture_shard import ShardFormatError, ShardReader
 
@@ -199,4 +269,6 @@ def test_a_manifest_of_the_wrong_kind_is_refused(store, record):
     publish(store, "datasets/t/fake", "prompts", [], {})
     with pytest.raises(Exception, match="kind|prompts"):
         read_manifest(store, "datasets/t/fake", kind="dataset")
-    record("bad input", "a dataset URI whose manifest is another kind (prompts)", "refused, naming both kinds")
+    record(
+        "bad input", "a dataset URI whose manifest is another kind (prompts)", "refused, naming both kinds"
+    )

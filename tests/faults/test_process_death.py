@@ -40,8 +40,14 @@ def _config_file(tmp: Path) -> Path:
 
 def _drafter(config: Path, stage: str) -> subprocess.Popen:
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    return subprocess.Popen([sys.executable, "-m", "pipeline.cli", stage, "--config", str(config), "--run-id", RUN],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", stage, "--config", str(config), "--run-id", RUN],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def _finish(config: Path, stage: str) -> None:
@@ -62,8 +68,10 @@ def _kill_when(config: Path, stage: str, marks, wanted: int, timeout: float = 60
                 process.wait(timeout=60)
                 return seen
             if process.poll() is not None:
-                pytest.fail(f"{stage} finished before reaching {wanted} progress marks: "
-                            f"{process.stderr.read().decode()[-2000:]}")
+                pytest.fail(
+                    f"{stage} finished before reaching {wanted} progress marks: "
+                    f"{process.stderr.read().decode()[-2000:]}"
+                )
             time.sleep(0.01)  # the window between a progress mark and the next one can be a few tens of ms
         pytest.fail(f"{stage} did not reach {wanted} progress marks in {timeout:.0f}s")
     finally:
@@ -86,11 +94,15 @@ def _store(config: Path):
 def _ids(config: Path, prefix: str, kind: str) -> list[str]:
     store = _store(config)
     manifest = read_manifest(store, prefix, kind=kind)
-    return [r["id"] for s in manifest["shards"] for r in decode_jsonl(read_listed(store, prefix, manifest, s["name"]))]
+    return [
+        r["id"]
+        for s in manifest["shards"]
+        for r in decode_jsonl(read_listed(store, prefix, manifest, s["name"]))
+    ]
 
 
 def _files(config: Path, prefix: str) -> list[str]:
-    return sorted(key[len(prefix) + 1:] for key in _store(config).list(prefix))
+    return sorted(key[len(prefix) + 1 :] for key in _store(config).list(prefix))
 
 
 def _compare(runs, prefix: str, kind: str) -> tuple[list[str], int, int]:
@@ -124,10 +136,16 @@ def test_sigkill_during_prompts_then_rerun(tmp_path_factory, runs, record):
     seen = _kill_when(configs["killed"], "prompts", lambda: _count(root, "*.jsonl"), wanted)
     assert not (root / "manifest.json").exists()  # it died before publishing
     _finish(configs["killed"], "prompts")
-    ids, lost, dup = _compare({"clean": configs["clean"], "killed": configs["killed"]}, f"prompts/{RUN}", "prompts")
-    record("process death", f"SIGKILL during prompts (after {seen} shards written, before the manifest), then rerun",
-           f"the rerun rewrote the snapshot; the same {len(ids)} sample ids and files as a clean run",
-           lost=lost, duplicated=dup)
+    ids, lost, dup = _compare(
+        {"clean": configs["clean"], "killed": configs["killed"]}, f"prompts/{RUN}", "prompts"
+    )
+    record(
+        "process death",
+        f"SIGKILL during prompts (after {seen} shards written, before the manifest), then rerun",
+        f"the rerun rewrote the snapshot; the same {len(ids)} sample ids and files as a clean run",
+        lost=lost,
+        duplicated=dup,
+    )
 
 
 def test_sigkill_during_generate_then_rerun(runs, record):
@@ -136,13 +154,21 @@ def test_sigkill_during_generate_then_rerun(runs, record):
     _finish(runs["clean"], "generate")
     wanted = runs["rng"].randint(1, 6)
     root = _root(runs["killed"]) / "responses" / "tiny-test" / RUN
-    seen = _kill_when(runs["killed"], "generate", lambda: _count(root, "*.parts/part-*.jsonl") +
-                      4 * _count(root, "*.done.json"), wanted)
+    seen = _kill_when(
+        runs["killed"],
+        "generate",
+        lambda: _count(root, "*.parts/part-*.jsonl") + 4 * _count(root, "*.done.json"),
+        wanted,
+    )
     _finish(runs["killed"], "generate")
     ids, lost, dup = _compare(runs, f"responses/tiny-test/{RUN}", "responses")
-    record("process death", f"SIGKILL during generate (after {seen} finished parts), then rerun",
-           f"resumed from the finished parts; the same {len(ids)} conversations, manifests and files as a clean run",
-           lost=lost, duplicated=dup)
+    record(
+        "process death",
+        f"SIGKILL during generate (after {seen} finished parts), then rerun",
+        f"resumed from the finished parts; the same {len(ids)} conversations, manifests and files as a clean run",
+        lost=lost,
+        duplicated=dup,
+    )
 
 
 def test_sigkill_during_capture_then_rerun(runs, record):
@@ -153,14 +179,21 @@ def test_sigkill_during_capture_then_rerun(runs, record):
     _finish(runs["killed"], "capture")
     store_clean, store_killed = _store(runs["clean"]), _store(runs["killed"])
     prefix = f"captures/tiny-test/{RUN}"
-    clean, killed = read_manifest(store_clean, prefix, kind="capture"), read_manifest(store_killed, prefix, kind="capture")
-    assert [(s["name"], s["samples"], s["tokens"]) for s in killed["shards"]] == \
-        [(s["name"], s["samples"], s["tokens"]) for s in clean["shards"]]
+    clean, killed = (
+        read_manifest(store_clean, prefix, kind="capture"),
+        read_manifest(store_killed, prefix, kind="capture"),
+    )
+    assert [(s["name"], s["samples"], s["tokens"]) for s in killed["shards"]] == [
+        (s["name"], s["samples"], s["tokens"]) for s in clean["shards"]
+    ]
     assert killed["counts"] == clean["counts"]
     assert _files(runs["killed"], prefix) == _files(runs["clean"], prefix)
     samples = sum(s["samples"] for s in killed["shards"])
-    record("process death", f"SIGKILL during capture (after {seen} finished shards), then rerun",
-           f"finished shards kept, the rest captured; {samples} samples in the same shards as a clean run")
+    record(
+        "process death",
+        f"SIGKILL during capture (after {seen} finished shards), then rerun",
+        f"finished shards kept, the rest captured; {samples} samples in the same shards as a clean run",
+    )
 
 
 def test_sigkill_during_train_resumes_from_the_checkpoint(runs, record):
@@ -169,8 +202,12 @@ def test_sigkill_during_train_resumes_from_the_checkpoint(runs, record):
     before = {p for p in cache.glob("train-*")}
     # killed once the first checkpoint (step 4 of 36) is committed: `latest` is replaced atomically after all
     # ranks wrote their files, so a directory alone is not yet a checkpoint
-    _kill_when(runs["killed"], "train",
-               lambda: sum(1 for p in cache.glob("train-*/checkpoints/latest") if p.parent.parent not in before), 1)
+    _kill_when(
+        runs["killed"],
+        "train",
+        lambda: sum(1 for p in cache.glob("train-*/checkpoints/latest") if p.parent.parent not in before),
+        1,
+    )
     _finish(runs["killed"], "train")
     store = _store(runs["killed"])
     manifest = read_manifest(store, f"runs/{RUN}/train", kind="train")
@@ -178,9 +215,12 @@ def test_sigkill_during_train_resumes_from_the_checkpoint(runs, record):
     assert result["epochs_run"] == 2 and result["stop_reason"] == "completed"
     # the rerun resumed from the checkpoint: it trained, but not from step 0
     assert 0 < result["steps_this_attempt"] < result["global_steps"], result
-    record("process death", "SIGKILL during train (after its first checkpoint), then rerun",
-           f"resumed at step {result['global_steps'] - result['steps_this_attempt']} of {result['global_steps']}; "
-           "2 epochs completed; no training process outlived the kill")
+    record(
+        "process death",
+        "SIGKILL during train (after its first checkpoint), then rerun",
+        f"resumed at step {result['global_steps'] - result['steps_this_attempt']} of {result['global_steps']}; "
+        "2 epochs completed; no training process outlived the kill",
+    )
 
 
 def test_sigkill_during_promote_leaves_no_listed_orphan(runs, record):
@@ -202,7 +242,11 @@ def test_sigkill_during_promote_leaves_no_listed_orphan(runs, record):
     versions = registry.list_versions(store, "tiny-test")
     production = registry.read_alias(store, "tiny-test", "production")
     assert [v["version"] for v in versions] == [production["version"]]  # one listed version, the served one
-    assert registry.verify_dir(registry.pull(store, "tiny-test", "production",
-                                             _root(runs["killed"]).parent / "served"))
-    record("process death", f"SIGKILL during promote ({delay:.2f} s into the version upload), then rerun",
-           "exactly one listed version and production points at it; the pulled copy verifies")
+    assert registry.verify_dir(
+        registry.pull(store, "tiny-test", "production", _root(runs["killed"]).parent / "served")
+    )
+    record(
+        "process death",
+        f"SIGKILL during promote ({delay:.2f} s into the version upload), then rerun",
+        "exactly one listed version and production points at it; the pulled copy verifies",
+    )
