@@ -3,6 +3,7 @@
 #   make test   runs the test suite (and installs Debian's chromium for the browser tests if missing)
 # Both create and use the project's virtualenv (.venv) by themselves.
 #   make airflow / make airflow-down   a local Airflow UI with the drafter DAGs on 127.0.0.1
+#   make lint                          ruff (lint + format check) and mypy on pipeline/ (also part of make test)
 #   make faults                        the fault-injection suite; rewrites docs/FAULTS.md
 #   make rehearsal                     the Kubernetes + Kimi-K2.5 path end to end on a local cluster (as root)
 
@@ -15,7 +16,7 @@ AIRFLOW_STAMP := $(VENV)/.airflow-installed
 AIRFLOW_HOME_DIR ?= .drafter/airflow
 AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test faults rehearsal venv airflow airflow-down clean-venv
+.PHONY: demo test lint faults rehearsal venv airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,10 +42,16 @@ venv: $(TEST_STAMP)
 demo: $(BASE_STAMP)
 	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml
 
+# Lint, format and types first (ruff, mypy; configured in pyproject.toml), then the tests.
 # pytest exits 5 when it collects nothing; that is not a failure here.
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) lint
 	scripts/install-system-deps
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # the fault-injection suite alone (also part of `make test`), regenerating docs/FAULTS.md from what it saw
 faults: $(TEST_STAMP)

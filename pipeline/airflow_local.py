@@ -95,12 +95,12 @@ def up(
     """Start the four components; returns their PIDs (also written to <home>/pids.json)."""
     home = home.resolve()
     login_file(home)
-    env = airflow_env(home, port, env)
+    component_env = airflow_env(home, port, env)
     (home / "logs").mkdir(parents=True, exist_ok=True)
-    subprocess.run([_airflow(), "db", "migrate"], env=env, check=True, capture_output=True)
+    subprocess.run([_airflow(), "db", "migrate"], env=component_env, check=True, capture_output=True)
     subprocess.run(
         [_airflow(), "pools", "set", "drafter_gpu", "1", "GPU-bound drafter tasks"],
-        env=env,
+        env=component_env,
         check=True,
         capture_output=True,
     )
@@ -109,7 +109,12 @@ def up(
         log = open(home / "logs" / f"{name}.log", "ab")
         command = [_airflow()] + [a.format(port=port) for a in args]
         pids[name] = subprocess.Popen(
-            command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=PROJECT_ROOT, start_new_session=True
+            command,
+            env=component_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=PROJECT_ROOT,
+            start_new_session=True,
         ).pid
     (home / "pids.json").write_text(json.dumps({"port": port, "pids": pids}))
     try:

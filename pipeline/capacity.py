@@ -354,7 +354,8 @@ def format_plan(report: dict[str, Any]) -> str:
     for name, row in report["storage"]["encodings"].items():
         mark = "  <- config" if name == report["storage"]["chosen"] else ""
         lines.append(
-            f"  {name:<24}{row['bytes_per_token']:>12,.0f}{row['tb']:>10,.2f}{row['usd_per_month']:>10,}{mark}"
+            f"  {name:<24}{row['bytes_per_token']:>12,.0f}{row['tb']:>10,.2f}"
+            f"{row['usd_per_month']:>10,}{mark}"
         )
     lines.append(
         f"  {'plain bf16 (3 aux+last)':<24}{report['storage']['plain_bf16_bytes_per_token']:>12,}"

@@ -23,6 +23,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -61,7 +62,7 @@ class CaptureSample:
         return int(self.input_ids.numel())
 
     def truncated(self, length: int) -> CaptureSample:
-        def cut(t):
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[:length]
 
         return CaptureSample(
@@ -134,17 +135,22 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metada
             handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
 
 
+def _all_present(values: list[torch.Tensor | None]) -> list[torch.Tensor] | None:
+    """The per-sample tensors, or None unless every sample has one."""
+    present = [v for v in values if v is not None]
+    return present if len(present) == len(values) else None
+
+
 def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = "bf16") -> dict:
     """Write samples to one shard file; returns counts for the manifest."""
     if encoding not in ENCODINGS:
         raise ShardFormatError(f"unsupported aux encoding {encoding!r}; use one of {ENCODINGS}")
     if not samples:
         raise ShardFormatError("refusing to write an empty shard")
-    teachers = [
-        t
-        for t in TEACHERS
-        if all(getattr(s, "last_hidden" if t == "last_hidden" else "topk_ids") is not None for s in samples)
-    ]
+    last_hidden = _all_present([s.last_hidden for s in samples])
+    topk_ids = _all_present([s.topk_ids for s in samples])
+    present = {"last_hidden": last_hidden, "topk": topk_ids}
+    teachers = [t for t in TEACHERS if present[t] is not None]
     if not teachers:
         raise ShardFormatError("samples carry no teacher signal (last_hidden or top-k log-probs)")
     lengths = [s.length for s in samples]
@@ -154,11 +160,14 @@ def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = 
         "offsets": torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int64),
         **_encode("aux", [s.aux for s in samples], encoding, groups=3),
     }
-    if "last_hidden" in teachers:
-        tensors.update(_encode("last_hidden", [s.last_hidden for s in samples], encoding, groups=1))
-    if "topk" in teachers:
-        tensors["topk_ids"] = torch.cat([s.topk_ids.to(torch.int32) for s in samples])
-        tensors["topk_logprobs"] = torch.cat([s.topk_logprobs.to(torch.float16) for s in samples])
+    if last_hidden is not None:
+        tensors.update(_encode("last_hidden", last_hidden, encoding, groups=1))
+    if topk_ids is not None:
+        topk_logprobs = _all_present([s.topk_logprobs for s in samples])
+        if topk_logprobs is None:
+            raise ShardFormatError("samples carry top-k ids without their log-probabilities")
+        tensors["topk_ids"] = torch.cat([t.to(torch.int32) for t in topk_ids])
+        tensors["topk_logprobs"] = torch.cat([t.to(torch.float16) for t in topk_logprobs])
     metadata = {
         "format": FORMAT,
         "encoding": encoding,
@@ -180,6 +189,7 @@ class ShardReader:
 
     def __init__(self, read_range: Callable[[int, int], bytes]):
         self._read = read_range
+        self._handle: BinaryIO | None = None  # the open file of a reader made by from_file
         (header_len,) = struct.unpack("<Q", self._read(0, 8))
         if header_len > 100 * 1024 * 1024:
             raise ShardFormatError("shard header is implausibly large")
@@ -211,9 +221,8 @@ class ShardReader:
         return reader
 
     def close(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.close()
+        if self._handle is not None:
+            self._handle.close()
 
     def __len__(self) -> int:
         return len(self.sample_ids)

@@ -139,7 +139,8 @@ class TargetConfig(Strict):
             self.tiny = TinyTargetRecipe()
         if self.source == "hf" and not self.model_path:
             raise ValueError("target.source 'hf' needs target.model_path")
-        if self.source == "tiny" and self.tiny.architecture == "deepseek_v3" and not self.trust_remote_code:
+        tiny = self.tiny if self.source == "tiny" else None
+        if tiny is not None and tiny.architecture == "deepseek_v3" and not self.trust_remote_code:
             raise ValueError(
                 "target.tiny.architecture 'deepseek_v3' ships its own code, like Kimi-K2.5: "
                 "set target.trust_remote_code: true"
@@ -226,6 +227,13 @@ class ParityConfig(Strict):
     tolerance: float = Field(1e-3, gt=0, description="max |engine - reference| / max |reference| per layer")
 
 
+TeacherKind = Literal["last_hidden", "topk"]
+
+
+def _topk_teacher() -> list[TeacherKind]:
+    return ["topk"]
+
+
 class CaptureConfig(Strict):
     engine: Literal["hf", "sglang"] = "hf"
     aux_layer_ids: list[int] | None = Field(
@@ -234,8 +242,8 @@ class CaptureConfig(Strict):
     encoding: Literal["bf16", "fp8"] = Field(
         "fp8", description="aux (and last hidden) storage: bf16, or e4m3 with one scale per token and layer"
     )
-    teacher: list[Literal["last_hidden", "topk"]] = Field(
-        default_factory=lambda: ["topk"],
+    teacher: list[TeacherKind] = Field(
+        default_factory=_topk_teacher,
         min_length=1,
         description="teacher signals stored: post-norm last hidden state and/or top-k log-probs",
     )
@@ -247,9 +255,11 @@ class CaptureConfig(Strict):
 
     @model_validator(mode="after")
     def _sglang_needs_urls(self) -> CaptureConfig:
-        if self.engine == "sglang" and self.sglang is None:
+        if self.engine != "sglang":
+            return self
+        if self.sglang is None:
             raise ValueError("capture.engine 'sglang' needs capture.sglang.urls (aux-state servers)")
-        if self.engine == "sglang" and "last_hidden" in self.teacher and not self.sglang.last_hidden_urls:
+        if "last_hidden" in self.teacher and not self.sglang.last_hidden_urls:
             raise ValueError(
                 "a last_hidden teacher with SGLang needs capture.sglang.last_hidden_urls "
                 "(servers without --enable-return-aux-hidden-states)"

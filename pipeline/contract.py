@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pipeline.config import Strict
+from pipeline.config import Strict, TeacherKind
 
 LAYER_CONVENTION = "output_of_decoder_layer_k == hf_hidden_states[k+1] == sglang_capture_point[k+1]"
 
@@ -35,6 +35,10 @@ class ContractMismatch(ValueError):
     pass
 
 
+def _last_hidden_teacher() -> list[TeacherKind]:
+    return ["last_hidden"]
+
+
 class CaptureContract(Strict):
     layer_convention: str = LAYER_CONVENTION
     aux_layer_ids: list[int]
@@ -45,7 +49,7 @@ class CaptureContract(Strict):
     hidden_size: int
     vocab_size: int
     aux_encoding: Literal["bf16", "fp8"] = "bf16"
-    teacher_kinds: list[Literal["last_hidden", "topk"]] = Field(default_factory=lambda: ["last_hidden"])
+    teacher_kinds: list[TeacherKind] = Field(default_factory=_last_hidden_teacher)
     teacher_topk: int | None = None
     # last_hidden is taken after the final RMSNorm; top-k log-probs are a full-vocabulary log-softmax
     # of the raw logits (temperature 1), at the position that predicts the next token

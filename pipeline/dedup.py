@@ -94,7 +94,7 @@ class NearDuplicateFilter:
 
 
 class ExactDuplicateFilter:
-    def __init__(self):
+    def __init__(self) -> None:
         self.seen: set[int] = set()
 
     def check_and_add(self, sample_id: str) -> bool:

@@ -189,6 +189,11 @@ class DrafterLayer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
+    # buffers registered in __init__; declared here so they type as tensors, not `Tensor | Module`
+    embed_weight: torch.Tensor
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+
     def __init__(self, arch: DrafterArch, embed_weight: torch.Tensor):
         super().__init__()
         if embed_weight.shape != (arch.vocab_size, arch.hidden_size):
@@ -267,7 +272,7 @@ class Eagle3Drafter(nn.Module):
 class DraftCache:
     """KV cache of the drafter; positions are contiguous from 0 and can be cropped after verify."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
@@ -275,21 +280,30 @@ class DraftCache:
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
+    def _filled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None or self.v is None:
+            raise ValueError("draft cache is empty")
+        return self.k, self.v
+
     def crop(self, length: int) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        if self.k is None:
+            return
+        k, v = self._filled()
+        self.k, self.v = k[:, :, :length], v[:, :, :length]
 
     def expanded(self, rows: int) -> DraftCache:
         """A copy with the batch repeated `rows` times (one row per tree branch)."""
+        k, v = self._filled()
         copy = DraftCache()
-        copy.k, copy.v = self.k.expand(rows, -1, -1, -1), self.v.expand(rows, -1, -1, -1)
+        copy.k, copy.v = k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)
         return copy
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep, for each new row, the cache of the row it continues (beam-style)."""
-        self.k, self.v = self.k.index_select(0, rows), self.v.index_select(0, rows)
+        k, v = self._filled()
+        self.k, self.v = k.index_select(0, rows), v.index_select(0, rows)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, start: int):
+    def append(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         if start != self.length:
             raise ValueError(f"draft cache holds {self.length} positions, cannot append at {start}")
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)

@@ -67,9 +67,10 @@ def replicas_for(urls: list[str], fleet: ServerFleet, stage: str) -> int:
         match = pod_name.match(urlsplit(url).hostname or "")
         if not match:
             raise ConfigError(
-                f"{stage}.sglang.urls[{i}] {url} is not a pod of StatefulSet {fleet.namespace}/{fleet.statefulset} "
-                f"(expected http://{fleet.statefulset}-<i>.<service>.{fleet.namespace}.svc:<port>): the DAG scales "
-                "that StatefulSet, so the stage would call servers nobody started"
+                f"{stage}.sglang.urls[{i}] {url} is not a pod of StatefulSet "
+                f"{fleet.namespace}/{fleet.statefulset} "
+                f"(expected http://{fleet.statefulset}-<i>.<service>.{fleet.namespace}.svc:<port>): "
+                "the DAG scales that StatefulSet, so the stage would call servers nobody started"
             )
         ordinals.append(int(match.group(1)))
     return max(ordinals) + 1 if ordinals else 0

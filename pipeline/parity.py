@@ -8,12 +8,15 @@ state before the norm, disagrees with it by far more than numerical noise.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 class ParityFailed(RuntimeError):
@@ -33,7 +36,7 @@ def decoder_layers_and_norm(model: nn.Module, num_layers: int) -> tuple[nn.Modul
 
 @torch.no_grad()
 def reference_capture(
-    model: nn.Module, sequence: list[int], aux_layer_ids: list[int], teacher: TeacherRequest
+    model: PreTrainedModel, sequence: list[int], aux_layer_ids: list[int], teacher: TeacherRequest
 ) -> Capture:
     num_layers = model.config.get_text_config().num_hidden_layers
     layers, norm = decoder_layers_and_norm(model, num_layers)
@@ -78,9 +81,16 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value - reference).abs().max() / reference.abs().max().clamp(min=1e-12))
 
 
+def _asked_for(value: torch.Tensor | None, name: str) -> torch.Tensor:
+    """A teacher tensor the request asked for; a capture that leaves it out fails parity."""
+    if value is None:
+        raise ParityFailed(f"the capture has no {name}, though the teacher request asked for it")
+    return value
+
+
 def check_parity(
     engine: CaptureEngine,
-    reference_model: nn.Module,
+    reference_model: PreTrainedModel,
     sequences: list[list[int]],
     aux_layer_ids: list[int],
     teacher: TeacherRequest,
@@ -89,20 +99,24 @@ def check_parity(
     captured = engine.capture(sequences, aux_layer_ids, teacher)
     aux_errors = [0.0] * len(aux_layer_ids)
     last_error, agree, total = (0.0 if "last_hidden" in teacher.kinds else None), 0, 0
-    for sequence, got in zip(sequences, captured):
+    for sequence, got in zip(sequences, captured, strict=True):
         want = reference_capture(reference_model, sequence, aux_layer_ids, teacher)
         width = want.aux.shape[-1] // len(aux_layer_ids)
         for i in range(len(aux_layer_ids)):
             block = slice(i * width, (i + 1) * width)
             aux_errors[i] = max(aux_errors[i], _relative_error(got.aux[:, block], want.aux[:, block]))
         if last_error is not None:
-            last_error = max(last_error, _relative_error(got.last_hidden, want.last_hidden))
+            got_last = _asked_for(got.last_hidden, "last_hidden")
+            want_last = _asked_for(want.last_hidden, "last_hidden")
+            last_error = max(last_error, _relative_error(got_last, want_last))
         if "topk" in teacher.kinds:
-            agree += int((got.topk_ids[:, 0] == want.topk_ids[:, 0]).sum())
+            got_top = _asked_for(got.topk_ids, "topk_ids")
+            want_top = _asked_for(want.topk_ids, "topk_ids")
+            agree += int((got_top[:, 0] == want_top[:, 0]).sum())
             total += len(sequence)
     problems = [
         f"aux layer {k}: relative error {e:.3g} > {tolerance}"
-        for k, e in zip(aux_layer_ids, aux_errors)
+        for k, e in zip(aux_layer_ids, aux_errors, strict=True)
         if e > tolerance
     ]
     if last_error is not None and last_error > tolerance:

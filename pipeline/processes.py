@@ -35,7 +35,8 @@ def start_process_group(command: list[str], env: dict[str, str]) -> subprocess.P
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float) -> None:
-    """SIGTERM the group a `start_process_group` child leads; SIGKILL it if it is still there after grace_s."""
+    """SIGTERM the group a `start_process_group` child leads; SIGKILL it if it is still there after
+    grace_s."""
     if process.poll() is not None:
         return
     try:

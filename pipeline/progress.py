@@ -5,19 +5,41 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from collections.abc import Iterable, Iterator, Sized
+from typing import Generic, TypeVar, overload
 
 T = TypeVar("T")
 log = logging.getLogger("pipeline.progress")
 
 
-class Progress:
+class Progress(Generic[T]):
     """Wraps an iterable (or is updated by hand) and reports progress.
 
     With a terminal on stderr it draws a tqdm bar; otherwise it logs one line every
     `log_interval_s` seconds and one at the end, so task logs show work moving.
     """
+
+    @overload
+    def __init__(
+        self: Progress[object],
+        iterable: None = None,
+        total: int | None = None,
+        desc: str = "",
+        unit: str = "it",
+        log_interval_s: float = 30.0,
+        enabled: bool = True,
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self,
+        iterable: Iterable[T],
+        total: int | None = None,
+        desc: str = "",
+        unit: str = "it",
+        log_interval_s: float = 30.0,
+        enabled: bool = True,
+    ) -> None: ...
 
     def __init__(
         self,
@@ -27,7 +49,7 @@ class Progress:
         unit: str = "it",
         log_interval_s: float = 30.0,
         enabled: bool = True,
-    ):
+    ) -> None:
         self.iterable = iterable
         self.total = total if total is not None else _length(iterable)
         self.desc = desc
@@ -80,8 +102,10 @@ class Progress:
         self.enabled = False
 
 
-def _length(iterable) -> int | None:
+def _length(iterable: Iterable[object] | None) -> int | None:
+    if not isinstance(iterable, Sized):
+        return None
     try:
-        return len(iterable)  # type: ignore[arg-type]
-    except TypeError:
+        return len(iterable)
+    except TypeError:  # a __len__ that refuses (e.g. a DataLoader over an IterableDataset)
         return None

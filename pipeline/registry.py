@@ -183,7 +183,7 @@ def earlier_attempt(
         if not manifest_exists(store, version_prefix):
             continue
         manifest = read_manifest(store, version_prefix, kind="drafter")
-        weights = next((o for o in manifest["objects"] if o["name"] == WEIGHTS_NAME), {})
+        weights: dict[str, Any] = next((o for o in manifest["objects"] if o["name"] == WEIGHTS_NAME), {})
         if weights.get("sha256") == weights_sha and manifest["lineage"].get("run_id") == run_id:
             return version, manifest
     return None

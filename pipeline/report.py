@@ -58,7 +58,9 @@ class RunRecord:
         return "incomplete" if self.stages else "no artifacts"
 
 
-def _stage_json(store: ObjectStore, run_id: str, stage: str, name: str) -> tuple[dict | None, dict | None]:
+def _stage_json(
+    store: ObjectStore, run_id: str, stage: str, name: str | None
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     prefix = f"{layout.run_prefix(run_id)}/{stage}"
     if not manifest_exists(store, prefix):
         return None, None
@@ -206,7 +208,7 @@ def plot_throughput(record: RunRecord, path: Path) -> bool:
     speeds = [methods[name]["tok_s"] for name in order]
     bars = ax.bar(order, speeds, color=[COLORS[i] for i in range(len(order))])
     base = methods.get("baseline", {}).get("tok_s")
-    for bar, speed in zip(bars, speeds):
+    for bar, speed in zip(bars, speeds, strict=True):
         label = f"{speed:,.1f}" + (f"\n{speed / base:.2f}x" if base else "")
         ax.annotate(
             label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8
@@ -229,10 +231,10 @@ def _measured_curve(histogram: list[int]) -> list[float]:
 
 
 def plot_predicted_vs_measured(record: RunRecord, path: Path) -> bool:
-    methods = _bench_methods(record)
-    if record.eval is None or not methods:
+    methods, bench = _bench_methods(record), record.bench
+    if record.eval is None or bench is None or not methods:
         return False
-    topk = record.bench.get("topk", 1)
+    topk = bench.get("topk", 1)
     pairs = [("candidate", record.eval), ("incumbent", record.eval.get("incumbent"))]
     fig, axes = _figure()
     ax = axes[0][0]
@@ -263,8 +265,8 @@ def plot_predicted_vs_measured(record: RunRecord, path: Path) -> bool:
     ax.set(xlabel="draft position k", ylabel="P(first k drafts all accepted)", ylim=(0, 1.02))
     ax.set_xticks(range(1, depth + 1))
     ax.set_title(
-        f"acceptance length: predicted {record.bench.get('tau_simulated', float('nan')):.2f}, "
-        f"measured {record.bench.get('tau_measured', float('nan')):.2f}",
+        f"acceptance length: predicted {bench.get('tau_simulated', float('nan')):.2f}, "
+        f"measured {bench.get('tau_measured', float('nan')):.2f}",
         fontsize=9,
     )
     ax.grid(alpha=0.3)
@@ -347,15 +349,18 @@ def _gate_section(record: RunRecord) -> str:
     if record.gate is None:
         return "<p class=missing>The gate did not run.</p>"
     rows = "".join(
-        f"<tr class={'pass' if c['passed'] else 'fail'}><td>{html.escape(c['check'])}</td><td>{c['value']:.4f}</td>"
-        f"<td>{c['threshold']:.4f}</td><td>{'pass' if c['passed'] else 'FAIL'}</td></tr>"
+        f"<tr class={'pass' if c['passed'] else 'fail'}><td>{html.escape(c['check'])}</td>"
+        f"<td>{c['value']:.4f}</td><td>{c['threshold']:.4f}</td>"
+        f"<td>{'pass' if c['passed'] else 'FAIL'}</td></tr>"
         for c in record.gate["checks"]
     )
     verdict = "passed" if record.gate["passed"] else "rejected the candidate"
     bench = ""
     if record.bench and record.bench.get("decision"):
-        reasons = "".join(f"<li>{html.escape(r)}</li>" for r in record.bench["decision"]["reasons"])
-        bench = f"<p>Benchmark decision: {'promotable' if record.bench['decision']['promotable'] else 'refused'}</p><ul>{reasons}</ul>"
+        decision = record.bench["decision"]
+        reasons = "".join(f"<li>{html.escape(r)}</li>" for r in decision["reasons"])
+        outcome = "promotable" if decision["promotable"] else "refused"
+        bench = f"<p>Benchmark decision: {outcome}</p><ul>{reasons}</ul>"
     return (
         f"<p>The gate {verdict}.</p><table><tr><th>check</th><th>value</th><th>threshold</th><th></th></tr>"
         f"{rows}</table>{bench}"
@@ -382,24 +387,31 @@ def render_html(record: RunRecord, images: dict[str, bytes], flags: tuple[list[s
     contract = (record.train or {}).get("contract")
     serving = (
         (
-            f"<p>From {html.escape(flags[1])}:</p><pre>python -m sglang.launch_server --model-path &lt;target&gt; "
+            f"<p>From {html.escape(flags[1])}:</p>"
+            f"<pre>python -m sglang.launch_server --model-path &lt;target&gt; "
             f"{html.escape(' '.join(flags[0]))}</pre>"
         )
         if flags[0]
         else "<p class=missing>No drafter to serve.</p>"
     )
+    stages = html.escape(", ".join(record.stages))
+    rendered = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    contract_text = html.escape(json.dumps(contract, indent=2)) if contract else "not recorded"
+    config_text = (
+        html.escape(yaml.safe_dump(record.config, sort_keys=False)) if record.config else "not recorded"
+    )
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>drafter run {html.escape(record.run_id)}</title>
 <style>{STYLE}</style></head><body>
 <h1>Run {html.escape(record.run_id)}</h1>
-<p class=sub><span class=badge id=outcome>{html.escape(record.outcome)}</span> &middot; stages: {html.escape(", ".join(record.stages))}
-&middot; rendered {dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")}</p>
+<p class=sub><span class=badge id=outcome>{html.escape(record.outcome)}</span> &middot; stages: {stages}
+&middot; rendered {rendered}</p>
 <h2>Summary</h2><table>{_rows(_summary_rows(record))}</table>
 <h2>Gate</h2>{_gate_section(record)}
 <h2>Plots</h2>{figures}
 <h2>Serving flags</h2>{serving}
-<h2>Capture contract</h2><pre>{html.escape(json.dumps(contract, indent=2)) if contract else "not recorded"}</pre>
-<h2>Config</h2><pre>{html.escape(yaml.safe_dump(record.config, sort_keys=False)) if record.config else "not recorded"}</pre>
+<h2>Capture contract</h2><pre>{contract_text}</pre>
+<h2>Config</h2><pre>{config_text}</pre>
 </body></html>
 """
 

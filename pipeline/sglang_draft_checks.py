@@ -20,9 +20,9 @@ tensor-parallel divisibility of heads (models/llama.py:183-193), topk > 1 with p
 other than flashinfer/fa3/triton (arg_groups/speculative_hook.py:1268-1282), trtllm_mha with topk > 1
 (speculative_hook.py:1176-1180), rejection sampling / block verification / DP spec-prefill coordination /
 adaptive steps (speculative_hook.py:175-195, 252-264, 1210-1253), the device checks of every algorithm, and
-rope types (get_rope, models/llama.py:225-232). The draft's dtype is not a refusal: SGLang resolves it from the
-draft's own config (float32 runs as float16 under --dtype auto, configs/model_config.py:2284-2345). Weights
-in *.bin pickles are never opened here.
+rope types (get_rope, models/llama.py:225-232). The draft's dtype is not a refusal: SGLang resolves it from
+the draft's own config (float32 runs as float16 under --dtype auto, configs/model_config.py:2284-2345).
+Weights in *.bin pickles are never opened here.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import json
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 SGLANG_VERSION = "0.5.23"
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -54,7 +54,7 @@ CONTEXT_LENGTH_KEYS = (
     "max_position_embeddings",
 )
 
-Shard = Union[str, int, None]  # q/k/v or gate/up (0/1) of a stacked parameter; None: the whole parameter
+Shard = str | int | None  # q/k/v or gate/up (0/1) of a stacked parameter; None: the whole parameter
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def require_loadable_draft(
         )
 
 
-# ---- the target ----------------------------------------------------------------------------------------------
+# ---- the target --------------------------------------------------------------------------------------------
 
 
 def read_target(target_dir: Path) -> TargetFacts:
@@ -204,15 +204,16 @@ def read_target(target_dir: Path) -> TargetFacts:
 
 
 def _uses_deepseek_capture(architecture: str, text: dict[str, Any]) -> bool:
-    # The project's tiny Kimi-style target ships DeepSeek-V3 (MLA) under its own architecture name; it stands for
-    # Kimi-K2.5, so an MLA config (kv_lora_rank) follows the DeepSeek capture rule too.
+    # The project's tiny Kimi-style target ships DeepSeek-V3 (MLA) under its own architecture name; it
+    # stands for Kimi-K2.5, so an MLA config (kv_lora_rank) follows the DeepSeek capture rule too.
     return architecture in DEEPSEEK_CAPTURE_ARCHITECTURES or text.get("kv_lora_rank") is not None
 
 
 def derived_context_length(config: Any) -> int:
     """SGLang's get_context_length (utils/hf_transformers/common.py:677-694) of a config dict or object.
 
-    transformers 5 reads a config.json `rope_scaling` into `rope_parameters` and returns that for `rope_scaling`.
+    transformers 5 reads a config.json `rope_scaling` into `rope_parameters` and returns that for
+    `rope_scaling`.
     """
 
     def field(key: str) -> Any:
@@ -228,7 +229,7 @@ def derived_context_length(config: Any) -> int:
     return 2048
 
 
-# ---- the launch flags ----------------------------------------------------------------------------------------
+# ---- the launch flags --------------------------------------------------------------------------------------
 
 
 def effective_speculative_args(args: SpeculativeArgs, target_architecture: str) -> SpeculativeArgs:
@@ -258,6 +259,8 @@ def speculative_arg_problems(args: SpeculativeArgs, target_architecture: str) ->
             )
         ]
     args = effective_speculative_args(args, target_architecture)
+    # the defaults fill num_steps when it was missing; without them the check above has returned
+    assert args.num_steps is not None
     if args.eagle_topk is None:
         return [
             _problem(
@@ -296,11 +299,12 @@ def _draft_tree_problems(steps: int, topk: int, draft_tokens: int | None) -> lis
     return []
 
 
-# ---- the draft config ----------------------------------------------------------------------------------------
+# ---- the draft config --------------------------------------------------------------------------------------
 
 
 def _read_draft_config(draft_dir: Path, trust_remote_code: bool) -> tuple[Any | None, list[str]]:
-    """The draft config as SGLang reads it: transformers' AutoConfig (utils/hf_transformers/config.py:378-380)."""
+    """The draft config as SGLang reads it: transformers' AutoConfig
+    (utils/hf_transformers/config.py:378-380)."""
     from transformers import AutoConfig
 
     if not (draft_dir / "config.json").is_file():
@@ -354,8 +358,8 @@ def _require_draft_architecture(config: Any) -> None:
             f"the project exports {DRAFT_ARCHITECTURE}"
         )
     if architectures[0] != DRAFT_ARCHITECTURE:
-        # the registry takes architectures[0] first (models/registry.py:98-104); only the EAGLE-3 draft classes
-        # carry the hot_token_id the EAGLE3 worker reads (llama_eagle3.py:323)
+        # the registry takes architectures[0] first (models/registry.py:98-104); only the EAGLE-3 draft
+        # classes carry the hot_token_id the EAGLE3 worker reads (llama_eagle3.py:323)
         raise _Unbuildable(
             _problem(
                 f"draft architectures {list(architectures)} do not start with {DRAFT_ARCHITECTURE}",
@@ -431,7 +435,8 @@ def draft_shape(config: Any) -> DraftShape:
         fc_norm=bool(getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)),  # :185-196
         tied=tied,
         lm_head_from_target=head_from_target,
-        # llama.py:910-916: the target's embedding is shared unless target_hidden_size differs from hidden_size
+        # llama.py:910-916: the target's embedding is shared unless target_hidden_size differs from
+        # hidden_size
         shares_target_embedding=not hasattr(config, "target_hidden_size") or target_hidden == hidden,
     )
 
@@ -451,8 +456,8 @@ def config_problems(config: Any) -> list[str]:
         problems.append(
             _problem(
                 "draft tie_word_embeddings is true",
-                "serves it broken: lm_head becomes the embedding, so the checkpoint's trained lm_head.weight has no "
-                "parameter to load into and is dropped",
+                "serves it broken: lm_head becomes the embedding, so the checkpoint's trained lm_head.weight "
+                "has no parameter to load into and is dropped",
                 "sglang/srt/models/llama_eagle3.py:303-304",
             )
         )
@@ -463,8 +468,9 @@ def context_problems(target: TargetFacts, config: Any, context_length: int | Non
     """A draft whose derived context length is shorter than the target's is refused (configs/model_config.py).
 
     The draft worker builds the draft's ModelConfig with the target's context length (eagle_worker_v2.py:229,
-    managers/tp_worker.py:466-482); _derive_context_length raises unless SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN
-    (or SGLANG_IS_IN_CI, sglang/utils.py:424) is set, and then overrides the draft's max_position_embeddings.
+    managers/tp_worker.py:466-482); _derive_context_length raises unless
+    SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN (or SGLANG_IS_IN_CI, sglang/utils.py:424) is set, and then
+    overrides the draft's max_position_embeddings.
     """
     if _env_flag("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") or _env_flag("SGLANG_IS_IN_CI"):
         return []
@@ -477,8 +483,8 @@ def context_problems(target: TargetFacts, config: Any, context_length: int | Non
                 _problem(
                     f"--context-length {context_length} exceeds the target's derived context length "
                     f"{target.context_length}",
-                    f"fails at startup with ValueError: User-specified context_length ({context_length}) is greater "
-                    f"than the derived context_length ({target.context_length})",
+                    f"fails at startup with ValueError: User-specified context_length ({context_length}) "
+                    f"is greater than the derived context_length ({target.context_length})",
                     where,
                 )
             )
@@ -489,8 +495,9 @@ def context_problems(target: TargetFacts, config: Any, context_length: int | Non
             _problem(
                 f"the draft's derived context length {draft_context} (max_position_embeddings "
                 f"{getattr(config, 'max_position_embeddings', None)}) is shorter than the target's {serving}",
-                f"fails at startup with ValueError: Target model's context_length ({serving}) is greater than the "
-                f"derived context_length ({draft_context}); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to override it",
+                f"fails at startup with ValueError: Target model's context_length ({serving}) is greater "
+                f"than the derived context_length ({draft_context}); "
+                "set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to override it",
                 where,
                 "sglang/srt/speculative/eagle_worker_v2.py:229",
             )
@@ -499,11 +506,12 @@ def context_problems(target: TargetFacts, config: Any, context_length: int | Non
 
 
 def _env_flag(name: str) -> bool:
-    # SGLang's EnvBool (environ.py:143-151): true/1/yes/y; anything else unparsable counts as the default, False
+    # SGLang's EnvBool (environ.py:143-151): true/1/yes/y; anything else unparsable counts as the default,
+    # False
     return os.environ.get(name, "").lower() in ("true", "1", "yes", "y")
 
 
-# ---- draft against target ------------------------------------------------------------------------------------
+# ---- draft against target ----------------------------------------------------------------------------------
 
 
 def target_fit_problems(target: TargetFacts, shape: DraftShape) -> list[str]:
@@ -513,10 +521,11 @@ def target_fit_problems(target: TargetFacts, shape: DraftShape) -> list[str]:
         # fc takes num_aux states of target_hidden_size each (llama_eagle3.py:151-167, eagle_utils.py:265-275)
         problems.append(
             _problem(
-                f"the draft reads target states of width {shape.target_hidden} (target_hidden_size, else hidden_size) "
+                f"the draft reads target states of width {shape.target_hidden} "
+                "(target_hidden_size, else hidden_size) "
                 f"but the target's hidden_size is {target.hidden_size}",
-                f"fails feeding the target's {shape.num_aux} x {target.hidden_size} aux states into an fc built for "
-                f"{shape.num_aux} x {shape.target_hidden}",
+                f"fails feeding the target's {shape.num_aux} x {target.hidden_size} aux states into an fc "
+                f"built for {shape.num_aux} x {shape.target_hidden}",
                 "sglang/srt/models/llama_eagle3.py:151-167",
                 "sglang/srt/speculative/eagle_utils.py:265-275",
             )
@@ -525,9 +534,9 @@ def target_fit_problems(target: TargetFacts, shape: DraftShape) -> list[str]:
         problems.append(
             _problem(
                 f"draft vocab_size {shape.vocab} differs from the target's {target.vocab_size}",
-                "serves it broken: the draft embeds target token ids with an embedding sized by its own vocab_size "
-                "(ids beyond it are out of range, and tensor-parallel shards split the vocabulary at other rows) "
-                "while the weight is the target's",
+                "serves it broken: the draft embeds target token ids with an embedding sized by its own "
+                "vocab_size (ids beyond it are out of range, and tensor-parallel shards split the vocabulary "
+                "at other rows) while the weight is the target's",
                 "sglang/srt/models/llama_eagle3.py:144-149",
                 "sglang/srt/models/llama.py:910-918",
                 "sglang/srt/layers/vocab_parallel_embedding.py:515-521",
@@ -551,17 +560,17 @@ def aux_layer_problems(
 ) -> list[str]:
     """Whether the target captures the layers the draft's fc expects and was trained on.
 
-    The target reads eagle_config (model_runner_components/spec_aux_hidden_state.py:185-196): use_aux_hidden_state
-    defaults to true, missing layer ids mean SGLang's default layers. Capture point p is the input of layer p, i.e.
-    the output of layer p - 1, which is the project's layer id (pipeline.contract).
+    The target reads eagle_config (model_runner_components/spec_aux_hidden_state.py:185-196):
+    use_aux_hidden_state defaults to true, missing layer ids mean SGLang's default layers. Capture point p is
+    the input of layer p, i.e. the output of layer p - 1, which is the project's layer id (pipeline.contract).
     """
     eagle = _eagle_config(config)
     if not eagle.get("use_aux_hidden_state", True):
         return [
             _problem(
                 "eagle_config.use_aux_hidden_state is false",
-                "serves it broken: the target captures no aux states and the draft gets the last hidden state "
-                "instead, skipping fc",
+                "serves it broken: the target captures no aux states and the draft gets the last hidden "
+                "state instead, skipping fc",
                 "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py:189",
                 "sglang/srt/speculative/eagle_utils.py:261-264",
                 "sglang/srt/models/llama_eagle3.py:237-247",
@@ -592,9 +601,10 @@ def aux_layer_problems(
     if served != trained:
         return [
             _problem(
-                f"the drafter was trained on the outputs of layers {trained} (capture_contract.json, else eagle_config)",
-                f"serves it broken: it captures the outputs of layers {served} for eagle_aux_hidden_state_layer_ids "
-                f"{layer_ids}",
+                f"the drafter was trained on the outputs of layers {trained} "
+                "(capture_contract.json, else eagle_config)",
+                f"serves it broken: it captures the outputs of layers {served} for "
+                f"eagle_aux_hidden_state_layer_ids {layer_ids}",
                 capture_where,
                 "sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py:185-196",
             )
@@ -611,7 +621,7 @@ def _trained_aux_layer_ids(draft_dir: Path) -> list[int] | None:
     return list(ids) if ids is not None else None
 
 
-# ---- the draft weights ---------------------------------------------------------------------------------------
+# ---- the draft weights -------------------------------------------------------------------------------------
 
 
 def read_weight_header(draft_dir: Path) -> tuple[dict[str, TensorInfo], list[str]]:
@@ -660,7 +670,8 @@ def _weight_files(draft_dir: Path) -> list[Path]:
 
 
 def expected_parameters(shape: DraftShape) -> dict[str, Param]:
-    """LlamaForCausalLMEagle3's named parameters (llama_eagle3.py:122-320) and the shapes their loaders take."""
+    """LlamaForCausalLMEagle3's named parameters (llama_eagle3.py:122-320) and the shapes their loaders
+    take."""
     h, th = shape.hidden, shape.target_hidden
     params = {
         # shared with the target's embedding (then not loaded from the draft) unless the widths differ
@@ -724,7 +735,8 @@ STACKED_NAMES = (
 
 
 def sglang_parameter_for(name: str, params: dict[str, Param]) -> tuple[str, Shard] | None:
-    """The (parameter, shard) LlamaForCausalLMEagle3.load_weights puts a checkpoint tensor in; None: it is dropped.
+    """The (parameter, shard) LlamaForCausalLMEagle3.load_weights puts a checkpoint tensor in; None: it is
+    dropped.
 
     Mirrors llama_eagle3.py:345-378; d2t and t2d are handled before this (:350-356).
     """
@@ -756,8 +768,10 @@ def weight_problems(shape: DraftShape, tensors: dict[str, TensorInfo]) -> list[s
         if info.shape != expected:
             problems.append(
                 _problem(
-                    f"tensor {name} has shape {list(info.shape)}, but {_described(param, shard)} takes {list(expected)}",
-                    "fails loading it: the weight loader asserts the shape (or narrows/pads a parallel dimension)",
+                    f"tensor {name} has shape {list(info.shape)}, "
+                    f"but {_described(param, shard)} takes {list(expected)}",
+                    "fails loading it: the weight loader asserts the shape "
+                    "(or narrows/pads a parallel dimension)",
                     _loader_assertion(param),
                 )
             )
@@ -795,8 +809,8 @@ def _missing_parameter(param: str, shards: list[Shard], shape: DraftShape) -> st
     what = f"no tensor fills {param}" + (f" (shards {shards})" if shards != [None] else "")
     if param == "model.embed_tokens.weight":
         what += (
-            f": the target's embedding is not shared because target_hidden_size {shape.target_hidden} differs "
-            f"from hidden_size {shape.hidden} (models/llama.py:910-916)"
+            f": the target's embedding is not shared because target_hidden_size {shape.target_hidden} "
+            f"differs from hidden_size {shape.hidden} (models/llama.py:910-916)"
         )
     return _problem(
         what,
@@ -806,7 +820,7 @@ def _missing_parameter(param: str, shards: list[Shard], shape: DraftShape) -> st
     )
 
 
-# ---- the hot-token map (d2t) ---------------------------------------------------------------------------------
+# ---- the hot-token map (d2t) -------------------------------------------------------------------------------
 
 
 def _is_float(dtype: str) -> bool:

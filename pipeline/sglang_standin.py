@@ -7,7 +7,8 @@ GET /server_info, GET /health. With --aux-layer-ids it behaves like a server sta
 --enable-return-aux-hidden-states; with --speculative-algorithm NGRAM or EAGLE3 it decodes with the
 reference speculative decoder and reports the spec_* meta_info fields.
 
-    python -m pipeline.sglang_standin --model-path DIR --port 30000 [--trust-remote-code] [--aux-layer-ids 1 3 4]
+    python -m pipeline.sglang_standin --model-path DIR --port 30000 [--trust-remote-code]
+        [--aux-layer-ids 1 3 4]
         [--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 3 ...]
 """
 
@@ -22,10 +23,13 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import torch
+
+if TYPE_CHECKING:
+    from pipeline.drafter_model import Eagle3Drafter
 
 VERSION = "0.5.23-standin"
 
@@ -68,7 +72,7 @@ class Batcher:
                 try:
                     with self.lock, torch.inference_mode():
                         results = self.engine.generate([ids for ids, *_ in items], params)
-                    for (_, _, slot, _), result in zip(items, results):
+                    for (_, _, slot, _), result in zip(items, results, strict=True):
                         slot["result"] = result
                 except Exception as err:  # handed back to each waiting request
                     for _, _, slot, _ in items:
@@ -109,16 +113,18 @@ class StandinBackend:
         self.lock = threading.Lock()
         self.batcher = Batcher(self.engine, self.lock)
         self.accept_lengths: list[float] = []
-        self.drafter = None
+        self.drafter: Eagle3Drafter | None = None
         if algorithm == "EAGLE3":
             from pipeline.export import load_drafter
             from pipeline.target import load_frozen_tensors
 
+            assert draft_dir is not None  # require_loadable_draft refused a missing draft above
             self.drafter, contract = load_drafter(draft_dir, load_frozen_tensors(model_dir)["embed"].float())
             self.draft_layers = contract["aux_layer_ids"]
 
     def _prompt_forward(self, ids: list[int], output: list[int], hidden: bool, top_k: int) -> dict[str, Any]:
-        """meta_info fields from one forward over prompt + output: hidden states (prompt block) and log-probs."""
+        """meta_info fields from one forward over prompt + output: hidden states (prompt block) and
+        log-probs."""
         num_layers = self.model.config.num_hidden_layers
         wanted = [k + 1 for k in self.aux_layer_ids] if self.aux_layer_ids else [num_layers]
         out = self.model(input_ids=torch.tensor([ids + output]), output_hidden_states=wanted, use_cache=False)
@@ -130,7 +136,8 @@ class StandinBackend:
         if top_k:
             values, indices = torch.log_softmax(out.logits[0].float(), -1).topk(top_k, -1)
             rows = [
-                [[v, i, None] for v, i in zip(vs, ix)] for vs, ix in zip(values.tolist(), indices.tolist())
+                [[v, i, None] for v, i in zip(vs, ix, strict=True)]
+                for vs, ix in zip(values.tolist(), indices.tolist(), strict=True)
             ]
             meta["input_top_logprobs"] = [None] + rows[: len(ids) - 1]
             meta["output_top_logprobs"] = rows[len(ids) - 1 : len(ids) - 1 + len(output)]
@@ -160,6 +167,8 @@ class StandinBackend:
                 eos,
                 self.draft_tokens - 1,
             )
+        elif self.drafter is None:  # only EAGLE3, which loads one, is served besides NGRAM
+            raise ValueError(f"speculative algorithm {self.algorithm} has no draft model")
         elif self.topk == 1:
             result = speculative_decode(
                 TargetRunner(self.model, self.draft_layers),
@@ -201,9 +210,11 @@ class StandinBackend:
         plain = not (
             top_k or request.get("return_hidden_states") or self.algorithm or sampling.get("ignore_eos")
         )
+        spec: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
         if plain:
             params = SamplingParams(max_new, float(sampling.get("temperature", 1.0)))
-            output, spec, extra = self.batcher.generate(ids, params).output_ids, {}, {}
+            output = self.batcher.generate(ids, params).output_ids
         else:
             with self.lock, torch.inference_mode():
                 output, spec = self._decode(ids, max_new, bool(sampling.get("ignore_eos")))

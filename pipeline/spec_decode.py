@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from pipeline.drafter_model import DraftCache, Eagle3Drafter
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -41,11 +44,16 @@ class TargetRunner:
         self.model = model
         self._cache_cls = DynamicCache
         self.hidden_indices = [k + 1 for k in aux_layer_ids] if aux_layer_ids else None
-        self.cache = None
+        self.cache: DynamicCache | None = None
 
     @property
     def length(self) -> int:
         return self.cache.get_seq_length() if self.cache is not None else 0
+
+    def _started_cache(self) -> DynamicCache:
+        if self.cache is None:
+            raise RuntimeError("the target runner has no KV cache yet: call reset() first")
+        return self.cache
 
     def reset(self) -> None:
         self.cache = self._cache_cls(config=self.model.config)
@@ -64,7 +72,7 @@ class TargetRunner:
     def crop(self, length: int) -> None:
         extra = self.length - length
         if extra > 0:
-            self.cache.crop(-extra)
+            self._started_cache().crop(-extra)
 
     def forward_tree(self, tree: DraftTree, root: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One verify forward over a draft tree: the root token, then every node, each attending to the
@@ -94,8 +102,12 @@ class TargetRunner:
 
     def keep(self, prefix: int, rows: list[int]) -> None:
         """Keep the cache's first `prefix` positions and then the given rows of the last forward, in order."""
+        from transformers.cache_utils import CacheLayerMixin
+
         index = torch.tensor(list(range(prefix)) + [prefix + r for r in rows], dtype=torch.long)
-        for layer in self.cache.layers:
+        for layer in self._started_cache().layers:
+            if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+                raise RuntimeError(f"cannot keep rows of a {type(layer).__name__}: no attention keys/values")
             layer.keys = layer.keys.index_select(2, index)
             layer.values = layer.values.index_select(2, index)
 
@@ -117,13 +129,12 @@ class DraftTree:
 
     def accepted_path(self, predicted: torch.Tensor) -> list[int]:
         """Nodes, root to leaf, whose token is what the target predicts after their parent."""
-        path, parent = [], -1
+        path: list[int] = []
+        parent = -1
         while True:
             want = int(predicted[parent + 1])
-            child = next(
-                (i for i, (t, p) in enumerate(zip(self.tokens, self.parents)) if p == parent and t == want),
-                None,
-            )
+            nodes = enumerate(zip(self.tokens, self.parents, strict=True))
+            child = next((i for i, (t, p) in nodes if p == parent and t == want), None)
             if child is None:
                 return path
             path.append(child)
@@ -189,9 +200,15 @@ class EagleProposer:
         self.cache = DraftCache()
         self._extend(aux, context[1:], 0)
 
+    def _started(self) -> tuple[int, torch.Tensor]:
+        """The next chain draft and the drafter's last h_out, both set by start() and accept()."""
+        if self.next_draft is None or self.last_hidden is None:
+            raise RuntimeError("EagleProposer.start() must run before drafting")
+        return self.next_draft, self.last_hidden
+
     def propose(self, context: list[int], steps: int) -> list[int]:
-        drafts = [self.next_draft]
-        hidden = self.last_hidden
+        next_draft, hidden = self._started()
+        drafts = [next_draft]
         position = len(context) - 1
         for _ in range(steps - 1):
             hidden = self.drafter.decode(hidden, torch.tensor([[drafts[-1]]]), position, self.cache)
@@ -202,18 +219,22 @@ class EagleProposer:
     def propose_tree(self, context: list[int], steps: int, topk: int, budget: int) -> DraftTree:
         """EAGLE's dynamic tree: expand the `topk` best frontier nodes (by cumulative log-prob) for
         `steps` levels, then keep the `budget` best nodes (parents always before children)."""
+        _, last_hidden = self._started()
         position = len(context) - 1
-        scores, tokens, parents, depths = [], [], [], []
-        logp = torch.log_softmax(self.drafter.logits(self.last_hidden)[0, -1].float(), -1)
+        scores: list[float] = []
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        logp = torch.log_softmax(self.drafter.logits(last_hidden)[0, -1].float(), -1)
         best = logp.topk(topk)
         frontier = list(range(topk))
-        for score, draft_id in zip(best.values.tolist(), best.indices.tolist()):
+        for score, draft_id in zip(best.values.tolist(), best.indices.tolist(), strict=True):
             scores.append(score)
             tokens.append(draft_id)
             parents.append(-1)
             depths.append(1)
         cache = self.cache.expanded(topk)
-        hidden = self.last_hidden.expand(topk, -1, -1)
+        hidden = last_hidden.expand(topk, -1, -1)
         for depth in range(2, steps + 1):
             fed = torch.tensor([[tokens[n]] for n in frontier])
             h = self.drafter.decode(hidden, self.drafter.draft_to_target(fed), position + depth - 2, cache)
@@ -223,7 +244,7 @@ class EagleProposer:
             chosen = totals.flatten().topk(topk).indices
             rows, columns = chosen // topk, chosen % topk
             new_frontier = []
-            for row, column in zip(rows.tolist(), columns.tolist()):
+            for row, column in zip(rows.tolist(), columns.tolist(), strict=True):
                 scores.append(float(totals[row, column]))
                 tokens.append(int(child.indices[row, column]))
                 parents.append(frontier[row])
@@ -325,8 +346,8 @@ def _decode_cycles(
     steps: int,
     verify,
 ) -> DecodeResult:
-    """Prefill, then draft-and-verify cycles; `verify(context, produced)` returns the cycle's new tokens, how many
-    drafts were accepted and the target's aux hidden states for the proposer."""
+    """Prefill, then draft-and-verify cycles; `verify(context, produced)` returns the cycle's new
+    tokens, how many drafts were accepted and the target's aux hidden states for the proposer."""
     started = time.perf_counter()
     target.reset()
     next_tokens, aux = target.forward(prompt)

@@ -338,6 +338,7 @@ class S3Store(ObjectStore):
                     ) from err
                 log.warning("reading %s broke off (%s); reading again", self.uri(key), type(err).__name__)
                 _pause_before_retry(attempt)
+        raise StorageError(f"reading {self.uri(key)}: max_attempts is {self.max_attempts}, nothing was tried")
 
     def get_file(self, key: str, dest: str | Path) -> None:
         from botocore.exceptions import ClientError

@@ -35,8 +35,8 @@ def resolve_model_dir(config: RunConfig) -> Path:
     path = Path(config.target.model_path or "")
     if not (path / "config.json").is_file():
         raise TargetError(
-            f"target.model_path {config.target.model_path!r} is not a local model directory with config.json; "
-            "download the model first (nothing is fetched from model hubs at run time)"
+            f"target.model_path {config.target.model_path!r} is not a local model directory "
+            "with config.json; download the model first (nothing is fetched from model hubs at run time)"
         )
     return path
 

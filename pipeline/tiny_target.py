@@ -32,6 +32,7 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.config import TinyTargetRecipe
 from pipeline.locking import file_lock
@@ -211,6 +212,7 @@ def kimi_code_sha() -> str:
 
 
 def recipe_hash(recipe: TinyTargetRecipe, corpus_sha: str) -> str:
+    payload: dict[str, Any]
     if recipe.architecture == "llama":
         # hashed without the fields added for deepseek_v3, so that Llama builds cached before keep their names
         payload = {"recipe": recipe.model_dump(exclude={"architecture", "deepseek_v3"})}
@@ -273,7 +275,7 @@ def build_model(recipe: TinyTargetRecipe, tokenizer):
         num_key_value_heads=recipe.num_heads,
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
@@ -308,7 +310,7 @@ def train_model(model, stream, recipe: TinyTargetRecipe) -> dict:
     model.train()
     started = time.monotonic()
     loss_value = float("nan")
-    for step in Progress(range(recipe.train_steps), total=recipe.train_steps, desc="tiny target training"):
+    for _ in Progress(range(recipe.train_steps), total=recipe.train_steps, desc="tiny target training"):
         batch = _batch(stream, recipe.seq_len, recipe.batch_size, generator)
         loss = model(input_ids=batch, labels=batch).loss
         optimizer.zero_grad(set_to_none=True)
@@ -404,7 +406,7 @@ def bpe_tiktoken_agreement(bpe, ranks: dict[bytes, int], texts: list[str]) -> di
     )
     by_bpe = [[rank_of_id[i] for i in e.ids] for e in bpe.encode_batch(texts, add_special_tokens=False)]
     by_tiktoken = encoding.encode_ordinary_batch(texts)
-    return {"texts": len(texts), "different": sum(a != b for a, b in zip(by_bpe, by_tiktoken))}
+    return {"texts": len(texts), "different": sum(a != b for a, b in zip(by_bpe, by_tiktoken, strict=True))}
 
 
 def kimi_special_tokens(base_vocab: int) -> dict[int, str]:
@@ -414,7 +416,8 @@ def kimi_special_tokens(base_vocab: int) -> dict[int, str]:
 
 
 def write_kimi_tokenizer(directory: Path, ranks: dict[bytes, int]) -> None:
-    """tiktoken.model, the tokenizer code and tokenizer_config.json (auto_map, special tokens, chat template)."""
+    """tiktoken.model, the tokenizer code and tokenizer_config.json (auto_map, special tokens, chat
+    template)."""
     from pipeline.tiny_kimi.tokenization_tiny_kimi import write_ranks
 
     write_ranks(ranks, directory / "tiktoken.model")
@@ -450,6 +453,8 @@ def build_kimi_model(recipe: TinyTargetRecipe, tokenizer):
     from pipeline.tiny_kimi.modeling_tiny_kimi import TinyKimiForCausalLM
 
     shape = recipe.deepseek_v3
+    if shape is None:
+        raise ValueError("a tiny Kimi model needs recipe.deepseek_v3 (architecture 'deepseek_v3')")
     config = TinyKimiConfig(
         vocab_size=len(tokenizer),
         hidden_size=recipe.hidden_size,

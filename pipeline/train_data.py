@@ -204,8 +204,15 @@ def collate(samples: list[CaptureSample], dtype: torch.dtype) -> dict[str, torch
         out["loss_mask"][row, :n] = s.loss_mask.long()
         out["aux"][row, :n] = s.aux.to(dtype)
         if "last_hidden" in out:
-            out["last_hidden"][row, :n] = s.last_hidden.to(dtype)
+            out["last_hidden"][row, :n] = _batch_teacher(s, "last_hidden", s.last_hidden).to(dtype)
         if "topk_ids" in out:
-            out["topk_ids"][row, :n] = s.topk_ids
-            out["topk_logprobs"][row, :n] = s.topk_logprobs.float()
+            out["topk_ids"][row, :n] = _batch_teacher(s, "topk_ids", s.topk_ids)
+            out["topk_logprobs"][row, :n] = _batch_teacher(s, "topk_logprobs", s.topk_logprobs).float()
     return out
+
+
+def _batch_teacher(sample: CaptureSample, name: str, value: torch.Tensor | None) -> torch.Tensor:
+    """A teacher tensor the batch's first sample has, so every sample of the batch must have it."""
+    if value is None:
+        raise ValueError(f"sample {sample.sample_id} has no {name}, unlike the first sample of its batch")
+    return value

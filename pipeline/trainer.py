@@ -265,7 +265,8 @@ def _committed_tags(ckpt_dir: Path) -> list[str]:
 
 
 def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
-    """Training state from the last committed checkpoint (model, optimizer, scheduler restored by DeepSpeed)."""
+    """Training state from the last committed checkpoint (model, optimizer and scheduler are restored
+    by DeepSpeed)."""
     state = {
         "epoch": 0,
         "batch_in_epoch": 0,
@@ -480,7 +481,8 @@ def read_worker_spec(location: str) -> dict[str, Any]:
 def worker_main(spec_location: str) -> None:
     from pipeline.processes import die_with_parent
 
-    die_with_parent()  # the launcher (torchrun) starts workers in their own sessions; they must not outlive it
+    # the launcher (torchrun) starts workers in their own sessions; they must not outlive it
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = read_worker_spec(spec_location)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")

@@ -102,23 +102,31 @@ class MetricCounts:
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, topk_levels: tuple[int, ...] = ()) -> MetricCounts:
         rows = tensor.tolist()
-        base = rows[: len(_COUNT_ROWS)]
+        loss_sum, correct, masked, full_correct, chain = rows[: len(_COUNT_ROWS)]
+        at_rows = rows[len(_COUNT_ROWS) :]
         return cls(
-            len(rows[0]), *base, full_correct_at=dict(zip(sorted(topk_levels), rows[len(_COUNT_ROWS) :]))
+            len(rows[0]),
+            loss_sum=loss_sum,
+            correct=correct,
+            masked=masked,
+            full_correct=full_correct,
+            chain=chain,
+            full_correct_at=dict(zip(sorted(topk_levels), at_rows, strict=True)),
         )
 
     def add(self, other: MetricCounts) -> None:
         for name in _COUNT_ROWS:
-            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
+            ours, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, [a + b for a, b in zip(ours, theirs, strict=True)])
         for k, values in other.full_correct_at.items():
             mine = self.full_correct_at.setdefault(k, [0.0] * self.steps)
-            self.full_correct_at[k] = [a + b for a, b in zip(mine, values)]
+            self.full_correct_at[k] = [a + b for a, b in zip(mine, values, strict=True)]
 
     def summary(self) -> dict:
-        acc = [c / m if m else 0.0 for c, m in zip(self.correct, self.masked)]
-        full = [c / m if m else 0.0 for c, m in zip(self.full_correct, self.chain)]
+        acc = [c / m if m else 0.0 for c, m in zip(self.correct, self.masked, strict=True)]
+        full = [c / m if m else 0.0 for c, m in zip(self.full_correct, self.chain, strict=True)]
         cond = [acc[0]] + [full[k] / full[k - 1] if full[k - 1] else 0.0 for k in range(1, self.steps)]
-        loss = [s / m if m else 0.0 for s, m in zip(self.loss_sum, self.masked)]
+        loss = [s / m if m else 0.0 for s, m in zip(self.loss_sum, self.masked, strict=True)]
         summary = {
             "loss": [round(x, 6) for x in loss],
             "acc": [round(x, 6) for x in acc],
@@ -130,7 +138,7 @@ class MetricCounts:
         }
         if self.full_correct_at:
             summary["full_acc_at"] = {
-                str(k): [round(c / m, 6) if m else 0.0 for c, m in zip(values, self.chain)]
+                str(k): [round(c / m, 6) if m else 0.0 for c, m in zip(values, self.chain, strict=True)]
                 for k, values in sorted(self.full_correct_at.items())
             }
         return summary

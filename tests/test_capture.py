@@ -11,7 +11,7 @@ def test_hf_engine_captures_layer_outputs_and_the_post_norm_teacher(tiny_target_
     engine = HFEngine(tiny_target_dir)
     sequences = [[3, 10, 11, 12, 4, 20, 21], [3, 30, 4]]
     captures = engine.capture(sequences, [1, 2, 3], TeacherRequest(("last_hidden",), 4))
-    for seq, cap in zip(sequences, captures):
+    for seq, cap in zip(sequences, captures, strict=True):
         ids = torch.tensor([seq])
         with torch.no_grad():
             # an independent reference: run the decoder layers by hand

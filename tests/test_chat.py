@@ -44,9 +44,9 @@ def test_loss_mask_covers_exactly_the_assistant_content_and_end_token(tiny_token
         {"role": "assistant", "content": "    return a - b"},
     ]
     ids, mask = tokenize_with_loss_mask(tiny_tokenizer, messages)
-    masked_text = "".join(tiny_tokenizer.decode([t]) for t, m in zip(ids, mask) if m)
+    masked_text = "".join(tiny_tokenizer.decode([t]) for t, m in zip(ids, mask, strict=True) if m)
     assert masked_text == "    return a + b<|end|>    return a - b<|end|>"
-    unmasked = tiny_tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    unmasked = tiny_tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
     assert "<|user|>" in unmasked and "<|assistant|>" in unmasked and "return" not in unmasked
 
 

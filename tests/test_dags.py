@@ -157,7 +157,8 @@ from kubernetes.client import ApiClient
 bag = DagBag(dag_folder=sys.argv[1])
 assert not bag.import_errors, bag.import_errors
 pods = {}
-for dag_id, task_id in [("drafter_train", "train"), ("drafter_train", "promote"), ("drafter_data", "prompts")]:
+tasks = [("drafter_train", "train"), ("drafter_train", "promote"), ("drafter_data", "prompts")]
+for dag_id, task_id in tasks:
     operator = bag.dags[dag_id].get_task(task_id)
     pods[task_id] = ApiClient().sanitize_for_serialization(operator.build_pod_request_obj())
     pods[task_id]["waits"] = [operator.schedule_timeout_seconds, operator.startup_timeout_seconds]
@@ -245,9 +246,10 @@ for dag_id in ("drafter_data", "drafter_train"):
                                                               custom_operator_name=kind.custom_operator_name))
         path = os.path.join(tempfile.mkdtemp(), "script.py")
         # what the decorator's execute() renders into the pod, with the provider's own template
-        write_python_script(jinja_context={"op_args": [], "op_kwargs": {"run": {}}, "pickling_library": "pickle",
-                                           "python_callable": callable_.__name__, "python_callable_source": source,
-                                           "string_args_global": False}, filename=path)
+        jinja_context = {"op_args": [], "op_kwargs": {"run": {}}, "pickling_library": "pickle",
+                         "python_callable": callable_.__name__, "python_callable_source": source,
+                         "string_args_global": False}
+        write_python_script(jinja_context=jinja_context, filename=path)
         shipped[f"{dag_id}.{task.task_id}"] = open(path).read()
 print(json.dumps(shipped))
 """

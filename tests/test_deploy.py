@@ -315,7 +315,8 @@ def test_trainer_nodes_start_no_ssh_and_get_eight_big_gpus_shared_memory_and_the
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in node["volumeMounts"]}
     assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
-    # the checkpoints: storage.local_cache on the ReadWriteMany cache claim, mounted where the train task has it
+    # the checkpoints: storage.local_cache on the ReadWriteMany cache claim, mounted where the train task
+    # has it
     placement = load_deployment(REPO / "configs" / "deployment" / "kubernetes.yaml").kubernetes
     cache = volumes[mounts[KIMI["storage"]["local_cache"]]]["persistentVolumeClaim"]["claimName"]
     assert cache == placement.cache_volume_claim and placement.cache_path == KIMI["storage"]["local_cache"]

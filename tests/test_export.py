@@ -41,7 +41,7 @@ def test_round_trip_gives_the_same_logits(tmp_path):
     with torch.no_grad():
         expected = [model.logits(h) for h in model.eval().ttt_forward(aux, ids, 2)]
         actual = [loaded.logits(h) for h in loaded.ttt_forward(aux, ids, 2)]
-    for a, b in zip(actual, expected):
+    for a, b in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, b)
 
 

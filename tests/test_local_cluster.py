@@ -370,7 +370,8 @@ else:
     url = f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}"
     token = open(directory + "/token").read()
     answer = requests.get(url + "/apis/apps/v1/namespaces/ns/statefulsets/web",
-                          headers={"Authorization": "Bearer " + token}, verify=directory + "/ca.crt", timeout=10)
+                          headers={"Authorization": "Bearer " + token}, verify=directory + "/ca.crt",
+                          timeout=10)
     print(open(directory + "/namespace").read(), answer.status_code, answer.json()["status"]["replicas"])
 """
     outputs = []
@@ -385,7 +386,7 @@ else:
                 },
             }
         )
-        wait_for(lambda: pod.current_phase() in ("Succeeded", "Failed"))
+        wait_for(lambda pod=pod: pod.current_phase() in ("Succeeded", "Failed"))
         outputs.append((pod.directory / "base.log").read_text().split(" ", 1)[1].strip())
     assert outputs == ["ns 200 0", "no token None"]
 
@@ -506,7 +507,8 @@ REPORT = """
 import json, os, socket, sys, time
 index, port = int(os.environ["JOB_COMPLETION_INDEX"]), int(os.environ["PORT"])
 seen = {"index": index, "hostname": socket.gethostname(), "own": socket.gethostbyname(socket.gethostname()),
-        "argv": sys.argv[1:], **{key: os.environ[key] for key in ("RUN_ID", "POD_NAME", "TAGGED", "LABEL", "NODE")}}
+        "argv": sys.argv[1:],
+        **{key: os.environ[key] for key in ("RUN_ID", "POD_NAME", "TAGGED", "LABEL", "NODE")}}
 if index == 0:
     with socket.create_server((os.environ["DRAFTER_LOCAL_POD_IP"], port)) as server:
         server.accept()[0].close()
@@ -549,7 +551,7 @@ def test_an_indexed_job_runs_a_pod_per_index_that_knows_its_index_name_and_field
     assert status["completionTime"] >= status["startTime"]
     pods = batch.job_pods("ns", "work")
     seen = [json.loads(last_line(pod)) for pod in pods]
-    for index, (pod, report) in enumerate(zip(pods, seen)):
+    for index, (pod, report) in enumerate(zip(pods, seen, strict=True)):
         assert re.fullmatch(rf"work-{index}-[a-z]{{5}}", pod.name)
         assert pod.manifest["metadata"]["labels"]["batch.kubernetes.io/job-name"] == "work"
         assert pod.manifest["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == str(
@@ -597,8 +599,8 @@ def test_the_api_creates_jobs_as_rbac_allows_refuses_duplicates_and_deletes_them
     job = indexed_job("held", ["sleep", "60"])
     denied = call(batch, JOBS, batch.service_account_token("ns", "stranger"), "POST", job, "application/json")
     assert denied.status_code == 403 and denied.json()["message"] == (
-        'jobs.batch is forbidden: User "system:serviceaccount:ns:stranger" cannot create resource "jobs" in API '
-        'group "batch" in the namespace "ns"'
+        'jobs.batch is forbidden: User "system:serviceaccount:ns:stranger" cannot create resource "jobs" '
+        'in API group "batch" in the namespace "ns"'
     )
     launcher = batch.service_account_token("ns", "launcher")
     not_indexed = {**job, "spec": {**job["spec"], "completionMode": "NonIndexed"}}

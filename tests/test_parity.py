@@ -26,7 +26,7 @@ class PreNorm(HFEngine):
 
     def capture(self, sequences, aux_layer_ids, teacher=BOTH):
         captures = super().capture(sequences, aux_layer_ids, teacher)
-        for sequence, capture in zip(sequences, captures):
+        for sequence, capture in zip(sequences, captures, strict=True):
             out = self.model(input_ids=torch.tensor([sequence]), output_hidden_states=True)
             capture.last_hidden = out.hidden_states[self.num_layers - 1][0] * 3.0
         return captures

@@ -6,7 +6,7 @@ import uuid
 import pytest
 
 from pipeline.config import load_config
-from pipeline.manifest import read_listed, read_manifest
+from pipeline.manifest import ManifestError, read_listed, read_manifest
 from pipeline.records import decode_jsonl
 from pipeline.stages import prompts
 from pipeline.stages.prompts import split_of
@@ -69,7 +69,7 @@ def test_missing_source_fails_with_its_path(store, storage, tmp_path):
     data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(tmp_path / "nope.jsonl")}]}
     with pytest.raises(prompts.PromptSourceError, match="nope.jsonl"):
         prompts.run(load_config(data=data), "snap2", store)
-    with pytest.raises(Exception):
+    with pytest.raises(ManifestError):
         read_manifest(store, "prompts/snap2")
 
 

@@ -179,7 +179,7 @@ def test_tiktoken_encodes_the_corpus_like_the_bpe_its_ranks_came_from(kimi_targe
     texts = [
         text for turn in turns[::7] for text in (turn.prompt, turn.response)
     ]  # the build compared them all
-    for text, encoding in zip(texts, bpe.encode_batch(texts, add_special_tokens=False)):
+    for text, encoding in zip(texts, bpe.encode_batch(texts, add_special_tokens=False), strict=True):
         assert kimi_tokenizer(text, add_special_tokens=False)["input_ids"] == [
             bpe_id_to_token_id[i] for i in encoding.ids
         ], text[:80]
@@ -197,7 +197,7 @@ def test_the_loss_mask_covers_assistant_turns_without_character_offsets(kimi_tok
     ids, mask = tokenize_with_loss_mask(kimi_tokenizer, messages)
     assert ids == kimi_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
     assert (
-        kimi_tokenizer.decode([i for i, m in zip(ids, mask) if m])
+        kimi_tokenizer.decode([i for i, m in zip(ids, mask, strict=True) if m])
         == "return x + 1<|im_end|>return 'é'<|im_end|>"
     )
 
@@ -234,7 +234,7 @@ def test_the_hf_engine_captures_what_an_independent_reference_sees(kimi_engine):
 
     both = TeacherRequest(("last_hidden", "topk"), 5)
     captured = kimi_engine.capture(SEQUENCES, AUX_LAYERS, both)
-    for sequence, capture in zip(SEQUENCES, captured):
+    for sequence, capture in zip(SEQUENCES, captured, strict=True):
         reference = reference_capture(kimi_engine.model, sequence, AUX_LAYERS, both)
         torch.testing.assert_close(capture.aux, reference.aux, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(capture.last_hidden, reference.last_hidden, rtol=1e-4, atol=1e-5)

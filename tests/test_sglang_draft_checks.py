@@ -1,6 +1,6 @@
-"""SGLang 0.5.23's load-time checks on an EAGLE-3 draft (pipeline.sglang_draft_checks): a drafter the project
-exports for the tiny target passes; copies of it damaged one way each are refused with the reason; the stand-in
-server refuses to start with one."""
+"""SGLang 0.5.23's load-time checks on an EAGLE-3 draft (pipeline.sglang_draft_checks): a drafter the
+project exports for the tiny target passes; copies of it damaged one way each are refused with the reason;
+the stand-in server refuses to start with one."""
 
 import json
 import os
@@ -30,8 +30,8 @@ OVERRIDES = ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "SGLANG_IS_IN_CI")
 
 @pytest.fixture(scope="module")
 def exported_drafter(tiny_target_dir, tmp_path_factory):
-    """What the train stage exports for the tiny target: the trainer's model (reduced draft vocabulary, head and
-    norm from the target) under a real capture contract, written by export_drafter."""
+    """What the train stage exports for the tiny target: the trainer's model (reduced draft vocabulary,
+    head and norm from the target) under a real capture contract, written by export_drafter."""
     from pipeline.config import RunConfig, default_aux_layer_ids
     from pipeline.contract import build_contract
     from pipeline.export import export_drafter
@@ -59,7 +59,8 @@ def exported_drafter(tiny_target_dir, tmp_path_factory):
 
 @pytest.fixture
 def drafter(exported_drafter, tmp_path, monkeypatch):
-    """A copy of the exported drafter to damage, checked without the context-length overrides in the environment."""
+    """A copy of the exported drafter to damage, checked without the context-length overrides in the
+    environment."""
     for name in OVERRIDES:
         monkeypatch.delenv(name, raising=False)
     return Path(shutil.copytree(exported_drafter, tmp_path / "drafter"))

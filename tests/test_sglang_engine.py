@@ -41,14 +41,17 @@ def test_generation_over_http_matches_the_local_engine(servers, tiny_target_dir,
     local_top = HFEngine(tiny_target_dir).generate(
         prompts[:2], SamplingParams(max_new_tokens=6, top_logprobs=3)
     )
-    for r, l in zip(with_top, local_top):
-        assert len(r.top_logprobs) == len(r.output_ids) and len(r.top_logprobs[0]) == 3
-        assert [[e[0] for e in step] for step in r.top_logprobs] == [
-            [e[0] for e in step] for step in l.top_logprobs
+    for remote_gen, local_gen in zip(with_top, local_top, strict=True):
+        assert (
+            len(remote_gen.top_logprobs) == len(remote_gen.output_ids)
+            and len(remote_gen.top_logprobs[0]) == 3
+        )
+        assert [[e[0] for e in step] for step in remote_gen.top_logprobs] == [
+            [e[0] for e in step] for step in local_gen.top_logprobs
         ]
         assert [
-            step[0][0] for step in r.top_logprobs
-        ] == r.output_ids  # greedy: the top-1 is what was generated
+            step[0][0] for step in remote_gen.top_logprobs
+        ] == remote_gen.output_ids  # greedy: the top-1 is what was generated
 
 
 def test_capture_over_http_matches_the_local_engine(servers, tiny_target_dir):
@@ -60,11 +63,11 @@ def test_capture_over_http_matches_the_local_engine(servers, tiny_target_dir):
     teacher = TeacherRequest(("last_hidden", "topk"), 6)
     remote = engine.capture(sequences, [1, 2, 3], teacher)
     local = HFEngine(tiny_target_dir).capture(sequences, [1, 2, 3], teacher)
-    for r, l in zip(remote, local):
-        torch.testing.assert_close(r.aux, l.aux, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(r.last_hidden, l.last_hidden, rtol=1e-5, atol=1e-5)
-        assert torch.equal(r.topk_ids, l.topk_ids)
-        torch.testing.assert_close(r.topk_logprobs, l.topk_logprobs, rtol=1e-5, atol=1e-5)
+    for remote_cap, local_cap in zip(remote, local, strict=True):
+        torch.testing.assert_close(remote_cap.aux, local_cap.aux, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(remote_cap.last_hidden, local_cap.last_hidden, rtol=1e-5, atol=1e-5)
+        assert torch.equal(remote_cap.topk_ids, local_cap.topk_ids)
+        torch.testing.assert_close(remote_cap.topk_logprobs, local_cap.topk_logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_one_aux_server_is_enough_with_a_topk_teacher(servers, tiny_target_dir):

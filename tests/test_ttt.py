@@ -45,7 +45,7 @@ def test_ttt_attention_matches_a_dense_reference_values_and_gradients(steps):
     torch.testing.assert_close(chunked, dense, rtol=1e-5, atol=1e-5)
     grads_chunked = torch.autograd.grad(chunked.square().sum(), [q, *keys, *values])
     grads_dense = torch.autograd.grad(dense.square().sum(), [q, *keys, *values])
-    for a, b in zip(grads_chunked, grads_dense):
+    for a, b in zip(grads_chunked, grads_dense, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 

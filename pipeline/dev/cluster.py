@@ -176,9 +176,16 @@ def _http_probe(container: dict[str, Any]) -> dict[str, Any] | None:
     return (container.get("readinessProbe") or {}).get("httpGet")
 
 
+def _required_http_probe(container: dict[str, Any]) -> dict[str, Any]:
+    probe = _http_probe(container)
+    if probe is None:
+        raise ClusterError(f"container {container['name']}: no readinessProbe.httpGet")
+    return probe
+
+
 def _probe_port(container: dict[str, Any]) -> int:
     """The port of a container's readinessProbe.httpGet: a number, or the name of one of its ports."""
-    port = _http_probe(container)["port"]
+    port = _required_http_probe(container)["port"]
     if isinstance(port, int):
         return port
     named = {entry.get("name"): entry["containerPort"] for entry in container.get("ports") or []}
@@ -396,7 +403,8 @@ class LocalPod:
 @dataclass
 class LocalJob:
     """An Indexed Job and what its controller counted: the pod of each index that has one running, the
-    indexes that succeeded, the pods that failed and, once the Job finished, its Complete or Failed condition."""
+    indexes that succeeded, the pods that failed and, once the Job finished, its Complete or Failed
+    condition."""
 
     manifest: dict[str, Any]
     active: dict[int, LocalPod] = field(default_factory=dict)
@@ -415,7 +423,8 @@ class LocalJob:
         return self.manifest["metadata"]["namespace"]
 
     def finish(self, kind: str, reason: str, message: str) -> None:
-        """Set the Complete or Failed condition; a Job that completed has a completionTime, a failed one not."""
+        """Set the Complete or Failed condition; a Job that completed has a completionTime, a failed one
+        not."""
         moment = _now()
         self.condition = {
             "type": kind,
@@ -533,7 +542,8 @@ class LocalCluster:
             return self._tokens.setdefault((namespace, account), secrets.token_urlsafe(32))
 
     def authenticate(self, token: str) -> tuple[str, str] | None:
-        """The service account (namespace, name) whose token this is; None for a token the cluster never issued."""
+        """The service account (namespace, name) whose token this is; None for a token the cluster never
+        issued."""
         for account, known in list(self._tokens.items()):
             if hmac.compare_digest(known.encode(), token.encode()):
                 return account
@@ -668,14 +678,16 @@ class LocalCluster:
         ]
 
     def job_pods(self, namespace: str, job: str) -> list[LocalPod]:
-        """The pods labelled as the Job's (batch.kubernetes.io/job-name), by completion index, oldest first."""
+        """The pods labelled as the Job's (batch.kubernetes.io/job-name), by completion index, oldest
+        first."""
         pods = self.pods_labelled(namespace, JOB_NAME_LABEL, job)
         return sorted(
             pods, key=lambda pod: int((pod.manifest["metadata"].get("labels") or {}).get(JOB_INDEX_KEY, -1))
         )
 
     def kill_pod(self, namespace: str, name: str) -> None:
-        """SIGKILL every container of a pod, as losing its node does: the pod stays, Failed, with exit code 137."""
+        """SIGKILL every container of a pod, as losing its node does: the pod stays, Failed, with exit
+        code 137."""
         pod = self.pods.get((namespace, name))
         if pod is None or not pod.containers:
             raise ClusterError(f"pod {namespace}/{name} has no started containers to kill")
@@ -782,9 +794,10 @@ class LocalCluster:
     def _dns_records(self) -> list[tuple[str, str, list[str]]]:
         """Cluster DNS as (namespace, address, names): each pod that has not terminated and whose subdomain is
         a Service of its namespace (a StatefulSet's or a Job's pods under their headless Service), by
-        <hostname>.<subdomain>.<namespace>.svc.cluster.local, <...>.svc and, last, <hostname>.<subdomain>: what
-        pods of that namespace resolve through their search domains. A pod is listed from its creation on,
-        ready or not, as a Service with publishNotReadyAddresses: true lists it (others would wait)."""
+        <hostname>.<subdomain>.<namespace>.svc.cluster.local, <...>.svc and, last,
+        <hostname>.<subdomain>: what pods of that namespace resolve through their search domains. A pod is
+        listed from its creation on, ready or not, as a Service with publishNotReadyAddresses: true lists it
+        (others would wait)."""
         records = []
         for pod in list(self.pods.values()):
             hostname, subdomain = pod.manifest["spec"].get("hostname"), pod.manifest["spec"].get("subdomain")
@@ -804,9 +817,9 @@ class LocalCluster:
     def _write_hosts(self) -> None:
         """Rewrite the cluster's DNS: self.hosts_file (the full names of every listed pod) and each pod's
         /etc/hosts, which holds what the kubelet writes there (localhost, the pod's own address and names) and
-        then the cluster DNS records; the short names <hostname>.<subdomain> only of its own namespace's pods,
-        so two namespaces' pods of the same hostname and subdomain never compete for one. Each file is replaced
-        whole: a reader sees the old one or the new one."""
+        then the cluster DNS records; the short names <hostname>.<subdomain> only of its own namespace's
+        pods, so two namespaces' pods of the same hostname and subdomain never compete for one. Each file is
+        replaced whole: a reader sees the old one or the new one."""
         with self._hosts_lock:
             records = self._dns_records()
             _replace(self.hosts_file, _hosts_text([(ip, names[:-1]) for _, ip, names in records]))
@@ -906,7 +919,8 @@ class LocalCluster:
         GPUs for minutes, the local stand-ins start in seconds."""
         probe = container["readinessProbe"]
         period = min(float(probe.get("periodSeconds", 10)), 2.0)
-        path, timeout = _http_probe(container).get("path", "/"), float(probe.get("timeoutSeconds", 1))
+        path = _required_http_probe(container).get("path", "/")
+        timeout = float(probe.get("timeoutSeconds", 1))
         run = pod.containers[container["name"]]
         while self.pods.get((pod.namespace, pod.name)) is pod and run.running:
             pod.probed[container["name"]] = _answers(pod.ip, port, path, timeout)
@@ -980,9 +994,10 @@ class LocalCluster:
     def _container_env(
         self, pod: LocalPod, container: dict[str, Any]
     ) -> tuple[dict[str, str], list[dict[str, Any]]]:
-        """The env Kubernetes gives a container (not the image's own, nor HOSTNAME, which the container runtime
-        sets), with which `$(NAME)` in its command and args expands, and the token volumes that go with it:
-        IRSA's and the API server's env, then the spec's env in order, each value expanded with those before."""
+        """The env Kubernetes gives a container (not the image's own, nor HOSTNAME, which the container
+        runtime sets), with which `$(NAME)` in its command and args expands, and the token volumes that go
+        with it: IRSA's and the API server's env, then the spec's env in order, each value expanded with
+        those before."""
         identity_env, identity_mounts = self._identity(pod)
         api_env, api_mounts = self._api_access(pod)
         # AWS's public endpoints are the local S3 (and STS) server here
@@ -1325,15 +1340,16 @@ class LocalCoreV1Api:
             run = pod.containers.get(container["name"])
             if run is None:
                 continue
+            finished_at = run.finished_at  # None while it runs
             state = (
                 {"running": {"startedAt": _timestamp(run.started_at)}}
-                if run.running
+                if finished_at is None
                 else {
                     "terminated": {
                         "exitCode": run.exit_code,
                         "reason": "Completed" if run.exit_code == 0 else "Error",
                         "startedAt": _timestamp(run.started_at),
-                        "finishedAt": _timestamp(run.finished_at),
+                        "finishedAt": _timestamp(finished_at),
                     }
                 }
             )
@@ -1470,4 +1486,5 @@ def use_local_cluster(cluster: LocalCluster) -> None:
         def is_in_cluster(self) -> bool:
             return True
 
-    pod_operator.KubernetesHook = LocalClusterHook
+    # rebinding the provider's class on purpose (mypy refuses an assignment to a class name)
+    setattr(pod_operator, "KubernetesHook", LocalClusterHook)  # noqa: B010

@@ -300,8 +300,8 @@ ROUTES = (
 def answer(
     cluster: LocalCluster, method: str, target: str, headers: Message, body: bytes
 ) -> tuple[int, dict[str, Any]]:
-    """One API request: authenticated, routed, authorized, handled: its status code and object. Raises ApiError
-    for a refusal."""
+    """One API request: authenticated, routed, authorized, handled: its status code and object. Raises
+    ApiError for a refusal."""
     scheme, _, token = (headers.get("Authorization") or "").partition(" ")
     user = cluster.authenticate(token.strip()) if scheme.lower() == "bearer" else None
     if user is None:

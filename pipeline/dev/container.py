@@ -71,7 +71,8 @@ def _system(root: Path) -> None:
 
 
 def _names(root: Path, hostname: str, dns: str) -> None:
-    """The pod's hostname (this UTS namespace's), /etc/hostname, and /etc/hosts from the pod's DNS directory."""
+    """The pod's hostname (this UTS namespace's), /etc/hostname, and /etc/hosts from the pod's DNS
+    directory."""
     socket.sethostname(hostname)
     (root / "etc" / "hostname").write_text(hostname + "\n")
     _bind(dns, root / DNS_DIR.lstrip("/"), read_only=True)

@@ -46,7 +46,7 @@ from typing import Any
 import yaml
 
 from pipeline.config import PROJECT_ROOT, TinyTargetRecipe
-from pipeline.dev.cluster import LocalCluster, LocalImage, LocalNode, use_local_cluster
+from pipeline.dev.cluster import LocalCluster, LocalImage, LocalNode, LocalPod, use_local_cluster
 
 log = logging.getLogger("drafter.rehearsal")
 
@@ -248,7 +248,7 @@ def aws_s3api(endpoint: str):
 
     def run(command: str) -> str:
         argv = shlex.split(command)
-        options = dict(zip(argv[3::2], argv[4::2]))
+        options = dict(zip(argv[3::2], argv[4::2], strict=True))
         bucket = options["--bucket"]
         if argv[2] == "create-bucket":
             admin.create_bucket(Bucket=bucket)
@@ -364,6 +364,8 @@ def capture_server_info(cluster: LocalCluster):
         from urllib.parse import urlsplit
 
         url = urlsplit(command.split()[-1])
+        if url.hostname is None:
+            raise RehearsalFailed(f"`{command}` names no host to ask")
         address = cluster.address_of(url.hostname)
         _check(address is not None, f"{url.hostname} resolves to a running pod")
         return _checked_server_info(f"http://{address}:{url.port}{url.path}")
@@ -552,6 +554,8 @@ def dataset_events() -> list[dict[str, Any]]:
     from airflow.settings import Session
     from sqlalchemy import select
 
+    if Session is None:
+        raise RehearsalFailed("Airflow's database session is not configured")
     with Session() as session:
         rows = session.execute(
             select(AssetEvent)
@@ -609,14 +613,14 @@ class ServingDeployment:
             if d and d["kind"] == "Deployment"
         )
         self.generation = 0
-        self.pod = None
+        self.pod: LocalPod | None = None
 
     def restart(self, command: str = "") -> str:
         if self.pod is not None:
             self.cluster.delete_pod(self.doc["metadata"]["namespace"], self.pod.name)
         self.generation += 1
         template = self.doc["spec"]["template"]
-        self.pod = self.cluster.create_pod(
+        pod = self.cluster.create_pod(
             {
                 "apiVersion": "v1",
                 "kind": "Pod",
@@ -628,23 +632,33 @@ class ServingDeployment:
                 },
             }
         )
+        self.pod = pod
         self._await_ready(self.url, 600)
-        return f"pod {self.pod.name} serves {self.served_version()}"
+        return f"pod {pod.name} serves {self.served_version()}"
+
+    @property
+    def running_pod(self) -> LocalPod:
+        """The pod the last restart created (the Deployment has none before its first restart)."""
+        if self.pod is None:
+            raise RehearsalFailed("the serving Deployment has no pod: it was never restarted, or stopped")
+        return self.pod
 
     def _await_ready(self, url: str, timeout_s: float) -> None:
         try:
             _await_health(url, self._gone, timeout_s)
         except RehearsalFailed as failure:
-            logs = [path.read_text()[-3000:] for path in sorted(self.pod.directory.glob("*.log"))]
+            pod = self.running_pod
+            logs = [path.read_text()[-3000:] for path in sorted(pod.directory.glob("*.log"))]
             raise RehearsalFailed(
                 f"the serving pod did not become ready: {failure}; events "
-                f"{self.pod.events[-2:]}\n" + "\n".join(logs)
+                f"{pod.events[-2:]}\n" + "\n".join(logs)
             ) from failure
 
     def _gone(self) -> str | None:
-        server = self.pod.containers.get("sglang")
-        if self.pod.phase == "Failed":
-            return f"the pod failed ({self.pod.reason})"
+        pod = self.running_pod
+        server = pod.containers.get("sglang")
+        if pod.phase == "Failed":
+            return f"the pod failed ({pod.reason})"
         return (
             f"the server exited with code {server.exit_code}"
             if server is not None and not server.running
@@ -654,14 +668,14 @@ class ServingDeployment:
     @property
     def url(self) -> str:
         """The server in the pod, on the pod's own address (the Deployment's pods have no DNS name)."""
-        return f"http://{self.pod.ip}:{SERVING_PORT}"
+        return f"http://{self.running_pod.ip}:{SERVING_PORT}"
 
     def served_version(self) -> str:
-        manifest = self.pod.directory / "volumes" / "drafter" / "current" / "manifest.json"
+        manifest = self.running_pod.directory / "volumes" / "drafter" / "current" / "manifest.json"
         return json.loads(manifest.read_text())["version"]
 
     def flags(self) -> str:
-        return (self.pod.directory / "volumes" / "drafter" / "serving-flags").read_text().strip()
+        return (self.running_pod.directory / "volumes" / "drafter" / "serving-flags").read_text().strip()
 
     def stop(self) -> None:
         if self.pod is not None:
@@ -816,6 +830,8 @@ def _api_as(cluster: LocalCluster, namespace: str, account: str, workspace: Path
 
     token = workspace / f"token-{namespace}-{account}"
     token.write_text(cluster.service_account_token(namespace, account))
+    if cluster.api is None:
+        raise RehearsalFailed("the local cluster serves no Kubernetes API: start_api() was not called")
     return KubernetesApi(cluster.api.url, token, Path(cluster.api.ca_file))
 
 
@@ -858,12 +874,13 @@ def check_multi_node_training(run, node_loss: NodeLoss) -> str:
     )
     _check(
         0 < resumed_at < result["global_steps"] and resumed_at == int(tag.split("-")[1]),
-        f"the retry resumed from the committed checkpoint {tag} (step {resumed_at} of {result['global_steps']}), "
-        "not from scratch",
+        f"the retry resumed from the committed checkpoint {tag} "
+        f"(step {resumed_at} of {result['global_steps']}), not from scratch",
     )
     return (
-        f"multi-node training: 2 nodes x 1 rank as Indexed Job {TRAINER_JOB}; node 1 ({node_loss.killed['pod']}) "
-        f"lost after checkpoint {tag}; the retry resumed at step {resumed_at} and finished at step "
+        f"multi-node training: 2 nodes x 1 rank as Indexed Job {TRAINER_JOB}; "
+        f"node 1 ({node_loss.killed['pod']}) lost after checkpoint {tag}; "
+        f"the retry resumed at step {resumed_at} and finished at step "
         f"{result['global_steps']} ({result['steps_this_attempt']} steps this attempt)"
     )
 
@@ -959,6 +976,8 @@ def run_dags(
         "a config error failed its pod's task at once, without the retries a transient fault gets",
     )
 
+    if DEPLOYMENT.retrain_cron is None:
+        raise RehearsalFailed("the deployment config sets no retrain_cron to schedule drafter_train on")
     cron = scheduled_run(parsed_dag("drafter_train"), DEPLOYMENT.retrain_cron)
     lines.append(
         f"drafter_train {cron.run_id} (cron {DEPLOYMENT.retrain_cron}): {cron.state} {task_states(cron)}"

@@ -51,6 +51,9 @@ class TeacherRequest:
     topk: int = 20
 
 
+DEFAULT_TEACHER = TeacherRequest()  # the engines' default (frozen, so one shared instance is safe)
+
+
 @dataclass
 class Capture:
     aux: torch.Tensor  # [L, 3H], ascending layer order

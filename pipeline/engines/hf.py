@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.engines import Capture, Generation, SamplingParams, TeacherRequest
+from pipeline.engines import DEFAULT_TEACHER, Capture, Generation, SamplingParams, TeacherRequest
 from pipeline.target import load_model, load_tokenizer
 
 
@@ -71,7 +71,7 @@ class HFEngine:
 
     @torch.no_grad()
     def capture(
-        self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest = TeacherRequest()
+        self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest = DEFAULT_TEACHER
     ) -> list[Capture]:
         if aux_layer_ids[-1] >= self.num_layers - 1:
             raise ValueError(

@@ -1,7 +1,8 @@
 """SGLang over HTTP: generation through /generate, hidden-state capture through its documented options.
 
 Coded to ../shared/reference/sglang-contract.md (SGLang 0.5.23):
-- generation: POST /generate {"input_ids", "sampling_params"} -> {"output_ids", "meta_info": {"finish_reason"}}
+- generation: POST /generate {"input_ids", "sampling_params"}
+  -> {"output_ids", "meta_info": {"finish_reason"}}
 - aux capture: a server started with --enable-return-hidden-states --enable-return-aux-hidden-states
   (and --disable-radix-cache --chunked-prefill-size -1) returns meta_info["hidden_states"][0] = the
   prompt block [P, 3H] of aux states, ascending layer order.
@@ -28,6 +29,7 @@ import torch
 
 from pipeline.config import SGLangClientConfig
 from pipeline.engines import (
+    DEFAULT_TEACHER,
     Capture,
     EngineError,
     EngineUnavailable,
@@ -347,7 +349,7 @@ class SGLangEngine:
         return [parse_generation(r) for r in self.client.map("/generate", payloads)]
 
     def capture(
-        self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest = TeacherRequest()
+        self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest = DEFAULT_TEACHER
     ) -> list[Capture]:
         """Aux states (and top-K log-probs) from the aux-state servers; last hidden from the teacher servers.
 
@@ -356,15 +358,11 @@ class SGLangEngine:
         """
         if self.hidden_size is None:
             raise EngineError("SGLang capture needs the target's hidden size")
-        if "last_hidden" in teacher.kinds and self.teacher_client is None:
-            raise EngineError(
-                "a last_hidden teacher needs capture.sglang.last_hidden_urls (servers started "
-                "without --enable-return-aux-hidden-states)"
-            )
+        teacher_client = self._last_hidden_client(teacher)
         payloads = [self._capture_payload(s, teacher) for s in sequences]
         aux_responses = self.client.map("/generate", payloads, raw=True)
         captures = []
-        for raw, sequence in zip(aux_responses, sequences):
+        for raw, sequence in zip(aux_responses, sequences, strict=True):
             rest, values = split_hidden_states(raw)
             capture = Capture(prompt_states(values, len(sequence), 3 * self.hidden_size))
             if "topk" in teacher.kinds:
@@ -372,15 +370,26 @@ class SGLangEngine:
                     orjson.loads(rest)["meta_info"], len(sequence), teacher.topk
                 )
             captures.append(capture)
-        if "last_hidden" in teacher.kinds:
+        if teacher_client is not None:
             plain = [{**p, "return_logprob": False} for p in payloads]
             for capture, raw, sequence in zip(
-                captures, self.teacher_client.map("/generate", plain, raw=True), sequences
+                captures, teacher_client.map("/generate", plain, raw=True), sequences, strict=True
             ):
                 capture.last_hidden = prompt_states(
                     split_hidden_states(raw)[1], len(sequence), self.hidden_size
                 )
         return captures
+
+    def _last_hidden_client(self, teacher: TeacherRequest) -> SGLangClient | None:
+        """The servers that return the last hidden state, when the teacher asks for it (else None)."""
+        if "last_hidden" not in teacher.kinds:
+            return None
+        if self.teacher_client is None:
+            raise EngineError(
+                "a last_hidden teacher needs capture.sglang.last_hidden_urls (servers started "
+                "without --enable-return-aux-hidden-states)"
+            )
+        return self.teacher_client
 
     @staticmethod
     def _capture_payload(sequence: list[int], teacher: TeacherRequest) -> dict[str, Any]:

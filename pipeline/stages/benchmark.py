@@ -19,6 +19,7 @@ import torch
 from pipeline import layout
 from pipeline.chat import prompt_ids
 from pipeline.config import RunConfig
+from pipeline.drafter_model import Eagle3Drafter
 from pipeline.export import load_drafter, read_drafter_dir
 from pipeline.manifest import publish, read_listed, read_manifest
 from pipeline.progress import Progress
@@ -74,7 +75,7 @@ def _summary(results: list[DecodeResult]) -> dict[str, Any]:
     forwards = sum(r.verify_forwards for r in results)
     if forwards:
         summary["tau_measured"] = round(sum(r.cycle_tokens for r in results) / forwards, 4)
-        histogram = [sum(h) for h in zip(*(r.accepted_histogram for r in results))]
+        histogram = [sum(h) for h in zip(*(r.accepted_histogram for r in results), strict=True)]
         summary["accepted_histogram"] = histogram
     return summary
 
@@ -105,6 +106,9 @@ def measure_costs(
     prefix = runner.length
     proposer = EagleProposer(drafter)
     proposer.start(list(prompt) + [prompt[-1]], aux)
+    last_hidden = proposer.last_hidden
+    if last_hidden is None:
+        raise BenchmarkFailed("the drafter kept no hidden state after the prompt")
 
     def target(tokens: int):
         runner.forward(prompt[-tokens:] if tokens <= len(prompt) else [prompt[-1]] * tokens)
@@ -122,7 +126,7 @@ def measure_costs(
     def draft(width: int):
         cache = proposer.cache.expanded(width)
         drafter.decode(
-            proposer.last_hidden.expand(width, -1, -1),
+            last_hidden.expand(width, -1, -1),
             torch.full((width, 1), prompt[-1]),
             cache.length,
             cache,
@@ -212,7 +216,7 @@ def compare_methods(
     model,
     tokenizer,
     prompts: list[list[int]],
-    drafters: dict[str, torch.nn.Module],
+    drafters: dict[str, Eagle3Drafter],
     aux_layer_ids: list[int],
     settings,
     setting: Setting,
@@ -313,6 +317,8 @@ def sglang_record(
     from pipeline.sglang_bench import run_methods
 
     settings = config.benchmark.sglang
+    if settings is None:
+        raise BenchmarkFailed("benchmark.engine 'sglang' needs benchmark.sglang")
     methods = run_methods(settings, prompts, config.benchmark.max_new_tokens, drafter_dirs)
     return {
         "engine": "sglang",

@@ -70,8 +70,13 @@ def teacher_request(config: RunConfig) -> TeacherRequest:
     return TeacherRequest(tuple(config.capture.teacher), config.capture.teacher_topk)
 
 
-def _expected_shapes(capture: Capture, length: int, hidden_size: int, teacher: TeacherRequest) -> dict:
-    shapes = {"aux": (capture.aux, (length, 3 * hidden_size))}
+ExpectedShapes = dict[str, tuple[torch.Tensor | None, tuple[int, int]]]
+
+
+def _expected_shapes(
+    capture: Capture, length: int, hidden_size: int, teacher: TeacherRequest
+) -> ExpectedShapes:
+    shapes: ExpectedShapes = {"aux": (capture.aux, (length, 3 * hidden_size))}
     if "last_hidden" in teacher.kinds:
         shapes["last_hidden"] = (capture.last_hidden, (length, hidden_size))
     if "topk" in teacher.kinds:
@@ -86,23 +91,26 @@ def sample_problem(capture: Capture, length: int, hidden_size: int, teacher: Tea
     Refused: missing or mis-shaped tensors (also a length that disagrees with the token ids), NaN/inf,
     and hidden-state rows that are all zero or constant in any layer block (junk that still "trains").
     """
-    shapes = _expected_shapes(capture, length, hidden_size, teacher)
-    for name, (tensor, shape) in shapes.items():
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (tensor, shape) in _expected_shapes(capture, length, hidden_size, teacher).items():
         if tensor is None:
             return f"missing_{name}"
         if tuple(tensor.shape) != shape:
             return f"wrong_shape_{name}"
+        tensors[name] = tensor
     for name in ("aux", "last_hidden", "topk_logprobs"):
-        if name in shapes and not torch.isfinite(shapes[name][0]).all():
+        if name in tensors and not torch.isfinite(tensors[name]).all():
             return f"non_finite_{name}"
     for name, groups in (("aux", 3), ("last_hidden", 1)):
-        if name in shapes:
-            blocks = shapes[name][0].float().reshape(length, groups, -1)
+        if name in tensors:
+            blocks = tensors[name].float().reshape(length, groups, -1)
             if (blocks.abs().amax(-1) == 0).any():
                 return f"zero_row_{name}"
             if (blocks.amax(-1) == blocks.amin(-1)).any():
                 return f"constant_row_{name}"
-    if "topk" in teacher.kinds and ((capture.topk_logprobs > 1e-3).any() or (capture.topk_ids < 0).any()):
+    if "topk" in teacher.kinds and (
+        (tensors["topk_logprobs"] > 1e-3).any() or (tensors["topk_ids"] < 0).any()
+    ):
         return "invalid_topk"
     return None
 
@@ -133,7 +141,7 @@ def capture_records(
     for start in range(0, len(prepared), config.capture.batch_size):
         batch = prepared[start : start + config.capture.batch_size]
         captures = engine.capture([ids for _, ids, _ in batch], layer_ids, teacher)
-        for (sample_id, ids, mask), capture in zip(batch, captures):
+        for (sample_id, ids, mask), capture in zip(batch, captures, strict=True):
             problem = sample_problem(capture, len(ids), target.hidden_size, teacher)
             if problem:
                 counts[f"quarantined.{problem}"] += 1
@@ -248,6 +256,9 @@ def verify_engine(
     """
     teacher = teacher_request(config)
     if config.capture.engine == "sglang":
+        from pipeline.engines.sglang import SGLangEngine
+
+        assert isinstance(engine, SGLangEngine)  # make_engine builds one for capture.engine "sglang"
         engine.verify_capture_servers(
             contract["aux_layer_ids"], target.num_layers, config.capture.max_length, teacher
         )

@@ -79,5 +79,6 @@ def run(config: RunConfig, eval_uri: str, run_id: str, store: ObjectStore | None
     for reason in decision["reasons"]:
         log.info("gate: %s", reason)
     if not decision["passed"]:
-        raise GateFailed("gate failed for run %s:\n  %s" % (run_id, "\n  ".join(decision["reasons"])))
+        reasons = "\n  ".join(decision["reasons"])
+        raise GateFailed(f"gate failed for run {run_id}:\n  {reasons}")
     return StageResult(store.uri(prefix), manifest)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import layout
@@ -40,6 +41,28 @@ def make_engine(config: RunConfig) -> GenerationEngine:
     return SGLangEngine(config.generate.sglang)
 
 
+@dataclass
+class _Conversation:
+    """One record being regenerated turn by turn."""
+
+    record: dict[str, Any]
+    history: list[dict[str, str]]  # system messages, then the user turns and regenerated answers so far
+    users: list[dict[str, str]]
+    finish: list[str] = field(default_factory=list)
+    tokens: int = 0
+    error: str | None = None
+    last_output_ids: list[int] | None = None
+    last_top_logprobs: list[list[list[float]]] | None = None
+
+
+def _conversation(record: dict[str, Any]) -> _Conversation:
+    return _Conversation(
+        record,
+        history=[m for m in record["messages"] if m["role"] == "system"],
+        users=[m for m in record["messages"] if m["role"] == "user"],
+    )
+
+
 def regenerate(
     records: list[dict[str, Any]], engine: GenerationEngine, tokenizer, config: RunConfig, progress: Progress
 ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
@@ -49,24 +72,15 @@ def regenerate(
     Returns the regenerated records and the failures ({"id", "error"}).
     """
     settings = config.generate
-    states = [
-        {
-            "record": r,
-            "history": [m for m in r["messages"] if m["role"] == "system"],
-            "users": [m for m in r["messages"] if m["role"] == "user"],
-            "finish": [],
-            "tokens": 0,
-        }
-        for r in records
-    ]
+    states = [_conversation(r) for r in records]
     for turn in range(max(user_turn_count(r["messages"]) for r in records)):
-        active = [s for s in states if turn < len(s["users"]) and s.get("error") is None]
+        active = [s for s in states if turn < len(s.users) and s.error is None]
         for s in active:
-            s["history"].append(s["users"][turn])
-        active.sort(key=lambda s: len(prompt_ids(tokenizer, s["history"])))
+            s.history.append(s.users[turn])
+        active.sort(key=lambda s: len(prompt_ids(tokenizer, s.history)))
         for start in range(0, len(active), settings.batch_size):
             batch = active[start : start + settings.batch_size]
-            prompts = [prompt_ids(tokenizer, s["history"]) for s in batch]
+            prompts = [prompt_ids(tokenizer, s.history) for s in batch]
             params = SamplingParams(
                 settings.max_new_tokens,
                 settings.temperature,
@@ -79,38 +93,44 @@ def regenerate(
                 raise  # the servers are gone: stop, keep the finished parts, and let a rerun resume
             except EngineError as err:
                 for s in batch:
-                    s["error"] = str(err)
+                    s.error = str(err)
                 continue
-            for s, result in zip(batch, results):
+            for s, result in zip(batch, results, strict=True):
                 # kept verbatim (no strip): capture must see exactly what the target wrote
                 text = tokenizer.decode(result.output_ids, skip_special_tokens=True)
                 if not text.strip():
-                    s["error"] = "empty response"
+                    s.error = "empty response"
                     continue
-                s["history"].append({"role": "assistant", "content": text})
-                s["finish"].append(result.finish_reason)
-                s["tokens"] += len(result.output_ids)
-                s["last_output_ids"] = result.output_ids
-                s["last_top_logprobs"] = result.top_logprobs
+                s.history.append({"role": "assistant", "content": text})
+                s.finish.append(result.finish_reason)
+                s.tokens += len(result.output_ids)
+                s.last_output_ids = result.output_ids
+                s.last_top_logprobs = result.top_logprobs
             if turn == 0:
                 progress.update(len(batch))
     done, failures = [], []
     for s in states:
-        if s.get("error") is not None:
-            failures.append({"id": s["record"]["id"], "error": s["error"]})
+        if s.error is not None:
+            failures.append({"id": s.record["id"], "error": s.error})
             continue
-        record = dict(s["record"])
-        record["messages"] = s["history"]
-        record["generation"] = {
-            "engine": getattr(engine, "name", "?"),
-            "finish_reasons": s["finish"],
-            "completion_tokens": s["tokens"],
-            "last_output_ids": s["last_output_ids"],
-        }
-        if s.get("last_top_logprobs") is not None:
-            record["generation"]["last_top_logprobs"] = s["last_top_logprobs"]
-        done.append(record)
+        done.append(_regenerated_record(s, getattr(engine, "name", "?")))
     return done, failures
+
+
+def _regenerated_record(conversation: _Conversation, engine_name: str) -> dict[str, Any]:
+    if conversation.last_output_ids is None:  # the prompts stage keeps only records with a user turn
+        raise ValueError(f"record {conversation.record['id']} has no user turn: nothing was generated for it")
+    record = dict(conversation.record)
+    record["messages"] = conversation.history
+    record["generation"] = {
+        "engine": engine_name,
+        "finish_reasons": conversation.finish,
+        "completion_tokens": conversation.tokens,
+        "last_output_ids": conversation.last_output_ids,
+    }
+    if conversation.last_top_logprobs is not None:
+        record["generation"]["last_top_logprobs"] = conversation.last_top_logprobs
+    return record
 
 
 def _marker_key(prefix: str, shard_name: str) -> str:
@@ -129,7 +149,8 @@ def _finished_shard(store: ObjectStore, prefix: str, shard_name: str) -> dict[st
 
 
 def _finished_parts(store: ObjectStore, prefix: str, shard_name: str) -> dict[str, dict[str, Any]]:
-    """Records regenerated by earlier attempts at this shard, by sample id (each part is one atomic object)."""
+    """Records regenerated by earlier attempts at this shard, by sample id (each part is one atomic
+    object)."""
     done: dict[str, dict[str, Any]] = {}
     for key in store.list(_parts_prefix(prefix, shard_name)):
         for record in decode_jsonl(store.get_bytes(key)):

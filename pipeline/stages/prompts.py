@@ -22,7 +22,7 @@ from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.progress import Progress
 from pipeline.records import conversation_id, write_jsonl
 from pipeline.stages import StageResult
-from pipeline.storage import ObjectStore, open_store
+from pipeline.storage import ObjectInfo, ObjectStore, open_store
 from pipeline.target import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ def _download_missing(
     pending = []
     try:
         with create_transfer_manager(client, transfer) as manager:
-            for obj, file in zip(objects, files):
+            for obj, file in zip(objects, files, strict=True):
                 if file.path.exists():
                     continue
                 file.path.parent.mkdir(parents=True, exist_ok=True)
@@ -184,7 +184,8 @@ def _source_files(source: PromptSource, storage: StorageConfig) -> list[SourceFi
 
 
 def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
-    """One record per non-blank line; a line that is not JSON becomes a BadRecord, so the rest still counts."""
+    """One record per non-blank line; a line that is not JSON becomes a BadRecord, so the rest still
+    counts."""
     try:
         with open(file.path, "rb") as handle:
             for number, line in enumerate(handle, start=1):
@@ -265,7 +266,7 @@ class ShardWriter:
     def __init__(self, store: ObjectStore, prefix: str, shard_size: int, workdir: Path):
         self.store, self.prefix, self.shard_size, self.workdir = store, prefix, shard_size, workdir
         self.buffers: dict[str, list[dict]] = {split: [] for split in SPLITS}
-        self.objects = []
+        self.objects: list[ObjectInfo] = []
         self.shards: list[dict] = []
 
     def add(self, record: dict) -> None:
@@ -332,7 +333,7 @@ class PromptFilter:
             if texts
             else []
         )
-        for (index, _), length in zip(candidates, lengths):
+        for (index, _), length in zip(candidates, lengths, strict=True):
             if length < self.settings.min_prompt_tokens:
                 verdicts[index] = BadRecord("too_short")
             elif length > self.settings.max_prompt_tokens:
@@ -380,8 +381,9 @@ def _check_malformed_share(counts: Counter, examples: RejectedExamples, max_bad_
     raise PromptSourceError(
         f"{malformed} of {read} prompt records read are not valid JSON ({malformed / read:.1%}, more than "
         f"prompts.max_bad_fraction={max_bad_fraction}): {', '.join(first[:3])}"
-        f"{', ...' if malformed > 3 else ''} (the first: {examples.first_detail['malformed_json']}); fix or remove "
-        "those lines, or raise prompts.max_bad_fraction to skip them (a file holding one JSON array is kind json)"
+        f"{', ...' if malformed > 3 else ''} (the first: {examples.first_detail['malformed_json']}); "
+        "fix or remove those lines, or raise prompts.max_bad_fraction to skip them "
+        "(a file holding one JSON array is kind json)"
     )
 
 
@@ -401,7 +403,7 @@ def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> S
         progress = Progress(total=settings.num_samples, desc="prompts", unit="conv")
         for batch in _batched(mix_sources(settings.sources, config.storage), JUDGE_BATCH):
             verdicts = judge.judge([item.record for _, item in batch])
-            for (source_index, item), verdict in zip(batch, verdicts):
+            for (source_index, item), verdict in zip(batch, verdicts, strict=True):
                 if counts["kept"] >= settings.num_samples:
                     break
                 counts["read"] += 1

@@ -49,7 +49,8 @@ def expected_contract(config: RunConfig) -> dict[str, Any]:
 def draft_vocabulary(
     config: RunConfig, store: ObjectStore, dataset: dict[str, Any], init_dir: Path | None
 ) -> list[int]:
-    """Target ids of the draft vocabulary: a warm start's own mapping, else the most frequent assistant tokens."""
+    """Target ids of the draft vocabulary: a warm start's own mapping, else the most frequent assistant
+    tokens."""
     vocab_size = dataset["contract"]["vocab_size"]
     if init_dir is not None:
         _, tensors, init_contract = read_drafter_dir(init_dir)

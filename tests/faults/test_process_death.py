@@ -165,7 +165,8 @@ def test_sigkill_during_generate_then_rerun(runs, record):
     record(
         "process death",
         f"SIGKILL during generate (after {seen} finished parts), then rerun",
-        f"resumed from the finished parts; the same {len(ids)} conversations, manifests and files as a clean run",
+        f"resumed from the finished parts; the same {len(ids)} conversations, manifests and files "
+        "as a clean run",
         lost=lost,
         duplicated=dup,
     )
@@ -218,7 +219,8 @@ def test_sigkill_during_train_resumes_from_the_checkpoint(runs, record):
     record(
         "process death",
         "SIGKILL during train (after its first checkpoint), then rerun",
-        f"resumed at step {result['global_steps'] - result['steps_this_attempt']} of {result['global_steps']}; "
+        f"resumed at step {result['global_steps'] - result['steps_this_attempt']} "
+        f"of {result['global_steps']}; "
         "2 epochs completed; no training process outlived the kill",
     )
 
