@@ -64,10 +64,10 @@ rehearsal: $(TEST_STAMP)
 
 # api-server, scheduler, dag-processor and triggerer on 127.0.0.1; prints the URL and the login file
 airflow: $(AIRFLOW_STAMP)
-	$(PY) -m pipeline.airflow_local up --home $(AIRFLOW_HOME_DIR) --port $(AIRFLOW_PORT)
+	$(PY) -m pipeline.dev.airflow_local up --home $(AIRFLOW_HOME_DIR) --port $(AIRFLOW_PORT)
 
 airflow-down:
-	$(PY) -m pipeline.airflow_local down --home $(AIRFLOW_HOME_DIR)
+	$(PY) -m pipeline.dev.airflow_local down --home $(AIRFLOW_HOME_DIR)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -17,13 +17,13 @@ from support import report, scratch_config
 
 def bare_capture(config, responses_uri, store) -> float:
     """Seconds for the engine alone over every sample, batched as the stage batches them."""
-    from pipeline.chat import capture_sequence
     from pipeline.config import default_aux_layer_ids
+    from pipeline.data.conversations import capture_sequence
+    from pipeline.data.jsonl import decode_jsonl
     from pipeline.engines.hf import HFEngine
+    from pipeline.engines.target import describe_target, load_tokenizer
     from pipeline.manifest import read_listed, read_manifest
-    from pipeline.records import decode_jsonl
     from pipeline.stages.capture import teacher_request
-    from pipeline.target import describe_target, load_tokenizer
 
     target = describe_target(config)
     tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)

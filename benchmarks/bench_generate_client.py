@@ -20,13 +20,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
     config = scratch_config()
-    from pipeline.chat import prompt_ids
     from pipeline.config import SGLangClientConfig
+    from pipeline.data.conversations import prompt_ids
+    from pipeline.dev.sglang_standin import StandinBackend, serve
     from pipeline.engines import SamplingParams
     from pipeline.engines.sglang import SGLangEngine
-    from pipeline.sglang_standin import StandinBackend, serve
-    from pipeline.target import load_tokenizer, resolve_model_dir
-    from pipeline.tiny_target import demo_conversations
+    from pipeline.engines.target import load_tokenizer, resolve_model_dir
+    from pipeline.engines.tiny_target import demo_conversations
 
     model_dir = resolve_model_dir(config)
     tokenizer = load_tokenizer(model_dir, config.target.trust_remote_code)

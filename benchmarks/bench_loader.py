@@ -44,11 +44,11 @@ def main() -> None:
         )
         import torch
 
+        from pipeline.engines.target import describe_target, load_frozen_tensors
         from pipeline.manifest import read_manifest
         from pipeline.stages.train import draft_vocabulary
-        from pipeline.target import describe_target, load_frozen_tensors
-        from pipeline.train_data import ShardCache, ShardRef, StreamingShards, collate, epoch_plan
-        from pipeline.trainer import DraftObjective, build_model, choose_teacher
+        from pipeline.training.stream import ShardCache, ShardRef, StreamingShards, collate, epoch_plan
+        from pipeline.training.worker import DraftObjective, build_model, choose_teacher
 
         dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
         shards = [ShardRef.from_manifest(entry) for entry in dataset["train_shards"]]

@@ -66,8 +66,8 @@ def child(source: str, n: int) -> None:
             "prompts.eval_fraction=0.01",
         ]
     )
+    from pipeline.engines.target import resolve_model_dir
     from pipeline.stages import prompts
-    from pipeline.target import resolve_model_dir
 
     resolve_model_dir(config)  # the tokenizer's target, built outside the timed part if missing
     started = time.perf_counter()

@@ -25,11 +25,11 @@ def main() -> None:
     single_process_group()
     import torch
 
+    from pipeline.engines.target import describe_target, load_frozen_tensors
     from pipeline.manifest import read_manifest
     from pipeline.stages.train import draft_vocabulary
-    from pipeline.target import describe_target, load_frozen_tensors
-    from pipeline.train_data import collate
-    from pipeline.trainer import DraftObjective, Trainer, build_model
+    from pipeline.training.stream import collate
+    from pipeline.training.worker import DraftObjective, Trainer, build_model
 
     dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
     workdir = Path(config.storage.local_cache) / "bench-train-step"

@@ -23,8 +23,8 @@ from support import report
 def child(length: int, steps: int, hidden: int, dense: bool) -> None:
     import torch
 
-    import pipeline.drafter_model as drafter_model
-    from pipeline.drafter_model import DrafterArch, Eagle3Drafter
+    import pipeline.drafter.model as drafter_model
+    from pipeline.drafter.model import DrafterArch, Eagle3Drafter
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

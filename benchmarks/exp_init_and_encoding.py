@@ -59,10 +59,10 @@ def main() -> None:
             "train.epochs=2",
         ]
     )
+    from pipeline.engines.target import describe_target
     from pipeline.stages import generate, prompts
     from pipeline.stages.evaluate import local_drafter_dir
     from pipeline.storage import open_store
-    from pipeline.target import describe_target
 
     store = open_store(config.storage)
     assert (

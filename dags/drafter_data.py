@@ -1,7 +1,7 @@
 """drafter_data: prompts -> the target's own responses (mapped over shards) -> parity check ->
 hidden-state capture (mapped over shards) -> a dataset snapshot, published as the `drafter_dataset`
 Asset that schedules drafter_train. The SGLang fleets generation and capture call are scaled up before
-their stage and back to 0 after it by setup/teardown tasks (pipeline.fleets; a teardown runs however
+their stage and back to 0 after it by setup/teardown tasks (pipeline.ops.fleets; a teardown runs however
 its stage ended). Every task calls a pipeline function; no pipeline logic lives here."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import os
 
 from airflow.sdk import BaseOperatorLink, task
 
-from pipeline.deployment import load_deployment
+from pipeline.ops.deployment import load_deployment
 
 DEPLOYMENT = load_deployment()
 log = logging.getLogger("drafter.dags")

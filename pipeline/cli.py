@@ -141,11 +141,11 @@ def _require_run_id(args) -> str:
 
 
 def dispatch(args) -> int:
-    from pipeline import registry
+    from pipeline.ops import registry
     from pipeline.storage import open_store
 
     if args.command == "train-worker":
-        from pipeline.trainer import worker_main
+        from pipeline.training.worker import worker_main
 
         worker_main(args.spec)
         return 0
@@ -185,12 +185,12 @@ def dispatch(args) -> int:
         print(json.dumps(record))
         return 0
     if args.command == "status":
-        from pipeline.report import status_table
+        from pipeline.ops.report import status_table
 
         print(status_table(store, target, args.limit))
         return 0
     if args.command == "report":
-        from pipeline.report import render
+        from pipeline.ops.report import render
 
         result = render(store, _require_run_id(args), target)
         print(
@@ -213,7 +213,7 @@ def dispatch(args) -> int:
 
 
 def _plan(args, config) -> int:
-    from pipeline.capacity import format_plan, measured_rates, plan
+    from pipeline.ops.capacity import format_plan, measured_rates, plan
 
     measured = measured_rates(config, args.measured_from) if args.measured_from else None
     report = plan(
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     _setup_logging(args.verbose)
     from pipeline.config import ConfigError
-    from pipeline.contract import ContractMismatch
+    from pipeline.data.capture_contract import ContractMismatch
     from pipeline.ids import InvalidIdError
     from pipeline.stages.gate import GateFailed
 

@@ -20,10 +20,10 @@ POD_EXIT_CODES_ENV = "DRAFTER_PERMANENT_EXIT_CODES"
 
 def _bad_input_types() -> tuple[type[BaseException], ...]:
     from pipeline.config import ConfigError
-    from pipeline.contract import ContractMismatch
+    from pipeline.data.capture_contract import ContractMismatch
+    from pipeline.engines.parity import ParityFailed
+    from pipeline.engines.target import TargetError
     from pipeline.ids import InvalidIdError
-    from pipeline.parity import ParityFailed
-    from pipeline.target import TargetError
 
     return ConfigError, ContractMismatch, InvalidIdError, ParityFailed, TargetError
 
@@ -41,7 +41,7 @@ def exit_code_for(error: BaseException) -> int:
         return EXIT_GATE
     if isinstance(error, _bad_input_types()):
         return EXIT_BAD_INPUT
-    from pipeline.kube_api import KubernetesApiError
+    from pipeline.ops.kube_api import KubernetesApiError
 
     if isinstance(error, KubernetesApiError) and not error.transient:  # RBAC refused, no such object
         return EXIT_BAD_INPUT

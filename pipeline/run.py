@@ -7,9 +7,10 @@ import json
 import logging
 from typing import Any
 
-from pipeline import layout, registry
+from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.manifest import read_listed, read_manifest
+from pipeline.ops import registry
 from pipeline.stages import benchmark, capture, evaluate, gate, generate, promote, prompts, train
 from pipeline.stages.gate import GateFailed
 from pipeline.stages.promote import PromotionRefused
@@ -121,7 +122,7 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
         summary.update({"gate_passed": False, "outcome": "gate failed", "failure": str(failure)})
     except PromotionRefused as refusal:
         summary.update({"outcome": "promotion refused", "failure": str(refusal)})
-    from pipeline.report import render
+    from pipeline.ops.report import render
 
     summary["report"] = render(store, run_id, config.target.name).manifest["link"]
     return summary, summary_location(write_summary(store, run_id, summary))

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeline import layout, registry
+from pipeline import layout
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.failures import report_permanent_failures_by_exit_code
+from pipeline.ops import registry
 from pipeline.stages import STAGES, StageResult
 from pipeline.storage import ObjectStore, open_store
 
@@ -57,7 +58,7 @@ def run_stage(
     inputs = {**_defaults(config, store, run_id, snapshot), **{k: v for k, v in uris.items() if v}}
     workdir = config.storage.run_workdir(run_id)
     if stage == "report":
-        from pipeline.report import render
+        from pipeline.ops.report import render
 
         result = render(store, run_id, config.target.name)
         return {**_out(result), "link": result.manifest["link"], "outcome": result.manifest["outcome"]}
@@ -308,9 +309,9 @@ def prompts_uri_of(
 def scale_fleet_up(
     config: RunConfig | str | dict[str, Any], stage: str, fleet: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """Before an SGLang stage: its server fleet up and ready (pipeline.fleets). Without a fleet in the
+    """Before an SGLang stage: its server fleet up and ready (pipeline.ops.fleets). Without a fleet in the
     deployment config the servers are managed elsewhere and nothing is scaled."""
-    from pipeline.fleets import ServerFleet, scale_up
+    from pipeline.ops.fleets import ServerFleet, scale_up
 
     if fleet is None:
         return {"stage": stage, "replicas": 0, "scaled": False}
@@ -319,7 +320,7 @@ def scale_fleet_up(
 
 def scale_fleet_down(stage: str, fleet: dict[str, Any] | None) -> dict[str, Any]:
     """After an SGLang stage, however it ended: its server fleet back to 0 replicas."""
-    from pipeline.fleets import ServerFleet, scale_down
+    from pipeline.ops.fleets import ServerFleet, scale_down
 
     if fleet is None:
         return {"stage": stage, "replicas": 0, "scaled": False}

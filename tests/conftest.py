@@ -110,20 +110,20 @@ def tiny_config_dict(storage: dict) -> dict:
 @pytest.fixture(scope="session")
 def tiny_target_dir() -> Path:
     from pipeline.config import TinyTargetRecipe
-    from pipeline.tiny_target import ensure_tiny_target
+    from pipeline.engines.tiny_target import ensure_tiny_target
 
     return ensure_tiny_target(TinyTargetRecipe(**TEST_RECIPE), TEST_CACHE)
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_target_dir):
-    from pipeline.target import load_tokenizer
+    from pipeline.engines.target import load_tokenizer
 
     return load_tokenizer(tiny_target_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_target_dir):
-    from pipeline.target import load_model
+    from pipeline.engines.target import load_model
 
     return load_model(tiny_target_dir)

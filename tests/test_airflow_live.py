@@ -119,7 +119,7 @@ def _failure_detail(home: Path, client: AirflowClient, dag_id: str, run_id: str)
 
 @pytest.fixture(scope="module")
 def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir):
-    from pipeline import airflow_local
+    from pipeline.dev import airflow_local
 
     home = tmp_path_factory.mktemp("airflow-live")
     deployment = home / "deployment.yaml"
@@ -175,7 +175,7 @@ def _store(config_data: dict):
 
 
 def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_config):
-    from pipeline import registry
+    from pipeline.ops import registry
 
     client, home = live_airflow["client"], live_airflow["home"]
     response = client.call(
@@ -236,7 +236,7 @@ def _param_field(page, title: str):
 def test_browser_login_trigger_form_and_successful_run(live_airflow, live_config):
     from playwright.sync_api import sync_playwright
 
-    from pipeline import registry
+    from pipeline.ops import registry
 
     client, home = live_airflow["client"], live_airflow["home"]
     before = {r["dag_run_id"] for r in client.runs("drafter_train")}

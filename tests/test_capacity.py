@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from pipeline.capacity import PlanError, plan, shard_bytes_per_token
 from pipeline.config import ConfigError, load_config
+from pipeline.ops.capacity import PlanError, plan, shard_bytes_per_token
 from tests.conftest import REPO
 
 KIMI = REPO / "configs" / "kimi-k2.5.yaml"

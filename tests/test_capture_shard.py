@@ -6,7 +6,7 @@ import struct
 import pytest
 import torch
 
-from pipeline.capture_shard import (
+from pipeline.data.capture_shards import (
     CaptureSample,
     ShardFormatError,
     ShardReader,

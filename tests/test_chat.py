@@ -1,6 +1,11 @@
 import pytest
 
-from pipeline.chat import BadRecord, capture_sequence, normalize_conversation, tokenize_with_loss_mask
+from pipeline.data.conversations import (
+    BadRecord,
+    capture_sequence,
+    normalize_conversation,
+    tokenize_with_loss_mask,
+)
 
 
 def test_sharegpt_and_openai_formats_normalize_alike():

@@ -301,7 +301,7 @@ def test_every_pod_task_ships_source_that_compiles_and_carries_no_decorator(tmp_
 
 
 def test_scheduled_runs_take_the_deployments_run_config():
-    from pipeline.deployment import load_deployment
+    from pipeline.ops.deployment import load_deployment
     from pipeline.tasks import plan_training
 
     for name in ("local", "kubernetes"):
@@ -321,7 +321,7 @@ def test_scheduled_runs_take_the_deployments_run_config():
 
 
 def test_the_trigger_forms_default_is_the_deployments_run_config(dagbag):
-    from pipeline.deployment import load_deployment
+    from pipeline.ops.deployment import load_deployment
 
     deployment = load_deployment(REPO / "configs/deployment/local.yaml")
     for dag_id in ("drafter_data", "drafter_train"):
@@ -330,7 +330,7 @@ def test_the_trigger_forms_default_is_the_deployments_run_config(dagbag):
 
 def test_configure_refuses_local_paths_no_pod_mounts():
     from pipeline.config import ConfigError
-    from pipeline.deployment import load_deployment
+    from pipeline.ops.deployment import load_deployment
     from pipeline.tasks import configure_run, plan_run
 
     deployment = load_deployment(REPO / "configs/deployment/kubernetes.yaml")

@@ -203,8 +203,8 @@ def test_capture_servers_start_with_the_capture_contracts_flags():
     "section, statefulset", [("generate", "sglang-generate"), ("capture", "sglang-capture-aux")]
 )
 def test_config_urls_are_the_pods_of_the_fleet_the_dag_scales(section, statefulset):
-    from pipeline.deployment import load_deployment
-    from pipeline.fleets import ServerFleet, replicas_for
+    from pipeline.ops.deployment import load_deployment
+    from pipeline.ops.fleets import ServerFleet, replicas_for
 
     workload = _workload("StatefulSet", statefulset)
     service = _workload("Service", workload["spec"]["serviceName"])
@@ -241,7 +241,7 @@ def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_p
     import shlex
     import subprocess
 
-    from pipeline.registry import sglang_flags, write_serving_flags
+    from pipeline.ops.registry import sglang_flags, write_serving_flags
 
     serving = _workload("Deployment", "kimi-k2-5-eagle3")
     pull = serving["spec"]["template"]["spec"]["initContainers"][0]["command"]
@@ -269,7 +269,7 @@ def _trainer_job() -> tuple[dict, dict, dict]:
 
 def test_every_trainer_node_runs_the_same_torchrun_command_meeting_at_the_headless_service():
     from pipeline.config import load_config
-    from pipeline.train_nodes import job_for_run
+    from pipeline.training.nodes import job_for_run
 
     job, pod, node = _trainer_job()
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["backoffLimit"] == 0
@@ -302,7 +302,7 @@ def test_every_trainer_node_runs_the_same_torchrun_command_meeting_at_the_headle
 
 
 def test_trainer_nodes_start_no_ssh_and_get_eight_big_gpus_shared_memory_and_the_shared_checkpoints():
-    from pipeline.deployment import load_deployment
+    from pipeline.ops.deployment import load_deployment
 
     objects = yaml.safe_dump(
         [doc for file, doc in _documents() if file.startswith("trainer-")]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.export import DrafterFormatError, export_drafter, load_drafter, read_drafter_dir
+from pipeline.drafter.export import DrafterFormatError, export_drafter, load_drafter, read_drafter_dir
 from tests.test_ttt import small_drafter
 
 CONTRACT = {"aux_layer_ids": [1, 2, 3], "hidden_size": 16}

@@ -1,4 +1,4 @@
-"""SGLang fleets scaled around their stages (pipeline.fleets): which replicas a config's URLs need,
+"""SGLang fleets scaled around their stages (pipeline.ops.fleets): which replicas a config's URLs need,
 refusing URLs that are not the scaled StatefulSet's pods, and scaling through the Kubernetes API of the
 local cluster (pipeline.dev.cluster) as a task pod's service account: ready when it returns, back to 0
 when it is not, refused without the role."""
@@ -12,8 +12,8 @@ import requests
 
 from pipeline.config import ConfigError, load_config
 from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, exit_code_for
-from pipeline.fleets import FleetNotReady, ServerFleet, fleet_urls, replicas_for, scale_down, scale_up
-from pipeline.kube_api import KubernetesApi, KubernetesApiError
+from pipeline.ops.fleets import FleetNotReady, ServerFleet, fleet_urls, replicas_for, scale_down, scale_up
+from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError
 from tests.conftest import REPO, tiny_config_dict
 
 GENERATE = ServerFleet(namespace="sglang", statefulset="sglang-generate")

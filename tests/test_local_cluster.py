@@ -19,7 +19,7 @@ import requests
 import yaml
 
 from pipeline.dev.cluster import LocalCluster, LocalImage, LocalNode, expand_variables, scheduling_problems
-from pipeline.kube_api import KubernetesApi
+from pipeline.ops.kube_api import KubernetesApi
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (mount and PID namespaces)")
 

@@ -24,12 +24,18 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
-from pipeline.kube_api import KubernetesApi
 from pipeline.manifest import read_listed, read_manifest
+from pipeline.ops.kube_api import KubernetesApi
 from pipeline.stages import capture, generate, prompts
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
-from pipeline.train_nodes import KubernetesJob, TrainingFailed, job_for_run, load_job_manifest, node_launcher
+from pipeline.training.nodes import (
+    KubernetesJob,
+    TrainingFailed,
+    job_for_run,
+    load_job_manifest,
+    node_launcher,
+)
 from tests.conftest import REPO, storage_config, tiny_config_dict
 
 

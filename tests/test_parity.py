@@ -7,8 +7,8 @@ import torch
 
 from pipeline.engines import TeacherRequest
 from pipeline.engines.hf import HFEngine
+from pipeline.engines.parity import check_parity, reference_capture
 from pipeline.engines.sglang import capture_server_problems
-from pipeline.parity import check_parity, reference_capture
 
 SEQUENCES = [[3, 10, 11, 12, 4, 20, 21], [3, 30, 31, 4, 7]]
 BOTH = TeacherRequest(("last_hidden", "topk"), 5)

@@ -6,8 +6,8 @@ import uuid
 import pytest
 
 from pipeline.config import load_config
+from pipeline.data.jsonl import decode_jsonl
 from pipeline.manifest import ManifestError, read_listed, read_manifest
-from pipeline.records import decode_jsonl
 from pipeline.stages import prompts
 from pipeline.stages.prompts import split_of
 from tests.conftest import tiny_config_dict
@@ -74,7 +74,7 @@ def test_missing_source_fails_with_its_path(store, storage, tmp_path):
 
 
 def test_demo_corpus_comes_only_from_modules_the_target_never_saw():
-    from pipeline.tiny_target import corpus_turns, demo_conversations, is_heldout
+    from pipeline.engines.tiny_target import corpus_turns, demo_conversations, is_heldout
 
     demo = demo_conversations()
     assert len(demo) > 300

@@ -5,8 +5,16 @@ import json
 import pytest
 
 from pipeline import layout
-from pipeline.export import export_drafter
-from pipeline.registry import RegistryError, list_versions, promote, pull, read_alias, rollback, verify_dir
+from pipeline.drafter.export import export_drafter
+from pipeline.ops.registry import (
+    RegistryError,
+    list_versions,
+    promote,
+    pull,
+    read_alias,
+    rollback,
+    verify_dir,
+)
 from tests.test_ttt import small_drafter
 
 CONTRACT = {"aux_layer_ids": [1, 2, 3], "hidden_size": 16}
@@ -140,7 +148,7 @@ def store_for(storage):
 def test_racing_promoters_exactly_one_wins_and_the_alias_is_never_torn(serialized_store, tmp_path, racers):
     import threading
 
-    from pipeline.registry import AliasConflict
+    from pipeline.ops.registry import AliasConflict
 
     promote(serialized_store, "tgt", drafter_dir(tmp_path, 0), {"run_id": "base"}, "production", SERVING)
     racing = RacingStore(serialized_store, racers)
@@ -179,7 +187,7 @@ def test_racing_promoters_exactly_one_wins_and_the_alias_is_never_torn(serialize
 
 
 def test_a_stale_promotion_is_refused(store, tmp_path):
-    from pipeline.registry import AliasConflict, move_alias
+    from pipeline.ops.registry import AliasConflict, move_alias
 
     first = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)[
         "version"

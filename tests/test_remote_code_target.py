@@ -33,14 +33,14 @@ AUX_LAYERS = [1, 3, 4]
 @pytest.fixture(scope="session")
 def kimi_target_dir() -> Path:
     from pipeline.config import TinyTargetRecipe
-    from pipeline.tiny_target import ensure_tiny_target
+    from pipeline.engines.tiny_target import ensure_tiny_target
 
     return ensure_tiny_target(TinyTargetRecipe(**KIMI_TEST_RECIPE), TEST_CACHE)
 
 
 @pytest.fixture(scope="session")
 def kimi_tokenizer(kimi_target_dir):
-    from pipeline.target import load_tokenizer
+    from pipeline.engines.target import load_tokenizer
 
     return load_tokenizer(kimi_target_dir, trust_remote_code=True)
 
@@ -71,7 +71,7 @@ def kimi_run_config(model_dir: Path):
 def test_it_ships_its_code_and_loads_only_with_trust_remote_code(kimi_target_dir):
     from transformers import AutoConfig
 
-    from pipeline.target import TargetError, load_model, load_tokenizer
+    from pipeline.engines.target import TargetError, load_model, load_tokenizer
 
     config = json.loads((kimi_target_dir / "config.json").read_text())
     assert config["model_type"] == "tiny_kimi"
@@ -119,7 +119,7 @@ def test_a_tiny_deepseek_v3_target_needs_the_setting_in_the_config():
 
 def test_llama_recipes_keep_the_names_of_their_cached_builds():
     from pipeline.config import TinyTargetRecipe
-    from pipeline.tiny_target import recipe_hash
+    from pipeline.engines.tiny_target import recipe_hash
     from tests.conftest import TEST_RECIPE
 
     # the hashes the builder gave before the architecture option existed
@@ -166,8 +166,8 @@ def test_the_tokenizer_is_tiktoken_and_round_trips_text_and_the_chat_template(ki
 
 
 def test_tiktoken_encodes_the_corpus_like_the_bpe_its_ranks_came_from(kimi_target_dir, kimi_tokenizer):
-    from pipeline.tiny_kimi.tokenization_tiny_kimi import SPECIAL_TOKEN_SLOTS, read_ranks
-    from pipeline.tiny_target import corpus_turns, tiktoken_ranks, train_byte_bpe
+    from pipeline.engines.tiny_kimi.tokenization_tiny_kimi import SPECIAL_TOKEN_SLOTS, read_ranks
+    from pipeline.engines.tiny_target import corpus_turns, tiktoken_ranks, train_byte_bpe
 
     build = json.loads((kimi_target_dir / "build.json").read_text())
     assert build["tiktoken_vs_bpe"]["different"] == 0 and build["tiktoken_vs_bpe"]["texts"] > 1000
@@ -186,7 +186,7 @@ def test_tiktoken_encodes_the_corpus_like_the_bpe_its_ranks_came_from(kimi_targe
 
 
 def test_the_loss_mask_covers_assistant_turns_without_character_offsets(kimi_tokenizer):
-    from pipeline.chat import tokenize_with_loss_mask
+    from pipeline.data.conversations import tokenize_with_loss_mask
 
     messages = [
         {"role": "user", "content": "def f(x):"},
@@ -230,7 +230,7 @@ def test_the_model_is_deepseek_v3_with_kimis_long_context(kimi_target_dir, kimi_
 
 def test_the_hf_engine_captures_what_an_independent_reference_sees(kimi_engine):
     from pipeline.engines import TeacherRequest
-    from pipeline.parity import check_parity, reference_capture
+    from pipeline.engines.parity import check_parity, reference_capture
 
     both = TeacherRequest(("last_hidden", "topk"), 5)
     captured = kimi_engine.capture(SEQUENCES, AUX_LAYERS, both)
@@ -243,8 +243,8 @@ def test_the_hf_engine_captures_what_an_independent_reference_sees(kimi_engine):
 
 
 def test_the_sglang_stand_in_needs_the_flag_too(kimi_target_dir):
-    from pipeline.sglang_standin import StandinBackend
-    from pipeline.target import TargetError
+    from pipeline.dev.sglang_standin import StandinBackend
+    from pipeline.engines.target import TargetError
 
     with pytest.raises(TargetError, match="trust_remote_code"):
         StandinBackend(kimi_target_dir, None)
@@ -259,7 +259,7 @@ def test_the_sglang_stand_in_needs_the_flag_too(kimi_target_dir):
 
 
 def test_describe_target_and_its_identity_follow_the_shipped_code(kimi_target_dir, tmp_path):
-    from pipeline.target import describe_target
+    from pipeline.engines.target import describe_target
 
     model_dir = tmp_path / "Kimi-tiny"
     shutil.copytree(kimi_target_dir, model_dir)
@@ -291,9 +291,9 @@ def test_describe_target_and_its_identity_follow_the_shipped_code(kimi_target_di
 def test_prompts_generate_and_capture_run_on_it(kimi_target_dir, tmp_path):
     """The stages that load the target, end to end, as the rehearsal runs them with the served target."""
     from pipeline.config import load_config
+    from pipeline.engines.target import describe_target
     from pipeline.stages import capture, generate, prompts
     from pipeline.storage import open_store
-    from pipeline.target import describe_target
     from tests.conftest import storage_config, tiny_config_dict
 
     data = tiny_config_dict(storage_config("file", tmp_path, None))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.report import render, report_link
+from pipeline.ops.report import render, report_link
 from pipeline.storage import S3Store
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.capture_shard import ShardReader
 from pipeline.config import load_config
+from pipeline.data.capture_shards import ShardReader
+from pipeline.data.jsonl import decode_jsonl
 from pipeline.manifest import fetch_listed, read_listed, read_manifest
-from pipeline.records import decode_jsonl
 from pipeline.stages import generate, prompts
 from tests.conftest import REPO, storage_config, tiny_config_dict
 

@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from pipeline.config import SGLangBenchConfig
-from pipeline.export import export_drafter
-from pipeline.sglang_bench import (
+from pipeline.drafter.export import export_drafter
+from pipeline.engines.sglang_bench import (
     SGLangBenchmarkFailed,
     launch_command,
     measure,
@@ -127,7 +127,7 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
         random_drafter(tiny_target_dir), {"aux_layer_ids": [1, 2, 3]}, tmp_path / "d", "float32"
     )
     config = settings(
-        launch=[sys.executable, "-m", "pipeline.sglang_standin"],
+        launch=[sys.executable, "-m", "pipeline.dev.sglang_standin"],
         model_path=str(tiny_target_dir),
         extra_args=["--tp", "1"],
         port=free_port(),

@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's load-time checks on an EAGLE-3 draft (pipeline.sglang_draft_checks): a drafter the
+"""SGLang 0.5.23's load-time checks on an EAGLE-3 draft (pipeline.engines.sglang_draft_checks): a drafter the
 project exports for the tiny target passes; copies of it damaged one way each are refused with the reason;
 the stand-in server refuses to start with one."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline.sglang_draft_checks import (
+from pipeline.engines.sglang_draft_checks import (
     SpeculativeArgs,
     TargetFacts,
     aux_layer_problems,
@@ -33,10 +33,10 @@ def exported_drafter(tiny_target_dir, tmp_path_factory):
     """What the train stage exports for the tiny target: the trainer's model (reduced draft vocabulary,
     head and norm from the target) under a real capture contract, written by export_drafter."""
     from pipeline.config import RunConfig, default_aux_layer_ids
-    from pipeline.contract import build_contract
-    from pipeline.export import export_drafter
-    from pipeline.target import load_frozen_tensors, text_config
-    from pipeline.trainer import build_model
+    from pipeline.data.capture_contract import build_contract
+    from pipeline.drafter.export import export_drafter
+    from pipeline.engines.target import load_frozen_tensors, text_config
+    from pipeline.training.worker import build_model
     from tests.conftest import storage_config, tiny_config_dict
 
     work = tmp_path_factory.mktemp("exported")
@@ -354,7 +354,7 @@ def test_the_standin_refuses_to_start_with_a_draft_sglang_would_refuse(tiny_targ
         [
             sys.executable,
             "-m",
-            "pipeline.sglang_standin",
+            "pipeline.dev.sglang_standin",
             "--model-path",
             str(tiny_target_dir),
             "--port",

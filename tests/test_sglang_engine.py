@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from pipeline.config import SGLangClientConfig
+from pipeline.dev.sglang_standin import StandinBackend, serve
 from pipeline.engines import EngineError, SamplingParams, TeacherRequest
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.sglang import SGLangEngine, parse_generation, prompt_states, split_hidden_states
-from pipeline.sglang_standin import StandinBackend, serve
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +193,8 @@ def test_the_generate_stage_regenerates_multi_turn_conversations_turn_by_turn(
 ):
     import json as jsonlib
 
-    from pipeline.chat import prompt_ids
     from pipeline.config import load_config
+    from pipeline.data.conversations import prompt_ids
     from pipeline.stages import generate, prompts
     from tests.conftest import tiny_config_dict
 

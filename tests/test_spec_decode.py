@@ -3,11 +3,17 @@
 import pytest
 import torch
 
-from pipeline.chat import prompt_ids
-from pipeline.drafter_model import DrafterArch, Eagle3Drafter
-from pipeline.spec_decode import EagleProposer, NgramProposer, TargetRunner, greedy_decode, speculative_decode
-from pipeline.target import load_frozen_tensors
-from pipeline.tiny_target import corpus_turns
+from pipeline.data.conversations import prompt_ids
+from pipeline.decoding.reference_decoder import (
+    EagleProposer,
+    NgramProposer,
+    TargetRunner,
+    greedy_decode,
+    speculative_decode,
+)
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.engines.target import load_frozen_tensors
+from pipeline.engines.tiny_target import corpus_turns
 
 AUX = [1, 2, 3]
 
@@ -96,7 +102,7 @@ def test_ngram_proposer_continues_the_latest_match():
 def test_tree_drafting_output_equals_greedy(
     tiny_model, tiny_tokenizer, tiny_target_dir, prompts, steps, topk, draft_tokens
 ):
-    from pipeline.spec_decode import tree_speculative_decode
+    from pipeline.decoding.reference_decoder import tree_speculative_decode
 
     eos = tiny_tokenizer.eos_token_id
     plain, with_aux = TargetRunner(tiny_model, None), TargetRunner(tiny_model, AUX)
@@ -112,7 +118,7 @@ def test_tree_drafting_output_equals_greedy(
 
 
 def test_draft_tree_masks_and_acceptance():
-    from pipeline.spec_decode import DraftTree
+    from pipeline.decoding.reference_decoder import DraftTree
 
     # root -> a(5) -> c(7);  root -> b(6)
     tree = DraftTree(tokens=[5, 6, 7], parents=[-1, -1, 0], depths=[1, 1, 2])

@@ -3,7 +3,7 @@
 import json
 
 from pipeline.config import TinyTargetRecipe
-from pipeline.tiny_target import corpus_hash, corpus_turns, ensure_tiny_target, recipe_hash
+from pipeline.engines.tiny_target import corpus_hash, corpus_turns, ensure_tiny_target, recipe_hash
 from tests.conftest import TEST_CACHE, TEST_RECIPE
 
 

@@ -3,8 +3,15 @@
 import pytest
 import torch
 
-from pipeline.capture_shard import CaptureSample, write_shard
-from pipeline.train_data import SampleRef, ShardCache, ShardRef, StreamingShards, epoch_plan, sequential_plan
+from pipeline.data.capture_shards import CaptureSample, write_shard
+from pipeline.training.stream import (
+    SampleRef,
+    ShardCache,
+    ShardRef,
+    StreamingShards,
+    epoch_plan,
+    sequential_plan,
+)
 
 
 def refs(counts):

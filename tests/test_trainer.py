@@ -15,11 +15,11 @@ import yaml
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
-from pipeline.contract import ContractMismatch
+from pipeline.data.capture_contract import ContractMismatch
 from pipeline.stages import capture, generate, prompts, train
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
-from pipeline.train_nodes import torchrun_args
+from pipeline.training.nodes import torchrun_args
 from tests.conftest import REPO, storage_config, tiny_config_dict
 
 

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from pipeline.drafter_model import DraftCache, DrafterArch, Eagle3Drafter, dense_ttt_attention, ttt_attention
-from pipeline.ttt import (
+from pipeline.drafter.model import DraftCache, DrafterArch, Eagle3Drafter, dense_ttt_attention, ttt_attention
+from pipeline.drafter.ttt import (
     MetricCounts,
     Teacher,
     teacher_from_last_hidden,
     teacher_from_topk,
     ttt_loss_and_counts,
 )
-from pipeline.vocab import build_mapping, mapping_from_d2t
+from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
 
 
 def small_drafter(seed=0, vocab=50, hidden=16) -> Eagle3Drafter:

@@ -47,7 +47,7 @@ What stands in for what:
 - the pod network: all pods share this machine's network namespace, so each pod has its own loopback
   address 127.0.0.N (N from 10 up; Linux routes all of 127.0.0.0/8 to lo) standing in for its own
   network namespace: status.podIP, and DRAFTER_LOCAL_POD_IP in every container, where a server that a
-  manifest starts on 0.0.0.0 listens (pipeline.sglang_standin does); a port bound on 0.0.0.0 is bound
+  manifest starts on 0.0.0.0 listens (pipeline.dev.sglang_standin does); a port bound on 0.0.0.0 is bound
   on every pod's address at once. Cluster DNS is hosts files, replaced whole as pods come and go: each
   pod's own /etc/hosts holds, as the kubelet writes it, localhost and the pod's address by its hostname
   (and full name, with a subdomain), so its hostname resolves to its own address; then every pod that has

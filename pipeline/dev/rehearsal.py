@@ -407,7 +407,7 @@ def worker_identity(workspace: Path, endpoint: str) -> None:
 
 def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
     """What the runbook has the user put on the volumes: the weights, the prompt files, the run config."""
-    from pipeline.tiny_target import ensure_tiny_target
+    from pipeline.engines.tiny_target import ensure_tiny_target
 
     model = ensure_tiny_target(TARGET_RECIPE, cache)
     for namespace in ("drafter", "sglang"):
@@ -431,7 +431,7 @@ def write_prompt_files(directory: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.tiny_target import demo_conversations
+    from pipeline.engines.tiny_target import demo_conversations
 
     conversations = demo_conversations()
     sharegpt = [json.dumps(c) for c in conversations[0::2]]
@@ -457,7 +457,7 @@ def start_reference_server(model_dir: Path, workspace: Path, processes: list[sub
         [
             sys.executable,
             "-m",
-            "pipeline.sglang_standin",
+            "pipeline.dev.sglang_standin",
             "--model-path",
             str(model_dir),
             "--port",
@@ -810,7 +810,7 @@ class NodeLoss:
         return False
 
     def _read_logs_of_the_failed_job(self) -> None:
-        from pipeline.train_nodes import job_outcome
+        from pipeline.training.nodes import job_outcome
 
         while not self._stop.wait(0.5):
             try:
@@ -826,7 +826,7 @@ class NodeLoss:
 
 def _api_as(cluster: LocalCluster, namespace: str, account: str, workspace: Path):
     """The cluster's API as a service account (what `kubectl` with that account's token would use)."""
-    from pipeline.kube_api import KubernetesApi
+    from pipeline.ops.kube_api import KubernetesApi
 
     token = workspace / f"token-{namespace}-{account}"
     token.write_text(cluster.service_account_token(namespace, account))

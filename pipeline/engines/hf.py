@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from pipeline.engines import DEFAULT_TEACHER, Capture, Generation, SamplingParams, TeacherRequest
-from pipeline.target import load_model, load_tokenizer
+from pipeline.engines.target import load_model, load_tokenizer
 
 
 class HFEngine:

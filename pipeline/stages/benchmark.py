@@ -1,6 +1,6 @@
 """benchmark: tok/s and acceptance length of baseline, n-gram, incumbent and candidate in ONE run.
 
-The local engine is the reference speculative decoder (pipeline.spec_decode) over the target on
+The local engine is the reference speculative decoder (pipeline.decoding.reference_decoder) over the target on
 held-out prompts; methods run interleaved prompt by prompt so machine noise hits all of them alike.
 Every speculative output must equal plain greedy decoding token for token, or the stage fails.
 """
@@ -17,14 +17,10 @@ from typing import Any
 import torch
 
 from pipeline import layout
-from pipeline.chat import prompt_ids
 from pipeline.config import RunConfig
-from pipeline.drafter_model import Eagle3Drafter
-from pipeline.export import load_drafter, read_drafter_dir
-from pipeline.manifest import publish, read_listed, read_manifest
-from pipeline.progress import Progress
-from pipeline.records import decode_jsonl
-from pipeline.spec_decode import (
+from pipeline.data.conversations import prompt_ids
+from pipeline.data.jsonl import decode_jsonl
+from pipeline.decoding.reference_decoder import (
     DecodeResult,
     DraftTree,
     EagleProposer,
@@ -34,11 +30,15 @@ from pipeline.spec_decode import (
     speculative_decode,
     tree_speculative_decode,
 )
-from pipeline.speedup import Setting, StepCosts, candidate_settings, predicted_tau, rank_settings
+from pipeline.decoding.speedup import Setting, StepCosts, candidate_settings, predicted_tau, rank_settings
+from pipeline.drafter.export import load_drafter, read_drafter_dir
+from pipeline.drafter.model import Eagle3Drafter
+from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer
+from pipeline.manifest import publish, read_listed, read_manifest
+from pipeline.progress import Progress
 from pipeline.stages import StageResult
 from pipeline.stages.evaluate import local_drafter_dir
 from pipeline.storage import ObjectStore, open_store
-from pipeline.target import describe_target, load_frozen_tensors, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -314,7 +314,7 @@ def sglang_record(
     config: RunConfig, drafter_dirs: dict[str, Path], prompts: list[list[int]], evaluation: dict[str, Any]
 ) -> dict[str, Any]:
     """SGLang servers started one method at a time (production); the setting comes from the config."""
-    from pipeline.sglang_bench import run_methods
+    from pipeline.engines.sglang_bench import run_methods
 
     settings = config.benchmark.sglang
     if settings is None:

@@ -19,18 +19,18 @@ from typing import Any
 import torch
 
 from pipeline import layout
-from pipeline.capture_shard import CaptureSample, write_shard
-from pipeline.chat import capture_sequence
 from pipeline.config import RunConfig, default_aux_layer_ids
-from pipeline.contract import CaptureContract, build_contract, require_same_contract
+from pipeline.data.capture_contract import CaptureContract, build_contract, require_same_contract
+from pipeline.data.capture_shards import CaptureSample, write_shard
+from pipeline.data.conversations import capture_sequence
+from pipeline.data.jsonl import decode_jsonl, encode_jsonl
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest, engine_servers
 from pipeline.engines.hf import HFEngine
+from pipeline.engines.target import TargetInfo, describe_target, load_model, load_tokenizer
 from pipeline.manifest import listed_shard, manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
-from pipeline.records import decode_jsonl, encode_jsonl
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
-from pipeline.target import TargetInfo, describe_target, load_model, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +265,7 @@ def verify_engine(
     settings = config.capture.parity
     if settings.samples == 0:
         return {"skipped": "capture.parity.samples is 0"}
-    from pipeline.parity import ParityFailed, check_parity
+    from pipeline.engines.parity import ParityFailed, check_parity
 
     first = responses["shards"][0]["name"]
     records = decode_jsonl(read_listed(store, responses_prefix, responses, first))[: settings.samples]

@@ -11,16 +11,16 @@ import torch
 
 from pipeline import layout
 from pipeline.config import RunConfig
-from pipeline.contract import contract_differences, require_same_contract
-from pipeline.export import load_drafter, read_drafter_dir
+from pipeline.data.capture_contract import contract_differences, require_same_contract
+from pipeline.drafter.export import load_drafter, read_drafter_dir
+from pipeline.drafter.ttt import MetricCounts
+from pipeline.engines.target import describe_target, load_frozen_tensors
 from pipeline.manifest import publish, read_manifest
 from pipeline.progress import Progress
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectStore, open_store
-from pipeline.target import describe_target, load_frozen_tensors
-from pipeline.train_data import ShardCache, ShardRef, StreamingShards, collate, sequential_plan
-from pipeline.trainer import DraftObjective, choose_teacher
-from pipeline.ttt import MetricCounts
+from pipeline.training.stream import ShardCache, ShardRef, StreamingShards, collate, sequential_plan
+from pipeline.training.worker import DraftObjective, choose_teacher
 
 log = logging.getLogger(__name__)
 TREE_WIDTHS = (2, 4)  # draft-tree widths whose acceptance the evaluation also counts
@@ -87,7 +87,7 @@ def evaluate_incumbent(
 
 def local_drafter_dir(store: ObjectStore, train_prefix: str, workdir: Path) -> Path:
     """The trained drafter's files, fetched from the store and verified against the train manifest."""
-    from pipeline.export import DRAFTER_FILES
+    from pipeline.drafter.export import DRAFTER_FILES
     from pipeline.manifest import fetch_listed
 
     manifest = read_manifest(store, train_prefix, kind="train")

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import layout
-from pipeline.chat import prompt_ids, user_turn_count
 from pipeline.config import RunConfig
+from pipeline.data.conversations import prompt_ids, user_turn_count
+from pipeline.data.jsonl import decode_jsonl, encode_jsonl
 from pipeline.engines import EngineError, EngineUnavailable, GenerationEngine, SamplingParams, engine_servers
+from pipeline.engines.target import resolve_model_dir
 from pipeline.manifest import listed_shard, manifest_exists, publish, read_listed, read_manifest
 from pipeline.progress import Progress
-from pipeline.records import decode_jsonl, encode_jsonl
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
-from pipeline.target import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def run_shard(
     prefix = layout.responses_prefix(config.target.name, snapshot)
     marker = _finished_shard(store, prefix, shard_name)
     if marker is None:
-        from pipeline.target import load_tokenizer
+        from pipeline.engines.target import load_tokenizer
 
         progress = Progress(total=shard["samples"], desc=f"generate {shard_name}", unit="conv")
         records = decode_jsonl(read_listed(store, in_prefix, prompts, shard_name))
@@ -242,7 +242,7 @@ def run(config: RunConfig, prompts_uri: str, snapshot: str, store: ObjectStore |
     if manifest_exists(store, prefix):
         log.info("responses %s already published; reusing them", store.uri(prefix))
         return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="responses"))
-    from pipeline.target import load_tokenizer
+    from pipeline.engines.target import load_tokenizer
 
     tokenizer = load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code)
     engine = None

@@ -6,9 +6,10 @@ import json
 import logging
 from typing import Any
 
-from pipeline import layout, registry
+from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.manifest import code_version, publish, read_listed, read_manifest
+from pipeline.ops import registry
 from pipeline.stages import StageResult
 from pipeline.stages.evaluate import local_drafter_dir
 from pipeline.storage import ObjectStore, open_store

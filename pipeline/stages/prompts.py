@@ -15,15 +15,15 @@ from typing import Any, NamedTuple
 import orjson
 
 from pipeline import layout
-from pipeline.chat import BadRecord, normalize_conversation
 from pipeline.config import PromptsConfig, PromptSource, RunConfig, StorageConfig
-from pipeline.dedup import ExactDuplicateFilter, NearDuplicateFilter
+from pipeline.data.conversations import BadRecord, normalize_conversation
+from pipeline.data.dedup import ExactDuplicateFilter, NearDuplicateFilter
+from pipeline.data.jsonl import conversation_id, write_jsonl
+from pipeline.engines.target import load_tokenizer, resolve_model_dir
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.progress import Progress
-from pipeline.records import conversation_id, write_jsonl
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
-from pipeline.target import load_tokenizer, resolve_model_dir
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -225,7 +225,7 @@ def _iter_with_datasets(files: list[SourceFile], source: PromptSource) -> Iterat
 def iter_source(source: PromptSource, storage: StorageConfig) -> Iterator[SourceRecord]:
     """Records of one source, streamed (a file is never loaded whole, except a JSON array of kind json)."""
     if source.kind == "demo":
-        from pipeline.tiny_target import demo_conversations
+        from pipeline.engines.tiny_target import demo_conversations
 
         for index, record in enumerate(sorted(demo_conversations(), key=_hash_order)):
             yield SourceRecord(f"demo[{index}]", record)

@@ -2,7 +2,7 @@
 
 This side stays light: it checks the capture contract, fixes the draft vocabulary (counting assistant
 tokens with ranged reads, or reusing a warm start's mapping), writes the worker spec to the object store,
-starts the training nodes through a launcher (pipeline.train_nodes: torchrun agents running
+starts the training nodes through a launcher (pipeline.training.nodes: torchrun agents running
 `drafter train-worker` on this machine, or in the pods of a Kubernetes Job) and waits for them. Training
 never runs inside the calling process, so an Airflow worker only supervises it. This process is also
 the one that publishes: the drafter, metrics and result rank 0 wrote into the work directory.
@@ -18,17 +18,17 @@ from typing import Any
 
 from pipeline import layout
 from pipeline.config import RunConfig
-from pipeline.contract import build_contract, require_same_contract
-from pipeline.export import DRAFTER_FILES, read_drafter_dir
+from pipeline.data.capture_contract import build_contract, require_same_contract
+from pipeline.drafter.export import DRAFTER_FILES, read_drafter_dir
+from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
+from pipeline.engines.target import describe_target
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.stages import StageResult
 from pipeline.stages.capture import aux_layer_ids
 from pipeline.storage import ObjectStore, open_store
-from pipeline.target import describe_target
-from pipeline.train_data import ShardRef, assistant_token_counts
-from pipeline.train_nodes import TrainingFailed, node_launcher
-from pipeline.trainer import check_warm_start_contract
-from pipeline.vocab import build_mapping, mapping_from_d2t
+from pipeline.training.nodes import TrainingFailed, node_launcher
+from pipeline.training.stream import ShardRef, assistant_token_counts
+from pipeline.training.worker import check_warm_start_contract
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def resolve_init_dir(config: RunConfig, store: ObjectStore, workdir: Path) -> Pa
         return None
     source = config.train.init_from or ""
     if source.startswith("registry:"):
-        from pipeline.registry import pull
+        from pipeline.ops.registry import pull
 
         return pull(store, config.target.name, source[len("registry:") :], workdir / "init_drafter")
     path = Path(source)

@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from pipeline import layout
 from pipeline.config import ConfigError, load_config
-from pipeline.export import DrafterFormatError, read_drafter_dir
+from pipeline.drafter.export import DrafterFormatError, read_drafter_dir
 from pipeline.ids import InvalidIdError
-from pipeline.registry import RegistryError, promote, pull, verify_dir
+from pipeline.ops.registry import RegistryError, promote, pull, verify_dir
 from tests.conftest import REPO, storage_config, tiny_config_dict
 from tests.test_registry import SERVING, drafter_dir
 
@@ -203,7 +203,7 @@ def test_checksum_mismatch_on_pull_keeps_the_served_copy(store, tmp_path, record
 
 
 def _shard(tmp_path):
-    from pipeline.capture_shard import CaptureSample, write_shard
+    from pipeline.data.capture_shards import CaptureSample, write_shard
 
     sample = CaptureSample(
         "s0",
@@ -221,7 +221,7 @@ def _shard(tmp_path):
 
 def test_a_dataset_shard_that_does_not_match_its_manifest_is_refused(store, tmp_path, record):
     from pipeline.storage import StorageError
-    from pipeline.train_data import ShardCache, ShardRef
+    from pipeline.training.stream import ShardCache, ShardRef
 
     path = _shard(tmp_path)
     info = store.put_file("captures/t/s/train-00000.safetensors", path)
@@ -254,7 +254,7 @@ def test_a_dataset_shard_that_does_not_match_its_manifest_is_refused(store, tmp_
     ],
 )
 def test_files_that_are_not_capture_shards_are_refused(tmp_path, damage, message, what, record):
-    from pipeline.capture_shard import ShardFormatError, ShardReader
+    from pipeline.data.capture_shards import ShardFormatError, ShardReader
 
     path = _shard(tmp_path)
     path.write_bytes(damage(path.read_bytes()))

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
+from pipeline.data.jsonl import decode_jsonl
 from pipeline.manifest import read_listed, read_manifest
-from pipeline.records import decode_jsonl
 from pipeline.storage import open_store
 from tests.conftest import REPO, storage_config, tiny_config_dict
 
@@ -226,7 +226,7 @@ def test_sigkill_during_train_resumes_from_the_checkpoint(runs, record):
 
 
 def test_sigkill_during_promote_leaves_no_listed_orphan(runs, record):
-    from pipeline import registry
+    from pipeline.ops import registry
 
     for stage in ("evaluate", "gate", "benchmark"):
         _finish(runs["killed"], stage)

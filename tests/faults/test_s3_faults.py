@@ -9,10 +9,11 @@ from collections import Counter
 
 import pytest
 
-from pipeline import layout, registry
+from pipeline import layout
 from pipeline.config import StorageConfig
+from pipeline.data.jsonl import decode_jsonl
 from pipeline.manifest import read_listed, read_manifest
-from pipeline.records import decode_jsonl
+from pipeline.ops import registry
 from pipeline.storage import open_store
 from tests.conftest import storage_config, tiny_config_dict
 from tests.faults.conftest import proxied_storage
@@ -129,7 +130,7 @@ def test_stale_read_after_a_rewrite_is_read_again(s3_proxy, tmp_path, record):
 
 
 def test_stale_alias_read_cannot_lose_a_promotion(s3_proxy, tmp_path, record):
-    from pipeline.registry import AliasConflict
+    from pipeline.ops.registry import AliasConflict
 
     storage = proxied_storage(s3_proxy, tmp_path)
     stale_view = open_store(StorageConfig(**storage))

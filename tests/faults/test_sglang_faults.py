@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 
 from pipeline.config import load_config
+from pipeline.data.jsonl import decode_jsonl
+from pipeline.dev.sglang_standin import StandinBackend, serve
 from pipeline.engines import EngineUnavailable
 from pipeline.manifest import read_listed, read_manifest
-from pipeline.records import decode_jsonl
-from pipeline.sglang_standin import StandinBackend, serve
 from tests.conftest import storage_config, tiny_config_dict
 from tests.faults.proxy import FaultProxy, Rule
 

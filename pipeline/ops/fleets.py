@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 from pydantic import Field
 
 from pipeline.config import ConfigError, RunConfig, Strict
-from pipeline.kube_api import KubernetesApi, KubernetesApiError
+from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.config import ConfigError, Strict, resolve_project_path
-from pipeline.fleets import ServerFleet
+from pipeline.ops.fleets import ServerFleet
 from pipeline.stages import STAGES
 
 DEFAULT_DEPLOYMENT = "configs/deployment/local.yaml"
@@ -40,7 +40,7 @@ class Toleration(Strict):
 
 # Steps placed like stages that are not stages of a run themselves: `configure` reads the run config
 # (mounted in pods) once, so nothing downstream needs the file; `fleet` scales an SGLang fleet up
-# before its stage and down after it (pipeline.fleets).
+# before its stage and down after it (pipeline.ops.fleets).
 PLACED_STEPS = ("configure", "fleet", *STAGES)
 
 

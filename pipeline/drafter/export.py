@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pipeline.drafter_model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -24,7 +24,7 @@ from typing import Any
 
 from pipeline.config import SGLangBenchConfig, SGLangClientConfig
 from pipeline.engines import EngineError
-from pipeline.registry import sglang_flags
+from pipeline.ops.registry import sglang_flags
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ GET /server_info, GET /health. With --aux-layer-ids it behaves like a server sta
 --enable-return-aux-hidden-states; with --speculative-algorithm NGRAM or EAGLE3 it decodes with the
 reference speculative decoder and reports the spec_* meta_info fields.
 
-    python -m pipeline.sglang_standin --model-path DIR --port 30000 [--trust-remote-code]
+    python -m pipeline.dev.sglang_standin --model-path DIR --port 30000 [--trust-remote-code]
         [--aux-layer-ids 1 3 4]
         [--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 3 ...]
 """
@@ -29,7 +29,7 @@ import orjson
 import torch
 
 if TYPE_CHECKING:
-    from pipeline.drafter_model import Eagle3Drafter
+    from pipeline.drafter.model import Eagle3Drafter
 
 VERSION = "0.5.23-standin"
 
@@ -96,7 +96,7 @@ class StandinBackend:
         from pipeline.engines.hf import HFEngine
 
         if algorithm == "EAGLE3":  # refuse, before loading anything, a draft SGLang 0.5.23 would not serve
-            from pipeline.sglang_draft_checks import SpeculativeArgs, require_loadable_draft
+            from pipeline.engines.sglang_draft_checks import SpeculativeArgs, require_loadable_draft
 
             require_loadable_draft(
                 model_dir,
@@ -115,8 +115,8 @@ class StandinBackend:
         self.accept_lengths: list[float] = []
         self.drafter: Eagle3Drafter | None = None
         if algorithm == "EAGLE3":
-            from pipeline.export import load_drafter
-            from pipeline.target import load_frozen_tensors
+            from pipeline.drafter.export import load_drafter
+            from pipeline.engines.target import load_frozen_tensors
 
             assert draft_dir is not None  # require_loadable_draft refused a missing draft above
             self.drafter, contract = load_drafter(draft_dir, load_frozen_tensors(model_dir)["embed"].float())
@@ -146,7 +146,7 @@ class StandinBackend:
     def _decode(
         self, ids: list[int], max_new_tokens: int, ignore_eos: bool
     ) -> tuple[list[int], dict[str, Any]]:
-        from pipeline.spec_decode import (
+        from pipeline.decoding.reference_decoder import (
             EagleProposer,
             NgramProposer,
             TargetRunner,
@@ -355,7 +355,7 @@ def main() -> None:
         algorithm = None
         if args.aux_layer_ids is None:
             from pipeline.config import default_aux_layer_ids
-            from pipeline.target import text_config
+            from pipeline.engines.target import text_config
 
             args.aux_layer_ids = default_aux_layer_ids(
                 int(text_config(Path(args.model_path))["num_hidden_layers"])
@@ -363,7 +363,7 @@ def main() -> None:
     address = listen_address(args.host)
     if args.host != address:  # a manifest's --host 0.0.0.0
         print(f"stand-in: --host {args.host} asked; listening on {address} only", flush=True)
-    from pipeline.sglang_draft_checks import DraftModelRefused
+    from pipeline.engines.sglang_draft_checks import DraftModelRefused
 
     try:
         backend = StandinBackend(

@@ -2,8 +2,8 @@
 127.0.0.1, with a login from a file. It runs the `airflow` commands as separate processes (this module
 imports nothing from Airflow) and stops them by PID.
 
-    python -m pipeline.airflow_local up [--home .drafter/airflow] [--port 8080]
-    python -m pipeline.airflow_local down [--home ...]
+    python -m pipeline.dev.airflow_local up [--home .drafter/airflow] [--port 8080]
+    python -m pipeline.dev.airflow_local down [--home ...]
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def main() -> None:
         return
     up(home, args.port)
     print(f"Airflow UI: http://127.0.0.1:{args.port}  user: {USER}  password: in {login_file(home)}")
-    print(f"stop with: python -m pipeline.airflow_local down --home {home}")
+    print(f"stop with: python -m pipeline.dev.airflow_local down --home {home}")
 
 
 if __name__ == "__main__":

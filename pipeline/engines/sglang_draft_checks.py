@@ -3,7 +3,7 @@
 `draft_model_problems` reads the target's config.json, the draft's config.json (through transformers, as
 SGLang's get_config does) and the draft's safetensors header, and returns one message per reason SGLang
 0.5.23 would not serve that draft with that target and those launch flags. The stand-in server
-(pipeline.sglang_standin) refuses to start on any of them, so a drafter the real server would refuse is
+(pipeline.dev.sglang_standin) refuses to start on any of them, so a drafter the real server would refuse is
 refused in tests and rehearsals too.
 
 Each message says what is wrong, what SGLang does with it, and where SGLang does it (paths inside the
@@ -188,7 +188,7 @@ def require_loadable_draft(
 
 def read_target(target_dir: Path) -> TargetFacts:
     """The target facts a draft must agree with, from config.json (its text part for multimodal targets)."""
-    from pipeline.target import text_config
+    from pipeline.engines.target import text_config
 
     top = json.loads((target_dir / "config.json").read_text())
     text = text_config(target_dir)
@@ -561,8 +561,9 @@ def aux_layer_problems(
     """Whether the target captures the layers the draft's fc expects and was trained on.
 
     The target reads eagle_config (model_runner_components/spec_aux_hidden_state.py:185-196):
-    use_aux_hidden_state defaults to true, missing layer ids mean SGLang's default layers. Capture point p is
-    the input of layer p, i.e. the output of layer p - 1, which is the project's layer id (pipeline.contract).
+    use_aux_hidden_state defaults to true, missing layer ids mean SGLang's default layers. Capture
+    point p is the input of layer p, i.e. the output of layer p - 1, which is the project's layer id
+    (pipeline.data.capture_contract).
     """
     eagle = _eagle_config(config)
     if not eagle.get("use_aux_hidden_state", True):

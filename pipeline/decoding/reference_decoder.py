@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pipeline.drafter_model import DraftCache, Eagle3Drafter
+from pipeline.drafter.model import DraftCache, Eagle3Drafter
 
 if TYPE_CHECKING:
     from transformers import DynamicCache

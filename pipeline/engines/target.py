@@ -28,7 +28,7 @@ class TargetInfo:
 def resolve_model_dir(config: RunConfig) -> Path:
     """A local directory with the target's config, weights and tokenizer (building the tiny one if needed)."""
     if config.target.source == "tiny":
-        from pipeline.tiny_target import ensure_tiny_target
+        from pipeline.engines.tiny_target import ensure_tiny_target
 
         assert config.target.tiny is not None
         return ensure_tiny_target(config.target.tiny, config.storage.local_cache)

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from pipeline.capture_shard import CaptureSample, ShardReader
-from pipeline.vocab import count_assistant_tokens
+from pipeline.data.capture_shards import CaptureSample, ShardReader
+from pipeline.drafter.vocab import count_assistant_tokens
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def sequential_plan(shards: list[ShardRef], micro_batch: int) -> list[list[Sampl
 
 def assistant_token_counts(store, shards: list[ShardRef], vocab_size: int) -> torch.Tensor:
     """Token frequencies over assistant tokens, read with ranged requests (no hidden states fetched)."""
-    from pipeline.capture_shard import store_range_reader
+    from pipeline.data.capture_shards import store_range_reader
 
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for shard in shards:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import layout
-from pipeline.export import CONFIG_NAME, DRAFTER_FILES, WEIGHTS_NAME, read_drafter_dir
+from pipeline.drafter.export import CONFIG_NAME, DRAFTER_FILES, WEIGHTS_NAME, read_drafter_dir
 from pipeline.ids import validate_id
 from pipeline.manifest import MANIFEST_NAME, manifest_exists, now_iso, publish, read_manifest
 from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, sha256_file

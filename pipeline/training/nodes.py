@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import yaml
 
 from pipeline.config import StorageConfig, TrainConfig, resolve_project_path
-from pipeline.kube_api import KubernetesApi, KubernetesApiError, NotInCluster
+from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError, NotInCluster
 from pipeline.processes import start_process_group, stop_process_group
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The few Kubernetes API calls the pipeline makes from inside its own pods, as the pod's service
-account: the multi-node trainer's Job (pipeline.train_nodes) and the SGLang fleets' StatefulSet scale
-(pipeline.fleets). Plain HTTPS with the token and CA the kubelet mounts, so the pipeline image needs
+account: the multi-node trainer's Job (pipeline.training.nodes) and the SGLang fleets' StatefulSet scale
+(pipeline.ops.fleets). Plain HTTPS with the token and CA the kubelet mounts, so the pipeline image needs
 no Kubernetes client; the RBAC it needs is in infra/k8s/drafter-namespace.yaml."""
 
 from __future__ import annotations

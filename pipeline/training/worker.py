@@ -1,8 +1,8 @@
-"""The training worker: one process per rank, started by a node's torchrun agent (pipeline.train_nodes).
+"""The training worker: one process per rank, started by a node's torchrun agent (pipeline.training.nodes).
 
 The launcher side (pipeline.stages.train) checks the contract, fixes the draft vocabulary, writes a
 worker spec to the object store and starts the nodes; nothing here runs inside an Airflow worker.
-Each rank reads the spec and streams its shards from the object store (pipeline.train_data). Checkpoints,
+Each rank reads the spec and streams its shards from the object store (pipeline.training.stream). Checkpoints,
 metrics and the exported drafter go to the spec's work dir, which every node sees (one volume).
 """
 
@@ -20,14 +20,19 @@ import torch
 from torch import nn
 
 from pipeline.config import RunConfig, resolve_project_path
-from pipeline.contract import ContractMismatch
-from pipeline.drafter_model import DrafterArch, Eagle3Drafter
-from pipeline.export import export_drafter, read_drafter_dir
+from pipeline.data.capture_contract import ContractMismatch
+from pipeline.drafter.export import export_drafter, read_drafter_dir
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.ttt import (
+    MetricCounts,
+    teacher_from_last_hidden,
+    teacher_from_topk,
+    ttt_loss_and_counts,
+)
+from pipeline.drafter.vocab import mapping_from_used_ids
+from pipeline.engines.target import load_frozen_tensors, text_config
 from pipeline.progress import Progress
-from pipeline.target import load_frozen_tensors, text_config
-from pipeline.train_data import ShardCache, ShardRef, StreamingShards, collate, epoch_plan
-from pipeline.ttt import MetricCounts, teacher_from_last_hidden, teacher_from_topk, ttt_loss_and_counts
-from pipeline.vocab import mapping_from_used_ids
+from pipeline.training.stream import ShardCache, ShardRef, StreamingShards, collate, epoch_plan
 
 log = logging.getLogger(__name__)
 CHECKPOINTS_KEPT = 2

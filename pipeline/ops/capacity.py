@@ -54,7 +54,7 @@ def shard_bytes_per_token(
     by the real shard writer; the slope is the per-token cost (per-sample headers cancel out)."""
     import torch
 
-    from pipeline.capture_shard import CaptureSample, write_shard
+    from pipeline.data.capture_shards import CaptureSample, write_shard
 
     def size(tokens: int) -> int:
         generator = torch.Generator().manual_seed(tokens)
@@ -235,7 +235,7 @@ WEEK_HOURS = 7 * 24
 def _fleets(
     stages: dict[str, Any], servers: dict[str, int], gpus_per_server: int, assumptions: PlanAssumptions
 ) -> dict[str, Any]:
-    """The SGLang fleets exist only around their stage (pipeline.fleets): each is up for its stage's wall
+    """The SGLang fleets exist only around their stage (pipeline.ops.fleets): each is up for its stage's wall
     time plus the servers' load time. Kept up around the clock instead, they would hold their GPUs idle
     between runs: `idle_gpu_hours_per_week` is that cost, which scaling to 0 avoids."""
     load_hours = assumptions.server_load_minutes / 60

@@ -52,7 +52,7 @@ HELDOUT_EVERY = 10  # one module in ten, by name hash, is held out
 MAX_PROMPT_CHARS = 900
 MAX_RESPONSE_CHARS = 1500
 
-# The deepseek_v3 (Kimi-style) target. Its code files are copied from pipeline/tiny_kimi/.
+# The deepseek_v3 (Kimi-style) target. Its code files are copied from pipeline/engines/tiny_kimi/.
 KIMI_CODE_DIR = Path(__file__).resolve().parent / "tiny_kimi"
 KIMI_CONFIG_CODE = "configuration_tiny_kimi.py"
 KIMI_MODEL_CODE = "modeling_tiny_kimi.py"
@@ -356,7 +356,7 @@ def greedy_samples(
     """Greedy answers of the model to `count` prompts spread over the given turns."""
     import torch
 
-    from pipeline.spec_decode import TargetRunner, greedy_decode
+    from pipeline.decoding.reference_decoder import TargetRunner, greedy_decode
 
     model.eval()
     runner = TargetRunner(model, None)
@@ -377,7 +377,7 @@ def greedy_samples(
 def tiktoken_ranks(bpe) -> dict[bytes, int]:
     """tiktoken ranks of a trained byte-level BPE: the 256 bytes in byte order, then every merge's
     token in merge order, so that a lower rank is an earlier merge as tiktoken assumes."""
-    from pipeline.tiny_kimi.tokenization_tiny_kimi import byte_to_char
+    from pipeline.engines.tiny_kimi.tokenization_tiny_kimi import byte_to_char
 
     char_to_byte = {char: byte for byte, char in byte_to_char().items()}
     ranks = {bytes([byte]): byte for byte in range(256)}
@@ -397,7 +397,7 @@ def bpe_tiktoken_agreement(bpe, ranks: dict[bytes, int], texts: list[str]) -> di
     """
     import tiktoken
 
-    from pipeline.tiny_kimi.tokenization_tiny_kimi import PRETOKENIZE_PATTERN, byte_to_char
+    from pipeline.engines.tiny_kimi.tokenization_tiny_kimi import PRETOKENIZE_PATTERN, byte_to_char
 
     char_to_byte = {char: byte for byte, char in byte_to_char().items()}
     rank_of_id = {i: ranks[bytes(char_to_byte[c] for c in token)] for token, i in bpe.get_vocab().items()}
@@ -410,7 +410,7 @@ def bpe_tiktoken_agreement(bpe, ranks: dict[bytes, int], texts: list[str]) -> di
 
 
 def kimi_special_tokens(base_vocab: int) -> dict[int, str]:
-    from pipeline.tiny_kimi.tokenization_tiny_kimi import SPECIAL_TOKEN_SLOTS
+    from pipeline.engines.tiny_kimi.tokenization_tiny_kimi import SPECIAL_TOKEN_SLOTS
 
     return {base_vocab + slot % SPECIAL_TOKEN_SLOTS: name for slot, name in KIMI_SPECIAL_TOKENS.items()}
 
@@ -418,7 +418,7 @@ def kimi_special_tokens(base_vocab: int) -> dict[int, str]:
 def write_kimi_tokenizer(directory: Path, ranks: dict[bytes, int]) -> None:
     """tiktoken.model, the tokenizer code and tokenizer_config.json (auto_map, special tokens, chat
     template)."""
-    from pipeline.tiny_kimi.tokenization_tiny_kimi import write_ranks
+    from pipeline.engines.tiny_kimi.tokenization_tiny_kimi import write_ranks
 
     write_ranks(ranks, directory / "tiktoken.model")
     shutil.copyfile(KIMI_CODE_DIR / KIMI_TOKENIZER_CODE, directory / KIMI_TOKENIZER_CODE)
@@ -449,8 +449,8 @@ def write_kimi_tokenizer(directory: Path, ranks: dict[bytes, int]) -> None:
 
 def build_kimi_model(recipe: TinyTargetRecipe, tokenizer):
     """A TinyKimiForCausalLM (DeepSeek-V3 under its own model_type), its config naming the shipped code."""
-    from pipeline.tiny_kimi.configuration_tiny_kimi import TinyKimiConfig
-    from pipeline.tiny_kimi.modeling_tiny_kimi import TinyKimiForCausalLM
+    from pipeline.engines.tiny_kimi.configuration_tiny_kimi import TinyKimiConfig
+    from pipeline.engines.tiny_kimi.modeling_tiny_kimi import TinyKimiForCausalLM
 
     shape = recipe.deepseek_v3
     if shape is None:
@@ -502,7 +502,7 @@ def _prepare_kimi(directory: Path, recipe: TinyTargetRecipe, turns: list[CodeTur
     build trains on: the token stream, the chat rendering, the tokenizer agreement figures."""
     from transformers import AutoTokenizer
 
-    from pipeline.tiny_kimi.tokenization_tiny_kimi import SPECIAL_TOKEN_SLOTS
+    from pipeline.engines.tiny_kimi.tokenization_tiny_kimi import SPECIAL_TOKEN_SLOTS
 
     bpe = train_byte_bpe(turns, recipe.vocab_size - SPECIAL_TOKEN_SLOTS, [])
     ranks = tiktoken_ranks(bpe)

@@ -18,8 +18,9 @@ from typing import Any
 
 import yaml
 
-from pipeline import layout, registry
+from pipeline import layout
 from pipeline.manifest import manifest_exists, publish, read_listed, read_manifest
+from pipeline.ops import registry
 from pipeline.stages import StageResult
 from pipeline.storage import ObjectStore
 

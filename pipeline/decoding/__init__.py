@@ -1,0 +1,2 @@
+"""Decoding: the reference speculative decoder, and the speedup model that predicts tokens/s from
+acceptance."""
