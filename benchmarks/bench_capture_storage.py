@@ -13,7 +13,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from support import report, scratch_config
+from support import published, regenerated, report, stage
 
 
 def kimi_shape_bytes_per_token(
@@ -43,17 +43,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=200)
     args = parser.parse_args()
-    config = scratch_config([f"prompts.num_samples={args.samples}", "prompts.eval_fraction=0"])
-    from pipeline.stages import capture, generate, prompts
-    from pipeline.storage import open_store
-
-    store = open_store(config.storage)
-    responses = generate.run(config, prompts.run(config, "bench", store).uri, "bench", store)
-    default = capture.run(config, responses.uri, "bench-default", store).manifest
+    config, store, responses = regenerated(args.samples)
+    default = published(store, stage("capture", config, store, "bench-default", responses_uri=responses.uri))
     plain_config = config.model_copy(deep=True)
     plain_config.capture.encoding = "bf16"
     plain_config.capture.teacher = ["last_hidden"]
-    plain = capture.run(plain_config, responses.uri, "bench-bf16", store).manifest
+    plain = published(store, stage("capture", plain_config, store, "bench-bf16", responses_uri=responses.uri))
 
     def bytes_per_token(manifest):
         data = [o for o in manifest["objects"] if o["name"].endswith(".safetensors")]
@@ -63,6 +58,7 @@ def main() -> None:
     plain_layout = (3 + 1) * hidden * 2
     ours = bytes_per_token(default)
     kimi = kimi_shape_bytes_per_token(config.capture.encoding, config.capture.teacher_topk)
+    # byte counts of written files: exact, with no timing noise, so the ratios print without an interval
     report(
         samples=default["totals"]["samples"],
         tokens=default["totals"]["tokens"],

@@ -1,21 +1,21 @@
 """The SGLang generate client against the local stand-in server (which batches concurrent requests the
 way a real server does): requests per second at client concurrency 1 and 16, same prompts, one run.
 
-    python benchmarks/bench_generate_client.py [--requests 64] [--max-new-tokens 32]
+    python benchmarks/bench_generate_client.py [--requests 64] [--max-new-tokens 32] [--budget-s 90]
+        [--rel-width 0.1]
 
+The two concurrencies run interleaved, every request once each per round, until the 95% interval of
+speedup_c16_over_c1 is narrower than --rel-width or --budget-s runs out.
 Headline (last line): rps_c16.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
-
-from support import report, scratch_config
+from support import report, report_measurement, report_ratio, scratch_config, spread_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = spread_parser(budget_s=90.0)
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
@@ -27,6 +27,7 @@ def main() -> None:
     from pipeline.engines.sglang import SGLangEngine
     from pipeline.engines.target import load_tokenizer, resolve_model_dir
     from pipeline.engines.tiny_target import demo_conversations
+    from pipeline.spread import measure, timed
 
     model_dir = resolve_model_dir(config)
     tokenizer = load_tokenizer(model_dir, config.target.trust_remote_code)
@@ -37,24 +38,24 @@ def main() -> None:
     server = serve(StandinBackend(model_dir, None, trust_remote_code=config.target.trust_remote_code))
     url = f"http://127.0.0.1:{server.server_port}"
     params = SamplingParams(args.max_new_tokens, 0.0)
-    results = {}
     try:
-        for concurrency in (1, 16, 1, 16):  # interleaved, each measured twice; the better run counts
+        sides = {}
+        for concurrency in (1, 16):
             engine = SGLangEngine(SGLangClientConfig(urls=[url], concurrency=concurrency, retries=0))
-            engine.generate(prompts[:2], params)  # warm-up
-            started = time.perf_counter()
-            outputs = engine.generate(prompts, params)
-            rps = len(outputs) / (time.perf_counter() - started)
-            results[concurrency] = max(results.get(concurrency, 0.0), rps)
+            sides[f"c{concurrency}"] = timed(lambda engine=engine: engine.generate(prompts, params))
+        # a warm-up round (not counted), then rounds of both sides in alternating order
+        measurement = measure(sides, [("c1", "c16")], budget_s=args.budget_s, rel_width=args.rel_width)
     finally:
         server.shutdown()
     report(
         requests=len(prompts),
         max_new_tokens=args.max_new_tokens,
-        rps_c1=results[1],
-        speedup_c16_over_c1=results[16] / results[1],
-        rps_c16=results[16],
+        rps_c1=len(prompts) / measurement.geomean("c1"),
     )
+    report_measurement(measurement)
+    # same requests on both sides, so c16 requests/s over c1 requests/s = c1 seconds / c16 seconds
+    report_ratio("speedup_c16_over_c1", measurement.ratio("c1", "c16"))
+    report(rps_c16=len(prompts) / measurement.geomean("c16"))
 
 
 if __name__ == "__main__":

@@ -1,27 +1,29 @@
 """Training-data loader throughput from an S3 server (moto's, over HTTP on 127.0.0.1) against the rate
 at which the trainer consumes samples, on the same dataset, in one run.
 
-    python benchmarks/bench_loader.py [--samples 300]
+    python benchmarks/bench_loader.py [--samples 300] [--budget-s 90] [--rel-width 0.1]
 
-The loader starts from an empty cache: each shard is downloaded, sha256-verified, its samples read
-and fp8-decoded, and batches collated, with two shards prefetched. Consumption is a training step
-(forward, backward, AdamW step) on those batches.
-Headline (last line): loader_ratio = loader samples/s / trainer samples/s.
+The loader starts from an empty cache each time: each shard is downloaded, sha256-verified, its samples
+read and fp8-decoded, and batches collated, with two shards prefetched. Consumption is a training step
+(forward, backward, AdamW step) on those batches. The two sides run interleaved, one pass over the
+samples each per round, until the ratio's 95% interval is narrower than --rel-width or --budget-s runs
+out.
+Headline (last line): loader_ratio = loader samples/s / trainer samples/s, after its loader_ratio_ci_low=
+and loader_ratio_ci_high= lines.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
 from pathlib import Path
 
-from support import captured_dataset, report
+from support import captured_dataset, report, report_measurement, report_ratio, spread_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = spread_parser(budget_s=90.0)
     parser.add_argument("--samples", type=int, default=300)
     args = parser.parse_args()
     os.environ.update(
@@ -44,34 +46,44 @@ def main() -> None:
         )
         import torch
 
+        from pipeline.drafter.objective import DraftObjective, choose_teacher
         from pipeline.engines.target import describe_target, load_frozen_tensors
-        from pipeline.manifest import read_manifest
+        from pipeline.records import DrafterSource, read_dataset
+        from pipeline.spread import measure, timed
         from pipeline.stages.train import draft_vocabulary
         from pipeline.training.stream import ShardCache, ShardRef, StreamingShards, collate, epoch_plan
-        from pipeline.training.worker import DraftObjective, build_model, choose_teacher
+        from pipeline.training.worker import build_model
 
-        dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
-        shards = [ShardRef.from_manifest(entry) for entry in dataset["train_shards"]]
+        dataset = read_dataset(store, dataset_uri)
+        shards = [ShardRef.from_manifest(entry) for entry in dataset.train_shards]
         settings = config.train
         plan = epoch_plan(shards, settings.seed, 0, 0, 1, settings.micro_batch_size)
-        with tempfile.TemporaryDirectory() as cache_dir:
-            stream = StreamingShards(
-                shards,
-                ShardCache(store, Path(cache_dir), 1 << 34),
-                settings.max_length,
-                settings.prefetch_shards,
-            )
-            started = time.perf_counter()
-            batches = [collate(samples, torch.float32) for samples in stream.batches(plan)]
-            loader_s = time.perf_counter() - started
-            teacher = choose_teacher(settings.teacher, stream.teachers())
-            stream.close()
-        spec = {
-            "target_dir": str(describe_target(config).model_dir),
-            "contract": dataset["contract"],
-            "draft_vocab": draft_vocabulary(config, store, dataset, None),
-        }
-        frozen = load_frozen_tensors(Path(spec["target_dir"]))
+        loaded: list = []
+
+        def load() -> float:
+            """A side: seconds to stream and collate every batch of the plan, from an empty cache."""
+            with tempfile.TemporaryDirectory() as cache_dir:
+                stream = StreamingShards(
+                    shards,
+                    ShardCache(store, Path(cache_dir), 1 << 34),
+                    settings.max_length,
+                    settings.prefetch_shards,
+                )
+                started = time.perf_counter()
+                collated = [collate(samples, torch.float32) for samples in stream.batches(plan)]
+                seconds = time.perf_counter() - started
+                loaded[:] = [collated, choose_teacher(settings.teacher, stream.teachers())]
+                stream.close()
+            return seconds
+
+        load()  # the batches (and the teacher they carry) the trainer side consumes
+        batches, teacher = loaded
+        spec = DrafterSource(
+            target_dir=str(describe_target(config).model_dir),
+            contract=dataset.contract,
+            draft_vocab=draft_vocabulary(config, store, dataset, None),
+        )
+        frozen = load_frozen_tensors(Path(spec.target_dir))
         objective = DraftObjective(
             build_model(config, spec, frozen),
             frozen["lm_head"].float(),
@@ -81,13 +93,20 @@ def main() -> None:
             settings.attention_chunk,
         )
         optimizer = torch.optim.AdamW([p for p in objective.parameters() if p.requires_grad], lr=1e-4)
-        started = time.perf_counter()
-        for batch in batches:
-            loss, _ = objective(**batch)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        train_s = time.perf_counter() - started
+
+        def train() -> None:
+            for batch in batches:
+                loss, _ = objective(**batch)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+        measurement = measure(
+            {"loader": load, "trainer": timed(train)},
+            [("trainer", "loader")],
+            budget_s=args.budget_s,
+            rel_width=args.rel_width,
+        )
     finally:
         server.stop()
     samples = sum(len(b) for b in plan)
@@ -95,10 +114,12 @@ def main() -> None:
         samples=samples,
         shards=len(shards),
         shard_mb=round(sum(s.bytes for s in shards) / len(shards) / 2**20, 2),
-        loader_samples_per_s=samples / loader_s,
-        trainer_samples_per_s=samples / train_s,
-        loader_ratio=(samples / loader_s) / (samples / train_s),
+        loader_samples_per_s=samples / measurement.geomean("loader"),
+        trainer_samples_per_s=samples / measurement.geomean("trainer"),
     )
+    report_measurement(measurement)
+    # same samples on both sides, so loader samples/s over trainer samples/s = trainer s / loader s
+    report_ratio("loader_ratio", measurement.ratio("trainer", "loader"), headline=True)
 
 
 if __name__ == "__main__":

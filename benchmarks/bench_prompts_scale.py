@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from support import REPO, report, scratch_config
+from support import REPO, published, report, scratch_config
 
 
 def synthetic_corpus(path: Path, n: int, seed: int = 0) -> None:
@@ -67,11 +67,13 @@ def child(source: str, n: int) -> None:
         ]
     )
     from pipeline.engines.target import resolve_model_dir
-    from pipeline.stages import prompts
+    from pipeline.stages import run_stage
+    from pipeline.storage import open_store
 
     resolve_model_dir(config)  # the tokenizer's target, built outside the timed part if missing
     started = time.perf_counter()
-    manifest = prompts.run(config, "scale").manifest
+    store = open_store(config.storage)
+    manifest = published(store, run_stage("prompts", config, "scale", store))
     seconds = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_mb, "counts": manifest["counts"]}))

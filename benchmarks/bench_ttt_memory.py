@@ -32,16 +32,7 @@ def child(length: int, steps: int, hidden: int, dense: bool) -> None:
         drafter_model.ttt_attention = lambda q, keys, values, chunk: drafter_model.dense_ttt_attention(
             q, keys, values
         )
-    arch = DrafterArch(
-        hidden_size=hidden,
-        num_heads=4,
-        num_kv_heads=4,
-        head_dim=hidden // 4,
-        intermediate_size=3 * hidden,
-        vocab_size=2048,
-        draft_vocab_size=1024,
-        aux_layer_ids=[1, 3, 4],
-    )
+    arch = DrafterArch.uniform(hidden, 4, 3, (2048, 1024), [1, 3, 4])
     model = Eagle3Drafter(arch, torch.randn(2048, hidden))
     aux = torch.randn(1, length, 3 * hidden)
     ids = torch.randint(0, 2048, (1, length))
@@ -77,6 +68,7 @@ def main() -> None:
         return
     ours = {length: measure(length, args.steps, args.hidden, False) for length in (512, 2048)}
     dense = {length: measure(length, args.steps, args.hidden, True) for length in (512, 2048)}
+    # memory of one deterministic computation, not a timing: the ratios print without an interval
     report(
         ttt_steps=args.steps,
         hidden=args.hidden,

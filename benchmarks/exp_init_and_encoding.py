@@ -18,27 +18,24 @@ from __future__ import annotations
 import argparse
 import json
 
-from support import report, scratch_config
+from support import published, report, scratch_config, stage
 
 
 def captured(config, store, responses_uri: str, snapshot: str) -> str:
-    from pipeline.stages import capture
-
-    return capture.publish_dataset(
-        config, [capture.run(config, responses_uri, snapshot, store).uri], snapshot, store
-    ).uri
+    capture = stage("capture", config, store, snapshot, responses_uri=responses_uri)
+    return stage("dataset", config, store, snapshot, capture_uris=[capture.uri]).uri
 
 
 def trained(config, store, dataset_uri: str, run_id: str, evaluate_it: bool = True):
-    from pipeline.stages import evaluate, train
+    """(the train stage's manifest, the evaluation's summary or None)."""
+    result = stage("train", config, store, run_id, dataset_uri=dataset_uri)
+    evaluation = stage("evaluate", config, store, run_id, dataset_uri=dataset_uri) if evaluate_it else None
+    return published(store, result), published(store, evaluation)["summary"] if evaluation else None
 
-    result = train.run(config, dataset_uri, run_id, store)
-    summary = (
-        evaluate.run(config, result.uri, dataset_uri, run_id, store).manifest["summary"]
-        if evaluate_it
-        else None
-    )
-    return result, summary
+
+def regenerated(config, store, snapshot: str) -> str:
+    stage("prompts", config, store, snapshot)
+    return stage("generate", config, store, snapshot).uri
 
 
 def main() -> None:
@@ -60,7 +57,6 @@ def main() -> None:
         ]
     )
     from pipeline.engines.target import describe_target
-    from pipeline.stages import generate, prompts
     from pipeline.stages.evaluate import local_drafter_dir
     from pipeline.storage import open_store
 
@@ -69,11 +65,13 @@ def main() -> None:
         describe_target(config).identity["tokenizer_sha256"]
         == describe_target(other).identity["tokenizer_sha256"]
     )
-    other_responses = generate.run(other, prompts.run(other, "other", store).uri, "other", store).uri
+    other_responses = regenerated(other, store, "other")
     other_run, _ = trained(other, store, captured(other, store, other_responses, "other"), "other", False)
-    other_drafter = local_drafter_dir(store, store.key_for(other_run.uri), other.storage.run_workdir("other"))
+    other_drafter = local_drafter_dir(
+        store, store.key_for(other_run["uri"]), other.storage.run_workdir("other")
+    )
 
-    responses = generate.run(config, prompts.run(config, "mine", store).uri, "mine", store).uri
+    responses = regenerated(config, store, "mine")
     fp8_dataset = captured(config, store, responses, "mine-fp8")
     scratch, fp8_eval = trained(config, store, fp8_dataset, "scratch")
     warm_config = config.model_copy(deep=True)
@@ -90,7 +88,7 @@ def main() -> None:
     _, reseeded_eval = trained(reseeded, store, bf16_dataset, "bf16-seed1")
 
     def per_epoch(result, step):
-        return json.dumps([round(e["cond_acc"][step], 4) for e in result.manifest["history"]])
+        return json.dumps([round(e["cond_acc"][step], 4) for e in result["history"]])
 
     report(
         samples=args.samples,

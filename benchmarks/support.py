@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.spread import Measurement, RatioEstimate
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -40,6 +45,43 @@ def report(**values) -> None:
         print(f"{key}={round(value, 4) if isinstance(value, float) else value}", flush=True)
 
 
+def spread_parser(budget_s: float, rel_width: float = 0.1) -> argparse.ArgumentParser:
+    """A parser with --budget-s and --rel-width: when `pipeline.spread.measure` stops its interleaved
+    rounds. The script adds its own options."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=budget_s,
+        help="seconds after which the interleaved measurement stops, warm-up included; it still runs "
+        "its minimum of 5 rounds (default %(default)s)",
+    )
+    parser.add_argument(
+        "--rel-width",
+        type=float,
+        default=rel_width,
+        help="stop earlier once every 95%% interval is this narrow relative to its ratio "
+        "(default %(default)s)",
+    )
+    return parser
+
+
+def report_measurement(measurement: Measurement) -> None:
+    """How much the interleaved measurement saw: rounds after warm-up, and what stopped it.
+
+    The scripts print each side's seconds (or rate) as a geometric mean over the rounds: the quotient
+    of two such means is exactly the paired ratio that `report_ratio` prints."""
+    report(rounds=measurement.rounds, stopped_by=measurement.stopped_by)
+
+
+def report_ratio(name: str, estimate: RatioEstimate, headline: bool = False) -> None:
+    """A timed ratio with its 95% interval: name=, name_ci_low=, name_ci_high= (in that order)."""
+    lines = estimate.lines(name)
+    # a headline prints its interval first, so the last line is still the headline's name=value
+    for line in lines[1:] + lines[:1] if headline else lines:
+        print(line, flush=True)
+
+
 def captured_dataset(samples: int, overrides: list[str] | None = None):
     """(config, store, dataset uri) of a fresh captured dataset of the tiny target's own answers."""
     config = scratch_config(
@@ -50,13 +92,37 @@ def captured_dataset(samples: int, overrides: list[str] | None = None):
             *(overrides or []),
         ]
     )
-    from pipeline.stages import capture, generate, prompts
     from pipeline.storage import open_store
 
     store = open_store(config.storage)
-    responses = generate.run(config, prompts.run(config, "bench", store).uri, "bench", store)
-    captured = capture.run(config, responses.uri, "bench", store)
-    return config, store, capture.publish_dataset(config, [captured.uri], "bench", store).uri
+    for name in ("prompts", "generate", "capture"):
+        stage(name, config, store, "bench")
+    return config, store, stage("dataset", config, store, "bench").uri
+
+
+def regenerated(samples: int):
+    """(config, store, generate output): `samples` demo conversations, all in the training split, with
+    the tiny target's own answers, as the run "bench" of a scratch store."""
+    from pipeline.storage import open_store
+
+    config = scratch_config([f"prompts.num_samples={samples}", "prompts.eval_fraction=0"])
+    store = open_store(config.storage)
+    stage("prompts", config, store, "bench")
+    return config, store, stage("generate", config, store, "bench")
+
+
+def stage(name: str, config, store, run_id: str, **inputs):
+    """One stage of the stage table (pipeline.stages); inputs not given are the run's own artifacts."""
+    from pipeline.stages import run_stage
+
+    return run_stage(name, config, run_id, store, **inputs)
+
+
+def published(store, output) -> dict:
+    """The manifest a stage published (its output names where)."""
+    from pipeline.manifest import read_manifest
+
+    return read_manifest(store, store.key_for(output.uri))
 
 
 def single_process_group() -> None:

@@ -6,58 +6,47 @@ its stage ended). Every task calls a pipeline function; no pipeline logic lives 
 
 from __future__ import annotations
 
-import pendulum
-from airflow.sdk import Asset, Param, dag
-from drafter_support import DEPLOYMENT, pod_mount_paths, report_failure, stage_task, worker_task
+from airflow.sdk import Asset
+from drafter_support import (
+    DEPLOYMENT,
+    drafter_dag,
+    optional,
+    pod_mount_paths,
+    stage_task,
+    trigger_form,
+    worker_task,
+)
 
 DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
 
-@dag(
-    dag_id="drafter_data",
+@drafter_dag(
+    "drafter_data",
     schedule=None,
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
-    tags=["drafter"],
-    default_args={"on_failure_callback": report_failure},
-    params={
-        "config": Param(
-            DEPLOYMENT.run_config,
-            type="string",
-            minLength=1,
-            title="Run config",
-            description="Run config YAML in the task pods' image or config volume "
-            "(e.g. configs/kimi-k2.5.yaml or /etc/drafter/kimi-k2.5.yaml)",
+    params=trigger_form(
+        "Run config YAML in the task pods' image or config volume "
+        "(e.g. configs/kimi-k2.5.yaml or /etc/drafter/kimi-k2.5.yaml)",
+        "generate.max_new_tokens=512",
+        num_samples=optional(
+            "integer", "Conversations", "How many conversations to keep (empty: the config's)", minimum=1
         ),
-        "num_samples": Param(
-            None,
-            type=["null", "integer"],
+        shard_size=optional(
+            "integer",
+            "Conversations per shard",
+            "Shard size; each shard is one generate and one capture task",
             minimum=1,
-            title="Conversations",
-            description="How many conversations to keep (empty: the config's)",
         ),
-        "shard_size": Param(
-            None,
-            type=["null", "integer"],
-            minimum=1,
-            title="Conversations per shard",
-            description="Shard size; each shard is one generate and one capture task",
-        ),
-        "num_shards": Param(
-            None,
-            type=["null", "integer"],
+        num_shards=optional(
+            "integer",
+            "Shards",
+            "Split the conversations into about this many shards (held-out ones get their own)",
             minimum=1,
             maximum=10000,
-            title="Shards",
-            description="Split the conversations into about this many shards (held-out ones get their own)",
         ),
-        "sources": Param(
-            None,
-            type=["null", "array"],
-            title="Prompt sources",
-            description='[{"kind": "jsonl", "path": "s3://bucket/prompts.jsonl", "weight": 1}] '
-            "(empty: the config's)",
+        sources=optional(
+            "array",
+            "Prompt sources",
+            '[{"kind": "jsonl", "path": "s3://bucket/prompts.jsonl", "weight": 1}] (empty: the config\'s)',
             items={
                 "type": "object",
                 "required": ["kind"],
@@ -68,14 +57,7 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
                 },
             },
         ),
-        "overrides": Param(
-            None,
-            type=["null", "array"],
-            items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
-            title="Config overrides",
-            description="Dotted overrides, e.g. generate.max_new_tokens=512",
-        ),
-    },
+    ),
 )
 def drafter_data():
     @worker_task()
@@ -146,7 +128,7 @@ def drafter_data():
     def publish_dataset(run: dict, captured: dict, outlet_events=None) -> dict:
         from pipeline.tasks import run_stage
 
-        dataset = run_stage("dataset", run["config"], run["run_id"], capture_uri=captured["uri"])
+        dataset = run_stage("dataset", run["config"], run["run_id"], capture_uris=[captured["uri"]])
         outlet_events[DATASET_ASSET].extra = {"dataset_uri": dataset["uri"], **run["source"]}
         return dataset
 

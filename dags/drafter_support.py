@@ -8,12 +8,53 @@ import functools
 import logging
 import os
 
-from airflow.sdk import BaseOperatorLink, task
+import pendulum
+from airflow.sdk import BaseOperatorLink, Param, dag, task
 
 from pipeline.ops.deployment import load_deployment
 
 DEPLOYMENT = load_deployment()
 log = logging.getLogger("drafter.dags")
+
+
+def drafter_dag(dag_id: str, schedule, params: dict[str, Param]):
+    """The @dag decorator both drafter DAGs share: one run at a time, no catch-up, failures reported."""
+    return dag(
+        dag_id=dag_id,
+        schedule=schedule,
+        start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+        catchup=False,
+        max_active_runs=1,
+        tags=["drafter"],
+        default_args={"on_failure_callback": report_failure},
+        params=params,
+    )
+
+
+def trigger_form(config_description: str, override_example: str, **fields: Param) -> dict[str, Param]:
+    """A DAG's trigger form: the run config (the deployment's by default), the DAG's own fields, and
+    dotted config overrides."""
+    return {
+        "config": Param(
+            DEPLOYMENT.run_config,
+            type="string",
+            minLength=1,
+            title="Run config",
+            description=config_description,
+        ),
+        **fields,
+        "overrides": optional(
+            "array",
+            "Config overrides",
+            f"Dotted overrides, e.g. {override_example}",
+            items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
+        ),
+    }
+
+
+def optional(kind: str, title: str, description: str, **schema) -> Param:
+    """A trigger-form field that may stay empty (the UI form does not require it)."""
+    return Param(None, type=["null", kind], title=title, description=description, **schema)
 
 
 def report_failure(context) -> None:

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import logging
 
-import pendulum
-from airflow.sdk import Asset, Param, dag
+from airflow.sdk import Asset, Param
 from drafter_support import (
     DEPLOYMENT,
     configured,
+    drafter_dag,
+    optional,
     pod_mount_paths,
-    report_failure,
     retrain_schedule,
     show_report,
     stage_task,
+    trigger_form,
     with_report_link,
     worker_task,
 )
@@ -28,73 +29,41 @@ from drafter_support import (
 DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
 
-@dag(
-    dag_id="drafter_train",
+@drafter_dag(
+    "drafter_train",
     schedule=retrain_schedule(DATASET_ASSET),
-    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
-    catchup=False,
-    max_active_runs=1,
-    tags=["drafter"],
-    default_args={"on_failure_callback": report_failure},
-    params={
-        "config": Param(
-            DEPLOYMENT.run_config,
-            type="string",
-            minLength=1,
-            title="Run config",
-            description="Run config YAML in the task pods' image or config volume; scheduled "
-            "runs use this default (the deployment config's run_config)",
+    params=trigger_form(
+        "Run config YAML in the task pods' image or config volume; scheduled "
+        "runs use this default (the deployment config's run_config)",
+        "train.learning_rate=1e-4",
+        dataset_uri=optional(
+            "string", "Dataset URI", "Empty: the triggering dataset, else the newest one of the target"
         ),
-        "dataset_uri": Param(
-            None,
-            type=["null", "string"],
-            title="Dataset URI",
-            description="Empty: the triggering dataset, else the newest one of the target",
-        ),
-        "epochs": Param(
-            None,
-            type=["null", "integer"],
-            minimum=1,
-            maximum=100,
-            title="Epochs",
-            description="Training epochs (empty: the config's)",
-        ),
-        "init": Param(
+        epochs=optional("integer", "Epochs", "Training epochs (empty: the config's)", minimum=1, maximum=100),
+        init=Param(
             "scratch",
             type="string",
             enum=["scratch", "warm"],
             title="Initialization",
             description="Train from scratch, or warm-start from an existing drafter",
         ),
-        "init_from": Param(
-            None,
-            type=["null", "string"],
-            title="Warm start from",
-            description="A drafter directory or registry:<alias> (only with warm start)",
+        init_from=optional(
+            "string", "Warm start from", "A drafter directory or registry:<alias> (only with warm start)"
         ),
-        "min_cond_acc_0": Param(
-            None,
-            type=["null", "number"],
+        min_cond_acc_0=optional(
+            "number",
+            "Gate: min cond_acc_0",
+            "Override the gate's minimum first-step acceptance",
             minimum=0,
             maximum=1,
-            title="Gate: min cond_acc_0",
-            description="Override the gate's minimum first-step acceptance",
         ),
-        "min_tau_simulated": Param(
-            None,
-            type=["null", "number"],
+        min_tau_simulated=optional(
+            "number",
+            "Gate: min acceptance length",
+            "Override the gate's minimum simulated acceptance length",
             minimum=1,
-            title="Gate: min acceptance length",
-            description="Override the gate's minimum simulated acceptance length",
         ),
-        "overrides": Param(
-            None,
-            type=["null", "array"],
-            items={"type": "string", "pattern": "^[A-Za-z0-9_.]+=.*$"},
-            title="Config overrides",
-            description="Dotted overrides, e.g. train.learning_rate=1e-4",
-        ),
-    },
+    ),
 )
 def drafter_train():
     @worker_task()
@@ -141,28 +110,15 @@ def drafter_train():
     def benchmark(run: dict, trained: dict, evaluation: dict, gated: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage(
-            "benchmark",
-            run["config"],
-            run["run_id"],
-            train_uri=trained["uri"],
-            eval_uri=evaluation["uri"],
-            prompts_uri=run["prompts_uri"],
-        )
+        inputs = {"train_uri": trained["uri"], "eval_uri": evaluation["uri"]}
+        return run_stage("benchmark", run["config"], run["run_id"], prompts_uri=run["prompts_uri"], **inputs)
 
     @stage_task("promote")
     def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage(
-            "promote",
-            run["config"],
-            run["run_id"],
-            train_uri=trained["uri"],
-            eval_uri=evaluation["uri"],
-            gate_uri=gated["uri"],
-            bench_uri=bench["uri"],
-        )
+        inputs = {"train_uri": trained["uri"], "eval_uri": evaluation["uri"], "gate_uri": gated["uri"]}
+        return run_stage("promote", run["config"], run["run_id"], bench_uri=bench["uri"], **inputs)
 
     @worker_task("report")
     def report(run: dict | None, ti=None) -> dict:

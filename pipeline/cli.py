@@ -16,6 +16,7 @@ import os
 import sys
 
 from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE
+from pipeline.stages import TABLE
 
 
 def quiet_libraries() -> None:
@@ -54,32 +55,25 @@ def _common(parser: argparse.ArgumentParser, run_id: bool = True) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=2")
 
 
+def _input_option(parser: argparse.ArgumentParser, name: str) -> None:
+    """`--dataset URI` for the input `dataset_uri`; `--captures URI [URI ...]` for `capture_uris`."""
+    stem, suffix = name.rsplit("_", 1)
+    if suffix == "uris":
+        parser.add_argument(f"--{stem}s", dest=name, nargs="+", metavar="URI", help="default: this run's")
+    else:
+        parser.add_argument(f"--{stem}", dest=name, metavar="URI", help="default: this run's")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drafter", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
     _common(sub.add_parser("run", help="run every stage for a config and print a summary table"))
-    _common(sub.add_parser("prompts", help="prompt sources -> normalized conversation shards"))
-    p = sub.add_parser("generate", help="regenerate responses with the target")
-    _common(p)
-    p.add_argument("--prompts", help="prompts snapshot URI (default: this run's)")
-    p = sub.add_parser("parity", help="compare the capture engine with a reference forward on a few samples")
-    _common(p)
-    p.add_argument("--responses", help="responses URI (default: this run's)")
-    p = sub.add_parser("capture", help="capture hidden states; also publishes the dataset snapshot")
-    _common(p)
-    p.add_argument("--responses", help="responses URI (default: this run's)")
-    p = sub.add_parser("train", help="train a drafter on a dataset snapshot (launches the process group)")
-    _common(p)
-    p.add_argument("--dataset", help="dataset URI (default: this run's)")
-    p = sub.add_parser("evaluate", help="evaluate the run's drafter on held-out captures")
-    _common(p)
-    p.add_argument("--dataset", help="dataset URI (default: this run's)")
-    _common(sub.add_parser("gate", help="apply the config's thresholds to the evaluation"))
-    p = sub.add_parser("benchmark", help="measure baseline, n-gram, incumbent and candidate speed")
-    _common(p)
-    p.add_argument("--prompts", help="prompts snapshot URI (default: this run's)")
-    _common(sub.add_parser("promote", help="publish the run's drafter to the registry"))
+    for entry in TABLE:
+        p = sub.add_parser(entry.name, help=entry.help)
+        _common(p)
+        for name in entry.reads:
+            _input_option(p, name)
     p = sub.add_parser("pull", help="download a drafter version, verified, into a directory")
     _common(p, run_id=False)
     p.add_argument("--target", help="target name (default: the config's)")
@@ -96,9 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, run_id=False)
     p = sub.add_parser("verify", help="verify a drafter directory against its manifest.json")
     p.add_argument("directory")
-    _common(
-        sub.add_parser("report", help="render runs/<run_id>/report/: plots and a self-contained report.html")
-    )
     p = sub.add_parser("status", help="the registry's aliases and recent runs with their gate/bench outcomes")
     _common(p, run_id=False)
     p.add_argument("--limit", type=int, default=10, help="how many recent runs to show")
@@ -166,11 +157,11 @@ def dispatch(args) -> int:
 
         summary, location = run_all(config, args.run_id or new_run_id(), store)
         print(format_table(summary))
-        if summary.get("failure"):
-            logging.getLogger("drafter").error("%s", summary["failure"])
-        print(f"report={summary['report']}")
+        if summary.failure:
+            logging.getLogger("drafter").error("%s", summary.failure)
+        print(f"report={summary.report}")
         print(f"summary={location}")
-        return {"gate failed": EXIT_GATE, "promotion refused": EXIT_FAILED}.get(summary["outcome"], 0)
+        return {"gate failed": EXIT_GATE, "promotion refused": EXIT_FAILED}.get(summary.outcome, 0)
     if args.command == "pull":
         dest = registry.pull(store, target, args.alias, args.dest)
         manifest = json.loads((dest / "manifest.json").read_text())
@@ -188,15 +179,6 @@ def dispatch(args) -> int:
         from pipeline.ops.report import status_table
 
         print(status_table(store, target, args.limit))
-        return 0
-    if args.command == "report":
-        from pipeline.ops.report import render
-
-        result = render(store, _require_run_id(args), target)
-        print(
-            f"report: {result.manifest['link']} ({result.manifest['outcome']}; plots: "
-            f"{', '.join(result.manifest['plots']) or 'none'})"
-        )
         return 0
     if args.command == "list":
         aliases = {
@@ -227,14 +209,9 @@ def _stage(args, config) -> int:
     from pipeline.tasks import run_stage
 
     run_id = _require_run_id(args)
-    uris = {
-        "prompts_uri": getattr(args, "prompts", None),
-        "responses_uri": getattr(args, "responses", None),
-        "dataset_uri": getattr(args, "dataset", None),
-    }
-    print(json.dumps(run_stage(args.command, config, run_id, **uris)))
-    if args.command == "capture":
-        print(json.dumps(run_stage("dataset", config, run_id)))
+    entry = next(entry for entry in TABLE if entry.name == args.command)
+    inputs = {name: getattr(args, name) for name in entry.reads}
+    print(json.dumps(run_stage(args.command, config, run_id, **inputs)))
     return 0
 
 

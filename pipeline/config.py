@@ -8,10 +8,18 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.ids import validate_id
 
@@ -29,9 +37,8 @@ class StorageConfig(Strict):
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, ...)")
     region: str | None = None
     multipart_threshold_mb: int = Field(64, ge=5)
-    max_attempts: int = Field(
+    max_attempts: PositiveInt = Field(
         8,
-        ge=1,
         description="S3 requests: attempts on throttling (503 SlowDown), 5xx, "
         "dropped connections and stale or torn reads",
     )
@@ -52,16 +59,16 @@ class StorageConfig(Strict):
 class TinyDeepseekV3Shape(Strict):
     """MLA and MoE sizes of a DeepSeek-V3-architecture tiny target (Kimi-K2.5's text backbone)."""
 
-    q_lora_rank: int = Field(32, ge=1, description="MLA: rank of the compressed query")
-    kv_lora_rank: int = Field(16, ge=1, description="MLA: rank of the compressed key/value")
-    qk_nope_head_dim: int = Field(
-        8, ge=1, description="MLA: per-head query/key dims without rotary embedding"
+    q_lora_rank: PositiveInt = Field(32, description="MLA: rank of the compressed query")
+    kv_lora_rank: PositiveInt = Field(16, description="MLA: rank of the compressed key/value")
+    qk_nope_head_dim: PositiveInt = Field(
+        8, description="MLA: per-head query/key dims without rotary embedding"
     )
     qk_rope_head_dim: int = Field(8, ge=2, multiple_of=2, description="MLA: per-head rotary dims")
-    v_head_dim: int = Field(16, ge=1)
+    v_head_dim: PositiveInt = 16
     n_routed_experts: int = Field(4, ge=2)
-    n_shared_experts: int = Field(1, ge=1)
-    num_experts_per_tok: int = Field(2, ge=1, description="routed experts per token")
+    n_shared_experts: PositiveInt = 1
+    num_experts_per_tok: PositiveInt = Field(2, description="routed experts per token")
     moe_intermediate_size: int = Field(64, ge=8, description="MLP width of each expert")
     first_k_dense_replace: int = Field(
         1, ge=0, description="leading layers with a dense MLP instead of experts"
@@ -87,12 +94,12 @@ class TinyTargetRecipe(Strict):
     )
     num_layers: int = Field(8, ge=2)
     hidden_size: int = Field(128, ge=16)
-    num_heads: int = Field(4, ge=1)
+    num_heads: PositiveInt = 4
     intermediate_size: int = Field(384, ge=16, description="MLP width (deepseek_v3: of the dense layers)")
     vocab_size: int = Field(2048, ge=300)
     seq_len: int = Field(192, ge=32)
-    batch_size: int = Field(32, ge=1)
-    train_steps: int = Field(1200, ge=1)
+    batch_size: PositiveInt = 32
+    train_steps: PositiveInt = 1200
     learning_rate: float = 3e-3
     seed: int = 0
     max_corpus_modules: int | None = Field(None, description="cap for quick test builds")
@@ -126,7 +133,7 @@ class TargetConfig(Strict):
     num_layers: int | None = Field(None, description="expected; checked against the model config")
     hidden_size: int | None = None
     vocab_size: int | None = None
-    tensor_parallel: int = Field(1, ge=1)
+    tensor_parallel: PositiveInt = 1
 
     @field_validator("name")
     @classmethod
@@ -164,11 +171,11 @@ class PromptSource(Strict):
 
 class PromptsConfig(Strict):
     sources: list[PromptSource] = Field(default_factory=lambda: [PromptSource()])
-    num_samples: int = Field(600, ge=1, description="conversations kept after filtering")
+    num_samples: PositiveInt = Field(600, description="conversations kept after filtering")
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    shard_size: int = Field(256, ge=1, description="conversations per shard")
-    min_prompt_tokens: int = Field(4, ge=1)
-    max_prompt_tokens: int = Field(256, ge=1)
+    shard_size: PositiveInt = Field(256, description="conversations per shard")
+    min_prompt_tokens: PositiveInt = 4
+    max_prompt_tokens: PositiveInt = 256
     near_dedup: bool = Field(
         True,
         description="drop prompts whose text nearly duplicates an earlier one "
@@ -193,17 +200,17 @@ class SGLangClientConfig(Strict):
     last_hidden_urls: list[str] | None = Field(
         None, description="capture only: servers returning the last hidden state"
     )
-    concurrency: int = Field(8, ge=1)
+    concurrency: PositiveInt = 8
     timeout_s: float = Field(600.0, gt=0)
     retries: int = Field(3, ge=0)
 
 
 class GenerateConfig(Strict):
     engine: Literal["hf", "sglang"] = "hf"
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: PositiveInt = 128
     temperature: float = Field(0.0, ge=0.0)
-    batch_size: int = Field(32, ge=1)
-    checkpoint_every: int = Field(128, ge=1, description="conversations per resumable part of a shard")
+    batch_size: PositiveInt = 32
+    checkpoint_every: PositiveInt = Field(128, description="conversations per resumable part of a shard")
     teacher_topk: int | None = Field(
         None,
         ge=1,
@@ -249,7 +256,7 @@ class CaptureConfig(Strict):
     )
     teacher_topk: int = Field(16, ge=1, le=128)
     max_length: int = Field(2048, ge=8)
-    batch_size: int = Field(8, ge=1)
+    batch_size: PositiveInt = 8
     parity: ParityConfig = Field(default_factory=lambda: ParityConfig())
     sglang: SGLangClientConfig | None = None
 
@@ -288,7 +295,7 @@ class DrafterConfig(Strict):
 
 class PlateauConfig(Strict):
     enabled: bool = True
-    window_epochs: int = Field(2, ge=1)
+    window_epochs: PositiveInt = 2
     min_gain: float = Field(0.01, ge=0.0, description="cond_acc_0 gain needed over the window")
 
 
@@ -302,22 +309,21 @@ _SSH_LAUNCHER_GONE = (
 
 
 class TrainConfig(Strict):
-    epochs: int = Field(4, ge=1)
-    micro_batch_size: int = Field(8, ge=1)
+    epochs: PositiveInt = 4
+    micro_batch_size: PositiveInt = 8
     max_length: int = Field(2048, ge=8)
     learning_rate: float = Field(1e-3, gt=0)
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(0.5, gt=0)
-    ttt_steps: int = Field(7, ge=1)
+    ttt_steps: PositiveInt = 7
     loss_decay: float = Field(0.8, gt=0, le=1)
-    attention_chunk: int = Field(512, ge=1, description="query chunk of the TTT attention")
+    attention_chunk: PositiveInt = Field(512, description="query chunk of the TTT attention")
     cache_gb: float = Field(50.0, gt=0, description="local shard cache budget per rank (LRU)")
     prefetch_shards: int = Field(2, ge=0, description="shards fetched ahead of the one being trained on")
-    nproc: int = Field(2, ge=1, description="ranks per node: GPUs per node, or CPU processes without GPUs")
-    nodes: int = Field(
+    nproc: PositiveInt = Field(2, description="ranks per node: GPUs per node, or CPU processes without GPUs")
+    nodes: PositiveInt = Field(
         1,
-        ge=1,
         description="training nodes, one torchrun agent each, all running the same "
         "command and meeting at the c10d rendezvous (rendezvous_endpoint:"
         "rendezvous_port); one node started here runs `--standalone`",
@@ -337,9 +343,8 @@ class TrainConfig(Strict):
     rendezvous_port: int = Field(
         29400, ge=1, le=65535, description="port of the rendezvous store on the endpoint"
     )
-    rendezvous_timeout_s: int = Field(
+    rendezvous_timeout_s: PositiveInt = Field(
         900,
-        ge=1,
         description="how long a node waits for all nodes to join; pods "
         "on freshly scaled GPU nodes start minutes apart",
     )
@@ -354,7 +359,7 @@ class TrainConfig(Strict):
     )
     checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint at epoch ends only")
     seed: int = 0
-    log_every: int = Field(20, ge=1)
+    log_every: PositiveInt = 20
     init: Literal["scratch", "warm"] = "scratch"
     init_from: str | None = None
     plateau: PlateauConfig = Field(default_factory=PlateauConfig)
@@ -387,8 +392,8 @@ class TrainConfig(Strict):
 
 
 class EvaluateConfig(Strict):
-    ttt_steps: int | None = Field(None, ge=1, description="default: train.ttt_steps")
-    micro_batch_size: int = Field(8, ge=1)
+    ttt_steps: PositiveInt | None = Field(None, description="default: train.ttt_steps")
+    micro_batch_size: PositiveInt = 8
 
 
 class GateConfig(Strict):
@@ -406,9 +411,10 @@ class SGLangBenchConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=1, le=65535)
     startup_timeout_s: float = Field(1800.0, gt=0)
-    concurrency: int = Field(8, ge=1, description="requests in flight")
-    steps: int = Field(3, ge=1, description="--speculative-num-steps for EAGLE3")
-    topk: int = Field(1, ge=1, description="--speculative-eagle-topk")
+    concurrency: PositiveInt = Field(8, description="requests in flight")
+    rounds: int = Field(4, ge=2, description="batches the prompts are sent in, one tokens/s sample each")
+    steps: PositiveInt = Field(3, description="--speculative-num-steps for EAGLE3")
+    topk: PositiveInt = Field(1, description="--speculative-eagle-topk")
     draft_tokens: int = Field(4, ge=2, description="--speculative-num-draft-tokens")
     ngram_draft_tokens: int = Field(4, ge=2)
     ngram_args: list[str] = Field(
@@ -435,20 +441,27 @@ class SGLangBenchConfig(Strict):
 
 class BenchmarkConfig(Strict):
     engine: Literal["local", "sglang"] = "local"
-    num_prompts: int = Field(16, ge=1)
-    max_new_tokens: int = Field(96, ge=1)
-    draft_steps: int = Field(
-        4, ge=1, description="n-gram draft length, and the chain when auto_select is off"
+    num_prompts: PositiveInt = 16
+    max_new_tokens: PositiveInt = 96
+    draft_steps: PositiveInt = Field(
+        4, description="n-gram draft length, and the chain when auto_select is off"
     )
     auto_select: bool = Field(True, description="pick steps/topk/draft tokens with the speedup model")
-    max_draft_steps: int = Field(6, ge=1)
+    max_draft_steps: PositiveInt = 6
     tree_widths: list[int] = Field(default_factory=lambda: [1, 2, 4], description="topk values considered")
     max_draft_tokens: int = Field(16, ge=2)
-    calibration_candidates: int = Field(3, ge=1, description="best predicted settings timed before choosing")
-    calibration_prompts: int = Field(4, ge=1)
-    ngram_max_match: int = Field(4, ge=1)
-    ngram_min_match: int = Field(1, ge=1)
-    repeats: int = Field(1, ge=1)
+    calibration_candidates: PositiveInt = Field(
+        3, description="best predicted settings timed before choosing"
+    )
+    calibration_prompts: PositiveInt = 4
+    ngram_max_match: PositiveInt = 4
+    ngram_min_match: PositiveInt = 1
+    repeats: PositiveInt = Field(1, description="passes over the prompts at least (all methods interleaved)")
+    ci_rel_width: float = Field(
+        0.1, gt=0, description="more passes until every speedup's interval is this narrow (relative)..."
+    )
+    budget_s: float = Field(120.0, gt=0, description="...or until this many seconds of timed decoding")
+    confidence: float = Field(0.95, gt=0, lt=1, description="of the speedup intervals")
     min_speedup_vs_baseline: float = Field(1.0, ge=0)
     min_speedup_vs_ngram: float = Field(0.0, ge=0)
     min_speedup_vs_incumbent: float = Field(1.0, ge=0)
@@ -473,42 +486,39 @@ class RegistryConfig(Strict):
         return validate_id(alias, "registry.alias")
 
 
+# what `drafter plan` assumes: most figures are positive; prices and load times may be zero
+Positive = Annotated[float, Field(gt=0)]
+NonNegative = Annotated[float, Field(ge=0)]
+
+
 class PlanAssumptions(Strict):
     """What `drafter plan` assumes where no pilot run measured it (replace with measured figures)."""
 
-    prompt_tokens_mean: float = Field(
-        600, gt=0, description="prompt tokens per conversation (all user turns)"
-    )
-    response_tokens_mean: float = Field(900, gt=0, description="assistant tokens per conversation")
-    assistant_turns: float = Field(
+    prompt_tokens_mean: Positive = Field(600, description="prompt tokens per conversation (all user turns)")
+    response_tokens_mean: Positive = Field(900, description="assistant tokens per conversation")
+    assistant_turns: Positive = Field(
         1.5,
-        gt=0,
         description="assistant turns per conversation (caps responses at generate.max_new_tokens per turn)",
     )
-    generate_tok_s_per_server: float = Field(
-        1500, gt=0, description="output tok/s of one generation server at generate.sglang.concurrency"
+    generate_tok_s_per_server: Positive = Field(
+        1500, description="output tok/s of one generation server at generate.sglang.concurrency"
     )
-    capture_tok_s_per_server: float = Field(
-        1000,
-        gt=0,
-        description="captured tok/s of one capture server, hidden-state transfer and parsing included",
+    capture_tok_s_per_server: Positive = Field(
+        1000, description="captured tok/s of one capture server, hidden-state transfer and parsing included"
     )
-    train_tok_s_per_gpu: float = Field(
-        2500, gt=0, description="trained tok/s per GPU, all TTT steps included"
-    )
-    train_nodes: int = Field(1, ge=1, description="nodes planned for when train.nodes is 1")
-    server_load_minutes: float = Field(
+    train_tok_s_per_gpu: Positive = Field(2500, description="trained tok/s per GPU, all TTT steps included")
+    train_nodes: PositiveInt = Field(1, description="nodes planned for when train.nodes is 1")
+    server_load_minutes: NonNegative = Field(
         20,
-        ge=0,
         description="from a fleet's scale-up to its servers answering: "
         "node, image pull, weights onto the GPUs",
     )
-    text_bytes_per_token: float = Field(5, gt=0, description="JSONL bytes per token of prompts and responses")
-    gpu_hour_usd: float = Field(2.5, ge=0)
-    s3_gb_month_usd: float = Field(0.023, ge=0)
-    s3_put_per_1000_usd: float = Field(0.005, ge=0)
-    s3_get_per_1000_usd: float = Field(0.0004, ge=0)
-    retention_months: float = Field(1.0, gt=0, description="how long captures are kept in S3 Standard")
+    text_bytes_per_token: Positive = Field(5, description="JSONL bytes per token of prompts and responses")
+    gpu_hour_usd: NonNegative = 2.5
+    s3_gb_month_usd: NonNegative = 0.023
+    s3_put_per_1000_usd: NonNegative = 0.005
+    s3_get_per_1000_usd: NonNegative = 0.0004
+    retention_months: Positive = Field(1.0, description="how long captures are kept in S3 Standard")
 
 
 class RunConfig(Strict):

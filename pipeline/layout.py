@@ -1,52 +1,108 @@
-"""Object-store layout (DESIGN.md): every key the pipeline reads or writes is built here."""
+"""Object-store layout (DESIGN.md): every key the pipeline reads or writes is built here.
+
+    prompts/<snapshot>/                     prompt shards
+    responses/<target>/<snapshot>/          the target's own answers
+    captures/<target>/<snapshot>/           hidden-state shards
+    datasets/<target>/<dataset>/            a dataset's manifest
+    runs/<run_id>/<stage>/                  what a run-scoped stage published (RUN_STAGES)
+    runs/<run_id>/<file>                    the run's config and summary (RUN_FILES)
+    drafters/<target>/versions/<version>/   the registry's immutable versions
+    drafters/<target>/aliases/<alias>.json  what an alias points at
+    drafters/<target>/history/              every move of an alias
+
+Every id that becomes a key component is validated (pipeline.ids).
+"""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pipeline.ids import validate_id
+
+RunStage = Literal["train", "eval", "gate", "bench", "promote", "report"]
+RunFile = Literal["config.json", "summary.json"]
+TargetData = Literal["responses", "captures", "datasets"]
+RegistryPart = Literal["versions", "aliases", "history"]
 
 
 def prompts_prefix(snapshot: str) -> str:
     return f"prompts/{validate_id(snapshot, 'snapshot')}"
 
 
+def target_data_prefix(kind: TargetData, target: str, name: str | None = None) -> str:
+    """responses/, captures/ or datasets/ of a target; with `name`, one snapshot or dataset of them."""
+    prefix = f"{kind}/{validate_id(target, 'target')}"
+    return prefix if name is None else f"{prefix}/{validate_id(name, 'snapshot')}"
+
+
 def responses_prefix(target: str, snapshot: str) -> str:
     """Regenerated conversations (the target's own answers), input of capture."""
-    return f"responses/{validate_id(target, 'target')}/{validate_id(snapshot, 'snapshot')}"
+    return target_data_prefix("responses", target, snapshot)
 
 
 def captures_prefix(target: str, snapshot: str) -> str:
-    return f"captures/{validate_id(target, 'target')}/{validate_id(snapshot, 'snapshot')}"
+    return target_data_prefix("captures", target, snapshot)
 
 
 def dataset_prefix(target: str, dataset: str) -> str:
-    return f"datasets/{validate_id(target, 'target')}/{validate_id(dataset, 'dataset')}"
+    return target_data_prefix("datasets", target, dataset)
+
+
+RUNS = "runs"
 
 
 def run_prefix(run_id: str) -> str:
-    return f"runs/{validate_id(run_id, 'run id')}"
+    return f"{RUNS}/{validate_id(run_id, 'run id')}"
 
 
-def train_prefix(run_id: str) -> str:
-    """The train stage's published drafter, metrics and result."""
-    return f"{run_prefix(run_id)}/train"
+def published_run_ids(keys: list[str], stage: RunStage) -> set[str]:
+    """The run ids among `keys` (a listing of RUNS) whose `stage` published its manifest."""
+    return {
+        key.split("/")[1]
+        for key in keys
+        if key.startswith(f"{RUNS}/") and key.endswith(f"/{stage}/manifest.json")
+    }
+
+
+def run_stage_prefix(run_id: str, stage: RunStage) -> str:
+    """What a run-scoped stage published: train (drafter, metrics, result), eval, gate, bench, promote,
+    report."""
+    return f"{run_prefix(run_id)}/{stage}"
+
+
+def run_file_key(run_id: str, name: RunFile) -> str:
+    """The run's resolved config (written by train) or `drafter run`'s summary."""
+    return f"{run_prefix(run_id)}/{name}"
 
 
 def train_worker_spec_key(run_id: str) -> str:
     """What every training node reads first: no filesystem is shared for it."""
-    return f"{train_prefix(run_id)}/worker_spec.json"
+    return f"{run_stage_prefix(run_id, 'train')}/worker_spec.json"
 
 
-def drafter_versions_prefix(target: str) -> str:
-    return f"drafters/{validate_id(target, 'target')}/versions"
+def shard_marker_key(prefix: str, shard_name: str) -> str:
+    """The record that one shard of a stage's output is finished (generate, capture)."""
+    return f"{prefix}/{validate_id(shard_name, 'shard')}.done.json"
+
+
+def shard_parts_prefix(prefix: str, shard_name: str) -> str:
+    """Parts of a shard written by earlier attempts at it (generate)."""
+    return f"{prefix}/{validate_id(shard_name, 'shard')}.parts"
+
+
+def registry_prefix(target: str, part: RegistryPart) -> str:
+    return f"drafters/{validate_id(target, 'target')}/{part}"
 
 
 def drafter_version_prefix(target: str, version: str) -> str:
-    return f"{drafter_versions_prefix(target)}/{validate_id(version, 'version')}"
+    return f"{registry_prefix(target, 'versions')}/{validate_id(version, 'version')}"
 
 
 def alias_key(target: str, alias: str) -> str:
-    return f"drafters/{validate_id(target, 'target')}/aliases/{validate_id(alias, 'alias')}.json"
+    return f"{registry_prefix(target, 'aliases')}/{validate_id(alias, 'alias')}.json"
 
 
-def alias_history_prefix(target: str) -> str:
-    return f"drafters/{validate_id(target, 'target')}/history"
+def alias_history_key(target: str, stamp: str, alias: str, version: str) -> str:
+    """One move of an alias (append-only: every move is a new object)."""
+    name = f"{validate_id(stamp, 'stamp')}-{validate_id(alias, 'alias')}-{validate_id(version, 'version')}"
+    return f"{registry_prefix(target, 'history')}/{name}.json"

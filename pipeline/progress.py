@@ -6,9 +6,11 @@ import logging
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sized
-from typing import Generic, TypeVar, overload
+from typing import Generic
 
-T = TypeVar("T")
+from typing_extensions import TypeVar
+
+T = TypeVar("T", default=object)  # updated by hand (no iterable): a Progress[object]
 log = logging.getLogger("pipeline.progress")
 
 
@@ -18,28 +20,6 @@ class Progress(Generic[T]):
     With a terminal on stderr it draws a tqdm bar; otherwise it logs one line every
     `log_interval_s` seconds and one at the end, so task logs show work moving.
     """
-
-    @overload
-    def __init__(
-        self: Progress[object],
-        iterable: None = None,
-        total: int | None = None,
-        desc: str = "",
-        unit: str = "it",
-        log_interval_s: float = 30.0,
-        enabled: bool = True,
-    ) -> None: ...
-
-    @overload
-    def __init__(
-        self,
-        iterable: Iterable[T],
-        total: int | None = None,
-        desc: str = "",
-        unit: str = "it",
-        log_interval_s: float = 30.0,
-        enabled: bool = True,
-    ) -> None: ...
 
     def __init__(
         self,

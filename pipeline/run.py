@@ -3,35 +3,31 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 from typing import Any
 
 from pipeline import layout
 from pipeline.config import RunConfig
-from pipeline.manifest import read_listed, read_manifest
+from pipeline.manifest import read_manifest
 from pipeline.ops import registry
-from pipeline.stages import benchmark, capture, evaluate, gate, generate, promote, prompts, train
+from pipeline.records import BenchRecord, EvalRecord, RunSummary, read_dataset, read_record
+from pipeline.stages import TABLE, StageOutput, run_stage
 from pipeline.stages.gate import GateFailed
+from pipeline.stages.promote import Output as PromoteOutput
 from pipeline.stages.promote import PromotionRefused
+from pipeline.stages.report import Output as ReportOutput
 from pipeline.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
-SUMMARY_NAME = "summary.json"
 
 
 def new_run_id() -> str:
     return dt.datetime.now(dt.UTC).strftime("run-%Y%m%d-%H%M%S")
 
 
-def _json(store: ObjectStore, uri: str, name: str) -> dict[str, Any]:
-    prefix = store.key_for(uri)
-    return json.loads(read_listed(store, prefix, read_manifest(store, prefix), name))
-
-
-def write_summary(store: ObjectStore, run_id: str, summary: dict[str, Any]) -> str:
-    key = f"{layout.run_prefix(run_id)}/{SUMMARY_NAME}"
-    store.put_bytes(key, json.dumps(summary, indent=2).encode())
+def write_summary(store: ObjectStore, run_id: str, summary: RunSummary) -> str:
+    key = layout.run_file_key(run_id, "summary.json")
+    store.put_bytes(key, summary.to_json())
     return store.uri(key)
 
 
@@ -39,96 +35,92 @@ def summary_location(uri: str) -> str:
     return uri[len("file://") :] if uri.startswith("file://") else uri
 
 
-def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) -> tuple[dict[str, Any], str]:
-    """Run prompts -> ... -> promote -> pull; returns (summary, summary location).
+def run_stages(
+    config: RunConfig, run_id: str, store: ObjectStore
+) -> tuple[dict[str, StageOutput], GateFailed | PromotionRefused | None]:
+    """Every stage of the table that `drafter run` runs, in order, up to the report: their outputs,
+    and the failed gate or refused promotion that stopped the run early, if one did."""
+    outputs: dict[str, StageOutput] = {}
+    for entry in TABLE:
+        if not entry.in_run or entry.name == "report":
+            continue
+        try:
+            outputs[entry.name] = run_stage(entry.name, config, run_id, store)
+        except (GateFailed, PromotionRefused) as stopped:
+            return outputs, stopped
+    return outputs, None
+
+
+def _data_summary(store: ObjectStore, run_id: str, config: RunConfig) -> dict[str, Any]:
+    dataset = read_dataset(store, layout.dataset_prefix(config.target.name, run_id))
+    train = read_manifest(store, layout.run_stage_prefix(run_id, "train"), kind="train")
+    evaluation = read_record(store, layout.run_stage_prefix(run_id, "eval"), EvalRecord)
+    totals = dataset.totals
+    return {
+        "run_id": run_id,
+        "target": config.target.name,
+        "samples": totals["train"].samples + totals["eval"].samples,
+        "tokens": totals["train"].tokens + totals["eval"].tokens,
+        "cond_acc": evaluation.cond_acc,
+        "stop_reason": train["result"]["stop_reason"],
+    }
+
+
+def _bench_summary(store: ObjectStore, bench_uri: str) -> dict[str, Any]:
+    bench = read_record(store, bench_uri, BenchRecord)
+    headline = bench.summary()
+    return {
+        "tau_simulated": headline.tau_simulated,
+        "tau_measured": headline.tau_measured,
+        "baseline_tok_s": headline.baseline_tok_s,
+        "drafter_tok_s": headline.drafter_tok_s,
+        "speedup_vs_baseline": headline.speedup_vs_baseline,
+        "speedup_vs_ngram": headline.speedup_vs_ngram,
+        "speedups": headline.speedups,
+        "ngram_tok_s": bench.methods.ngram.tok_s,
+    }
+
+
+def _promotion_summary(config: RunConfig, run_id: str, store: ObjectStore, promoted: StageOutput) -> dict:
+    """The promoted version, pulled back from the registry as a serving engine would pull it."""
+    assert isinstance(promoted, PromoteOutput)
+    if not promoted.promoted:
+        return {"outcome": "not promoted (registry.promote is false)"}
+    workdir = config.storage.run_workdir(run_id)
+    pulled = registry.pull(store, config.target.name, config.registry.alias, workdir / "pulled_drafter")
+    return {
+        "outcome": "promoted",
+        "promoted_version": promoted.version,
+        "registry_uri": promoted.registry_uri,
+        "pulled_to": str(pulled),
+    }
+
+
+def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) -> tuple[RunSummary, str]:
+    """Run prompts -> ... -> promote -> pull, then the report; returns (summary, summary location).
 
     A failed gate or a refused promotion ends the run early but still writes the summary; its
     "outcome" says which, and "failure" carries every reason.
     """
     store = store or open_store(config.storage)
-    store.put_bytes(f"{layout.run_prefix(run_id)}/config.json", json.dumps(config.dump(), indent=2).encode())
-    workdir = config.storage.run_workdir(run_id)
-    prompt_set = prompts.run(config, run_id, store)
-    responses = generate.run(config, prompt_set.uri, run_id, store)
-    captured = capture.run(config, responses.uri, run_id, store)
-    dataset = capture.publish_dataset(config, [captured.uri], run_id, store)
-    incumbent = registry.pull_incumbent(store, config.target.name, config.registry.alias, workdir)
-    trained = train.run(config, dataset.uri, run_id, store)
-    evaluation = evaluate.run(config, trained.uri, dataset.uri, run_id, store, incumbent)
-    eval_record = _json(store, evaluation.uri, "eval.json")
-    totals = dataset.manifest["totals"]
-    summary: dict[str, Any] = {
-        "run_id": run_id,
-        "target": config.target.name,
-        "samples": totals["train"]["samples"] + totals["eval"]["samples"],
-        "tokens": totals["train"]["tokens"] + totals["eval"]["tokens"],
-        "cond_acc": eval_record["cond_acc"],
-        "tau_simulated": None,
-        "tau_measured": None,
-        "baseline_tok_s": None,
-        "drafter_tok_s": None,
-        "promoted_version": None,
-        "registry_uri": None,
-        "gate_passed": None,
-        "stop_reason": trained.manifest["result"]["stop_reason"],
-    }
-    try:
-        gate.run(config, evaluation.uri, run_id, store)
-        summary["gate_passed"] = True
-        bench = benchmark.run(
-            config,
-            trained.uri,
-            evaluation.uri,
-            prompt_set.uri,
-            run_id,
-            store,
-            incumbent[1] if incumbent else None,
-        )
-        bench_record = _json(store, bench.uri, "bench.json")
-        summary.update(
-            {
-                k: bench_record[k]
-                for k in (
-                    "tau_simulated",
-                    "tau_measured",
-                    "baseline_tok_s",
-                    "drafter_tok_s",
-                    "speedup_vs_baseline",
-                    "speedup_vs_ngram",
-                )
-            }
-        )
-        summary["ngram_tok_s"] = bench_record["methods"]["ngram"]["tok_s"]
-        promoted = promote.run(
-            config,
-            run_id,
-            trained.uri,
-            evaluation.uri,
-            f"{store.uri(layout.run_prefix(run_id))}/gate",
-            bench.uri,
-            store,
-        )
-        if promoted.manifest.get("promoted"):
-            summary["promoted_version"] = promoted.manifest["version"]
-            summary["registry_uri"] = promoted.manifest["registry_uri"]
-            pulled = registry.pull(
-                store, config.target.name, config.registry.alias, workdir / "pulled_drafter"
-            )
-            summary["pulled_to"] = str(pulled)
-        summary["outcome"] = (
-            "promoted" if summary["promoted_version"] else "not promoted (registry.promote is false)"
-        )
-    except GateFailed as failure:
+    outputs, failure = run_stages(config, run_id, store)
+    summary = _data_summary(store, run_id, config)
+    if isinstance(failure, GateFailed):
         summary.update({"gate_passed": False, "outcome": "gate failed", "failure": str(failure)})
-    except PromotionRefused as refusal:
-        summary.update({"outcome": "promotion refused", "failure": str(refusal)})
-    from pipeline.ops.report import render
+    else:
+        summary["gate_passed"] = True
+        summary.update(_bench_summary(store, outputs["benchmark"].uri))
+    if isinstance(failure, PromotionRefused):
+        summary.update({"outcome": "promotion refused", "failure": str(failure)})
+    elif failure is None:
+        summary.update(_promotion_summary(config, run_id, store, outputs["promote"]))
+    report = run_stage("report", config, run_id, store)
+    assert isinstance(report, ReportOutput)
+    record = RunSummary.model_validate({**summary, "report": report.link})
+    return record, summary_location(write_summary(store, run_id, record))
 
-    summary["report"] = render(store, run_id, config.target.name).manifest["link"]
-    return summary, summary_location(write_summary(store, run_id, summary))
 
-
-def format_table(summary: dict[str, Any]) -> str:
+def format_table(summary: RunSummary) -> str:
     def fmt(value: Any) -> str:
         if isinstance(value, float):
             return f"{value:.3f}"
@@ -136,19 +128,23 @@ def format_table(summary: dict[str, Any]) -> str:
             return "[" + ", ".join(fmt(v) for v in value) + "]"
         return "-" if value is None else str(value)
 
-    rows = [("samples", summary["samples"]), ("tokens", summary["tokens"])]
-    rows += [(f"cond_acc_{k}", v) for k, v in enumerate(summary["cond_acc"])]
-    rows.append(("outcome", summary.get("outcome")))
+    rows: list[tuple[str, Any]] = [("samples", summary.samples), ("tokens", summary.tokens)]
+    rows += [(f"cond_acc_{k}", v) for k, v in enumerate(summary.cond_acc)]
     rows += [
-        ("tau simulated", summary["tau_simulated"]),
-        ("tau measured", summary["tau_measured"]),
-        ("baseline tok/s", summary["baseline_tok_s"]),
-        ("n-gram tok/s", summary.get("ngram_tok_s")),
-        ("drafter tok/s", summary["drafter_tok_s"]),
-        ("speedup vs baseline", summary.get("speedup_vs_baseline")),
-        ("promoted version", summary["promoted_version"]),
-        ("registry", summary["registry_uri"]),
-        ("pulled to", summary.get("pulled_to")),
+        ("outcome", summary.outcome),
+        ("tau simulated", summary.tau_simulated),
+        ("tau measured", summary.tau_measured),
+        ("baseline tok/s", summary.baseline_tok_s),
+        ("n-gram tok/s", summary.ngram_tok_s),
+        ("drafter tok/s", summary.drafter_tok_s),
+        ("speedup vs baseline", summary.speedup_vs_baseline),
+        *[
+            (f"  {speedup.confidence:.0%} interval vs {other}", [speedup.ci_low, speedup.ci_high])
+            for other, speedup in (summary.speedups or {}).items()
+        ],
+        ("promoted version", summary.promoted_version),
+        ("registry", summary.registry_uri),
+        ("pulled to", summary.pulled_to),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {fmt(value)}" for name, value in rows)

@@ -7,20 +7,23 @@ multi-object artifacts are published data first, manifest last (see pipeline.man
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
-import tempfile
-import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any
+
+from filelock import FileLock
 
 from pipeline.config import StorageConfig
 from pipeline.ids import validate_key
+from pipeline.retrying import retrying
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +39,19 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
     return ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
 
-def _pause_before_retry(attempt: int) -> None:
-    time.sleep(min(0.2 * 2**attempt, 5))
+def s3_client(endpoint_url: str | None, region: str | None, max_attempts: int, **options: Any):
+    """A boto3 S3 client whose standard retries ride out throttling (503 SlowDown), 5xx and dropped
+    connections, with backoff; `options` are more botocore Config settings."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(retries={"mode": "standard", "max_attempts": max_attempts}, **options)
+    return boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
+
+
+def _retrying_reads(attempts: int, retry_on: type[BaseException] | tuple[type[BaseException], ...], note):
+    """Reads again what botocore's retries do not: a body cut off mid-read, a stale copy after a rewrite."""
+    return retrying(attempts, retry_on, first_pause_s=0.2, max_pause_s=5.0, note=note)
 
 
 _CHUNK = 8 * 1024 * 1024
@@ -55,6 +69,10 @@ class PreconditionFailed(StorageError):
     """A conditional write lost: the object changed (or appeared) since it was read."""
 
 
+class ChecksumMismatch(StorageError):
+    """The bytes read do not hash to the sha256 their manifest lists."""
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
@@ -68,6 +86,28 @@ def sha256_file(path: str | Path) -> str:
         for block in iter(lambda: handle.read(_CHUNK), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, durable: bool = True) -> Iterator[Path]:
+    """A temporary path beside `path` to write the new file to; when the block ends without an error it is
+    flushed to disk (unless not `durable`: a file that need not outlive the machine's uptime) and renamed over
+    `path`, so a reader sees the whole old file or the whole new one. An error leaves `path` untouched and
+    removes the temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.part")
+    try:
+        yield partial
+        if durable:
+            fd = os.open(partial, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def _join(*parts: str) -> str:
@@ -131,43 +171,35 @@ class ObjectStore(ABC):
     def get_verified(self, key: str, sha256: str) -> bytes:
         """The object's bytes if they hash to `sha256`. A mismatch is read again (a stale read after a
         rewrite settles) up to `verify_attempts` times before it is an error."""
-        for attempt in range(self.verify_attempts):
+
+        def read() -> bytes:
             data = self.get_bytes(key)
-            actual = hashlib.sha256(data).hexdigest()
-            if actual == sha256:
-                return data
-            if attempt + 1 < self.verify_attempts:
-                log.warning(
-                    "checksum mismatch for %s (attempt %d): reading again", self.uri(key), attempt + 1
-                )
-                _pause_before_retry(attempt)
-        raise StorageError(f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}")
+            self._check(key, sha256, hashlib.sha256(data).hexdigest())
+            return data
+
+        return self._verifying("reading again")(read)
 
     def get_file_verified(self, key: str, dest: str | Path, sha256: str) -> None:
         """Download to dest atomically; a checksum mismatch leaves dest untouched."""
-        dest = Path(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-        os.close(fd)
-        try:
-            for attempt in range(self.verify_attempts):
-                self.get_file(key, tmp)
-                actual = sha256_file(tmp)
-                if actual == sha256:
-                    break
-                if attempt + 1 < self.verify_attempts:
-                    log.warning(
-                        "checksum mismatch for %s (attempt %d): downloading again", self.uri(key), attempt + 1
-                    )
-                    _pause_before_retry(attempt)
-            else:
-                raise StorageError(
-                    f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}"
-                )
-            os.replace(tmp, dest)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+
+        def download(partial: Path) -> None:
+            self.get_file(key, partial)
+            self._check(key, sha256, sha256_file(partial))
+
+        with atomic_write(dest) as partial:
+            self._verifying("downloading again")(download, partial)
+
+    def _check(self, key: str, sha256: str, actual: str) -> None:
+        if actual != sha256:
+            raise ChecksumMismatch(
+                f"checksum mismatch for {self.uri(key)}: manifest {sha256}, object {actual}"
+            )
+
+    def _verifying(self, again: str):
+        def note(error: BaseException, attempt: int, pause: float) -> None:
+            log.warning("%s (attempt %d): %s", error, attempt, again)
+
+        return _retrying_reads(self.verify_attempts, ChecksumMismatch, note)
 
 
 class FileStore(ObjectStore):
@@ -181,38 +213,23 @@ class FileStore(ObjectStore):
             raise StorageError(f"key {key!r} resolves outside the store root")
         return path
 
-    def _atomic_write(self, key: str, writer) -> Path:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                writer(handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        return path
-
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
-        self._atomic_write(key, lambda handle: handle.write(data))
+        with atomic_write(self._path(key)) as partial:
+            partial.write_bytes(data)
         return ObjectInfo(key, len(data), hashlib.sha256(data).hexdigest())
 
     def put_file(self, key: str, path: str | Path) -> ObjectInfo:
         digest = hashlib.sha256()
         size = 0
-
-        def copy(handle: BinaryIO) -> None:
-            nonlocal size
-            with open(path, "rb") as source:
-                for block in iter(lambda: source.read(_CHUNK), b""):
-                    digest.update(block)
-                    size += len(block)
-                    handle.write(block)
-
-        self._atomic_write(key, copy)
+        with (
+            atomic_write(self._path(key)) as partial,
+            open(partial, "wb") as handle,
+            open(path, "rb") as source,
+        ):
+            for block in iter(lambda: source.read(_CHUNK), b""):
+                digest.update(block)
+                size += len(block)
+                handle.write(block)
         return ObjectInfo(key, size, digest.hexdigest())
 
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
@@ -257,12 +274,10 @@ class FileStore(ObjectStore):
         return data, hashlib.sha256(data).hexdigest()
 
     def put_if(self, key: str, data: bytes, expected_tag: str | None) -> str:
-        from pipeline.locking import file_lock
-
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         # writers of one key serialize on a lock file; readers never wait (the rename is atomic)
-        with file_lock(path.with_name(f".{path.name}.lock")):
+        with FileLock(path.with_name(f".{path.name}.lock")):
             current = self.read_with_tag(key)
             current_tag = current[1] if current else None
             if current_tag != expected_tag:
@@ -281,20 +296,14 @@ class S3Store(ObjectStore):
         multipart_threshold_mb: int = 64,
         max_attempts: int = 8,
     ):
-        import boto3
         from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
 
         self.bucket = bucket
         self.endpoint_url, self.region = endpoint_url, region
         self.prefix = prefix.strip("/")
         self.root_uri = f"s3://{_join(bucket, self.prefix)}"
         self.max_attempts = self.verify_attempts = max_attempts
-        # standard retries: throttling (503 SlowDown), 5xx and dropped connections, with backoff
-        retries = Config(
-            retries={"mode": "standard", "max_attempts": max_attempts}, connect_timeout=20, read_timeout=120
-        )
-        self.client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=retries)
+        self.client = s3_client(endpoint_url, region, max_attempts, connect_timeout=20, read_timeout=120)
         self.transfer = TransferConfig(
             multipart_threshold=multipart_threshold_mb * 1024 * 1024,
             multipart_chunksize=multipart_threshold_mb * 1024 * 1024,
@@ -323,22 +332,24 @@ class S3Store(ObjectStore):
         kwargs = {}
         if start is not None:
             kwargs["Range"] = f"bytes={start}-" + (str(end - 1) if end is not None else "")
-        for attempt in range(self.max_attempts):
+
+        def read() -> bytes:
             try:
                 response = self.client.get_object(Bucket=self.bucket, Key=self._key(key), **kwargs)
-                return response["Body"].read()
             except ClientError as err:
                 if self._missing(err):
                     raise ObjectMissingError(f"no object at {self.uri(key)}") from err
                 raise
-            except _stream_errors() as err:  # the connection dropped while the body was coming
-                if attempt + 1 == self.max_attempts:
-                    raise StorageError(
-                        f"reading {self.uri(key)} failed {self.max_attempts} times: {err}"
-                    ) from err
-                log.warning("reading %s broke off (%s); reading again", self.uri(key), type(err).__name__)
-                _pause_before_retry(attempt)
-        raise StorageError(f"reading {self.uri(key)}: max_attempts is {self.max_attempts}, nothing was tried")
+            return response["Body"].read()
+
+        def note(error: BaseException, attempt: int, pause: float) -> None:
+            log.warning("reading %s broke off (%s); reading again", self.uri(key), type(error).__name__)
+
+        # botocore retries the request; the connection dropping while the body comes is ours to retry
+        try:
+            return _retrying_reads(self.max_attempts, _stream_errors(), note)(read)
+        except _stream_errors() as err:
+            raise StorageError(f"reading {self.uri(key)} failed {self.max_attempts} times: {err}") from err
 
     def get_file(self, key: str, dest: str | Path) -> None:
         from botocore.exceptions import ClientError

@@ -1,17 +1,15 @@
-"""One entry point per stage for schedulers and the CLI: config path + overrides + URIs in, a small
-dict of URIs out (XCom-sized). No Airflow import here: DAG files call these."""
+"""What schedulers and the CLI call: a stage of the stage table (pipeline.stages) by name with config
+path + overrides + URIs in, a small dict out (XCom-sized); shards of the mapped stages; planning a run
+from its trigger form. No Airflow import here: DAG files call these."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from pipeline import layout
 from pipeline.config import ConfigError, RunConfig, load_config
 from pipeline.failures import report_permanent_failures_by_exit_code
-from pipeline.ops import registry
-from pipeline.stages import STAGES, StageResult
-from pipeline.storage import ObjectStore, open_store
+from pipeline.storage import open_store
 
 SHARD_STAGES = ("generate", "capture")
 
@@ -20,118 +18,36 @@ SHARD_STAGES = ("generate", "capture")
 report_permanent_failures_by_exit_code()
 
 
-def _out(result: StageResult) -> dict[str, Any]:
-    return {"uri": result.uri, "kind": result.manifest.get("kind")}
-
-
-def _defaults(config: RunConfig, store: ObjectStore, run_id: str, snapshot: str) -> dict[str, str]:
-    target = config.target.name
-    run = layout.run_prefix(run_id)
-    return {
-        "prompts_uri": store.uri(layout.prompts_prefix(snapshot)),
-        "responses_uri": store.uri(layout.responses_prefix(target, snapshot)),
-        "capture_uri": store.uri(layout.captures_prefix(target, snapshot)),
-        "dataset_uri": store.uri(layout.dataset_prefix(target, snapshot)),
-        "train_uri": store.uri(f"{run}/train"),
-        "eval_uri": store.uri(f"{run}/eval"),
-        "gate_uri": store.uri(f"{run}/gate"),
-        "bench_uri": store.uri(f"{run}/bench"),
-    }
-
-
 def run_stage(
     stage: str,
     config: RunConfig | str | dict[str, Any],
     run_id: str,
     overrides: list[str] | None = None,
     snapshot: str | None = None,
-    **uris: str | None,
+    **inputs: Any,
 ) -> dict[str, Any]:
-    """Run one stage. Inputs not given default to the artifacts of `snapshot` (data) and `run_id`."""
-    from pipeline.stages import benchmark, capture, evaluate, gate, generate, promote, prompts, train
+    """Run one stage of the stage table (pipeline.stages); its output as a dict. Inputs not given
+    (or None) default to the artifacts of `snapshot` (data, default: the run id) and `run_id`."""
+    from pipeline import stages
 
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
     config = _as_config(config, overrides)
-    store = open_store(config.storage)
-    snapshot = snapshot or run_id
-    inputs = {**_defaults(config, store, run_id, snapshot), **{k: v for k, v in uris.items() if v}}
-    workdir = config.storage.run_workdir(run_id)
-    if stage == "report":
-        from pipeline.ops.report import render
-
-        result = render(store, run_id, config.target.name)
-        return {**_out(result), "link": result.manifest["link"], "outcome": result.manifest["outcome"]}
-    if stage == "prompts":
-        result = prompts.run(config, snapshot, store)
-        return {**_out(result), "shards": [shard["name"] for shard in result.manifest["shards"]]}
-    if stage == "generate":
-        return _out(generate.run(config, inputs["prompts_uri"], snapshot, store))
-    if stage == "parity":
-        return {
-            "uri": inputs["responses_uri"],
-            "parity": capture.parity(config, inputs["responses_uri"], store),
-        }
-    if stage == "capture":
-        return _out(capture.run(config, inputs["responses_uri"], snapshot, store))
-    if stage == "dataset":
-        return _out(capture.publish_dataset(config, [inputs["capture_uri"]], snapshot, store))
-    if stage == "train":
-        store.put_bytes(
-            f"{layout.run_prefix(run_id)}/config.json", json.dumps(config.dump(), indent=2).encode()
-        )
-        return _out(train.run(config, inputs["dataset_uri"], run_id, store))
-    incumbent = (
-        registry.pull_incumbent(store, config.target.name, config.registry.alias, workdir)
-        if stage in ("evaluate", "benchmark")
-        else None
-    )
-    if stage == "evaluate":
-        return _out(
-            evaluate.run(config, inputs["train_uri"], inputs["dataset_uri"], run_id, store, incumbent)
-        )
-    if stage == "gate":
-        return _out(gate.run(config, inputs["eval_uri"], run_id, store))
-    if stage == "benchmark":
-        return _out(
-            benchmark.run(
-                config,
-                inputs["train_uri"],
-                inputs["eval_uri"],
-                inputs["prompts_uri"],
-                run_id,
-                store,
-                incumbent[1] if incumbent else None,
-            )
-        )
-    result = promote.run(
-        config,
-        run_id,
-        inputs["train_uri"],
-        inputs["eval_uri"],
-        inputs["gate_uri"],
-        inputs["bench_uri"],
-        store,
-    )
-    return {
-        **_out(result),
-        "promoted": result.manifest.get("promoted"),
-        "version": result.manifest.get("version"),
-    }
+    given = {name: value for name, value in inputs.items() if value is not None}
+    output = stages.run_stage(stage, config, run_id, open_store(config.storage), snapshot, **given)
+    return output.model_dump()
 
 
 def gate_decision(
     config: RunConfig | str | dict[str, Any],
     run_id: str,
     overrides: list[str] | None = None,
-    **uris: str | None,
+    **inputs: Any,
 ) -> dict[str, Any]:
     """The gate as a decision instead of an error: a scheduler skips promotion when `passed` is false.
     The decision record is stored either way."""
     from pipeline.stages.gate import GateFailed
 
     try:
-        return {**run_stage("gate", config, run_id, overrides, **uris), "passed": True}
+        return run_stage("gate", config, run_id, overrides, **inputs)
     except GateFailed as failed:
         return {"passed": False, "reasons": str(failed)}
 
@@ -142,19 +58,22 @@ def run_shard(
     snapshot: str,
     shard: str,
     overrides: list[str] | None = None,
-    **uris: str | None,
+    **inputs: str | None,
 ) -> dict[str, Any]:
     """One shard of generate or capture (a mapped task); the plain stage publishes when all are done."""
+    from pipeline import stages
     from pipeline.stages import capture, generate
 
     if stage not in SHARD_STAGES:
         raise ValueError(f"stage {stage!r} is not run per shard; shard stages: {', '.join(SHARD_STAGES)}")
     config = _as_config(config, overrides)
     store = open_store(config.storage)
-    inputs = {**_defaults(config, store, snapshot, snapshot), **{k: v for k, v in uris.items() if v}}
+    defaults = stages.default_inputs(config, store, snapshot, snapshot)
     if stage == "generate":
-        return generate.run_shard(config, inputs["prompts_uri"], snapshot, shard, store)
-    return capture.run_shard(config, inputs["responses_uri"], snapshot, shard, store)
+        prompts_uri = inputs.get("prompts_uri") or defaults["prompts_uri"]
+        return generate.run_shard(config, prompts_uri, snapshot, shard, store)
+    responses_uri = inputs.get("responses_uri") or defaults["responses_uri"]
+    return capture.run_shard(config, responses_uri, snapshot, shard, store)
 
 
 PARAM_OVERRIDES = {
@@ -284,7 +203,7 @@ def resolve_dataset(
     config: RunConfig | str | dict[str, Any], overrides: list[str] | None, dataset_uri: str | None
 ) -> str:
     """The dataset to train on: the given one, else the newest published dataset of the target."""
-    from pipeline.stages.capture import latest_dataset
+    from pipeline.stages.dataset import latest_dataset
 
     config = _as_config(config, overrides)
     if dataset_uri:
@@ -297,11 +216,12 @@ def prompts_uri_of(
 ) -> str:
     """The prompt snapshot a dataset was made from (its held-out prompts feed the benchmark)."""
     from pipeline.manifest import read_manifest
+    from pipeline.records import read_dataset
 
     config = _as_config(config, overrides)
     store = open_store(config.storage)
-    dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
-    capture = read_manifest(store, store.key_for(dataset["captures"][0]), kind="capture")
+    dataset = read_dataset(store, dataset_uri)
+    capture = read_manifest(store, store.key_for(dataset.captures[0]), kind="capture")
     responses = read_manifest(store, store.key_for(capture["responses"]), kind="responses")
     return responses["prompts"]
 

@@ -102,6 +102,7 @@ def tiny_config_dict(storage: dict) -> dict:
             "num_prompts": 4,
             "max_new_tokens": 24,
             "draft_steps": 3,
+            "budget_s": 5,
             "min_speedup_vs_baseline": 0.0,
         },
     }
@@ -127,3 +128,10 @@ def tiny_model(tiny_target_dir):
     from pipeline.engines.target import load_model
 
     return load_model(tiny_target_dir)
+
+
+def published(store, output) -> dict:
+    """The manifest a stage published (its output names the URI)."""
+    from pipeline.manifest import read_manifest
+
+    return read_manifest(store, store.key_for(output.uri))

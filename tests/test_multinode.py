@@ -24,9 +24,11 @@ import pytest
 import yaml
 
 from pipeline.config import load_config
+from pipeline.dev.json_http import send_json
 from pipeline.manifest import read_listed, read_manifest
 from pipeline.ops.kube_api import KubernetesApi
-from pipeline.stages import capture, generate, prompts
+from pipeline.records import read_dataset
+from pipeline.stages import run_stage
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
 from pipeline.training.nodes import (
@@ -67,9 +69,15 @@ def setup(tmp_path_factory, s3_endpoint, tiny_target_dir):
     )
     config = load_config(data=data)
     store = open_store(config.storage)
-    responses = generate.run(config, prompts.run(config, "mn", store).uri, "mn", store)
-    dataset = capture.publish_dataset(
-        config, [capture.run(config, responses.uri, "mn", store).uri], "mn", store
+    responses = run_stage(
+        "generate", config, "mn", store, prompts_uri=run_stage("prompts", config, "mn", store).uri
+    )
+    dataset = run_stage(
+        "dataset",
+        config,
+        "mn",
+        store,
+        capture_uris=[run_stage("capture", config, "mn", store, responses_uri=responses.uri).uri],
     )
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
@@ -146,7 +154,7 @@ class TrainStage:
 
 def _workdir(setup, run_id: str) -> Path:
     store, config = setup["store"], setup["config"]
-    dataset = read_manifest(store, store.key_for(setup["dataset"]), kind="dataset")
+    dataset = read_dataset(store, setup["dataset"])
     return config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}"
 
 
@@ -294,12 +302,7 @@ class JobsApiStandIn(ThreadingHTTPServer):
 
 class _JobsHandler(BaseHTTPRequestHandler):
     def _answer(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        send_json(self, status, json.dumps(body).encode())
 
     def _name(self) -> str:
         return self.path.rsplit("/", 1)[-1]

@@ -8,9 +8,9 @@ import pytest
 from pipeline.config import load_config
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.manifest import ManifestError, read_listed, read_manifest
-from pipeline.stages import prompts
+from pipeline.stages import prompts, run_stage
 from pipeline.stages.prompts import split_of
-from tests.conftest import tiny_config_dict
+from tests.conftest import published, tiny_config_dict
 
 
 def write_source(path):
@@ -44,31 +44,31 @@ def test_prompts_from_a_jsonl_source(store, storage, tmp_path):
         "max_prompt_tokens": 100,
     }
     config = load_config(data=data)
-    result = prompts.run(config, "snap1", store)
-    counts = result.manifest["counts"]
+    result = published(store, run_stage("prompts", config, "snap1", store))
+    counts = result["counts"]
     assert counts["read"] == 49 and counts["kept"] == 40
     assert counts["rejected.duplicate"] == 5
     assert counts["rejected.no_user_turn_first"] == 1 and counts["rejected.empty_turn"] == 1
     assert counts["rejected.content_not_text"] == 1 and counts["rejected.too_long"] == 1
     assert sum(v for k, v in counts.items() if k != "read") == counts["read"]  # nothing vanishes
     records = []
-    for shard in result.manifest["shards"]:
-        batch = decode_jsonl(read_listed(store, "prompts/snap1", result.manifest, shard["name"]))
+    for shard in result["shards"]:
+        batch = decode_jsonl(read_listed(store, "prompts/snap1", result, shard["name"]))
         assert len(batch) == shard["samples"] <= 8
         assert all(r["split"] == shard["split"] == split_of(r["id"], 0.3) for r in batch)
         records += batch
     assert len({r["id"] for r in records}) == 40
     assert {r["split"] for r in records} == {"train", "eval"}
     assert records[0]["messages"][0]["role"] in ("user", "system")
-    again = prompts.run(config, "snap1", store)  # idempotent: the published snapshot is reused
-    assert again.manifest["created_at"] == result.manifest["created_at"]
+    again = published(store, run_stage("prompts", config, "snap1", store))  # the published snapshot is reused
+    assert again["created_at"] == result["created_at"]
 
 
 def test_missing_source_fails_with_its_path(store, storage, tmp_path):
     data = tiny_config_dict(storage)
     data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(tmp_path / "nope.jsonl")}]}
     with pytest.raises(prompts.PromptSourceError, match="nope.jsonl"):
-        prompts.run(load_config(data=data), "snap2", store)
+        run_stage("prompts", load_config(data=data), "snap2", store)
     with pytest.raises(ManifestError):
         read_manifest(store, "prompts/snap2")
 
@@ -124,9 +124,10 @@ def test_sources_in_every_format_from_disk_and_s3_mixed_by_weight(s3_endpoint, t
     from pipeline.config import StorageConfig
     from pipeline.storage import open_store
 
-    result = prompts.run(config, "mixed", open_store(StorageConfig(**storage)))
-    assert result.manifest["counts"]["kept"] == 50
-    per_source = result.manifest["kept_per_source"]
+    store = open_store(StorageConfig(**storage))
+    result = published(store, run_stage("prompts", config, "mixed", store))
+    assert result["counts"]["kept"] == 50
+    per_source = result["kept_per_source"]
     assert per_source[str(tmp_path / "a.parquet")] == 30
     assert per_source[str(tmp_path / "b.arrow")] == 10
     assert per_source[f"s3://{BUCKET}/{uniq}/src/"] == 10
@@ -155,10 +156,13 @@ def test_near_duplicates_are_dropped_and_counted(store, storage, tmp_path):
     source.write_text("\n".join(json.dumps(r) for r in rows))
     data = tiny_config_dict(storage)
     data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(source)}], "max_prompt_tokens": 400}
-    counts = prompts.run(load_config(data=data), "near", store).manifest["counts"]
+    counts = published(store, run_stage("prompts", load_config(data=data), "near", store))["counts"]
     assert counts["kept"] == 2 and counts["rejected.near_duplicate"] == 2
     data["prompts"]["near_dedup"] = False
-    assert prompts.run(load_config(data=data), "near-off", store).manifest["counts"]["kept"] == 4
+    assert (
+        published(store, run_stage("prompts", load_config(data=data), "near-off", store))["counts"]["kept"]
+        == 4
+    )
 
 
 def put_objects(s3_endpoint, bodies: dict[str, bytes]) -> None:
@@ -193,7 +197,8 @@ def s3_source_run(s3_endpoint, tmp_path, tiny_target_dir, source_uri, **settings
         **settings,
     }
     config = load_config(data=data)
-    return prompts.run(config, "s3-source", open_store(config.storage)).manifest
+    store = open_store(config.storage)
+    return published(store, run_stage("prompts", config, "s3-source", store))
 
 
 def test_an_s3_prefix_is_read_whole_past_one_listing_page(s3_endpoint, tmp_path, tiny_target_dir):

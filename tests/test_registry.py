@@ -62,7 +62,7 @@ def test_second_promotion_moves_previous_and_rollback_restores(store, tmp_path):
     rollback(store, "tgt")
     assert read_alias(store, "tgt", "production")["version"] == first
     assert read_alias(store, "tgt", "previous")["version"] == second
-    history = [json.loads(store.get_bytes(k)) for k in store.list(layout.alias_history_prefix("tgt"))]
+    history = [json.loads(store.get_bytes(k)) for k in store.list(layout.registry_prefix("tgt", "history"))]
     assert [h["reason"] for h in history if h["alias"] == "production"][-1] == "rollback"
 
 
@@ -180,7 +180,7 @@ def test_racing_promoters_exactly_one_wins_and_the_alias_is_never_torn(serialize
     assert alias["version"] == winners[0]
     moves = [
         json.loads(serialized_store.get_bytes(k))
-        for k in serialized_store.list(layout.alias_history_prefix("tgt"))
+        for k in serialized_store.list(layout.registry_prefix("tgt", "history"))
     ]
     assert [m["version"] for m in moves if m["alias"] == "production"][-1] == winners[0]
     assert len([m for m in moves if m["alias"] == "production"]) == 2  # the base promotion and the winner

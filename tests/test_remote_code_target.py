@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TEST_CACHE
+from pipeline.engines.tiny_target import KIMI_ROPE_PARAMETERS
+from pipeline.stages import run_stage
+from tests.conftest import TEST_CACHE, published
 
 # Small enough to build in well under a minute; the real rehearsal recipe is larger.
 KIMI_TEST_RECIPE = {
@@ -214,16 +216,9 @@ def test_the_model_is_deepseek_v3_with_kimis_long_context(kimi_target_dir, kimi_
     assert moe_layers == [1, 2, 3, 4, 5]  # first_k_dense_replace 1
     assert config.max_position_embeddings == 262144
     rope = json.loads((kimi_target_dir / "config.json").read_text())["rope_parameters"]
-    assert rope == {
-        "rope_type": "yarn",
-        "rope_theta": 50000.0,
-        "factor": 64.0,
-        "original_max_position_embeddings": 4096,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "mscale": 1.0,
-        "mscale_all_dim": 1.0,
-    }
+    assert rope == KIMI_ROPE_PARAMETERS and rope["rope_type"] == "yarn"
+    # 4K pre-training positions stretched by YaRN to the full context
+    assert rope["original_max_position_embeddings"] * rope["factor"] == config.max_position_embeddings
     build = json.loads((kimi_target_dir / "build.json").read_text())
     assert build["heldout_perplexity"] < 200  # it learned the corpus at short sequence lengths
 
@@ -292,7 +287,6 @@ def test_prompts_generate_and_capture_run_on_it(kimi_target_dir, tmp_path):
     """The stages that load the target, end to end, as the rehearsal runs them with the served target."""
     from pipeline.config import load_config
     from pipeline.engines.target import describe_target
-    from pipeline.stages import capture, generate, prompts
     from pipeline.storage import open_store
     from tests.conftest import storage_config, tiny_config_dict
 
@@ -308,7 +302,9 @@ def test_prompts_generate_and_capture_run_on_it(kimi_target_dir, tmp_path):
     data["capture"].update({"aux_layer_ids": AUX_LAYERS, "parity": {"samples": 2}})
     config = load_config(data=data)
     store = open_store(config.storage)
-    responses = generate.run(config, prompts.run(config, "kimi", store).uri, "kimi", store)
-    captured = capture.run(config, responses.uri, "kimi", store).manifest
+    responses = run_stage(
+        "generate", config, "kimi", store, prompts_uri=run_stage("prompts", config, "kimi", store).uri
+    )
+    captured = published(store, run_stage("capture", config, "kimi", store, responses_uri=responses.uri))
     assert captured["counts"]["captured"] == 8
     assert captured["contract"]["target"] == describe_target(config).identity

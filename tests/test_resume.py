@@ -15,8 +15,8 @@ from pipeline.config import load_config
 from pipeline.data.capture_shards import ShardReader
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.manifest import fetch_listed, read_listed, read_manifest
-from pipeline.stages import generate, prompts
-from tests.conftest import REPO, storage_config, tiny_config_dict
+from pipeline.stages import generate, run_stage
+from tests.conftest import REPO, published, storage_config, tiny_config_dict
 
 
 class CrashAfter:
@@ -50,18 +50,18 @@ def test_interrupted_generation_resumes_without_loss_or_duplicates(
     data["prompts"].update({"num_samples": 40, "shard_size": 40, "eval_fraction": 0.0})
     data["generate"].update({"batch_size": 8, "checkpoint_every": 8, "max_new_tokens": 8})
     config = load_config(data=data)
-    prompt_set = prompts.run(config, "resume", store)
+    prompt_set = run_stage("prompts", config, "resume", store)
     real = generate.make_engine(config)
     monkeypatch.setattr(generate, "make_engine", lambda _config: CrashAfter(real, 2))
     with pytest.raises(KeyboardInterrupt):
-        generate.run(config, prompt_set.uri, "resume", store)
+        run_stage("generate", config, "resume", store, prompts_uri=prompt_set.uri)
     monkeypatch.setattr(generate, "make_engine", lambda _config: real)
-    result = generate.run(config, prompt_set.uri, "resume", store)
-    counts = result.manifest["counts"]
+    result = run_stage("generate", config, "resume", store, prompts_uri=prompt_set.uri)
+    counts = published(store, result)["counts"]
     assert counts == {"input": 40, "succeeded": 24, "skipped": 16, "failed": 0}
     ids = response_ids(store, result.uri)
     assert len(ids) == len(set(ids)) == 40
-    uninterrupted = generate.run(config, prompt_set.uri, "straight", store)
+    uninterrupted = run_stage("generate", config, "straight", store, prompts_uri=prompt_set.uri)
     assert sorted(response_ids(store, uninterrupted.uri)) == sorted(ids)
     assert not [k for k in store.list(store.key_for(result.uri)) if ".parts/" in k]
 

@@ -10,6 +10,7 @@ from pipeline.config import SGLangBenchConfig
 from pipeline.drafter.export import export_drafter
 from pipeline.engines.sglang_bench import (
     SGLangBenchmarkFailed,
+    batches,
     launch_command,
     measure,
     run_methods,
@@ -152,6 +153,8 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
     assert "tau_measured" not in methods["baseline"]
     assert methods["candidate"]["tau_measured"] >= 1 and methods["ngram"]["tau_measured"] >= 1
     assert sum(methods["candidate"]["accepted_histogram"]) > 0
+    # the prompts went in batches (config.rounds, at most one per prompt), one tokens/s sample each
+    assert all(len(m["round_tok_s"]) == 3 and min(m["round_tok_s"]) > 0 for m in methods.values())
 
 
 def test_a_server_that_dies_or_never_answers_fails_the_benchmark():
@@ -164,4 +167,9 @@ def test_a_server_that_dies_or_never_answers_fails_the_benchmark():
         run_methods(crashing, [[1, 2]], 4, {})
     assert "CUDA error: no device" in str(info.value)
     with pytest.raises(SGLangBenchmarkFailed, match="failed"):
-        measure(f"http://127.0.0.1:{free_port()}", [[1, 2]], 4, 1)
+        measure(f"http://127.0.0.1:{free_port()}", [[1, 2]], 4, 1, 2)
+
+
+def test_prompts_go_in_equal_batches_none_empty():
+    assert batches(list(range(10)), 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert batches([1, 2], 5) == [[1], [2]]

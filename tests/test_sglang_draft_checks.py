@@ -23,6 +23,7 @@ from pipeline.engines.sglang_draft_checks import (
     effective_speculative_args,
     sglang_capture_points,
 )
+from pipeline.records import DrafterSource
 
 SERVED = SpeculativeArgs("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
 OVERRIDES = ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "SGLANG_IS_IN_CI")
@@ -52,7 +53,7 @@ def exported_drafter(tiny_target_dir, tmp_path_factory):
     )
     torch.manual_seed(0)
     used_ids = torch.randperm(text["vocab_size"])[: config.drafter.draft_vocab_size].sort().values.tolist()
-    spec = {"target_dir": str(tiny_target_dir), "draft_vocab": used_ids, "contract": contract.model_dump()}
+    spec = DrafterSource(target_dir=str(tiny_target_dir), draft_vocab=used_ids, contract=contract)
     model = build_model(config, spec, load_frozen_tensors(tiny_target_dir))
     return export_drafter(model, contract.model_dump(), work / "drafter", config.drafter.export_dtype)
 

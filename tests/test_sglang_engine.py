@@ -10,6 +10,8 @@ from pipeline.dev.sglang_standin import StandinBackend, serve
 from pipeline.engines import EngineError, SamplingParams, TeacherRequest
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.sglang import SGLangEngine, parse_generation, prompt_states, split_hidden_states
+from pipeline.stages import run_stage
+from tests.conftest import published
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +197,6 @@ def test_the_generate_stage_regenerates_multi_turn_conversations_turn_by_turn(
 
     from pipeline.config import load_config
     from pipeline.data.conversations import prompt_ids
-    from pipeline.stages import generate, prompts
     from tests.conftest import tiny_config_dict
 
     data = tiny_config_dict(storage)
@@ -219,8 +220,10 @@ def test_the_generate_stage_regenerates_multi_turn_conversations_turn_by_turn(
         "sglang": {"urls": [servers[1]], "retries": 0},
     }
     config = load_config(data=data)
-    result = generate.run(config, prompts.run(config, "multi", store).uri, "multi", store)
-    assert result.manifest["counts"] == {"input": 3, "succeeded": 3, "skipped": 0, "failed": 0}
+    result = run_stage(
+        "generate", config, "multi", store, prompts_uri=run_stage("prompts", config, "multi", store).uri
+    )
+    assert published(store, result)["counts"] == {"input": 3, "succeeded": 3, "skipped": 0, "failed": 0}
     key = store.key_for(result.uri)
     records = [jsonlib.loads(line) for line in store.get_bytes(f"{key}/train-00000.jsonl").splitlines()]
     local = HFEngine(tiny_target_dir)

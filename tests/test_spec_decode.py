@@ -28,16 +28,7 @@ def random_drafter(target_dir, seed=0):
     frozen = load_frozen_tensors(target_dir)
     vocab, hidden = frozen["embed"].shape
     torch.manual_seed(seed)
-    arch = DrafterArch(
-        hidden_size=hidden,
-        num_heads=2,
-        num_kv_heads=2,
-        head_dim=hidden // 2,
-        intermediate_size=2 * hidden,
-        vocab_size=vocab,
-        draft_vocab_size=vocab,
-        aux_layer_ids=AUX,
-    )
+    arch = DrafterArch.uniform(hidden, 2, 2, (vocab, vocab), AUX)
     model = Eagle3Drafter(arch, frozen["embed"].float()).eval()
     model.set_vocab_mapping(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
     return model

@@ -16,11 +16,12 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.stages import capture, generate, prompts, train
+from pipeline.records import DatasetRecord, DatasetShard
+from pipeline.stages import run_stage
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
 from pipeline.training.nodes import torchrun_args
-from tests.conftest import REPO, storage_config, tiny_config_dict
+from tests.conftest import REPO, published, storage_config, tiny_config_dict
 
 
 @pytest.fixture(scope="module")
@@ -33,31 +34,43 @@ def setup(tmp_path_factory, tiny_target_dir):
     data["capture"]["parity"] = {"samples": 0}
     config = load_config(data=data)
     store = open_store(config.storage)
-    responses = generate.run(config, prompts.run(config, "d", store).uri, "d", store)
-    dataset = capture.publish_dataset(
-        config, [capture.run(config, responses.uri, "d", store).uri], "d", store
+    responses = run_stage(
+        "generate", config, "d", store, prompts_uri=run_stage("prompts", config, "d", store).uri
+    )
+    dataset = run_stage(
+        "dataset",
+        config,
+        "d",
+        store,
+        capture_uris=[run_stage("capture", config, "d", store, responses_uri=responses.uri).uri],
     )
     return {"data": data, "config": config, "store": store, "dataset": dataset.uri, "tmp": tmp}
 
 
-def history(result):
-    return [{k: v for k, v in epoch.items()} for epoch in result.manifest["history"]]
+def train_manifest(setup, result):
+    return published(setup["store"], result)
+
+
+def history(setup, result):
+    return [{k: v for k, v in epoch.items()} for epoch in train_manifest(setup, result)["history"]]
 
 
 def workdir(setup, run_id, config=None):
     """The run's training work dir (one per dataset + settings fingerprint)."""
-    from pipeline.manifest import read_manifest
+    from pipeline.records import read_dataset
 
     config = config or setup["config"]
     store = setup["store"]
-    dataset = read_manifest(store, store.key_for(setup["dataset"]), kind="dataset")
+    dataset = read_dataset(store, setup["dataset"])
     return config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}"
 
 
 def test_training_learns_and_writes_metrics(setup):
-    result = train.run(setup["config"], setup["dataset"], "uninterrupted", setup["store"])
-    epochs = history(result)
-    assert len(epochs) == 3 and result.manifest["result"]["stop_reason"] == "completed"
+    result = run_stage(
+        "train", setup["config"], "uninterrupted", setup["store"], dataset_uri=setup["dataset"]
+    )
+    epochs = history(setup, result)
+    assert len(epochs) == 3 and train_manifest(setup, result)["result"]["stop_reason"] == "completed"
     assert epochs[-1]["cond_acc"][0] > epochs[0]["cond_acc"][0] and epochs[-1]["cond_acc"][0] > 0.2
     lines = [
         json.loads(line)
@@ -138,7 +151,7 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
             "drafter": {**setup["data"]["drafter"], "draft_vocab_size": 100},
         }
     )
-    result = train.run(config, setup["dataset"], "warm", setup["store"])
+    result = run_stage("train", config, "warm", setup["store"], dataset_uri=setup["dataset"])
     old, new = (
         load_file(str(path / "model.safetensors"))
         for path in (source, workdir(setup, "warm", config) / "drafter")
@@ -146,7 +159,7 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
     assert (old["d2t"] == new["d2t"]).all() and new["lm_head.weight"].shape[0] == old["lm_head.weight"].shape[
         0
     ] != 100
-    assert result.manifest["init_from"] == str(source)
+    assert train_manifest(setup, result)["init_from"] == str(source)
     other = setup["tmp"] / "other-contract"
     shutil.copytree(source, other)
     for name, edit in (
@@ -160,7 +173,7 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
         data={**setup["data"], "train": {**setup["data"]["train"], "init": "warm", "init_from": str(other)}}
     )
     with pytest.raises(ContractMismatch, match="aux_layer_ids"):
-        train.run(config, setup["dataset"], "warm-refused", setup["store"])
+        run_stage("train", config, "warm-refused", setup["store"], dataset_uri=setup["dataset"])
 
 
 def test_training_stops_on_a_plateau(setup):
@@ -175,9 +188,11 @@ def test_training_stops_on_a_plateau(setup):
         },
         "gate": {"min_cond_acc": [0.9]},
     }
-    result = train.run(load_config(data=data), setup["dataset"], "plateau", setup["store"])
-    assert result.manifest["result"]["stop_reason"] == "plateau"
-    assert result.manifest["result"]["epochs_run"] == 2
+    result = run_stage(
+        "train", load_config(data=data), "plateau", setup["store"], dataset_uri=setup["dataset"]
+    )
+    assert train_manifest(setup, result)["result"]["stop_reason"] == "plateau"
+    assert train_manifest(setup, result)["result"]["epochs_run"] == 2
 
 
 def test_one_node_runs_standalone_and_several_meet_at_the_rendezvous(tmp_path):
@@ -240,7 +255,9 @@ def test_placement_settings_keep_the_checkpoints_of_a_run(tmp_path):
         "target": {"name": "t"},
         "train": {"nodes": 2, "rendezvous_endpoint": "127.0.0.1"},
     }
-    dataset = {"uri": "u", "created_at": "c", "train_shards": [{"sha256": "s"}]}
+    dataset = DatasetRecord.model_construct(
+        uri="u", created_at="c", train_shards=[DatasetShard.model_construct(sha256="s")]
+    )
 
     def fingerprint(**train):
         return training_fingerprint(load_config(data={**data, "train": {**data["train"], **train}}), dataset)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pipeline.records import AcceptanceMetrics, DraftSetting
+
 
 @dataclass(frozen=True)
 class StepCosts:
@@ -43,26 +45,13 @@ class StepCosts:
         }
 
 
-@dataclass(frozen=True)
-class Setting:
-    steps: int
-    topk: int
-    draft_tokens: int
-    tau: float
-    tok_s: float
-    speedup: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def acceptance_levels(evaluation: dict[str, Any], topk: int) -> list[float]:
+def acceptance_levels(evaluation: AcceptanceMetrics, topk: int) -> list[float]:
     if topk == 1:
-        return evaluation["full_acc"]
-    return evaluation.get("full_acc_at", {}).get(str(topk), [])
+        return evaluation.full_acc
+    return evaluation.full_acc_at.get(str(topk), [])
 
 
-def predicted_tau(evaluation: dict[str, Any], steps: int, topk: int) -> float:
+def predicted_tau(evaluation: AcceptanceMetrics, steps: int, topk: int) -> float:
     return 1.0 + sum(acceptance_levels(evaluation, topk)[:steps])
 
 
@@ -79,8 +68,8 @@ def candidate_settings(
 
 
 def rank_settings(
-    evaluation: dict[str, Any], costs: StepCosts, settings: list[tuple[int, int, int]]
-) -> list[Setting]:
+    evaluation: AcceptanceMetrics, costs: StepCosts, settings: list[tuple[int, int, int]]
+) -> list[DraftSetting]:
     """Every setting the evaluation and the measured costs allow, best predicted speed first."""
     ranked = []
     for steps, topk, tokens in settings:
@@ -90,6 +79,13 @@ def rank_settings(
         tau = predicted_tau(evaluation, steps, topk)
         tok_s = tau / costs.cycle(steps, topk, tokens)
         ranked.append(
-            Setting(steps, topk, tokens, round(tau, 4), round(tok_s, 2), round(tok_s * costs.target_step, 4))
+            DraftSetting(
+                steps=steps,
+                topk=topk,
+                draft_tokens=tokens,
+                tau=round(tau, 4),
+                tok_s=round(tok_s, 2),
+                speedup=round(tok_s * costs.target_step, 4),
+            )
         )
     return sorted(ranked, key=lambda s: -s.tok_s)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import PROJECT_ROOT
+from pipeline.retrying import poll_until
 
 COMPONENTS = {
     "api-server": ["api-server", "--host", "127.0.0.1", "--port", "{port}"],
@@ -77,16 +78,15 @@ def _airflow() -> str:
 def wait_healthy(port: int, timeout_s: float) -> None:
     import requests
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         try:
             health = requests.get(f"http://127.0.0.1:{port}/api/v2/monitor/health", timeout=30).json()
-            if all(health.get(part, {}).get("status") == "healthy" for part in ("metadatabase", "scheduler")):
-                return
         except (requests.RequestException, ValueError):
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"Airflow on 127.0.0.1:{port} did not become healthy in {timeout_s:.0f}s")
+            return False
+        return all(health.get(part, {}).get("status") == "healthy" for part in ("metadatabase", "scheduler"))
+
+    if not poll_until(healthy, timeout_s, poll_s=1.0):
+        raise RuntimeError(f"Airflow on 127.0.0.1:{port} did not become healthy in {timeout_s:.0f}s")
 
 
 def up(

@@ -85,6 +85,7 @@ from typing import Any
 import yaml
 
 from pipeline.dev.cluster_api import ApiServer, Rbac
+from pipeline.storage import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -1155,11 +1156,10 @@ def _hosts_text(entries: list[tuple[str, list[str]]]) -> str:
 
 
 def _replace(path: Path, text: str) -> None:
-    """Write a file by renaming a new one over it: a reader sees the whole old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".new")
-    temporary.write_text(text)
-    os.replace(temporary, path)
+    """Write a file by renaming a new one over it: a reader sees the whole old file or the whole new one. Not
+    flushed to disk: the cluster's files last as long as it does, and pods wait on their DNS being written."""
+    with atomic_write(path, durable=False) as partial:
+        partial.write_text(text)
 
 
 class LogStream:

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from pipeline.dev.json_http import send_json
+
 if TYPE_CHECKING:
     from pipeline.dev.cluster import LocalCluster
 
@@ -345,12 +347,7 @@ def _handler(cluster: LocalCluster) -> type[BaseHTTPRequestHandler]:
             except Exception:  # a fault of this server, answered as the API server does
                 log.exception("API %s %s failed", self.command, self.path)
                 code, payload = 500, ApiError(500, "InternalError", "an error on the server").status()
-            data = json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            send_json(self, code, json.dumps(payload).encode())
 
         do_GET = do_PATCH = do_POST = do_PUT = do_DELETE = _answer
 

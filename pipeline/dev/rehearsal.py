@@ -47,6 +47,7 @@ import yaml
 
 from pipeline.config import PROJECT_ROOT, TinyTargetRecipe
 from pipeline.dev.cluster import LocalCluster, LocalImage, LocalNode, LocalPod, use_local_cluster
+from pipeline.retrying import await_health
 
 log = logging.getLogger("drafter.rehearsal")
 
@@ -207,18 +208,16 @@ def run_drafter(command: str) -> str:
     import shlex
 
     argv = shlex.split(command)
-    out = subprocess.run(
-        [
-            str(PROJECT_ROOT / ".venv" / "bin" / argv[0]) if (PROJECT_ROOT / ".venv").is_dir() else argv[0],
-            *argv[1:],
-        ],
-        capture_output=True,
-        text=True,
-        cwd=PROJECT_ROOT,
-        timeout=600,
-    )
+    if (PROJECT_ROOT / ".venv").is_dir():
+        argv[0] = str(PROJECT_ROOT / ".venv" / "bin" / argv[0])
+    return _output(argv, command, timeout=600, cwd=PROJECT_ROOT)
+
+
+def _output(argv: list[str], shown: str, timeout: float, cwd: Path | None = None) -> str:
+    """The standard output of a command that must succeed; `shown` names it when it fails."""
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=cwd, timeout=timeout)
     if out.returncode != 0:
-        raise RehearsalFailed(f"`{command}` exited {out.returncode}: {out.stderr[-2000:]}")
+        raise RehearsalFailed(f"`{shown}` exited {out.returncode}: {out.stderr[-2000:]}")
     return out.stdout
 
 
@@ -346,15 +345,7 @@ def airflow_command(command: str) -> str:
     import shlex
 
     argv = shlex.split(command.split(" -- ", 1)[1])
-    out = subprocess.run(
-        [str(Path(sys.executable).with_name("airflow")), *argv[1:]],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if out.returncode != 0:
-        raise RehearsalFailed(f"`{' '.join(argv)}` exited {out.returncode}: {out.stderr[-2000:]}")
-    return out.stdout
+    return _output([str(Path(sys.executable).with_name("airflow")), *argv[1:]], " ".join(argv), timeout=300)
 
 
 def capture_server_info(cluster: LocalCluster):
@@ -476,20 +467,14 @@ def start_reference_server(model_dir: Path, workspace: Path, processes: list[sub
 
 def _await_health(url: str, gone, timeout_s: float) -> None:
     """Wait for `url`/health to answer 200; `gone()` says why the server will never come (else None)."""
-    import requests
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def check() -> None:
         reason = gone()
         if reason:
             raise RehearsalFailed(f"{url}: {reason}")
-        try:
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise RehearsalFailed(f"{url} was not healthy within {timeout_s:.0f} s")
+
+    if not await_health(url, timeout_s, check):
+        raise RehearsalFailed(f"{url} was not healthy within {timeout_s:.0f} s")
 
 
 def _exited(process: subprocess.Popen):
@@ -517,14 +502,9 @@ def start_airflow(workspace: Path, cluster: LocalCluster):
     """Airflow's metadata database and the DAGs, parsed with the Kubernetes deployment."""
     if str(PROJECT_ROOT / "dags") not in sys.path:
         sys.path.insert(0, str(PROJECT_ROOT / "dags"))
-    migrate = subprocess.run(
-        [str(Path(sys.executable).with_name("airflow")), "db", "migrate"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    _output(
+        [str(Path(sys.executable).with_name("airflow")), "db", "migrate"], "airflow db migrate", timeout=600
     )
-    if migrate.returncode != 0:
-        raise RehearsalFailed(f"airflow db migrate failed: {migrate.stderr[-2000:]}")
     use_local_cluster(cluster)
     parsed_dag("drafter_data")
 

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import torch
 
+from pipeline.dev.json_http import send_json
+
 if TYPE_CHECKING:
     from pipeline.drafter.model import Eagle3Drafter
 
@@ -146,49 +148,25 @@ class StandinBackend:
     def _decode(
         self, ids: list[int], max_new_tokens: int, ignore_eos: bool
     ) -> tuple[list[int], dict[str, Any]]:
-        from pipeline.decoding.reference_decoder import (
-            EagleProposer,
-            NgramProposer,
-            TargetRunner,
-            greedy_decode,
-            speculative_decode,
-            tree_speculative_decode,
-        )
+        from pipeline.decoding import reference_decoder as decoder
 
         eos = None if ignore_eos else self.tokenizer.eos_token_id
+        plain = decoder.TargetRunner(self.model, None)
         if self.algorithm is None:
-            return greedy_decode(TargetRunner(self.model, None), ids, max_new_tokens, eos).tokens, {}
+            return decoder.greedy_decode(plain, ids, max_new_tokens, eos).tokens, {}
         if self.algorithm == "NGRAM":
-            result = speculative_decode(
-                TargetRunner(self.model, None),
-                NgramProposer(),
-                ids,
-                max_new_tokens,
-                eos,
-                self.draft_tokens - 1,
-            )
+            ngram = decoder.NgramProposer()
+            result = decoder.speculative_decode(plain, ngram, ids, max_new_tokens, eos, self.draft_tokens - 1)
         elif self.drafter is None:  # only EAGLE3, which loads one, is served besides NGRAM
             raise ValueError(f"speculative algorithm {self.algorithm} has no draft model")
-        elif self.topk == 1:
-            result = speculative_decode(
-                TargetRunner(self.model, self.draft_layers),
-                EagleProposer(self.drafter),
-                ids,
-                max_new_tokens,
-                eos,
-                self.num_steps,
-            )
         else:
-            result = tree_speculative_decode(
-                TargetRunner(self.model, self.draft_layers),
-                EagleProposer(self.drafter),
-                ids,
-                max_new_tokens,
-                eos,
-                self.num_steps,
-                self.topk,
-                self.draft_tokens,
-            )
+            target = decoder.TargetRunner(self.model, self.draft_layers)
+            eagle = decoder.EagleProposer(self.drafter)
+            if self.topk == 1:
+                result = decoder.speculative_decode(target, eagle, ids, max_new_tokens, eos, self.num_steps)
+            else:
+                tree = (self.num_steps, self.topk, self.draft_tokens)
+                result = decoder.tree_speculative_decode(target, eagle, ids, max_new_tokens, eos, *tree)
         verify = max(1, result.verify_forwards)
         accept_length = len(result.tokens) / verify
         self.accept_lengths.append(accept_length)
@@ -266,12 +244,7 @@ def make_handler(backend: StandinBackend):
             pass
 
         def _send(self, status: int, payload: Any) -> None:
-            body = orjson.dumps(payload)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send_json(self, status, orjson.dumps(payload))
 
         def do_GET(self) -> None:
             if self.path in ("/health", "/health_generate"):

@@ -41,6 +41,28 @@ class DrafterArch:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def uniform(
+        cls,
+        hidden_size: int,
+        num_heads: int,
+        ffn_multiple: int,
+        vocab: tuple[int, int],
+        aux_layer_ids: list[int],
+    ) -> DrafterArch:
+        """A drafter with as many key/value heads as query heads, head_dim hidden_size / num_heads and an
+        FFN ffn_multiple times the hidden size; vocab is (target vocabulary, draft vocabulary)."""
+        return cls(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            num_kv_heads=num_heads,
+            head_dim=hidden_size // num_heads,
+            intermediate_size=ffn_multiple * hidden_size,
+            vocab_size=vocab[0],
+            draft_vocab_size=vocab[1],
+            aux_layer_ids=aux_layer_ids,
+        )
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):

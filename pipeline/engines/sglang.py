@@ -16,7 +16,6 @@ entries, the first null; prompt log-probs are a temperature-1 log-softmax of the
 from __future__ import annotations
 
 import logging
-import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import cycle
@@ -37,12 +36,17 @@ from pipeline.engines import (
     SamplingParams,
     TeacherRequest,
 )
+from pipeline.retrying import retrying
 
 log = logging.getLogger(__name__)
 # The one SGLang version captures and serving run on (layer-id semantics changed between releases);
 # docker/sglang.Dockerfile installs exactly this one.
 SGLANG_VERSION = "0.5.23"
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class _Transient(Exception):
+    """A failed attempt another may not repeat: a timeout, a dropped connection, a 5xx, a truncated body."""
 
 
 class SGLangClient:
@@ -70,49 +74,58 @@ class SGLangClient:
         return orjson.loads(self.post_raw(path, payload))
 
     def post_raw(self, path: str, payload: dict[str, Any]) -> bytes:
-        """The response body of a successful POST, retried on timeouts, connection errors and 5xx."""
+        """The response body of a successful POST, retried on timeouts, connection errors, 5xx and
+        truncated bodies (with backoff, within the request's deadline); other errors are not retried."""
+        body = orjson.dumps(payload)
+        attempts = self.settings.retries + 1
+        deadline = time.monotonic() + (self.settings.deadline_s or self.settings.timeout_s * attempts)
+        tried = 0
+
+        def attempt() -> bytes:
+            nonlocal tried
+            tried += 1
+            return self._post_once(path, body, deadline)
+
+        def note(error: BaseException, retry: int, pause: float) -> None:
+            log.warning("SGLang request failed (%s); retry %d in %.1fs", error, retry, pause)
+
+        try:
+            return retrying(
+                attempts,
+                _Transient,
+                first_pause_s=0.5,
+                max_pause_s=30.0,
+                jitter=True,
+                deadline=deadline,
+                note=note,
+            )(attempt)
+        except _Transient as err:
+            cut_short = "; the request's deadline passed" if tried < attempts else ""
+            raise EngineUnavailable(
+                f"SGLang request failed after {tried} attempts: {err}{cut_short}"
+            ) from err
+
+    def _post_once(self, path: str, body: bytes, deadline: float) -> bytes:
         import requests
 
-        body = orjson.dumps(payload)
-        last_error = "no attempt made"
-        deadline = time.monotonic() + (
-            self.settings.deadline_s or self.settings.timeout_s * (self.settings.retries + 1)
-        )
-        for attempt in range(self.settings.retries + 1):
-            url = self._url() + path
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                last_error += "; the request's deadline passed"
-                break
-            try:
-                response = self.session.post(
-                    url,
-                    data=body,
-                    headers={"Content-Type": "application/json"},
-                    timeout=min(self.settings.timeout_s, remaining),
-                )
-            except (requests.ConnectionError, requests.Timeout) as err:
-                last_error = f"{type(err).__name__} from {url}"
-            else:
-                if response.status_code == 200:
-                    if _complete_json(response.content):
-                        return response.content
-                    last_error = f"truncated or invalid JSON from {url}"
-                elif response.status_code in RETRYABLE_STATUS:
-                    last_error = f"HTTP {response.status_code} from {url}"
-                else:
-                    raise EngineError(
-                        f"SGLang rejected the request at {url}: HTTP {response.status_code} "
-                        f"{_error_message(response)}"
-                    )
-            if attempt < self.settings.retries:
-                delay = min(30.0, 0.5 * 2**attempt, max(0.0, deadline - time.monotonic())) * (
-                    0.5 + random.random()
-                )
-                log.warning("SGLang request failed (%s); retry %d in %.1fs", last_error, attempt + 1, delay)
-                time.sleep(delay)
-        raise EngineUnavailable(
-            f"SGLang request failed after {self.settings.retries + 1} attempts: {last_error}"
+        url = self._url() + path
+        try:
+            response = self.session.post(
+                url,
+                data=body,
+                headers={"Content-Type": "application/json"},
+                timeout=min(self.settings.timeout_s, max(deadline - time.monotonic(), 0.01)),
+            )
+        except (requests.ConnectionError, requests.Timeout) as err:
+            raise _Transient(f"{type(err).__name__} from {url}") from err
+        if response.status_code == 200:
+            if _complete_json(response.content):
+                return response.content
+            raise _Transient(f"truncated or invalid JSON from {url}")
+        if response.status_code in RETRYABLE_STATUS:
+            raise _Transient(f"HTTP {response.status_code} from {url}")
+        raise EngineError(
+            f"SGLang rejected the request at {url}: HTTP {response.status_code} {_error_message(response)}"
         )
 
     def get(self, path: str) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 from pipeline.config import SGLangBenchConfig, SGLangClientConfig
 from pipeline.engines import EngineError
 from pipeline.ops.registry import sglang_flags
+from pipeline.retrying import await_health
 
 log = logging.getLogger(__name__)
 
@@ -62,31 +63,24 @@ def launch_command(settings: SGLangBenchConfig, method: str, drafter_dir: Path |
 @contextmanager
 def running_server(command: list[str], settings: SGLangBenchConfig) -> Iterator[str]:
     """A server process for the duration of the block; its base URL, once /health answers."""
-    import requests
-
     url = f"http://{settings.host}:{settings.port}"
     with tempfile.TemporaryFile() as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def exited() -> None:
+            if process.poll() is not None:
+                output.seek(0)
+                tail = output.read()[-2000:].decode(errors="replace")
+                raise SGLangBenchmarkFailed(
+                    f"the server exited with code {process.returncode} before it was "
+                    f"ready: {' '.join(command)}\n{tail}"
+                )
+
         try:
-            deadline = time.monotonic() + settings.startup_timeout_s
-            while True:
-                if process.poll() is not None:
-                    output.seek(0)
-                    tail = output.read()[-2000:].decode(errors="replace")
-                    raise SGLangBenchmarkFailed(
-                        f"the server exited with code {process.returncode} before it was "
-                        f"ready: {' '.join(command)}\n{tail}"
-                    )
-                try:
-                    if requests.get(url + "/health", timeout=5).status_code == 200:
-                        break
-                except requests.RequestException:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SGLangBenchmarkFailed(
-                        f"the server did not become healthy in {settings.startup_timeout_s}s"
-                    )
-                time.sleep(0.5)
+            if not await_health(url, settings.startup_timeout_s, exited, poll_s=0.5):
+                raise SGLangBenchmarkFailed(
+                    f"the server did not become healthy in {settings.startup_timeout_s}s"
+                )
             yield url
         finally:
             _stop(process)
@@ -127,7 +121,19 @@ def summarize_responses(responses: list[dict[str, Any]], seconds: float) -> dict
     return summary
 
 
-def measure(url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int) -> dict[str, Any]:
+def batches(items: list[Any], rounds: int) -> list[list[Any]]:
+    """`items` in `rounds` consecutive batches of (nearly) equal size, none empty."""
+    rounds = min(rounds, len(items))
+    size, extra = divmod(len(items), rounds)
+    bounds = [i * size + min(i, extra) for i in range(rounds + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(rounds)]
+
+
+def measure(
+    url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int, rounds: int
+) -> dict[str, Any]:
+    """The prompts sent in `rounds` batches after a warm-up request; each batch's tokens/s is one sample
+    of the speed (`round_tok_s`), paired across methods by batch."""
     from pipeline.engines.sglang import SGLangClient
 
     client = SGLangClient(SGLangClientConfig(urls=[url], concurrency=concurrency, retries=0, timeout_s=900))
@@ -135,13 +141,20 @@ def measure(url: str, prompts: list[list[int]], max_new_tokens: int, concurrency
         {"input_ids": p, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
         for p in prompts
     ]
+    responses, round_tok_s, seconds = [], [], 0.0
     try:
         client.map("/generate", payloads[:1])  # warm-up
-        started = time.perf_counter()
-        responses = client.map("/generate", payloads)
+        for batch in batches(payloads, rounds):
+            started = time.perf_counter()
+            answered = client.map("/generate", batch)
+            elapsed = time.perf_counter() - started
+            tokens = sum(int(r["meta_info"]["completion_tokens"]) for r in answered)
+            responses += answered
+            round_tok_s.append(round(tokens / elapsed, 2))
+            seconds += elapsed
     except EngineError as err:
         raise SGLangBenchmarkFailed(f"benchmark request to {url} failed: {err}") from err
-    return summarize_responses(responses, time.perf_counter() - started)
+    return {**summarize_responses(responses, seconds), "round_tok_s": round_tok_s}
 
 
 def run_methods(
@@ -153,5 +166,5 @@ def run_methods(
         command = launch_command(settings, method, drafters.get(method))
         log.info("benchmark %s: %s", method, " ".join(command))
         with running_server(command, settings) as url:
-            methods[method] = measure(url, prompts, max_new_tokens, settings.concurrency)
+            methods[method] = measure(url, prompts, max_new_tokens, settings.concurrency, settings.rounds)
     return methods

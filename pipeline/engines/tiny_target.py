@@ -34,9 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from pipeline.config import TinyTargetRecipe
-from pipeline.locking import file_lock
 from pipeline.progress import Progress
+from pipeline.storage import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -263,23 +265,30 @@ def token_stream(tokenizer, turns: list[CodeTurn], render=chat_text):
     return torch.tensor(ids, dtype=torch.long)
 
 
+def _backbone_config(recipe: TinyTargetRecipe, tokenizer) -> dict[str, Any]:
+    """The model config settings both tiny architectures take from the recipe and the tokenizer."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": recipe.hidden_size,
+        "intermediate_size": recipe.intermediate_size,
+        "num_hidden_layers": recipe.num_layers,
+        "num_attention_heads": recipe.num_heads,
+        "num_key_value_heads": recipe.num_heads,
+        "tie_word_embeddings": False,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def build_model(recipe: TinyTargetRecipe, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_heads,
+        **_backbone_config(recipe, tokenizer),
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
         bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
 
@@ -456,22 +465,8 @@ def build_kimi_model(recipe: TinyTargetRecipe, tokenizer):
     if shape is None:
         raise ValueError("a tiny Kimi model needs recipe.deepseek_v3 (architecture 'deepseek_v3')")
     config = TinyKimiConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=recipe.hidden_size,
-        intermediate_size=recipe.intermediate_size,
-        num_hidden_layers=recipe.num_layers,
-        num_attention_heads=recipe.num_heads,
-        num_key_value_heads=recipe.num_heads,
-        q_lora_rank=shape.q_lora_rank,
-        kv_lora_rank=shape.kv_lora_rank,
-        qk_nope_head_dim=shape.qk_nope_head_dim,
-        qk_rope_head_dim=shape.qk_rope_head_dim,
-        v_head_dim=shape.v_head_dim,
-        n_routed_experts=shape.n_routed_experts,
-        n_shared_experts=shape.n_shared_experts,
-        num_experts_per_tok=shape.num_experts_per_tok,
-        moe_intermediate_size=shape.moe_intermediate_size,
-        first_k_dense_replace=shape.first_k_dense_replace,
+        **_backbone_config(recipe, tokenizer),
+        **shape.model_dump(),  # MLA and MoE sizes, named as DeepSeek-V3's config names them
         n_group=1,
         topk_group=1,
         routed_scaling_factor=2.827,
@@ -480,10 +475,7 @@ def build_kimi_model(recipe: TinyTargetRecipe, tokenizer):
         max_position_embeddings=KIMI_MAX_POSITION_EMBEDDINGS,
         rope_parameters=dict(KIMI_ROPE_PARAMETERS),
         rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     config.auto_map = dict(KIMI_AUTO_MAP)
     return TinyKimiForCausalLM(config)
@@ -610,10 +602,8 @@ def cached_corpus_hash(cache_dir: Path, max_modules: int | None) -> tuple[str, l
             "no training text found in the Python standard library; cannot build the tiny target"
         )
     index[fingerprint] = corpus_hash(turns)
-    index_path.parent.mkdir(parents=True, exist_ok=True)
-    staging = index_path.with_name(f".{index_path.name}.{os.getpid()}")
-    staging.write_text(json.dumps(index))
-    os.replace(staging, index_path)
+    with atomic_write(index_path) as partial:
+        partial.write_text(json.dumps(index))
     return index[fingerprint], turns
 
 
@@ -624,7 +614,7 @@ def ensure_tiny_target(recipe: TinyTargetRecipe, cache_dir: str | Path) -> Path:
     if (directory / "build.json").exists():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(directory.with_suffix(".lock")):
+    with FileLock(directory.with_suffix(".lock")):
         if (directory / "build.json").exists():
             return directory
         turns = turns or corpus_turns(heldout=False, max_modules=recipe.max_corpus_modules)

@@ -82,40 +82,41 @@ def measured_rates(config: RunConfig, run_id: str) -> dict[str, Any]:
     it trained on), as PlanAssumptions fields plus where each came from."""
     from pipeline import layout
     from pipeline.manifest import read_listed, read_manifest
-    from pipeline.stages.capture import _finished_marker
-    from pipeline.stages.generate import _finished_shard
+    from pipeline.records import read_dataset
+    from pipeline.stages.capture import finished_marker
+    from pipeline.stages.generate import finished_shard
     from pipeline.storage import open_store
 
     store = open_store(config.storage)
-    train_prefix = f"{layout.run_prefix(run_id)}/train"
+    train_prefix = layout.run_stage_prefix(run_id, "train")
     train = read_manifest(store, train_prefix, kind="train")
-    dataset = read_manifest(store, store.key_for(train["dataset"]), kind="dataset")
-    capture_prefix = store.key_for(dataset["captures"][0])
+    dataset = read_dataset(store, train["dataset"])
+    capture_prefix = store.key_for(dataset.captures[0])
     capture = read_manifest(store, capture_prefix, kind="capture")
     responses_prefix = store.key_for(capture["responses"])
     responses = read_manifest(store, responses_prefix, kind="responses")
-    totals = dataset["totals"]["train"]
-    if not totals["samples"]:
+    totals = dataset.totals["train"]
+    if not totals.samples:
         raise PlanError(f"run {run_id}'s dataset has no training samples to measure")
     rates: dict[str, Any] = {
-        "prompt_tokens_mean": (totals["tokens"] - totals["assistant_tokens"]) / totals["samples"],
-        "response_tokens_mean": totals["assistant_tokens"] / totals["samples"],
+        "prompt_tokens_mean": (totals.tokens - totals.assistant_tokens) / totals.samples,
+        "response_tokens_mean": totals.assistant_tokens / totals.samples,
     }
     captured = {
-        shard["name"].replace(".safetensors", ".jsonl"): shard
-        for shard in dataset["train_shards"] + dataset["eval_shards"]
+        shard.name.replace(".safetensors", ".jsonl"): shard
+        for shard in dataset.train_shards + dataset.eval_shards
     }
     generate_rates, capture_rates = [], []
     for shard in responses["shards"]:
         stats = captured.get(shard["name"])
-        generated = _finished_shard(store, responses_prefix, shard["name"]) or {}
+        generated = finished_shard(store, responses_prefix, shard["name"]) or {}
         timing = generated.get("timing")
         if stats and timing and timing["seconds"] > 0 and not generated["counts"].get("skipped"):
-            generate_rates.append(stats["assistant_tokens"] / timing["seconds"] / timing["servers"])
-        marker = _finished_marker(store, capture_prefix, shard, capture["contract"]) or {}
+            generate_rates.append(stats.assistant_tokens / timing["seconds"] / timing["servers"])
+        marker = finished_marker(store, capture_prefix, shard, capture["contract"]) or {}
         timing = marker.get("timing")
         if stats and timing and timing["seconds"] > 0:
-            capture_rates.append(stats["tokens"] / timing["seconds"] / timing["servers"])
+            capture_rates.append(stats.tokens / timing["seconds"] / timing["servers"])
     if generate_rates:
         rates["generate_tok_s_per_server"] = statistics.median(generate_rates)
     if capture_rates:
@@ -124,7 +125,7 @@ def measured_rates(config: RunConfig, run_id: str) -> dict[str, Any]:
     steps, seconds = result.get("steps_this_attempt"), result.get("seconds_this_attempt")
     if steps and seconds and result.get("steps_per_epoch"):
         epochs = steps / result["steps_per_epoch"]
-        rates["train_tok_s_per_gpu"] = totals["tokens"] * epochs / seconds / result["world_size"]
+        rates["train_tok_s_per_gpu"] = totals.tokens * epochs / seconds / result["world_size"]
     return {
         "rates": rates,
         "source": {

@@ -23,6 +23,7 @@ from pydantic import Field
 
 from pipeline.config import ConfigError, RunConfig, Strict
 from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError
+from pipeline.retrying import answers_health
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def scale_up(
         fleet.ready_timeout_seconds,
     )
     try:
-        _await_ready(api, fleet, replicas, urls, healthy or _answers_health, started)
+        _await_ready(api, fleet, replicas, urls, healthy or answers_health, started)
     except FleetNotReady:
         scale_down(fleet, api)
         raise
@@ -165,12 +166,3 @@ def _ready_replicas(api: KubernetesApi, fleet: ServerFleet) -> int:
         )
         return 0
     return int(status.get("readyReplicas") or 0)
-
-
-def _answers_health(url: str) -> bool:
-    import requests
-
-    try:
-        return requests.get(f"{url.rstrip('/')}/health", timeout=10).status_code == 200
-    except requests.RequestException:
-        return False

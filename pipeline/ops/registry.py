@@ -21,7 +21,7 @@ from pipeline import layout
 from pipeline.drafter.export import CONFIG_NAME, DRAFTER_FILES, WEIGHTS_NAME, read_drafter_dir
 from pipeline.ids import validate_id
 from pipeline.manifest import MANIFEST_NAME, manifest_exists, now_iso, publish, read_manifest
-from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, sha256_file
+from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atomic_write, sha256_file
 
 log = logging.getLogger(__name__)
 README_NAME = "README.md"
@@ -57,11 +57,8 @@ def write_serving_flags(path: str | Path, flags: list[str]) -> None:
     """The flags as one shell-quoted line, replaced atomically (a server reading it sees all or nothing)."""
     import shlex
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(shlex.join(flags) + "\n")
-    os.replace(partial, path)
+    with atomic_write(path) as partial:
+        partial.write_text(shlex.join(flags) + "\n")
 
 
 def model_card(target: str, version: str, lineage: dict[str, Any], flags: list[str]) -> str:
@@ -122,7 +119,7 @@ def read_alias(store: ObjectStore, target: str, alias: str) -> dict[str, Any] | 
 def _record_history(store: ObjectStore, target: str, alias: str, record: dict[str, Any]) -> None:
     """Append-only: every move gets its own new object (a conditional create never overwrites)."""
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S%fZ")
-    key = f"{layout.alias_history_prefix(target)}/{stamp}-{alias}-{record['version']}.json"
+    key = layout.alias_history_key(target, stamp, alias, record["version"])
     store.put_if(key, json.dumps(record).encode(), None)
 
 
@@ -169,7 +166,7 @@ def earlier_attempt(
 ) -> tuple[str, dict] | None:
     """A version an earlier, interrupted attempt of this same promotion published (same run, same
     weights), so that a rerun reuses it instead of listing a second copy."""
-    prefix = layout.drafter_versions_prefix(target)
+    prefix = layout.registry_prefix(target, "versions")
     depth = len(prefix.split("/"))
     candidates = sorted(
         {
@@ -289,12 +286,13 @@ def rollback(store: ObjectStore, target: str) -> dict[str, Any]:
 
 
 def list_versions(store: ObjectStore, target: str) -> list[dict[str, Any]]:
-    prefix = layout.drafter_versions_prefix(target)
+    prefix = layout.registry_prefix(target, "versions")
     versions = sorted({key.split("/")[len(prefix.split("/"))] for key in store.list(prefix)})
     rows = []
     for version in versions:
-        if manifest_exists(store, f"{prefix}/{version}"):
-            manifest = read_manifest(store, f"{prefix}/{version}", kind="drafter")
+        version_prefix = layout.drafter_version_prefix(target, version)
+        if manifest_exists(store, version_prefix):
+            manifest = read_manifest(store, version_prefix, kind="drafter")
             rows.append(
                 {
                     "version": version,

@@ -8,20 +8,33 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
-import html
+import functools
 import json
 import logging
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import jinja2
 import yaml
 
 from pipeline import layout
-from pipeline.manifest import manifest_exists, publish, read_listed, read_manifest
+from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.ops import registry
-from pipeline.stages import StageResult
+from pipeline.records import (
+    AcceptanceMetrics,
+    AliasRecord,
+    BenchRecord,
+    EvalRecord,
+    GateRecord,
+    IncumbentEval,
+    MethodResult,
+    PromoteRecord,
+    RatioInterval,
+    StageRecord,
+    read_record,
+)
 from pipeline.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -41,57 +54,55 @@ class RunRecord:
     run_id: str
     config: dict[str, Any] | None = None
     train: dict[str, Any] | None = None
-    eval: dict[str, Any] | None = None
-    gate: dict[str, Any] | None = None
-    bench: dict[str, Any] | None = None
-    promote: dict[str, Any] | None = None
+    eval: EvalRecord | None = None
+    gate: GateRecord | None = None
+    bench: BenchRecord | None = None
+    promote: PromoteRecord | None = None
     created_at: str | None = None
     stages: list[str] = field(default_factory=list)
 
     @property
     def outcome(self) -> str:
         if self.promote is not None:
-            return f"promoted {self.promote['version']}" if self.promote.get("promoted") else "not promoted"
-        if self.gate is not None and not self.gate["passed"]:
+            return f"promoted {self.promote.version}" if self.promote.promoted else "not promoted"
+        if self.gate is not None and not self.gate.passed:
             return "gate rejected"
-        if self.bench is not None and not self.bench.get("decision", {}).get("promotable", True):
+        if self.bench is not None and not self.bench.decision.promotable:
             return "benchmark refused"
         return "incomplete" if self.stages else "no artifacts"
 
 
-def _stage_json(
-    store: ObjectStore, run_id: str, stage: str, name: str | None
-) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    prefix = f"{layout.run_prefix(run_id)}/{stage}"
-    if not manifest_exists(store, prefix):
-        return None, None
-    manifest = read_manifest(store, prefix)
-    if name is None:
-        return manifest, manifest
-    return manifest, json.loads(read_listed(store, prefix, manifest, name))
+S = TypeVar("S", bound=StageRecord)
+
+
+def _stage_record(
+    store: ObjectStore, run: RunRecord, stage: layout.RunStage, record_type: type[S]
+) -> S | None:
+    """The stage's record when the stage published one (noting the stage and its time on `run`)."""
+    stage_prefix = layout.run_stage_prefix(run.run_id, stage)
+    if not manifest_exists(store, stage_prefix):
+        return None
+    manifest = read_manifest(store, stage_prefix, kind=record_type.KIND)
+    run.stages.append(record_type.KIND)
+    run.created_at = max(run.created_at or "", manifest["created_at"])
+    return read_record(store, stage_prefix, record_type)
 
 
 def load_run(store: ObjectStore, run_id: str) -> RunRecord:
     record = RunRecord(run_id)
-    train_manifest, _ = _stage_json(store, run_id, "train", None)
+    train_prefix = layout.run_stage_prefix(run_id, "train")
+    train_manifest = read_manifest(store, train_prefix) if manifest_exists(store, train_prefix) else None
     if train_manifest is not None:
         record.train, record.created_at = train_manifest, train_manifest["created_at"]
-    config_key = f"{layout.run_prefix(run_id)}/config.json"
+    config_key = layout.run_file_key(run_id, "config.json")
     if store.exists(config_key):
         record.config = json.loads(store.get_bytes(config_key))
     elif train_manifest is not None:
         record.config = {"train": train_manifest.get("config")}
-    for stage, name in (
-        ("eval", "eval.json"),
-        ("gate", "gate.json"),
-        ("bench", "bench.json"),
-        ("promote", "promote.json"),
-    ):
-        manifest, data = _stage_json(store, run_id, stage, name)
-        setattr(record, stage, data)
-        if manifest is not None:
-            record.stages.append(stage)
-            record.created_at = max(record.created_at or "", manifest["created_at"])
+    record.eval = _stage_record(store, record, "eval", EvalRecord)
+    record.gate = _stage_record(store, record, "gate", GateRecord)
+    record.bench = _stage_record(store, record, "bench", BenchRecord)
+    record.promote = _stage_record(store, record, "promote", PromoteRecord)
     if train_manifest is not None:
         record.stages.insert(0, "train")
     return record
@@ -99,7 +110,7 @@ def load_run(store: ObjectStore, run_id: str) -> RunRecord:
 
 def list_runs(store: ObjectStore, limit: int = 10) -> list[RunRecord]:
     """The newest runs that trained something, newest first."""
-    run_ids = {key.split("/")[1] for key in store.list("runs") if key.endswith("/train/manifest.json")}
+    run_ids = layout.published_run_ids(store.list(layout.RUNS), "train")
     records = [load_run(store, run_id) for run_id in run_ids]
     return sorted(records, key=lambda r: r.created_at or "", reverse=True)[:limit]
 
@@ -132,8 +143,10 @@ def plot_training(record: RunRecord, path: Path) -> bool:
     loss_ax, acc_ax = axes[0]
     epochs = [entry["epoch"] + 1 for entry in history]
     steps = len(history[0]["loss"])
-    thresholds = ((record.gate or {}).get("thresholds") or (record.config or {}).get("gate") or {}).get(
-        "min_cond_acc", []
+    thresholds = (
+        record.gate.thresholds.min_cond_acc
+        if record.gate is not None
+        else ((record.config or {}).get("gate") or {}).get("min_cond_acc", [])
     )
     for k in range(steps):
         color = COLORS[k % len(COLORS)]
@@ -167,15 +180,13 @@ def plot_training(record: RunRecord, path: Path) -> bool:
     return True
 
 
-def _bench_methods(record: RunRecord) -> dict[str, dict[str, Any]]:
-    return (record.bench or {}).get("methods") or {}
+def _bench_methods(record: RunRecord) -> dict[str, MethodResult]:
+    return record.bench.methods.present() if record.bench is not None else {}
 
 
 def plot_acceptance(record: RunRecord, path: Path) -> bool:
     methods = {
-        name: m["accepted_histogram"]
-        for name, m in _bench_methods(record).items()
-        if m.get("accepted_histogram")
+        name: m.accepted_histogram for name, m in _bench_methods(record).items() if m.accepted_histogram
     }
     if not methods:
         return False
@@ -206,9 +217,9 @@ def plot_throughput(record: RunRecord, path: Path) -> bool:
         return False
     fig, axes = _figure()
     ax = axes[0][0]
-    speeds = [methods[name]["tok_s"] for name in order]
+    speeds = [methods[name].tok_s for name in order]
     bars = ax.bar(order, speeds, color=[COLORS[i] for i in range(len(order))])
-    base = methods.get("baseline", {}).get("tok_s")
+    base = methods["baseline"].tok_s if "baseline" in methods else None
     for bar, speed in zip(bars, speeds, strict=True):
         label = f"{speed:,.1f}" + (f"\n{speed / base:.2f}x" if base else "")
         ax.annotate(
@@ -220,10 +231,10 @@ def plot_throughput(record: RunRecord, path: Path) -> bool:
     return True
 
 
-def _predicted_curve(evaluation: dict[str, Any], topk: int) -> list[float] | None:
-    if topk > 1 and str(topk) in (evaluation.get("full_acc_at") or {}):
-        return evaluation["full_acc_at"][str(topk)]
-    return evaluation.get("full_acc")
+def _predicted_curve(evaluation: AcceptanceMetrics, topk: int) -> list[float]:
+    if topk > 1 and str(topk) in evaluation.full_acc_at:
+        return evaluation.full_acc_at[str(topk)]
+    return evaluation.full_acc
 
 
 def _measured_curve(histogram: list[int]) -> list[float]:
@@ -235,14 +246,15 @@ def plot_predicted_vs_measured(record: RunRecord, path: Path) -> bool:
     methods, bench = _bench_methods(record), record.bench
     if record.eval is None or bench is None or not methods:
         return False
-    topk = bench.get("topk", 1)
-    pairs = [("candidate", record.eval), ("incumbent", record.eval.get("incumbent"))]
+    topk = bench.topk
+    incumbent = record.eval.incumbent if isinstance(record.eval.incumbent, IncumbentEval) else None
+    pairs: list[tuple[str, AcceptanceMetrics | None]] = [("candidate", record.eval), ("incumbent", incumbent)]
     fig, axes = _figure()
     ax = axes[0][0]
     drawn = False
     for i, (name, evaluation) in enumerate(pairs):
-        histogram = (methods.get(name) or {}).get("accepted_histogram")
-        predicted = _predicted_curve(evaluation or {}, topk)
+        histogram = methods[name].accepted_histogram if name in methods else None
+        predicted = _predicted_curve(evaluation, topk) if evaluation is not None else None
         if not histogram or not predicted:
             continue
         measured = _measured_curve(histogram)
@@ -265,10 +277,9 @@ def plot_predicted_vs_measured(record: RunRecord, path: Path) -> bool:
         return False
     ax.set(xlabel="draft position k", ylabel="P(first k drafts all accepted)", ylim=(0, 1.02))
     ax.set_xticks(range(1, depth + 1))
+    measured_tau = bench.tau_measured if bench.tau_measured is not None else float("nan")
     ax.set_title(
-        f"acceptance length: predicted {bench.get('tau_simulated', float('nan')):.2f}, "
-        f"measured {bench.get('tau_measured', float('nan')):.2f}",
-        fontsize=9,
+        f"acceptance length: predicted {bench.tau_simulated:.2f}, measured {measured_tau:.2f}", fontsize=9
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
@@ -289,132 +300,103 @@ PLOTTERS = {
 
 def serving_flags(store: ObjectStore, record: RunRecord, target: str) -> tuple[list[str], str]:
     """The SGLang flags to serve this run's drafter with, and where they come from."""
-    if record.promote and record.promote.get("promoted"):
-        manifest = read_manifest(
-            store, layout.drafter_version_prefix(target, record.promote["version"]), kind="drafter"
-        )
-        return registry.serving_flags(
-            "<drafter-dir>", manifest["serving"]
-        ), f"registry version {record.promote['version']}"
-    if record.bench:
-        flags = registry.sglang_flags(
-            "<drafter-dir>",
-            record.bench["draft_steps"],
-            record.bench.get("topk", 1),
-            record.bench.get("draft_tokens"),
-        )
+    if record.promote is not None and record.promote.promoted and record.promote.version is not None:
+        version = record.promote.version
+        manifest = read_manifest(store, layout.drafter_version_prefix(target, version), kind="drafter")
+        return registry.serving_flags("<drafter-dir>", manifest["serving"]), f"registry version {version}"
+    if record.bench is not None:
+        bench = record.bench
+        flags = registry.sglang_flags("<drafter-dir>", bench.draft_steps, bench.topk, bench.draft_tokens)
         return flags, "the benchmark's settings (not promoted)"
     return [], ""
 
 
-def _rows(pairs: list[tuple[str, Any]]) -> str:
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:.4g}"
-        if isinstance(value, list):
-            return ", ".join(cell(v) for v in value)
-        return "&ndash;" if value is None else html.escape(str(value))
+def _cell(value: Any) -> str:
+    """A summary value as text (the template escapes it)."""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_cell(v) for v in value)
+    return "\u2013" if value is None else str(value)
 
-    return "".join(f"<tr><th>{html.escape(name)}</th><td>{cell(value)}</td></tr>" for name, value in pairs)
+
+def _interval(speedup: RatioInterval) -> str:
+    return f"{speedup.ratio:.3f} ({speedup.ci_low:.3f}\u2013{speedup.ci_high:.3f}, {speedup.rounds} rounds)"
 
 
 def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
-    evaluation, bench, result = (
-        record.eval or {},
-        record.bench or {},
-        (record.train or {}).get("result") or {},
-    )
+    evaluation, bench, promote = record.eval, record.bench, record.promote
+    train = record.train or {}
+    result = train.get("result") or {}
     return [
         ("outcome", record.outcome),
         ("target", ((record.config or {}).get("target") or {}).get("name")),
-        ("dataset", (record.train or {}).get("dataset")),
+        ("dataset", train.get("dataset")),
         ("training stop", result.get("stop_reason")),
         ("epochs run", result.get("epochs_run")),
         ("train samples", result.get("train_samples")),
-        ("cond_acc_k (eval)", evaluation.get("cond_acc")),
-        ("tau simulated (eval)", evaluation.get("tau_simulated")),
-        ("tau predicted (bench)", bench.get("tau_simulated")),
-        ("tau measured (bench)", bench.get("tau_measured")),
-        ("baseline tok/s", bench.get("baseline_tok_s")),
-        ("candidate tok/s", bench.get("drafter_tok_s")),
-        ("speedup vs baseline", bench.get("speedup_vs_baseline")),
-        ("speedup vs n-gram", bench.get("speedup_vs_ngram")),
-        (
-            "promoted version",
-            (record.promote or {}).get("version") if (record.promote or {}).get("promoted") else None,
-        ),
+        ("cond_acc_k (eval)", evaluation.cond_acc if evaluation else None),
+        ("tau simulated (eval)", evaluation.tau_simulated if evaluation else None),
+        ("tau predicted (bench)", bench.tau_simulated if bench else None),
+        ("tau measured (bench)", bench.tau_measured if bench else None),
+        ("baseline tok/s", bench.baseline_tok_s if bench else None),
+        ("candidate tok/s", bench.drafter_tok_s if bench else None),
+        *[
+            (f"speedup vs {other} ({speedup.confidence:.0%} interval)", _interval(speedup))
+            for other, speedup in (bench.speedups.items() if bench else [])
+        ],
+        ("promoted version", promote.version if promote and promote.promoted else None),
     ]
 
 
-def _gate_section(record: RunRecord) -> str:
-    if record.gate is None:
-        return "<p class=missing>The gate did not run.</p>"
-    rows = "".join(
-        f"<tr class={'pass' if c['passed'] else 'fail'}><td>{html.escape(c['check'])}</td>"
-        f"<td>{c['value']:.4f}</td><td>{c['threshold']:.4f}</td>"
-        f"<td>{'pass' if c['passed'] else 'FAIL'}</td></tr>"
-        for c in record.gate["checks"]
-    )
-    verdict = "passed" if record.gate["passed"] else "rejected the candidate"
-    bench = ""
-    if record.bench and record.bench.get("decision"):
-        decision = record.bench["decision"]
-        reasons = "".join(f"<li>{html.escape(r)}</li>" for r in decision["reasons"])
-        outcome = "promotable" if decision["promotable"] else "refused"
-        bench = f"<p>Benchmark decision: {outcome}</p><ul>{reasons}</ul>"
-    return (
-        f"<p>The gate {verdict}.</p><table><tr><th>check</th><th>value</th><th>threshold</th><th></th></tr>"
-        f"{rows}</table>{bench}"
-    )
+@dataclass(frozen=True)
+class Plot:
+    name: str
+    title: str
+    png: str | None  # base64, None when the plot has no data
+    missing: str  # why not, when png is None
 
 
-STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
-h1{margin-bottom:0}.sub{color:#666;margin-top:.2em}table{border-collapse:collapse;margin:.5em 0}
-th,td{border:1px solid #ddd;padding:.25em .6em;text-align:left;font-size:.9em}th{background:#f5f5f5}
-tr.fail td{background:#fde8e8}tr.pass td{background:#eaf7ea}img{max-width:100%;border:1px solid #eee}
-pre{background:#f7f7f7;padding:.8em;overflow:auto;font-size:.8em}.missing{color:#a00}
-.badge{display:inline-block;padding:.2em .6em;border-radius:.3em;background:#eee;font-weight:600}"""
+@functools.cache
+def _templates() -> jinja2.Environment:
+    environment = jinja2.Environment(
+        loader=jinja2.PackageLoader("pipeline.ops", "templates"),
+        autoescape=True,
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+    environment.filters["cell"] = _cell
+    return environment
 
 
 def render_html(record: RunRecord, images: dict[str, bytes], flags: tuple[list[str], str]) -> str:
-    figures = "".join(
-        f"<h3>{html.escape(PLOTS[name])}</h3><img alt='{name}' src='data:image/png;base64,"
-        f"{base64.b64encode(images[name]).decode()}'>"
-        if name in images
-        else f"<h3>{html.escape(PLOTS[name])}</h3><p class=missing>Not available: "
-        f"{'the run stopped before the benchmark' if name != 'training' else 'no training history'}.</p>"
-        for name in PLOTS
-    )
-    contract = (record.train or {}).get("contract")
-    serving = (
-        (
-            f"<p>From {html.escape(flags[1])}:</p>"
-            f"<pre>python -m sglang.launch_server --model-path &lt;target&gt; "
-            f"{html.escape(' '.join(flags[0]))}</pre>"
+    """report.html from pipeline/ops/templates/report.html.j2; every value is escaped by the template."""
+    plots = [
+        Plot(
+            name,
+            title,
+            base64.b64encode(images[name]).decode() if name in images else None,
+            "no training history" if name == "training" else "the run stopped before the benchmark",
         )
-        if flags[0]
-        else "<p class=missing>No drafter to serve.</p>"
+        for name, title in PLOTS.items()
+    ]
+    contract = (record.train or {}).get("contract")
+    return (
+        _templates()
+        .get_template("report.html.j2")
+        .render(
+            run=record,
+            rendered=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            summary=_summary_rows(record),
+            plots=plots,
+            flags=flags[0],
+            flags_source=flags[1],
+            contract_text=json.dumps(contract, indent=2) if contract else "not recorded",
+            config_text=yaml.safe_dump(record.config, sort_keys=False) if record.config else "not recorded",
+        )
     )
-    stages = html.escape(", ".join(record.stages))
-    rendered = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    contract_text = html.escape(json.dumps(contract, indent=2)) if contract else "not recorded"
-    config_text = (
-        html.escape(yaml.safe_dump(record.config, sort_keys=False)) if record.config else "not recorded"
-    )
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>drafter run {html.escape(record.run_id)}</title>
-<style>{STYLE}</style></head><body>
-<h1>Run {html.escape(record.run_id)}</h1>
-<p class=sub><span class=badge id=outcome>{html.escape(record.outcome)}</span> &middot; stages: {stages}
-&middot; rendered {rendered}</p>
-<h2>Summary</h2><table>{_rows(_summary_rows(record))}</table>
-<h2>Gate</h2>{_gate_section(record)}
-<h2>Plots</h2>{figures}
-<h2>Serving flags</h2>{serving}
-<h2>Capture contract</h2><pre>{contract_text}</pre>
-<h2>Config</h2><pre>{config_text}</pre>
-</body></html>
-"""
 
 
 def report_link(store: ObjectStore, key: str) -> str:
@@ -431,12 +413,13 @@ def report_link(store: ObjectStore, key: str) -> str:
     return f"https://s3.console.aws.amazon.com/s3/object/{bucket}?region={region}&prefix={object_key}"
 
 
-def render(store: ObjectStore, run_id: str, target: str) -> StageResult:
-    """Build and publish runs/<run_id>/report/: one PNG per plot that has data, and report.html."""
+def render(store: ObjectStore, run_id: str, target: str) -> dict[str, Any]:
+    """Build and publish runs/<run_id>/report/: one PNG per plot that has data, and report.html.
+    Returns the report's manifest."""
     record = load_run(store, run_id)
     if not record.stages:
         raise ValueError(f"run {run_id!r} has published nothing to report on")
-    prefix = f"{layout.run_prefix(run_id)}/report"
+    prefix = layout.run_stage_prefix(run_id, "report")
     objects, images = [], {}
     with tempfile.TemporaryDirectory(prefix="report-") as tmp:
         for name, plotter in PLOTTERS.items():
@@ -455,7 +438,7 @@ def render(store: ObjectStore, run_id: str, target: str) -> StageResult:
         {"run_id": run_id, "outcome": record.outcome, "plots": sorted(images), "link": link},
     )
     log.info("run report: %s", link)
-    return StageResult(store.uri(prefix), manifest)
+    return manifest
 
 
 # ---------------------------------------------------------------- status
@@ -464,10 +447,10 @@ def render(store: ObjectStore, run_id: str, target: str) -> StageResult:
 def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
     lines = [f"registry: {target}"]
     for alias in registry.SHOWN_ALIASES:
-        record = registry.read_alias(store, target, alias)
+        found = registry.read_alias(store, target, alias)
+        record = AliasRecord.model_validate(found) if found is not None else None
         lines.append(
-            f"  {alias:<11} {record['version'] if record else '-':<28} "
-            f"{record.get('updated_at', '') if record else ''}"
+            f"  {alias:<11} {record.version if record else '-':<28} {record.updated_at if record else ''}"
         )
     versions = registry.list_versions(store, target)
     lines.append(f"  {len(versions)} version(s)")
@@ -478,9 +461,9 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
         f"  {'run':<44}{'finished':<22}{'gate':<10}{'tau':>7}{'speedup':>9}  outcome",
     ]
     for run in runs:
-        gate = "-" if run.gate is None else ("passed" if run.gate["passed"] else "rejected")
-        tau = (run.eval or {}).get("tau_simulated")
-        speedup = (run.bench or {}).get("speedup_vs_baseline")
+        gate = "-" if run.gate is None else ("passed" if run.gate.passed else "rejected")
+        tau = run.eval.tau_simulated if run.eval is not None else None
+        speedup = run.bench.speedup_vs_baseline if run.bench is not None else None
         lines.append(
             f"  {run.run_id[:43]:<44}{(run.created_at or '-'):<22}{gate:<10}"
             f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}  {run.outcome}"

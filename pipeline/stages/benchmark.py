@@ -7,17 +7,17 @@ Every speculative output must equal plain greedy decoding token for token, or th
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Literal
 
 import torch
 
 from pipeline import layout
-from pipeline.config import RunConfig
+from pipeline.config import BenchmarkConfig, RunConfig
 from pipeline.data.conversations import prompt_ids
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.decoding.reference_decoder import (
@@ -30,15 +30,32 @@ from pipeline.decoding.reference_decoder import (
     speculative_decode,
     tree_speculative_decode,
 )
-from pipeline.decoding.speedup import Setting, StepCosts, candidate_settings, predicted_tau, rank_settings
+from pipeline.decoding.speedup import StepCosts, candidate_settings, predicted_tau, rank_settings
 from pipeline.drafter.export import load_drafter, read_drafter_dir
 from pipeline.drafter.model import Eagle3Drafter
 from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer
-from pipeline.manifest import publish, read_listed, read_manifest
+from pipeline.manifest import read_listed, read_manifest
+from pipeline.ops import registry
 from pipeline.progress import Progress
-from pipeline.stages import StageResult
+from pipeline.records import (
+    BenchDecision,
+    BenchMethods,
+    BenchRecord,
+    Calibration,
+    DraftSetting,
+    EvalRecord,
+    MeasuredCosts,
+    MethodResult,
+    PredictedVsMeasured,
+    RatioInterval,
+    SpeedModel,
+    publish_record,
+    read_record,
+)
+from pipeline.spread import RatioEstimate, measure, ratio_from_samples
+from pipeline.stages import StageInputs, StageOutput
 from pipeline.stages.evaluate import local_drafter_dir
-from pipeline.storage import ObjectStore, open_store
+from pipeline.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +81,27 @@ def heldout_prompts(store: ObjectStore, prompts_uri: str, tokenizer, count: int)
     return prompts
 
 
-def _summary(results: list[DecodeResult]) -> dict[str, Any]:
+def _tok_s(results: list[DecodeResult]) -> float:
+    return sum(len(r.tokens) for r in results) / sum(r.seconds for r in results)
+
+
+def _summary(passes: list[list[DecodeResult]]) -> MethodResult:
+    """One method's figures over its passes (rounds) through the prompts."""
+    results = [result for one_pass in passes for result in one_pass]
     tokens = sum(len(r.tokens) for r in results)
     seconds = sum(r.seconds for r in results)
-    summary: dict[str, Any] = {
-        "tokens": tokens,
-        "seconds": round(seconds, 4),
-        "tok_s": round(tokens / seconds, 2),
-    }
+    summary = MethodResult(
+        tokens=tokens,
+        seconds=round(seconds, 4),
+        tok_s=round(tokens / seconds, 2),
+        round_tok_s=[round(_tok_s(one_pass), 2) for one_pass in passes],
+    )
     forwards = sum(r.verify_forwards for r in results)
     if forwards:
-        summary["tau_measured"] = round(sum(r.cycle_tokens for r in results) / forwards, 4)
-        histogram = [sum(h) for h in zip(*(r.accepted_histogram for r in results), strict=True)]
-        summary["accepted_histogram"] = histogram
+        summary.tau_measured = round(sum(r.cycle_tokens for r in results) / forwards, 4)
+        summary.accepted_histogram = [
+            sum(h) for h in zip(*(r.accepted_histogram for r in results), strict=True)
+        ]
     return summary
 
 
@@ -142,18 +167,18 @@ def measure_costs(
 
 
 def choose_setting(
-    evaluation: dict[str, Any],
+    evaluation: EvalRecord,
     model,
     tokenizer,
     drafter,
     prompts: list[list[int]],
     aux_layer_ids: list[int],
     settings,
-) -> tuple[Setting, list[Setting], StepCosts, list[dict]]:
+) -> tuple[DraftSetting, list[DraftSetting], StepCosts, list[Calibration]]:
     """The draft setting to benchmark: the speedup model ranks every setting from the evaluation and
     measured step costs; the best few (and the best chain) are then timed on a few calibration prompts,
     and the fastest measured one wins. The model's misses are kept in the record."""
-    max_steps = min(settings.max_draft_steps, len(evaluation["full_acc"]))
+    max_steps = min(settings.max_draft_steps, len(evaluation.full_acc))
     widths = settings.tree_widths if settings.auto_select else [1]
     grid = (
         candidate_settings(max_steps, tuple(widths), settings.max_draft_tokens)
@@ -182,20 +207,19 @@ def choose_setting(
         for setting in shortlist:
             method = eagle_method(runner, drafter, setting, settings.max_new_tokens, tokenizer.eos_token_id)
             method(prompts[0])  # warm-up
-            results = [method(p) for p in prompts[: settings.calibration_prompts]]
-            measured = _summary(results)
+            measured = _summary([[method(p) for p in prompts[: settings.calibration_prompts]]])
             calibration.append(
-                {
-                    "setting": setting.as_dict(),
-                    "tok_s": measured["tok_s"],
-                    "tau_measured": measured["tau_measured"],
-                }
+                Calibration(
+                    setting=setting,
+                    tok_s=measured.tok_s,
+                    tau_measured=measured.tau_measured,
+                )
             )
-    best = max(range(len(shortlist)), key=lambda i: calibration[i]["tok_s"])
+    best = max(range(len(shortlist)), key=lambda i: calibration[i].tok_s)
     return shortlist[best], ranked, costs, calibration
 
 
-def eagle_method(runner: TargetRunner, drafter, setting: Setting, max_new_tokens: int, eos: int | None):
+def eagle_method(runner: TargetRunner, drafter, setting: DraftSetting, max_new_tokens: int, eos: int | None):
     if setting.topk == 1:
         return lambda p: speculative_decode(
             runner, EagleProposer(drafter), p, max_new_tokens, eos, setting.steps
@@ -212,16 +236,32 @@ def eagle_method(runner: TargetRunner, drafter, setting: Setting, max_new_tokens
     )
 
 
+def _side(
+    method: Callable[[list[int]], DecodeResult], prompts: list[list[int]], passes: list[list[DecodeResult]]
+) -> Callable[[], float]:
+    """One method as a side of pipeline.spread.measure: each call is one pass over every prompt and
+    returns its tokens/s (all tokens over all seconds, the figure the record reports)."""
+
+    def decode_all() -> float:
+        passes.append([method(prompt) for prompt in prompts])
+        return _tok_s(passes[-1])
+
+    return decode_all
+
+
 def compare_methods(
     model,
     tokenizer,
     prompts: list[list[int]],
     drafters: dict[str, Eagle3Drafter],
     aux_layer_ids: list[int],
-    settings,
-    setting: Setting,
-) -> dict[str, Any]:
-    """Run every method on every prompt, interleaved, and check outputs against greedy."""
+    settings: BenchmarkConfig,
+    setting: DraftSetting,
+) -> tuple[BenchMethods, dict[str, RatioInterval]]:
+    """Every method on the same prompts, interleaved pass by pass (pipeline.spread.measure; a round is one
+    pass of each method over every prompt): at least `repeats` (and 3) measured passes, then more until
+    every speedup's interval is `ci_rel_width` narrow or `budget_s` is spent. Outputs are checked
+    against greedy decoding."""
     plain = TargetRunner(model, None)
     with_aux = TargetRunner(model, aux_layer_ids)
     eos = tokenizer.eos_token_id
@@ -238,37 +278,102 @@ def compare_methods(
     }
     for name, drafter in drafters.items():
         methods[name] = eagle_method(with_aux, drafter, setting, settings.max_new_tokens, eos)
-    results: dict[str, list[DecodeResult]] = {name: [] for name in methods}
-    mismatches = {name: 0 for name in methods}
+    passes: dict[str, list[list[DecodeResult]]] = {name: [] for name in methods}
+    sides = {name: _side(method, prompts, passes[name]) for name, method in methods.items()}
+    others = [name for name in methods if name != "candidate"]
+    min_rounds = max(3, settings.repeats)
+    progress = Progress(desc="benchmark", unit="round")  # how many rounds the interval needs is not known
+    decode_baseline = sides["baseline"]
+
+    def baseline_with_progress() -> float:
+        tok_s = decode_baseline()
+        progress.update(1)
+        return tok_s
+
+    sides["baseline"] = baseline_with_progress
     with torch.inference_mode():
-        for method in methods.values():  # warm-up, not measured
-            method(prompts[0])
-        for _ in range(settings.repeats):
-            for prompt in Progress(prompts, desc="benchmark", unit="prompt"):
-                reference = None
-                for name, method in methods.items():
-                    result = method(prompt)
-                    results[name].append(result)
-                    reference = reference if reference is not None else result.tokens
-                    mismatches[name] += int(result.tokens != reference)
+        measured = measure(
+            sides,
+            [("candidate", other) for other in others],
+            confidence=settings.confidence,
+            rel_width=settings.ci_rel_width,
+            budget_s=settings.budget_s,
+            min_rounds=min_rounds,
+            max_rounds=max(min_rounds, 10_000),
+        )
+    progress.close()
+    log.info("benchmark: %d rounds, stopped by %s", measured.rounds, measured.stopped_by)
+    for name in passes:
+        del passes[name][: len(passes[name]) - measured.rounds]  # the warm-up round is not measured
+    greedy = [r.tokens for one_pass in passes["baseline"] for r in one_pass]
+    mismatches = {
+        name: sum(r.tokens != tokens for r, tokens in zip((r for p in runs for r in p), greedy, strict=True))
+        for name, runs in passes.items()
+    }
     bad = {name: n for name, n in mismatches.items() if n}
     if bad:
         raise BenchmarkFailed(f"speculative outputs differ from greedy decoding on some prompts: {bad}")
-    return {name: _summary(r) for name, r in results.items()}
+    speedups = {other: interval(measured.ratio("candidate", other)) for other in others}
+    return BenchMethods.model_validate({name: _summary(p) for name, p in passes.items()}), speedups
 
 
-def promotion_decision(methods: dict[str, Any], settings) -> dict[str, Any]:
-    candidate = methods["candidate"]["tok_s"]
-    checks = [("baseline", settings.min_speedup_vs_baseline), ("ngram", settings.min_speedup_vs_ngram)]
-    if "incumbent" in methods:
-        checks.append(("incumbent", settings.min_speedup_vs_incumbent))
+def interval(estimate: RatioEstimate) -> RatioInterval:
+    return RatioInterval.model_validate(estimate.as_dict())
+
+
+def promotion_decision(speedups: dict[str, RatioInterval], settings: BenchmarkConfig) -> BenchDecision:
+    """Promotable when the LOWER bound of every speedup's interval clears its threshold: a candidate is
+    faster only when the noise of the measurement cannot explain it."""
+    required = {
+        "baseline": settings.min_speedup_vs_baseline,
+        "ngram": settings.min_speedup_vs_ngram,
+        "incumbent": settings.min_speedup_vs_incumbent,
+    }
     reasons, passed = [], True
-    for other, margin in checks:
-        ratio = candidate / methods[other]["tok_s"]
-        ok = ratio >= margin
+    for other, speedup in speedups.items():
+        ok = speedup.ci_low >= required[other]
         passed &= ok
-        reasons.append(f"candidate/{other} speed {ratio:.3f} {'>=' if ok else '<'} required {margin}")
-    return {"promotable": passed, "reasons": reasons}
+        reasons.append(
+            f"candidate/{other} speed {speedup.ratio:.3f} ({speedup.confidence:.0%} interval "
+            f"{speedup.ci_low:.3f}-{speedup.ci_high:.3f}, {speedup.rounds} rounds): lower bound "
+            f"{'>=' if ok else '<'} required {required[other]}"
+        )
+    return BenchDecision(promotable=passed, reasons=reasons)
+
+
+def bench_record(
+    config: RunConfig,
+    run_id: str,
+    prompts: int,
+    engine: Literal["local", "sglang"],
+    setting: tuple[int, int, int],
+    tau_simulated: float,
+    methods: BenchMethods,
+    speedups: dict[str, RatioInterval],
+    speed_model: SpeedModel | None = None,
+) -> BenchRecord:
+    """The record of one benchmark: the (steps, topk, draft tokens) setting it ran, every method's
+    figures, the candidate's headline figures and the promotion decision."""
+    candidate, baseline = methods.candidate, methods.baseline
+    return BenchRecord(
+        engine=engine,
+        draft_steps=setting[0],
+        topk=setting[1],
+        draft_tokens=setting[2],
+        tau_simulated=tau_simulated,
+        tau_measured=candidate.tau_measured,
+        baseline_tok_s=baseline.tok_s,
+        drafter_tok_s=candidate.tok_s,
+        speedup_vs_baseline=round(speedups["baseline"].ratio, 4),
+        speedup_vs_ngram=round(speedups["ngram"].ratio, 4),
+        speedups=speedups,
+        run_id=run_id,
+        prompts=prompts,
+        max_new_tokens=config.benchmark.max_new_tokens,
+        methods=methods,
+        speed_model=speed_model,
+        decision=promotion_decision(speedups, config.benchmark),
+    )
 
 
 def local_record(
@@ -277,9 +382,10 @@ def local_record(
     tokenizer,
     drafter_dirs: dict[str, Path],
     prompts: list[list[int]],
-    evaluation: dict[str, Any],
+    evaluation: EvalRecord,
     aux_layer_ids: list[int],
-) -> dict[str, Any]:
+    run_id: str,
+) -> BenchRecord:
     """The reference decoder on this machine: costs measured, best setting chosen, every method run."""
     settings = config.benchmark
     frozen = load_frozen_tensors(target.model_dir)
@@ -288,66 +394,81 @@ def local_record(
     chosen, ranked, costs, calibration = choose_setting(
         evaluation, model, tokenizer, drafters["candidate"], prompts, aux_layer_ids, settings
     )
-    methods = compare_methods(model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen)
-    speedup = round(methods["candidate"]["tok_s"] / methods["baseline"]["tok_s"], 4)
-    return {
-        "engine": "local",
-        "draft_steps": chosen.steps,
-        "topk": chosen.topk,
-        "draft_tokens": chosen.draft_tokens,
-        "methods": methods,
-        "tau_simulated": chosen.tau,
-        "speed_model": {
-            "costs": costs.as_dict(),
-            "chosen": chosen.as_dict(),
-            "calibration": calibration,
-            "predicted_vs_measured": {
-                "tau": [chosen.tau, methods["candidate"]["tau_measured"]],
-                "speedup": [chosen.speedup, speedup],
-            },
-            "ranked": [s.as_dict() for s in ranked[:10]],
-        },
-    }
+    methods, speedups = compare_methods(model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen)
+    speedup = round(speedups["baseline"].ratio, 4)
+    speed_model = SpeedModel(
+        costs=MeasuredCosts.model_validate(costs.as_dict()),
+        chosen=chosen,
+        calibration=calibration,
+        predicted_vs_measured=PredictedVsMeasured(
+            tau=(chosen.tau, methods.candidate.tau_measured), speedup=(chosen.speedup, speedup)
+        ),
+        ranked=ranked[:10],
+    )
+    setting = (chosen.steps, chosen.topk, chosen.draft_tokens)
+    return bench_record(
+        config, run_id, len(prompts), "local", setting, chosen.tau, methods, speedups, speed_model
+    )
 
 
 def sglang_record(
-    config: RunConfig, drafter_dirs: dict[str, Path], prompts: list[list[int]], evaluation: dict[str, Any]
-) -> dict[str, Any]:
+    config: RunConfig,
+    drafter_dirs: dict[str, Path],
+    prompts: list[list[int]],
+    evaluation: EvalRecord,
+    run_id: str,
+) -> BenchRecord:
     """SGLang servers started one method at a time (production); the setting comes from the config."""
     from pipeline.engines.sglang_bench import run_methods
 
     settings = config.benchmark.sglang
     if settings is None:
         raise BenchmarkFailed("benchmark.engine 'sglang' needs benchmark.sglang")
-    methods = run_methods(settings, prompts, config.benchmark.max_new_tokens, drafter_dirs)
-    return {
-        "engine": "sglang",
-        "draft_steps": settings.steps,
-        "topk": settings.topk,
-        "draft_tokens": settings.draft_tokens,
-        "methods": methods,
-        "tau_simulated": round(predicted_tau(evaluation, settings.steps, settings.topk), 4),
+    methods = BenchMethods.model_validate(
+        run_methods(settings, prompts, config.benchmark.max_new_tokens, drafter_dirs)
+    )
+    candidate = methods.candidate.round_tok_s
+    speedups = {  # one server at a time: rounds are paired batches of the same prompts, not interleaved
+        other: interval(ratio_from_samples(candidate, result.round_tok_s, config.benchmark.confidence))
+        for other, result in methods.present().items()
+        if other != "candidate"
     }
+    setting = (settings.steps, settings.topk, settings.draft_tokens)
+    tau = round(predicted_tau(evaluation, settings.steps, settings.topk), 4)
+    return bench_record(config, run_id, len(prompts), "sglang", setting, tau, methods, speedups)
 
 
-def run(
-    config: RunConfig,
-    train_uri: str,
-    eval_uri: str,
-    prompts_uri: str,
-    run_id: str,
-    store: ObjectStore | None = None,
-    incumbent_dir: Path | None = None,
-) -> StageResult:
-    store = store or open_store(config.storage)
+class Inputs(StageInputs):
+    train_uri: str
+    eval_uri: str
+    prompts_uri: str
+
+
+Output = StageOutput
+
+
+def incumbent_dir(config: RunConfig, store: ObjectStore, evaluation: EvalRecord, run_id: str) -> Path | None:
+    """The incumbent version the evaluation compared against (not whatever the alias names now)."""
+    if evaluation.incumbent is None:
+        return None
+    workdir = config.storage.run_workdir(run_id)
+    return registry.pull(
+        store, config.target.name, evaluation.incumbent.version, workdir / "incumbent_drafter"
+    )
+
+
+def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
+    train_uri, eval_uri, prompts_uri = inputs.train_uri, inputs.eval_uri, inputs.prompts_uri
+    evaluation = read_record(store, eval_uri, EvalRecord)
     settings = config.benchmark
     target = describe_target(config)
     tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
     drafter_dirs = {
         "candidate": local_drafter_dir(store, store.key_for(train_uri), config.storage.run_workdir(run_id))
     }
-    if incumbent_dir is not None:
-        drafter_dirs["incumbent"] = incumbent_dir
+    incumbent = incumbent_dir(config, store, evaluation, run_id)
+    if incumbent is not None:
+        drafter_dirs["incumbent"] = incumbent
     contracts = {name: read_drafter_dir(path)[2] for name, path in drafter_dirs.items()}
     aux_layer_ids = contracts["candidate"]["aux_layer_ids"]
     for name, contract in contracts.items():
@@ -356,62 +477,29 @@ def run(
                 f"{name} drafter reads aux layers {contract['aux_layer_ids']}, the candidate {aux_layer_ids}"
             )
     prompts = heldout_prompts(store, prompts_uri, tokenizer, settings.num_prompts)
-    eval_prefix = store.key_for(eval_uri)
-    evaluation = json.loads(read_listed(store, eval_prefix, read_manifest(store, eval_prefix), "eval.json"))
     if settings.engine == "sglang":
-        record = sglang_record(config, drafter_dirs, prompts, evaluation)
+        record = sglang_record(config, drafter_dirs, prompts, evaluation, run_id)
     else:
-        record = local_record(config, target, tokenizer, drafter_dirs, prompts, evaluation, aux_layer_ids)
-    methods = record["methods"]
-    candidate, baseline = methods["candidate"], methods["baseline"]
-    record.update(
-        {
-            "run_id": run_id,
-            "prompts": len(prompts),
-            "max_new_tokens": settings.max_new_tokens,
-            "baseline_tok_s": baseline["tok_s"],
-            "drafter_tok_s": candidate["tok_s"],
-            "tau_measured": candidate.get("tau_measured"),
-            "speedup_vs_baseline": round(candidate["tok_s"] / baseline["tok_s"], 4),
-            "speedup_vs_ngram": round(candidate["tok_s"] / methods["ngram"]["tok_s"], 4),
-            "decision": promotion_decision(methods, settings),
-        }
-    )
-    prefix = f"{layout.run_prefix(run_id)}/bench"
-    info = store.put_bytes(f"{prefix}/bench.json", json.dumps(record, indent=2).encode())
-    manifest = publish(
-        store,
-        prefix,
-        "bench",
-        [info],
-        {
-            "run_id": run_id,
-            "summary": {
-                k: record[k]
-                for k in (
-                    "engine",
-                    "baseline_tok_s",
-                    "drafter_tok_s",
-                    "tau_measured",
-                    "tau_simulated",
-                    "speedup_vs_baseline",
-                    "speedup_vs_ngram",
-                    "decision",
-                )
-            },
-        },
-    )
+        record = local_record(
+            config, target, tokenizer, drafter_dirs, prompts, evaluation, aux_layer_ids, run_id
+        )
+    prefix = layout.run_stage_prefix(run_id, "bench")
+    summary = {
+        **record.summary().model_dump(mode="json"),
+        "decision": record.decision.model_dump(mode="json"),
+    }
+    manifest = publish_record(store, prefix, record, {"run_id": run_id, "summary": summary})
     log.info(
         "benchmark (%s): baseline %.1f tok/s, ngram %.1f, candidate %.1f at steps %d topk %d tokens %d "
         "(tau %s measured, %.2f simulated)",
-        record["engine"],
-        baseline["tok_s"],
-        methods["ngram"]["tok_s"],
-        candidate["tok_s"],
-        record["draft_steps"],
-        record["topk"],
-        record["draft_tokens"],
-        record["tau_measured"],
-        record["tau_simulated"],
+        record.engine,
+        record.baseline_tok_s,
+        record.methods.ngram.tok_s,
+        record.drafter_tok_s,
+        record.draft_steps,
+        record.topk,
+        record.draft_tokens,
+        record.tau_measured,
+        record.tau_simulated,
     )
-    return StageResult(store.uri(prefix), manifest)
+    return Output(uri=store.uri(prefix), kind=manifest["kind"])

@@ -2,8 +2,8 @@
 
 One capture shard per response shard (same split). Every sample is validated before it is stored;
 bad ones are counted by reason and left out. Finished shards carry a `.done.json` marker so a rerun
-resumes; the manifest (with the contract) is written last, and a dataset manifest is published on
-top of it for training.
+resumes; the manifest (with the contract) is written last. The dataset stage (pipeline.stages.dataset)
+then publishes captures as a dataset snapshot for training.
 """
 
 from __future__ import annotations
@@ -23,16 +23,24 @@ from pipeline.config import RunConfig, default_aux_layer_ids
 from pipeline.data.capture_contract import CaptureContract, build_contract, require_same_contract
 from pipeline.data.capture_shards import CaptureSample, write_shard
 from pipeline.data.conversations import capture_sequence
-from pipeline.data.jsonl import decode_jsonl, encode_jsonl
+from pipeline.data.jsonl import decode_jsonl
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest, engine_servers
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.target import TargetInfo, describe_target, load_model, load_tokenizer
-from pipeline.manifest import listed_shard, manifest_exists, publish, read_listed, read_manifest
+from pipeline.manifest import listed_shard, read_listed, read_manifest
 from pipeline.progress import Progress
-from pipeline.stages import StageResult
+from pipeline.stages import ShardJob, StageInputs, StageOutput, already_published, publish_with_left_out
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
 
 log = logging.getLogger(__name__)
+
+
+class Inputs(StageInputs):
+    responses_uri: str
+    snapshot: str
+
+
+Output = StageOutput
 
 
 class CaptureFailed(RuntimeError):
@@ -52,14 +60,16 @@ def make_engine(config: RunConfig, target: TargetInfo) -> CaptureEngine:
     return SGLangEngine(config.capture.sglang, hidden_size=target.hidden_size)
 
 
-def contract_for(config: RunConfig, target: TargetInfo, engine: CaptureEngine) -> CaptureContract:
+def contract_for(config: RunConfig, target: TargetInfo, engine: CaptureEngine | None) -> CaptureContract:
+    """The capture contract of this config's target and capture settings; with no engine, the contract
+    any engine's capture must match (what training and evaluation expect)."""
     return build_contract(
         aux_layer_ids(config, target.num_layers),
         target.num_layers,
         target.hidden_size,
         target.vocab_size,
         target.identity,
-        {"name": engine.name, "version": engine.version},
+        {"name": engine.name, "version": engine.version} if engine else {"name": "any", "version": "any"},
         config.capture.encoding,
         list(config.capture.teacher),
         config.capture.teacher_topk,
@@ -163,21 +173,18 @@ def capture_records(
     return samples
 
 
-def run(
-    config: RunConfig, responses_uri: str, snapshot: str, store: ObjectStore | None = None
-) -> StageResult:
-    store = store or open_store(config.storage)
-    in_prefix = store.key_for(responses_uri)
+def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
+    """Every response shard captured (finished shards reused), the engine checked first."""
+    prefix = layout.captures_prefix(config.target.name, inputs.snapshot)
+    if published := already_published(store, prefix, "capture"):
+        return published
+    in_prefix = store.key_for(inputs.responses_uri)
     responses = read_manifest(store, in_prefix, kind="responses")
-    prefix = layout.captures_prefix(config.target.name, snapshot)
-    if manifest_exists(store, prefix):
-        log.info("capture %s already published; reusing it", store.uri(prefix))
-        return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="capture"))
     target = describe_target(config)
     tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
-    unfinished = [s for s in responses["shards"] if _finished_marker(store, prefix, s, contract) is None]
+    unfinished = [s for s in responses["shards"] if finished_marker(store, prefix, s, contract) is None]
     parity = (
         verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
         if unfinished
@@ -189,22 +196,11 @@ def run(
     progress = Progress(total=sum(s["samples"] for s in responses["shards"]), desc="capture", unit="sample")
     with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
         for shard in responses["shards"]:
-            marker = _finished_marker(store, prefix, shard, contract)
+            marker = finished_marker(store, prefix, shard, contract)
             if marker is None:
                 records = decode_jsonl(read_listed(store, in_prefix, responses, shard["name"]))
-                marker = _capture_shard(
-                    store,
-                    prefix,
-                    shard,
-                    records,
-                    engine,
-                    tokenizer,
-                    config,
-                    target,
-                    contract,
-                    Path(tmp),
-                    progress,
-                )
+                job = ShardJob(store, prefix, shard, records, progress)
+                marker = _capture_shard(job, engine, tokenizer, config, target, contract, Path(tmp))
             else:
                 progress.update(shard["samples"])
             counts.update(marker["counts"])
@@ -217,15 +213,14 @@ def run(
     progress.close()
     if not shards:
         raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
-    if quarantine:
-        objects.append(store.put_bytes(f"{prefix}/quarantine.jsonl", encode_jsonl(quarantine)))
-    manifest = publish(
+    manifest = publish_with_left_out(
         store,
         prefix,
         "capture",
         objects,
+        ("quarantine.jsonl", quarantine),
         {
-            "snapshot": snapshot,
+            "snapshot": inputs.snapshot,
             "responses": store.uri(in_prefix),
             "contract": contract,
             "parity": parity,
@@ -236,7 +231,7 @@ def run(
         },
     )
     log.info("capture: %s", dict(counts))
-    return StageResult(store.uri(prefix), manifest)
+    return Output(uri=store.uri(prefix), kind=manifest["kind"])
 
 
 def verify_engine(
@@ -308,48 +303,29 @@ def run_shard(
     engine = make_engine(config, target)
     contract = contract_for(config, target, engine).model_dump(mode="json")
     prefix = layout.captures_prefix(config.target.name, snapshot)
-    marker = _finished_marker(store, prefix, shard, contract)
+    marker = finished_marker(store, prefix, shard, contract)
     if marker is None:
         progress = Progress(total=shard["samples"], desc=f"capture {shard_name}", unit="sample")
         with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
+            records = decode_jsonl(read_listed(store, in_prefix, responses, shard_name))
             marker = _capture_shard(
-                store,
-                prefix,
-                shard,
-                decode_jsonl(read_listed(store, in_prefix, responses, shard_name)),
+                ShardJob(store, prefix, shard, records, progress),
                 engine,
                 load_tokenizer(target.model_dir, config.target.trust_remote_code),
                 config,
                 target,
                 contract,
                 Path(tmp),
-                progress,
             )
         progress.close()
     return {"shard": shard_name, "counts": marker["counts"]}
 
 
-def parity(config: RunConfig, responses_uri: str, store: ObjectStore | None = None) -> dict[str, Any]:
-    """The parity check on its own (a scheduler task before a long capture): report, or ParityFailed."""
-    store = store or open_store(config.storage)
-    in_prefix = store.key_for(responses_uri)
-    responses = read_manifest(store, in_prefix, kind="responses")
-    target = describe_target(config)
-    engine = make_engine(config, target)
-    contract = contract_for(config, target, engine).model_dump(mode="json")
-    tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
-    return verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
-
-
-def _marker_key(prefix: str, response_shard: dict[str, Any]) -> str:
-    return f"{prefix}/{response_shard['name']}.done.json"
-
-
-def _finished_marker(
+def finished_marker(
     store: ObjectStore, prefix: str, response_shard: dict[str, Any], contract: dict[str, Any]
 ) -> dict[str, Any] | None:
     """The record of a response shard captured by an earlier attempt, if its output is complete."""
-    key = _marker_key(prefix, response_shard)
+    key = layout.shard_marker_key(prefix, response_shard["name"])
     if not store.exists(key):
         return None
     marker = json.loads(store.get_bytes(key))
@@ -360,19 +336,22 @@ def _finished_marker(
 
 
 def _capture_shard(
-    store: ObjectStore,
-    prefix: str,
-    response_shard: dict[str, Any],
-    records: list[dict[str, Any]],
+    job: ShardJob,
     engine: CaptureEngine,
     tokenizer,
     config: RunConfig,
     target: TargetInfo,
     contract: dict[str, Any],
     tmp: Path,
-    progress: Progress,
 ) -> dict[str, Any]:
     """Capture one response shard into one capture shard; the marker is written after the data."""
+    store, prefix, response_shard, records, progress = (
+        job.store,
+        job.prefix,
+        job.shard,
+        job.records,
+        job.progress,
+    )
     started = time.monotonic()
     counts: Counter = Counter()
     quarantine: list[dict[str, str]] = []
@@ -404,67 +383,5 @@ def _capture_shard(
         "seconds": round(time.monotonic() - started, 3),
         "servers": engine_servers(config.capture),
     }
-    store.put_bytes(_marker_key(prefix, response_shard), json.dumps(marker).encode())
+    store.put_bytes(layout.shard_marker_key(prefix, response_shard["name"]), json.dumps(marker).encode())
     return marker
-
-
-def publish_dataset(
-    config: RunConfig, capture_uris: list[str], dataset: str, store: ObjectStore | None = None
-) -> StageResult:
-    """A dataset snapshot: the capture shards a training run reads, all under one contract."""
-    store = store or open_store(config.storage)
-    contract = None
-    splits: dict[str, list[dict[str, Any]]] = {"train": [], "eval": []}
-    for uri in capture_uris:
-        capture_prefix = store.key_for(uri)
-        manifest = read_manifest(store, capture_prefix, kind="capture")
-        if contract is None:
-            contract = manifest["contract"]
-        require_same_contract(contract, manifest["contract"], f"dataset {dataset}: {uri}")
-        by_name = {o["name"]: o for o in manifest["objects"]}
-        for shard in manifest["shards"]:
-            obj = by_name[shard["name"]]
-            splits[shard["split"]].append(
-                {
-                    "key": f"{capture_prefix}/{shard['name']}",
-                    "bytes": obj["bytes"],
-                    "sha256": obj["sha256"],
-                    **shard,
-                }
-            )
-    if not splits["train"]:
-        raise CaptureFailed(f"dataset {dataset} would have no training shards")
-    prefix = layout.dataset_prefix(config.target.name, dataset)
-    manifest = publish(
-        store,
-        prefix,
-        "dataset",
-        [],
-        {
-            "dataset": dataset,
-            "target": config.target.name,
-            "captures": capture_uris,
-            "contract": contract,
-            "train_shards": splits["train"],
-            "eval_shards": splits["eval"],
-            "totals": {
-                split: {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")}
-                for split, shards in splits.items()
-            },
-        },
-    )
-    return StageResult(store.uri(prefix), manifest)
-
-
-def latest_dataset(config: RunConfig, store: ObjectStore) -> str:
-    """URI of the most recently published dataset of the configured target."""
-    from pipeline.manifest import MANIFEST_NAME
-
-    base = layout.dataset_prefix(config.target.name, "x").rsplit("/", 1)[0]
-    manifests = [key for key in store.list(base) if key.endswith("/" + MANIFEST_NAME)]
-    if not manifests:
-        raise CaptureFailed(
-            f"no dataset has been published for target {config.target.name} under {store.uri(base)}"
-        )
-    newest = max(manifests, key=lambda key: json.loads(store.get_bytes(key))["created_at"])
-    return store.uri(newest.rsplit("/", 1)[0])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -13,17 +12,34 @@ from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.data.capture_contract import contract_differences, require_same_contract
 from pipeline.drafter.export import load_drafter, read_drafter_dir
+from pipeline.drafter.objective import DraftObjective, choose_teacher
 from pipeline.drafter.ttt import MetricCounts
 from pipeline.engines.target import describe_target, load_frozen_tensors
-from pipeline.manifest import publish, read_manifest
+from pipeline.manifest import read_manifest
+from pipeline.ops import registry
 from pipeline.progress import Progress
-from pipeline.stages import StageResult
-from pipeline.storage import ObjectStore, open_store
+from pipeline.records import (
+    AcceptanceMetrics,
+    EvalRecord,
+    IncumbentEval,
+    IncumbentSkipped,
+    publish_record,
+    read_dataset,
+)
+from pipeline.stages import StageInputs, StageOutput
+from pipeline.storage import ObjectStore
 from pipeline.training.stream import ShardCache, ShardRef, StreamingShards, collate, sequential_plan
-from pipeline.training.worker import DraftObjective, choose_teacher
 
 log = logging.getLogger(__name__)
 TREE_WIDTHS = (2, 4)  # draft-tree widths whose acceptance the evaluation also counts
+
+
+class Inputs(StageInputs):
+    train_uri: str
+    dataset_uri: str
+
+
+Output = StageOutput
 
 
 class EvaluationFailed(RuntimeError):
@@ -69,20 +85,17 @@ def evaluate_incumbent(
     target_dir: Path,
     steps: int,
     config: RunConfig,
-) -> dict[str, Any]:
+) -> IncumbentEval | IncumbentSkipped:
     """The incumbent on the same eval set, or why it cannot be compared (a different capture contract)."""
     version, directory = incumbent
     _, _, incumbent_contract = read_drafter_dir(directory)
     problems = contract_differences(contract, incumbent_contract)
     if problems:
-        return {"version": version, "skipped": "different capture contract: " + "; ".join(problems)}
+        return IncumbentSkipped(version=version, skipped="different capture contract: " + "; ".join(problems))
     result = evaluate_drafter(
         directory, shards, target_dir, steps, config.evaluate.micro_batch_size, config.train.attention_chunk
     )
-    return {
-        "version": version,
-        **{k: result[k] for k in ("acc", "full_acc", "cond_acc", "tau_simulated", "full_acc_at")},
-    }
+    return IncumbentEval(version=version, **{k: result[k] for k in AcceptanceMetrics.model_fields})
 
 
 def local_drafter_dir(store: ObjectStore, train_prefix: str, workdir: Path) -> Path:
@@ -97,24 +110,19 @@ def local_drafter_dir(store: ObjectStore, train_prefix: str, workdir: Path) -> P
     return out
 
 
-def run(
-    config: RunConfig,
-    train_uri: str,
-    dataset_uri: str,
-    run_id: str,
-    store: ObjectStore | None = None,
-    incumbent: tuple[str, Path] | None = None,
-) -> StageResult:
-    store = store or open_store(config.storage)
-    dataset = read_manifest(store, store.key_for(dataset_uri), kind="dataset")
-    if not dataset["eval_shards"]:
+def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
+    """The candidate, and the incumbent now behind the registry alias, on the dataset's eval shards."""
+    train_uri, dataset_uri = inputs.train_uri, inputs.dataset_uri
+    dataset = read_dataset(store, dataset_uri)
+    if not dataset.eval_shards:
         raise EvaluationFailed(
             f"dataset {dataset_uri} has no held-out (eval) shards; raise prompts.eval_fraction"
         )
     workdir = config.storage.run_workdir(run_id)
+    incumbent = registry.pull_incumbent(store, config.target.name, config.registry.alias, workdir)
     drafter_dir = local_drafter_dir(store, store.key_for(train_uri), workdir)
     target = describe_target(config)
-    refs = [ShardRef.from_manifest(entry) for entry in dataset["eval_shards"]]
+    refs = [ShardRef.from_manifest(entry) for entry in dataset.eval_shards]
     cache = ShardCache(
         store, Path(config.storage.local_cache) / "shards", int(config.train.cache_gb * (1 << 30))
     )
@@ -128,29 +136,27 @@ def run(
         config.evaluate.micro_batch_size,
         config.train.attention_chunk,
     )
-    require_same_contract(dataset["contract"], result.pop("contract"), "evaluating the candidate drafter")
-    result.update({"drafter": train_uri, "dataset": dataset_uri})
-    if incumbent is not None:
-        result["incumbent"] = evaluate_incumbent(
-            incumbent, dataset["contract"], shards, target.model_dir, steps, config
-        )
+    contract = dataset.contract.model_dump(mode="json")
+    require_same_contract(contract, result.pop("contract"), "evaluating the candidate drafter")
+    record = EvalRecord(
+        **result,
+        drafter=train_uri,
+        dataset=dataset_uri,
+        incumbent=(
+            evaluate_incumbent(incumbent, contract, shards, target.model_dir, steps, config)
+            if incumbent is not None
+            else None
+        ),
+    )
     shards.close()
-    prefix = f"{layout.run_prefix(run_id)}/eval"
-    info = store.put_bytes(f"{prefix}/eval.json", json.dumps(result, indent=2).encode())
-    manifest = publish(
-        store,
-        prefix,
-        "eval",
-        [info],
-        {
-            "run_id": run_id,
-            "summary": {k: result[k] for k in ("samples", "acc", "full_acc", "cond_acc", "tau_simulated")},
-        },
+    prefix = layout.run_stage_prefix(run_id, "eval")
+    manifest = publish_record(
+        store, prefix, record, {"run_id": run_id, "summary": record.summary().model_dump(mode="json")}
     )
     log.info(
         "evaluate: cond_acc %s tau_simulated %.3f over %d samples",
-        result["cond_acc"],
-        result["tau_simulated"],
-        result["samples"],
+        record.cond_acc,
+        record.tau_simulated,
+        record.samples,
     )
-    return StageResult(store.uri(prefix), manifest)
+    return Output(uri=store.uri(prefix), kind=manifest["kind"])

@@ -22,8 +22,8 @@ from pipeline.data.jsonl import conversation_id, write_jsonl
 from pipeline.engines.target import load_tokenizer, resolve_model_dir
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.progress import Progress
-from pipeline.stages import StageResult
-from pipeline.storage import ObjectInfo, ObjectStore, open_store
+from pipeline.stages import StageInputs, StageOutput
+from pipeline.storage import ObjectInfo, ObjectStore
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")
@@ -77,15 +77,14 @@ class _AsListed:
 
 
 def _s3_client(storage: StorageConfig):
-    import boto3
-    from botocore.config import Config
+    from pipeline.storage import s3_client  # botocore's standard retries, as the store has them
 
-    # standard retries ride out throttling (503 SlowDown), 5xx and dropped connections, as the store does
-    config = Config(
-        retries={"mode": "standard", "max_attempts": storage.max_attempts},
+    return s3_client(
+        storage.endpoint_url,
+        storage.region,
+        storage.max_attempts,
         max_pool_connections=S3_DOWNLOAD_CONCURRENCY,
     )
-    return boto3.client("s3", endpoint_url=storage.endpoint_url, region_name=storage.region, config=config)
 
 
 def _list_source_objects(client, bucket: str, key: str, kind: str) -> list[dict[str, Any]]:
@@ -387,12 +386,27 @@ def _check_malformed_share(counts: Counter, examples: RejectedExamples, max_bad_
     )
 
 
-def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> StageResult:
-    store = store or open_store(config.storage)
+class Inputs(StageInputs):
+    snapshot: str
+
+
+class Output(StageOutput):
+    shards: list[str]
+
+
+def _output(store: ObjectStore, prefix: str, manifest: dict[str, Any]) -> Output:
+    return Output(
+        uri=store.uri(prefix), kind=manifest["kind"], shards=[shard["name"] for shard in manifest["shards"]]
+    )
+
+
+def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
+    """The snapshot `inputs.snapshot` of the configured prompt sources (reused when published)."""
+    snapshot = inputs.snapshot
     prefix = layout.prompts_prefix(snapshot)
     if manifest_exists(store, prefix):
         log.info("prompts snapshot %s already published; reusing it", store.uri(prefix))
-        return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="prompts"))
+        return _output(store, prefix, read_manifest(store, prefix, kind="prompts"))
     settings = config.prompts
     judge = PromptFilter(settings, load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code))
     counts: Counter = Counter()
@@ -449,4 +463,4 @@ def run(config: RunConfig, snapshot: str, store: ObjectStore | None = None) -> S
     )
     rejected = {k: v for k, v in counts.items() if k.startswith("rejected.")}
     log.info("prompts: kept %d of %d read; rejected %s", counts["kept"], counts["read"], rejected or "none")
-    return StageResult(store.uri(prefix), manifest)
+    return _output(store, prefix, manifest)

@@ -18,14 +18,15 @@ from typing import Any
 
 from pipeline import layout
 from pipeline.config import RunConfig
-from pipeline.data.capture_contract import build_contract, require_same_contract
+from pipeline.data.capture_contract import require_same_contract
 from pipeline.drafter.export import DRAFTER_FILES, read_drafter_dir
 from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
 from pipeline.engines.target import describe_target
-from pipeline.manifest import manifest_exists, publish, read_manifest
-from pipeline.stages import StageResult
-from pipeline.stages.capture import aux_layer_ids
-from pipeline.storage import ObjectStore, open_store
+from pipeline.manifest import publish
+from pipeline.records import DatasetRecord, WorkerSpec, read_dataset
+from pipeline.stages import StageInputs, StageOutput, already_published
+from pipeline.stages.capture import contract_for
+from pipeline.storage import ObjectStore
 from pipeline.training.nodes import TrainingFailed, node_launcher
 from pipeline.training.stream import ShardRef, assistant_token_counts
 from pipeline.training.worker import check_warm_start_contract
@@ -33,30 +34,29 @@ from pipeline.training.worker import check_warm_start_contract
 log = logging.getLogger(__name__)
 
 
+class Inputs(StageInputs):
+    dataset_uri: str
+
+
+Output = StageOutput
+
+
 def expected_contract(config: RunConfig) -> dict[str, Any]:
     """What this config's target and capture settings say the features must be."""
-    target = describe_target(config)
-    return build_contract(
-        aux_layer_ids(config, target.num_layers),
-        target.num_layers,
-        target.hidden_size,
-        target.vocab_size,
-        target.identity,
-        {"name": "any", "version": "any"},
-    ).model_dump()
+    return contract_for(config, describe_target(config), None).model_dump()
 
 
 def draft_vocabulary(
-    config: RunConfig, store: ObjectStore, dataset: dict[str, Any], init_dir: Path | None
+    config: RunConfig, store: ObjectStore, dataset: DatasetRecord, init_dir: Path | None
 ) -> list[int]:
     """Target ids of the draft vocabulary: a warm start's own mapping, else the most frequent assistant
     tokens."""
-    vocab_size = dataset["contract"]["vocab_size"]
+    vocab_size = dataset.contract.vocab_size
     if init_dir is not None:
         _, tensors, init_contract = read_drafter_dir(init_dir)
-        check_warm_start_contract(init_contract, dataset["contract"])
+        check_warm_start_contract(init_contract, dataset.contract.model_dump(mode="json"))
         return mapping_from_d2t(tensors["d2t"], vocab_size).used_ids.tolist()
-    shards = [ShardRef.from_manifest(entry) for entry in dataset["train_shards"]]
+    shards = [ShardRef.from_manifest(entry) for entry in dataset.train_shards]
     counts = assistant_token_counts(store, shards, vocab_size)
     return build_mapping(counts, config.drafter.draft_vocab_size).used_ids.tolist()
 
@@ -72,13 +72,13 @@ PLACEMENT_SETTINGS = {
 }
 
 
-def training_fingerprint(config: RunConfig, dataset: dict[str, Any]) -> str:
+def training_fingerprint(config: RunConfig, dataset: DatasetRecord) -> str:
     """What a training run depends on. Checkpoints in a work dir are resumed only under the same one,
     so a rerun with another dataset or other settings never continues someone else's optimizer state."""
     inputs = {
-        "dataset": dataset["uri"],
-        "dataset_created": dataset["created_at"],
-        "shards": [s["sha256"] for s in dataset["train_shards"]],
+        "dataset": dataset.uri,
+        "dataset_created": dataset.created_at,
+        "shards": [s.sha256 for s in dataset.train_shards],
         "train": config.train.model_dump(mode="json", exclude=PLACEMENT_SETTINGS),
         "drafter": config.drafter.model_dump(mode="json"),
     }
@@ -103,39 +103,41 @@ def resolve_init_dir(config: RunConfig, store: ObjectStore, workdir: Path) -> Pa
 
 
 def worker_spec(
-    config: RunConfig, store: ObjectStore, dataset: dict[str, Any], run_id: str, workdir: Path
-) -> dict[str, Any]:
+    config: RunConfig, store: ObjectStore, dataset: DatasetRecord, run_id: str, workdir: Path
+) -> WorkerSpec:
     """What every rank needs. Its local paths (work dir, shard cache, target, warm start) are the same on
     every node: the node pods mount the cache and weight volumes where this pod does."""
     init_dir = resolve_init_dir(config, store, workdir)
-    return {
-        "config": config.dump(),
-        "run_id": run_id,
-        "workdir": str(workdir),
-        "train_shards": dataset["train_shards"],
-        "shard_cache": str((Path(config.storage.local_cache) / "shards").resolve()),
-        "target_dir": str(describe_target(config).model_dir.resolve()),
-        "contract": dataset["contract"],
-        "init_dir": str(init_dir.resolve()) if init_dir else None,
-        "draft_vocab": draft_vocabulary(config, store, dataset, init_dir),
-    }
+    return WorkerSpec(
+        config=config,
+        run_id=run_id,
+        workdir=str(workdir),
+        train_shards=dataset.train_shards,
+        shard_cache=str((Path(config.storage.local_cache) / "shards").resolve()),
+        target_dir=str(describe_target(config).model_dir.resolve()),
+        contract=dataset.contract,
+        init_dir=str(init_dir.resolve()) if init_dir else None,
+        draft_vocab=draft_vocabulary(config, store, dataset, init_dir),
+    )
 
 
-def run(config: RunConfig, dataset_uri: str, run_id: str, store: ObjectStore | None = None) -> StageResult:
-    store = store or open_store(config.storage)
+def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
+    """Writes the run's config beside its artifacts, then trains (or reuses a published training)."""
+    dataset_uri = inputs.dataset_uri
+    store.put_bytes(layout.run_file_key(run_id, "config.json"), json.dumps(config.dump(), indent=2).encode())
     dataset_prefix = store.key_for(dataset_uri)
-    dataset = read_manifest(store, dataset_prefix, kind="dataset")
-    require_same_contract(expected_contract(config), dataset["contract"], f"training on {dataset_uri}")
-    prefix = layout.train_prefix(run_id)
-    if manifest_exists(store, prefix):
-        log.info("training of run %s already published; reusing it", run_id)
-        return StageResult(store.uri(prefix), read_manifest(store, prefix, kind="train"))
+    dataset = read_dataset(store, dataset_prefix)
+    contract = dataset.contract.model_dump(mode="json")
+    require_same_contract(expected_contract(config), contract, f"training on {dataset_uri}")
+    prefix = layout.run_stage_prefix(run_id, "train")
+    if published := already_published(store, prefix, "train"):
+        return published
     workdir = (
         config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}"
     ).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     spec = worker_spec(config, store, dataset, run_id, workdir)
-    spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), json.dumps(spec, indent=2).encode())
+    spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), spec.to_json())
     (workdir / "train_result.json").unlink(missing_ok=True)
     code = node_launcher(config.train, config.storage).train(
         store.uri(spec_object.key), run_id, workdir / "train.log"
@@ -156,15 +158,15 @@ def run(config: RunConfig, dataset_uri: str, run_id: str, store: ObjectStore | N
         {
             "run_id": run_id,
             "dataset": store.uri(dataset_prefix),
-            "contract": dataset["contract"],
-            "init_from": config.train.init_from if spec["init_dir"] else None,
+            "contract": contract,
+            "init_from": config.train.init_from if spec.init_dir else None,
         },
     )
 
 
 def _publish(
     config: RunConfig, store: ObjectStore, prefix: str, workdir: Path, objects: list, fields: dict[str, Any]
-) -> StageResult:
+) -> Output:
     """Rank 0's drafter, metrics and result, then the manifest listing them."""
     result = json.loads((workdir / "train_result.json").read_text())
     objects = objects + [
@@ -185,4 +187,4 @@ def _publish(
             "history": result["history"],
         },
     )
-    return StageResult(store.uri(prefix), manifest)
+    return Output(uri=store.uri(prefix), kind=manifest["kind"])

@@ -20,12 +20,15 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pipeline.data.capture_shards import CaptureSample, ShardReader
 from pipeline.drafter.vocab import count_assistant_tokens
+
+if TYPE_CHECKING:
+    from pipeline.records import DatasetShard
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +41,8 @@ class ShardRef:
     samples: int
 
     @classmethod
-    def from_manifest(cls, entry: dict[str, Any]) -> ShardRef:
-        return cls(entry["key"], entry["sha256"], entry["bytes"], entry["samples"])
+    def from_manifest(cls, entry: DatasetShard) -> ShardRef:
+        return cls(entry.key, entry.sha256, entry.bytes, entry.samples)
 
 
 @dataclass(frozen=True)

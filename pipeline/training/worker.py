@@ -17,91 +17,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from pipeline.config import RunConfig, resolve_project_path
 from pipeline.data.capture_contract import ContractMismatch
 from pipeline.drafter.export import export_drafter, read_drafter_dir
 from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.objective import DraftObjective, choose_teacher
 from pipeline.drafter.ttt import (
     MetricCounts,
-    teacher_from_last_hidden,
-    teacher_from_topk,
-    ttt_loss_and_counts,
 )
 from pipeline.drafter.vocab import mapping_from_used_ids
 from pipeline.engines.target import load_frozen_tensors, text_config
 from pipeline.progress import Progress
+from pipeline.records import DrafterSource, WorkerSpec, parse_record
+from pipeline.storage import atomic_write
 from pipeline.training.stream import ShardCache, ShardRef, StreamingShards, collate, epoch_plan
 
 log = logging.getLogger(__name__)
 CHECKPOINTS_KEPT = 2
 COMMITTED_FILE = "committed.json"
-
-
-class DraftObjective(nn.Module):
-    """Wraps the drafter with the frozen teacher pieces; forward returns (loss, metric counts).
-
-    The teacher comes from the post-norm last hidden state through the target's lm_head, or from
-    stored top-K log-probs, whichever `teacher` names.
-    """
-
-    def __init__(
-        self,
-        drafter: Eagle3Drafter,
-        lm_head_weight: torch.Tensor | None,
-        teacher: str,
-        ttt_steps: int,
-        decay: float,
-        chunk: int,
-        topk_levels: tuple[int, ...] = (),
-    ):
-        super().__init__()
-        self.drafter = drafter
-        if teacher == "last_hidden" and lm_head_weight is None:
-            raise ValueError("a last_hidden teacher needs the target's lm_head")
-        self.teacher = teacher
-        if lm_head_weight is not None and teacher == "last_hidden":
-            self.register_buffer("teacher_lm_head", lm_head_weight.detach().clone(), persistent=False)
-        used_ids = torch.arange(drafter.arch.draft_vocab_size) + drafter.d2t
-        draft_index = torch.full((drafter.arch.vocab_size,), -1, dtype=torch.long)
-        draft_index[used_ids] = torch.arange(drafter.arch.draft_vocab_size)
-        self.register_buffer("used_ids", used_ids, persistent=False)
-        self.register_buffer("draft_index", draft_index, persistent=False)
-        self.ttt_steps, self.decay, self.chunk, self.topk_levels = ttt_steps, decay, chunk, topk_levels
-
-    def forward(self, input_ids, loss_mask, aux, last_hidden=None, topk_ids=None, topk_logprobs=None):
-        if self.teacher == "last_hidden":
-            teacher = teacher_from_last_hidden(last_hidden, self.teacher_lm_head, self.used_ids)
-        else:
-            teacher = teacher_from_topk(
-                topk_ids, topk_logprobs, self.draft_index, self.drafter.arch.draft_vocab_size
-            )
-        h_outs = self.drafter.ttt_forward(aux, input_ids, self.ttt_steps, self.chunk)
-        return ttt_loss_and_counts(
-            h_outs,
-            self.drafter.logits,
-            input_ids,
-            loss_mask,
-            teacher,
-            self.drafter.d2t,
-            self.decay,
-            self.topk_levels,
-        )
-
-
-def choose_teacher(requested: str, available: set[str]) -> str:
-    """The teacher signal to train on: the requested one, or (auto) last_hidden when stored, else top-k."""
-    if requested != "auto":
-        if requested not in available:
-            raise ValueError(
-                f"train.teacher {requested!r} is not in every capture shard (they carry {sorted(available)})"
-            )
-        return requested
-    for kind in ("last_hidden", "topk"):
-        if kind in available:
-            return kind
-    raise ValueError("the capture shards carry no common teacher signal")
 
 
 def drafter_arch(
@@ -144,17 +78,17 @@ def check_warm_start_contract(init_contract: dict[str, Any], data_contract: dict
         )
 
 
-def build_model(config: RunConfig, spec: dict[str, Any], frozen: dict[str, torch.Tensor]) -> Eagle3Drafter:
-    """The drafter, its draft vocabulary from the spec, warm-started from spec["init_dir"] when given."""
-    target_dir = Path(spec["target_dir"])
+def build_model(config: RunConfig, spec: DrafterSource, frozen: dict[str, torch.Tensor]) -> Eagle3Drafter:
+    """The drafter, its draft vocabulary from the spec, warm-started from the spec's init_dir when given."""
+    target_dir = Path(spec.target_dir)
     vocab_size = int(text_config(target_dir)["vocab_size"])
-    mapping = mapping_from_used_ids(torch.tensor(spec["draft_vocab"]), vocab_size)
-    arch = drafter_arch(config, target_dir, spec["contract"]["aux_layer_ids"], mapping.draft_vocab_size)
+    mapping = mapping_from_used_ids(torch.tensor(spec.draft_vocab), vocab_size)
+    arch = drafter_arch(config, target_dir, spec.contract.aux_layer_ids, mapping.draft_vocab_size)
     model = Eagle3Drafter(arch, frozen["embed"].float())
     model.set_vocab_mapping(mapping.d2t, mapping.t2d)
     with torch.no_grad():
-        if spec.get("init_dir"):
-            _, tensors, _ = read_drafter_dir(spec["init_dir"])
+        if spec.init_dir:
+            _, tensors, _ = read_drafter_dir(spec.init_dir)
             if not torch.equal(tensors["d2t"], mapping.d2t):
                 raise ContractMismatch("the warm-start drafter's vocabulary mapping differs from the spec's")
             model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})
@@ -259,9 +193,8 @@ def _save_checkpoint(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], ra
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    with atomic_write(path) as partial:
+        partial.write_text(text)
 
 
 def _committed_tags(ckpt_dir: Path) -> list[str]:
@@ -299,26 +232,26 @@ def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
 class Trainer:
     """One rank's training loop over the streamed dataset; the engine is DeepSpeed's."""
 
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, spec: WorkerSpec):
         import deepspeed
         import torch.distributed as dist
 
         from pipeline.storage import open_store
 
         self.spec = spec
-        self.config = RunConfig.model_validate(spec["config"])
+        self.config = spec.config
         self.settings = settings = self.config.train
         _init_distributed()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(settings.seed)
-        self.workdir = Path(spec["workdir"])
+        self.workdir = Path(spec.workdir)
         self.ckpt_dir = self.workdir / "checkpoints"
-        self.shards = [ShardRef.from_manifest(entry) for entry in spec["train_shards"]]
+        self.shards = [ShardRef.from_manifest(entry) for entry in spec.train_shards]
         cache = ShardCache(
-            open_store(self.config.storage), Path(spec["shard_cache"]), int(settings.cache_gb * (1 << 30))
+            open_store(self.config.storage), Path(spec.shard_cache), int(settings.cache_gb * (1 << 30))
         )
         self.stream = StreamingShards(self.shards, cache, settings.max_length, settings.prefetch_shards)
-        frozen = load_frozen_tensors(Path(spec["target_dir"]))
+        frozen = load_frozen_tensors(Path(spec.target_dir))
         self.model = build_model(self.config, spec, frozen)
         self.dtype = torch.bfloat16 if settings.precision == "bf16" else torch.float32
         self.teacher = choose_teacher(settings.teacher, self.stream.teachers())
@@ -441,7 +374,7 @@ class Trainer:
         if self.rank == 0:
             export_drafter(
                 self.engine.module.drafter,
-                self.spec["contract"],
+                self.spec.contract.model_dump(mode="json"),
                 self.workdir / "drafter",
                 self.config.drafter.export_dtype,
             )
@@ -456,31 +389,32 @@ def _nodes() -> int:
     return int(os.environ.get("GROUP_WORLD_SIZE", "1"))
 
 
-def train(spec: dict[str, Any]) -> dict[str, Any]:
+def train(spec: WorkerSpec) -> dict[str, Any]:
     return Trainer(spec).run()
 
 
-def read_worker_spec(location: str) -> dict[str, Any]:
+def read_worker_spec(location: str) -> WorkerSpec:
     """The worker spec from a local path, a file:// URI or an s3:// URI.
 
     Every rank reads it itself, so no node needs another's filesystem for it. An s3:// spec is read with
     the standard AWS environment the node's agent handed on (credentials, region, and AWS_ENDPOINT_URL_S3
     for an S3-compatible server); the config inside it says where everything else is."""
     if not location.startswith("s3://"):
-        return json.loads(Path(location.removeprefix("file://")).read_text())
+        return parse_record(WorkerSpec, Path(location.removeprefix("file://")).read_bytes(), location)
     from botocore.exceptions import NoCredentialsError
 
     from pipeline.storage import S3Store
 
     bucket, _, key = location.removeprefix("s3://").partition("/")
     try:
-        return json.loads(S3Store(bucket, "").get_bytes(key))
+        data = S3Store(bucket, "").get_bytes(key)
     except NoCredentialsError as err:
         raise RuntimeError(
             f"cannot read the worker spec {location}: this rank has no AWS credentials; its "
             "node's torchrun agent hands on its own environment, so start the agent with "
             "them (the pod's IRSA role, or AWS_* variables)"
         ) from err
+    return parse_record(WorkerSpec, data, location)
 
 
 def worker_main(spec_location: str) -> None:

@@ -16,7 +16,8 @@ from pipeline.config import ConfigError, load_config
 from pipeline.drafter.export import DrafterFormatError, read_drafter_dir
 from pipeline.ids import InvalidIdError
 from pipeline.ops.registry import RegistryError, promote, pull, verify_dir
-from tests.conftest import REPO, storage_config, tiny_config_dict
+from pipeline.stages import run_stage
+from tests.conftest import REPO, published, storage_config, tiny_config_dict
 from tests.test_registry import SERVING, drafter_dir
 
 LOCAL = REPO / "configs" / "local.yaml"
@@ -87,7 +88,6 @@ def test_object_keys_that_escape_the_root_are_refused(store, key, record):
 
 
 def _prompts(tmp_path, lines, **settings):
-    from pipeline.stages import prompts
     from pipeline.storage import open_store
 
     source = tmp_path / "prompts.jsonl"
@@ -95,7 +95,8 @@ def _prompts(tmp_path, lines, **settings):
     data = tiny_config_dict(storage_config("file", tmp_path, None))
     data["prompts"] = {"sources": [{"kind": "jsonl", "path": str(source)}], "eval_fraction": 0.0, **settings}
     config = load_config(data=data)
-    return prompts.run(config, "bad-input", open_store(config.storage)).manifest
+    store = open_store(config.storage)
+    return published(store, run_stage("prompts", config, "bad-input", store))
 
 
 GOOD = [json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) for i in range(10)]

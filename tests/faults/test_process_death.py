@@ -198,7 +198,9 @@ def test_sigkill_during_capture_then_rerun(runs, record):
 
 
 def test_sigkill_during_train_resumes_from_the_checkpoint(runs, record):
-    _finish(runs["killed"], "capture") if not (_root(runs["killed"]) / "datasets").exists() else None
+    if not (_root(runs["killed"]) / "datasets").exists():
+        _finish(runs["killed"], "capture")
+        _finish(runs["killed"], "dataset")
     cache = Path(yaml.safe_load(runs["killed"].read_text())["storage"]["local_cache"]) / "runs" / RUN
     before = {p for p in cache.glob("train-*")}
     # killed once the first checkpoint (step 4 of 36) is committed: `latest` is replaced atomically after all

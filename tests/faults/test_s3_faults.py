@@ -14,6 +14,7 @@ from pipeline.config import StorageConfig
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.manifest import read_listed, read_manifest
 from pipeline.ops import registry
+from pipeline.stages import run_stage
 from pipeline.storage import open_store
 from tests.conftest import storage_config, tiny_config_dict
 from tests.faults.conftest import proxied_storage
@@ -37,11 +38,10 @@ def _prompt_ids(store, snapshot: str) -> list[str]:
 
 def _prompts_run(storage: dict) -> list[str]:
     from pipeline.config import RunConfig
-    from pipeline.stages import prompts
 
     config = RunConfig.model_validate(tiny_config_dict(storage))
     store = open_store(config.storage)
-    prompts.run(config, "faults", store)
+    run_stage("prompts", config, "faults", store)
     return _prompt_ids(store, "faults")
 
 

@@ -14,7 +14,8 @@ from pipeline.data.jsonl import decode_jsonl
 from pipeline.dev.sglang_standin import StandinBackend, serve
 from pipeline.engines import EngineUnavailable
 from pipeline.manifest import read_listed, read_manifest
-from tests.conftest import storage_config, tiny_config_dict
+from pipeline.stages import run_stage
+from tests.conftest import published, storage_config, tiny_config_dict
 from tests.faults.proxy import FaultProxy, Rule
 
 AUX = [1, 2, 3]
@@ -67,11 +68,12 @@ def _responses(store, uri) -> dict[str, str]:
 
 
 def _generate(config, snapshot="faults"):
-    from pipeline.stages import generate, prompts
     from pipeline.storage import open_store
 
     store = open_store(config.storage)
-    return store, generate.run(config, prompts.run(config, snapshot, store).uri, snapshot, store)
+    return store, run_stage(
+        "generate", config, snapshot, store, prompts_uri=run_stage("prompts", config, snapshot, store).uri
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,7 @@ def test_500s_truncated_json_and_timeouts_are_retried(proxy, tmp_path, clean, re
     store, result = _generate(_config(tmp_path, proxy.url))
     assert [r.fired for r in rules] == [3, 2, 1]
     got = _responses(store, result.uri)
-    assert result.manifest["counts"]["failed"] == 0
+    assert published(store, result)["counts"]["failed"] == 0
     assert got == clean  # same conversations, same greedy answers
     record(
         "SGLang",
@@ -115,11 +117,13 @@ def test_a_server_that_disappears_mid_run_stops_the_stage_and_a_rerun_loses_noth
     proxy.clear()  # the server is back
     store, result = _generate(config)
     got = _responses(store, result.uri)
-    assert result.manifest["counts"]["failed"] == 0 and got == clean
+    assert published(store, result)["counts"]["failed"] == 0 and got == clean
     ids = [
         r["id"]
-        for s in result.manifest["shards"]
-        for r in decode_jsonl(read_listed(store, store.key_for(result.uri), result.manifest, s["name"]))
+        for s in published(store, result)["shards"]
+        for r in decode_jsonl(
+            read_listed(store, store.key_for(result.uri), published(store, result), s["name"])
+        )
     ]
     duplicated = sum(n - 1 for n in Counter(ids).values())
     assert duplicated == 0
@@ -134,10 +138,9 @@ def test_a_server_that_disappears_mid_run_stops_the_stage_and_a_rerun_loses_noth
 
 
 def _capture(config, snapshot="faults"):
-    from pipeline.stages import capture
 
     store, responses = _generate(config, snapshot)
-    return store, capture.run(config, responses.uri, snapshot, store)
+    return store, run_stage("capture", config, snapshot, store, responses_uri=responses.uri)
 
 
 def _null_first_row(body: bytes) -> bytes:
@@ -160,7 +163,7 @@ def test_nan_rows_are_quarantined_not_let_through(proxy, tmp_path, record):
     rule = proxy.add(Rule("transform", method="POST", path="/generate", transform=_null_first_row, times=2))
     store, result = _capture(config)
     assert rule.fired == 2
-    counts = result.manifest["counts"]
+    counts = published(store, result)["counts"]
     quarantined = {k: v for k, v in counts.items() if k.startswith("quarantined.")}
     assert quarantined == {"quarantined.non_finite_aux": 2}, counts
     kept = counts["captured"]
@@ -182,7 +185,7 @@ def test_wrong_hidden_state_shapes_are_a_clear_error(proxy, tmp_path, record):
     assert rule.fired == 1 and "expected" in str(failure.value)
     proxy.clear()
     store, result = _capture(config)  # a rerun against a healthy server completes
-    assert result.manifest["counts"]["captured"] == 24
+    assert published(store, result)["counts"]["captured"] == 24
     record(
         "SGLang",
         "a capture response whose hidden-state block misses a row (wrong shape)",

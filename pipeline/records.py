@@ -1,0 +1,451 @@
+"""Typed records: what the stages write to the object store and read back, one pydantic model each.
+
+    DatasetRecord datasets/<target>/<dataset>/manifest.json (dataset; the dataset is its manifest)
+    EvalRecord    runs/<run_id>/eval/eval.json       (evaluate)
+    GateRecord    runs/<run_id>/gate/gate.json       (gate)
+    BenchRecord   runs/<run_id>/bench/bench.json     (benchmark; the local or the SGLang engine)
+    PromoteRecord runs/<run_id>/promote/promote.json (promote)
+    RunSummary    runs/<run_id>/summary.json         (`drafter run`)
+    WorkerSpec    runs/<run_id>/train/worker_spec.json (train -> every training rank)
+
+A stage record is written with `write_record` (or `publish_record`, which also publishes the stage's
+manifest) and read with `read_record`, which verifies it against the manifest and validates it: a missing,
+renamed or unexpected field is an error where the record is read, naming the record and its URI.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipeline.config import GateConfig, RunConfig
+from pipeline.data.capture_contract import CaptureContract
+from pipeline.manifest import publish, read_listed, read_manifest
+from pipeline.storage import ObjectInfo, ObjectStore
+
+
+class RecordError(ValueError):
+    """A stored record that does not match its model (a missing, renamed or unexpected field)."""
+
+
+class Record(BaseModel):
+    """A typed record: unknown fields are errors, and so are missing ones without a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FileRecord(Record):
+    """A record stored as one JSON object named FILE_NAME."""
+
+    FILE_NAME: ClassVar[str]
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=2).encode()
+
+
+class StageRecord(FileRecord):
+    """A stage's record, listed in the stage's manifest (of kind KIND) beside it, as <KIND>.json."""
+
+    KIND: ClassVar[str]
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        if "KIND" in cls.__dict__:
+            cls.FILE_NAME = f"{cls.KIND}.json"
+
+
+# ---------------------------------------------------------------- dataset
+
+
+class DatasetShard(Record):
+    """One capture shard of a dataset (pipeline.data.capture_shards), where it is and what it holds."""
+
+    key: str  # object key of the shard
+    name: str
+    split: Literal["train", "eval"]
+    bytes: int
+    sha256: str
+    samples: int
+    tokens: int
+    assistant_tokens: int
+    teacher: list[str]  # the teacher signals stored: "topk", "last_hidden"
+    encoding: str  # the aux states' encoding: fp8 or bf16
+
+
+class SplitTotals(Record):
+    samples: int
+    tokens: int
+    assistant_tokens: int
+
+
+class DatasetContent(Record):
+    """What the dataset stage publishes: the capture shards a training run reads, one contract."""
+
+    dataset: str
+    target: str
+    captures: list[str]  # URIs of the captures it was made of
+    contract: CaptureContract
+    train_shards: list[DatasetShard]
+    eval_shards: list[DatasetShard]
+    totals: dict[Literal["train", "eval"], SplitTotals]
+
+
+class DatasetRecord(DatasetContent):
+    """A published dataset: its manifest (pipeline.manifest.publish adds the envelope fields)."""
+
+    KIND: ClassVar[str] = "dataset"
+
+    kind: Literal["dataset"]
+    schema_version: int
+    created_at: str
+    code_version: str
+    uri: str
+    objects: list[dict[str, Any]]
+
+
+def read_dataset(store: ObjectStore, uri_or_prefix: str) -> DatasetRecord:
+    """The dataset published at `uri_or_prefix`, validated (RecordError names what does not match)."""
+    prefix = store.key_for(uri_or_prefix)
+    manifest = read_manifest(store, prefix, kind=DatasetRecord.KIND)
+    try:
+        return DatasetRecord.model_validate(manifest)
+    except ValidationError as err:
+        raise RecordError(f"DatasetRecord at {store.uri(prefix)} does not match its model: {err}") from err
+
+
+# ---------------------------------------------------------------- evaluate
+
+
+class AcceptanceMetrics(Record):
+    """Acceptance of a drafter on the held-out captures, per draft step k (from summed counts)."""
+
+    acc: list[float]  # the draft token at step k is the teacher's, given a correct prefix of targets
+    full_acc: list[float]  # P(drafts 0..k all accepted), a chain
+    cond_acc: list[float]  # P(draft k accepted | drafts 0..k-1 accepted)
+    tau_simulated: float  # 1 + sum(full_acc): tokens per verify step of a chain of every step
+    full_acc_at: dict[str, list[float]]  # full_acc of a draft tree of width "k" (str: a JSON key)
+
+
+class EvalSummary(Record):
+    """The headline of an evaluation: the eval manifest's summary and a promoted version's lineage."""
+
+    samples: int
+    acc: list[float]
+    full_acc: list[float]
+    cond_acc: list[float]
+    tau_simulated: float
+
+
+class IncumbentEval(AcceptanceMetrics):
+    """The incumbent drafter on the same eval set."""
+
+    version: str
+
+
+class IncumbentSkipped(Record):
+    """The incumbent could not be compared (another capture contract)."""
+
+    version: str
+    skipped: str
+
+
+class EvalRecord(AcceptanceMetrics, StageRecord):
+    KIND: ClassVar[str] = "eval"
+
+    samples: int
+    ttt_steps: int
+    teacher: str
+    counts: list[list[float]]  # MetricCounts rows, summed over every eval sample
+    loss: list[float]
+    masked_tokens: list[int]
+    chain_anchors: list[int]
+    drafter: str  # the train artifact's URI
+    dataset: str  # the dataset's URI
+    incumbent: IncumbentEval | IncumbentSkipped | None = None
+
+    def summary(self) -> EvalSummary:
+        return EvalSummary.model_validate(self.model_dump(include=set(EvalSummary.model_fields)))
+
+
+# ---------------------------------------------------------------- gate
+
+
+class GateCheck(Record):
+    check: str
+    value: float
+    threshold: float
+    passed: bool
+    incumbent_version: str | None = None  # only on the check against the incumbent
+
+
+class GateRecord(StageRecord):
+    KIND: ClassVar[str] = "gate"
+
+    run_id: str
+    thresholds: GateConfig
+    passed: bool
+    checks: list[GateCheck]
+    reasons: list[str]
+
+
+# ---------------------------------------------------------------- benchmark
+
+
+class MethodResult(Record):
+    """One decoding method over the benchmark prompts."""
+
+    tokens: int
+    seconds: float
+    tok_s: float
+    round_tok_s: list[float]  # tokens/s of each measured round (one prompt locally, a batch on SGLang)
+    requests: int | None = None  # SGLang engine only
+    tau_measured: float | None = None  # tokens per verify step; speculative methods only
+    accepted_histogram: list[int] | None = None  # verify steps by draft tokens accepted
+
+
+class BenchMethods(Record):
+    baseline: MethodResult
+    ngram: MethodResult
+    candidate: MethodResult
+    incumbent: MethodResult | None = None
+
+    def present(self) -> dict[str, MethodResult]:
+        """The methods that ran, by name, in the order the report shows them."""
+        return {
+            name: result
+            for name, result in (
+                ("baseline", self.baseline),
+                ("ngram", self.ngram),
+                ("candidate", self.candidate),
+                ("incumbent", self.incumbent),
+            )
+            if result is not None
+        }
+
+
+class DraftSetting(Record):
+    """A draft setting with the speedup model's prediction for it (pipeline.decoding.speedup.Setting)."""
+
+    steps: int
+    topk: int
+    draft_tokens: int
+    tau: float
+    tok_s: float
+    speedup: float
+
+
+class MeasuredCosts(Record):
+    """Seconds per forward (pipeline.decoding.speedup.StepCosts), keyed by token count / width."""
+
+    target_step: float
+    verify_chain: dict[str, float]
+    verify_tree: dict[str, float]
+    draft: dict[str, float]
+
+
+class Calibration(Record):
+    setting: DraftSetting
+    tok_s: float
+    tau_measured: float | None
+
+
+class PredictedVsMeasured(Record):
+    tau: tuple[float, float | None]  # (predicted, measured)
+    speedup: tuple[float, float]  # (predicted, measured)
+
+
+class SpeedModel(Record):
+    """How the local benchmark chose its setting: measured costs, the ranking, the calibration runs."""
+
+    costs: MeasuredCosts
+    chosen: DraftSetting
+    calibration: list[Calibration]
+    predicted_vs_measured: PredictedVsMeasured
+    ranked: list[DraftSetting]
+
+
+class BenchDecision(Record):
+    promotable: bool
+    reasons: list[str]
+
+
+class RatioInterval(Record):
+    """A ratio of two measured speeds with its confidence interval (pipeline.spread): the candidate's
+    tokens/s over another method's, paired round by round."""
+
+    ratio: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    rounds: int
+
+
+class BenchSummary(Record):
+    """The headline of a benchmark: in the bench manifest and in a promoted version's lineage.
+    `speedup_vs_*` are the point estimates of `speedups` (the candidate over baseline, ngram, incumbent)."""
+
+    engine: Literal["local", "sglang"]
+    draft_steps: int
+    topk: int
+    draft_tokens: int
+    tau_simulated: float
+    tau_measured: float | None
+    baseline_tok_s: float
+    drafter_tok_s: float
+    speedup_vs_baseline: float
+    speedup_vs_ngram: float
+    speedups: dict[str, RatioInterval]
+
+
+class BenchRecord(BenchSummary, StageRecord):
+    KIND: ClassVar[str] = "bench"
+
+    run_id: str
+    prompts: int
+    max_new_tokens: int
+    methods: BenchMethods
+    speed_model: SpeedModel | None = None  # the local engine only
+    decision: BenchDecision
+
+    def summary(self) -> BenchSummary:
+        return BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))
+
+
+# ---------------------------------------------------------------- promote
+
+
+class AliasRecord(Record):
+    """drafters/<target>/aliases/<alias>.json (pipeline.ops.registry.move_alias)."""
+
+    alias: str
+    version: str
+    previous_version: str | None
+    updated_at: str
+    reason: str
+
+
+class GateSummary(Record):
+    passed: bool
+    reasons: list[str]
+
+
+class Lineage(Record):
+    """Where a promoted version came from; stored in its registry manifest and model card."""
+
+    run_id: str
+    dataset: str
+    contract: CaptureContract
+    train: str
+    training_config: dict[str, Any]
+    drafter_config: dict[str, Any]
+    code_version: str
+    eval: EvalSummary
+    gate: GateSummary
+    bench: BenchSummary
+
+
+class PromoteRecord(StageRecord):
+    KIND: ClassVar[str] = "promote"
+
+    promoted: bool
+    reason: str | None = None  # why not, when not promoted
+    version: str | None = None
+    alias: str | None = None
+    registry_uri: str | None = None
+    alias_record: AliasRecord | None = None
+
+
+# ---------------------------------------------------------------- run summary
+
+
+class RunSummary(FileRecord):
+    """`drafter run`'s summary.json (written beside the run's artifacts, not under a manifest)."""
+
+    FILE_NAME: ClassVar[str] = "summary.json"
+
+    run_id: str
+    target: str
+    samples: int
+    tokens: int
+    cond_acc: list[float]
+    stop_reason: str
+    outcome: str
+    report: str
+    gate_passed: bool | None = None
+    tau_simulated: float | None = None
+    tau_measured: float | None = None
+    baseline_tok_s: float | None = None
+    ngram_tok_s: float | None = None
+    drafter_tok_s: float | None = None
+    speedup_vs_baseline: float | None = None
+    speedup_vs_ngram: float | None = None
+    speedups: dict[str, RatioInterval] | None = None  # the speedups' intervals (BenchSummary.speedups)
+    promoted_version: str | None = None
+    registry_uri: str | None = None
+    pulled_to: str | None = None
+    failure: str | None = None
+
+
+# ---------------------------------------------------------------- training worker
+
+
+class DrafterSource(Record):
+    """What building the drafter needs: the target, the capture contract, the draft vocabulary and an
+    optional warm start."""
+
+    target_dir: str
+    contract: CaptureContract
+    draft_vocab: list[int]  # target token ids of the draft vocabulary
+    init_dir: str | None = None  # a local drafter directory to warm-start from
+
+
+class WorkerSpec(DrafterSource, FileRecord):
+    """What every training rank reads first (written by the train stage, read by `drafter train-worker`).
+    Its local paths are the same on every node."""
+
+    FILE_NAME: ClassVar[str] = "worker_spec.json"
+
+    config: RunConfig
+    run_id: str
+    workdir: str
+    train_shards: list[DatasetShard]
+    shard_cache: str
+
+
+# ---------------------------------------------------------------- reading and writing
+
+R = TypeVar("R", bound=FileRecord)
+S = TypeVar("S", bound=StageRecord)
+
+
+def parse_record(record_type: type[R], data: bytes, uri: str) -> R:
+    """The record in `data`, read from `uri`; RecordError (a ValueError) names every field that does not
+    match the model."""
+    try:
+        return record_type.model_validate_json(data)
+    except ValidationError as err:
+        raise RecordError(f"{record_type.__name__} at {uri} does not match its model: {err}") from err
+
+
+def write_record(store: ObjectStore, prefix: str, record: FileRecord) -> ObjectInfo:
+    """Store `record` as <prefix>/<its FILE_NAME> (JSON, indent 2)."""
+    return store.put_bytes(f"{prefix}/{record.FILE_NAME}", record.to_json())
+
+
+def publish_record(
+    store: ObjectStore, prefix: str, record: StageRecord, fields: dict[str, Any]
+) -> dict[str, Any]:
+    """write_record, then the stage's manifest (of the record's KIND) listing it; returns the manifest."""
+    return publish(store, prefix, record.KIND, [write_record(store, prefix, record)], fields)
+
+
+def read_record(store: ObjectStore, uri_or_prefix: str, record_type: type[S]) -> S:
+    """The record a stage published at `uri_or_prefix`, verified against the stage's manifest (its kind,
+    and the record's sha256) and validated against `record_type`."""
+    prefix = store.key_for(uri_or_prefix)
+    manifest = read_manifest(store, prefix, kind=record_type.KIND)
+    data = read_listed(store, prefix, manifest, record_type.FILE_NAME)
+    return parse_record(record_type, data, store.uri(f"{prefix}/{record_type.FILE_NAME}"))

@@ -1,0 +1,75 @@
+"""The one retry policy (pipeline.retrying, on tenacity): what is retried, how often, within which deadline,
+and the polling of servers until they answer."""
+
+import time
+
+import pytest
+
+from pipeline.retrying import await_health, poll_until, retrying
+
+
+class Flaky(Exception):
+    pass
+
+
+def failing(times: int, error: type[Exception] = Flaky):
+    calls = []
+
+    def call() -> str:
+        calls.append(time.monotonic())
+        if len(calls) <= times:
+            raise error(f"failure {len(calls)}")
+        return "done"
+
+    return call, calls
+
+
+def test_retried_errors_are_retried_with_doubling_pauses_and_noted():
+    call, calls = failing(2)
+    notes = []
+    policy = retrying(
+        3, Flaky, first_pause_s=0.05, max_pause_s=1.0, note=lambda e, n, s: notes.append((str(e), n, s))
+    )
+    assert policy(call) == "done" and len(calls) == 3
+    assert notes == [("failure 1", 1, 0.05), ("failure 2", 2, 0.1)]
+    assert calls[2] - calls[1] >= 0.1
+
+
+def test_the_last_error_is_raised_as_it_is_and_other_errors_at_once():
+    call, calls = failing(5)
+    with pytest.raises(Flaky, match="failure 3"):
+        retrying(3, Flaky, first_pause_s=0.0, max_pause_s=0.0)(call)
+    assert len(calls) == 3
+    call, calls = failing(5, ValueError)
+    with pytest.raises(ValueError, match="failure 1"):
+        retrying(3, Flaky, first_pause_s=0.0, max_pause_s=0.0)(call)
+    assert len(calls) == 1
+
+
+def test_no_attempt_starts_after_the_deadline_and_pauses_stay_under_the_cap():
+    call, calls = failing(100)
+    started = time.monotonic()
+    with pytest.raises(Flaky):
+        retrying(100, Flaky, first_pause_s=0.05, max_pause_s=0.1, jitter=True, deadline=started + 0.6)(call)
+    assert time.monotonic() - started < 0.8
+    assert all(later - earlier < 0.1 * 1.5 + 0.05 for earlier, later in zip(calls, calls[1:], strict=False))
+    assert calls[-1] < started + 0.6
+
+
+def test_polling_ends_when_ready_or_when_the_time_is_up():
+    answers = iter([False, False, True])
+    assert poll_until(lambda: next(answers), timeout_s=5, poll_s=0.01)
+    started = time.monotonic()
+    assert not poll_until(lambda: False, timeout_s=0.2, poll_s=0.05)
+    assert 0.2 <= time.monotonic() - started < 0.5
+
+
+def test_a_server_that_is_gone_ends_the_wait_for_its_health_at_once():
+    def gone() -> None:
+        raise RuntimeError("the server exited with code 1")
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="exited"):
+        await_health("http://127.0.0.1:9", timeout_s=30, gone=gone)
+    assert time.monotonic() - started < 1
+    assert not await_health("http://127.0.0.1:9", timeout_s=0.3, poll_s=0.1, request_timeout_s=0.1)
