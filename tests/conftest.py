@@ -130,6 +130,15 @@ def tiny_model(tiny_target_dir):
     return load_model(tiny_target_dir)
 
 
+def captured_dataset(config, store, snapshot: str) -> str:
+    """prompts -> generate -> capture -> dataset of `snapshot`, through the stage table; the dataset URI."""
+    from pipeline.stages import run_stage
+
+    for stage in ("prompts", "generate", "capture"):
+        run_stage(stage, config, snapshot, store)
+    return run_stage("dataset", config, snapshot, store).uri
+
+
 def published(store, output) -> dict:
     """The manifest a stage published (its output names the URI)."""
     from pipeline.manifest import read_manifest

@@ -28,7 +28,6 @@ from pipeline.dev.json_http import send_json
 from pipeline.manifest import read_listed, read_manifest
 from pipeline.ops.kube_api import KubernetesApi
 from pipeline.records import read_dataset
-from pipeline.stages import run_stage
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
 from pipeline.training.nodes import (
@@ -38,7 +37,7 @@ from pipeline.training.nodes import (
     load_job_manifest,
     node_launcher,
 )
-from tests.conftest import REPO, storage_config, tiny_config_dict
+from tests.conftest import REPO, captured_dataset, storage_config, tiny_config_dict
 
 
 def _free_port() -> int:
@@ -69,23 +68,14 @@ def setup(tmp_path_factory, s3_endpoint, tiny_target_dir):
     )
     config = load_config(data=data)
     store = open_store(config.storage)
-    responses = run_stage(
-        "generate", config, "mn", store, prompts_uri=run_stage("prompts", config, "mn", store).uri
-    )
-    dataset = run_stage(
-        "dataset",
-        config,
-        "mn",
-        store,
-        capture_uris=[run_stage("capture", config, "mn", store, responses_uri=responses.uri).uri],
-    )
+    dataset_uri = captured_dataset(config, store, "mn")
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
     return {
         "config": config,
         "config_path": config_path,
         "store": store,
-        "dataset": dataset.uri,
+        "dataset": dataset_uri,
         "tmp": tmp,
         "environment": _environment_without_credentials(tmp, s3_endpoint),
     }

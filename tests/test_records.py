@@ -64,6 +64,18 @@ def gate_record(reasons: list[str] | None = None) -> GateRecord:
     )
 
 
+def speculative(seconds: float, tok_s: float, tau: float, histogram: list[int]) -> MethodResult:
+    """A speculative method's figures over 128 tokens in two rounds."""
+    return MethodResult(
+        tokens=128,
+        seconds=seconds,
+        tok_s=tok_s,
+        round_tok_s=[tok_s - 1, tok_s + 1],
+        tau_measured=tau,
+        accepted_histogram=histogram,
+    )
+
+
 def bench_record() -> BenchRecord:
     setting = DraftSetting(steps=2, topk=1, draft_tokens=3, tau=2.3, tok_s=50.0, speedup=1.6)
     headline = {"engine": "local", "draft_steps": 2, "topk": 1, "draft_tokens": 3, "tau_simulated": 2.3}
@@ -83,22 +95,8 @@ def bench_record() -> BenchRecord:
         max_new_tokens=32,
         methods=BenchMethods(
             baseline=MethodResult(tokens=128, seconds=4.0, tok_s=30.0, round_tok_s=[29.0, 31.0]),
-            ngram=MethodResult(
-                tokens=128,
-                seconds=3.2,
-                tok_s=40.0,
-                round_tok_s=[39.0, 41.0],
-                tau_measured=1.3,
-                accepted_histogram=[5, 2],
-            ),
-            candidate=MethodResult(
-                tokens=128,
-                seconds=2.7,
-                tok_s=48.0,
-                round_tok_s=[47.0, 49.0],
-                tau_measured=2.1,
-                accepted_histogram=[3, 4, 5],
-            ),
+            ngram=speculative(3.2, 40.0, 1.3, [5, 2]),
+            candidate=speculative(2.7, 48.0, 2.1, [3, 4, 5]),
         ),
         speed_model=SpeedModel(
             costs=MeasuredCosts(

@@ -21,7 +21,7 @@ from pipeline.stages import run_stage
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
 from pipeline.training.nodes import torchrun_args
-from tests.conftest import REPO, published, storage_config, tiny_config_dict
+from tests.conftest import REPO, captured_dataset, published, storage_config, tiny_config_dict
 
 
 @pytest.fixture(scope="module")
@@ -34,17 +34,8 @@ def setup(tmp_path_factory, tiny_target_dir):
     data["capture"]["parity"] = {"samples": 0}
     config = load_config(data=data)
     store = open_store(config.storage)
-    responses = run_stage(
-        "generate", config, "d", store, prompts_uri=run_stage("prompts", config, "d", store).uri
-    )
-    dataset = run_stage(
-        "dataset",
-        config,
-        "d",
-        store,
-        capture_uris=[run_stage("capture", config, "d", store, responses_uri=responses.uri).uri],
-    )
-    return {"data": data, "config": config, "store": store, "dataset": dataset.uri, "tmp": tmp}
+    dataset_uri = captured_dataset(config, store, "d")
+    return {"data": data, "config": config, "store": store, "dataset": dataset_uri, "tmp": tmp}
 
 
 def train_manifest(setup, result):
