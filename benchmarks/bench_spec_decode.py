@@ -28,16 +28,12 @@ def method_sides(config, store, train_uri: str, prompts_uri: str, record: dict, 
     Each call stores its outputs in `outputs[name]`, so they can be checked against greedy decoding."""
     import torch
 
-    from pipeline.decoding.reference_decoder import (
-        NgramProposer,
-        TargetRunner,
-        greedy_decode,
-        speculative_decode,
-    )
+    from pipeline.config import NgramLocalSetting
+    from pipeline.decoding.reference_decoder import TargetRunner, greedy_decode
     from pipeline.drafter.export import load_drafter, read_drafter_dir
     from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer
     from pipeline.records import DraftSetting
-    from pipeline.stages.benchmark import eagle_method, heldout_prompts
+    from pipeline.stages.benchmark import eagle_method, heldout_prompts, ngram_method
     from pipeline.stages.evaluate import local_drafter_dir
 
     settings = config.benchmark
@@ -51,16 +47,14 @@ def method_sides(config, store, train_uri: str, prompts_uri: str, record: dict, 
     plain, with_aux = TargetRunner(model, None), TargetRunner(model, aux_layer_ids)
     eos, new_tokens = tokenizer.eos_token_id, settings.max_new_tokens
     setting = DraftSetting.model_validate(record["speed_model"]["chosen"])
+    # n-gram at the setting the stage found fastest
+    sweep = record["ngram_sweep"]
+    best_ngram = NgramLocalSetting.model_validate(
+        next(entry["knobs"] for entry in sweep["settings"] if entry["setting"] == sweep["best"])
+    )
     methods = {
         "baseline": lambda p: greedy_decode(plain, p, new_tokens, eos),
-        "ngram": lambda p: speculative_decode(
-            plain,
-            NgramProposer(settings.ngram_max_match, settings.ngram_min_match),
-            p,
-            new_tokens,
-            eos,
-            settings.draft_steps,
-        ),
+        "ngram": ngram_method(plain, best_ngram, new_tokens, eos),
         "candidate": eagle_method(with_aux, drafter, setting, new_tokens, eos),
     }
 
@@ -117,6 +111,7 @@ def main() -> None:
         draft_tokens=record["draft_tokens"],
         baseline_tok_s=tokens / measurement.geomean("baseline"),
         ngram_tok_s=tokens / measurement.geomean("ngram"),
+        ngram_setting=record["ngram_sweep"]["best"],
         ngram_tau=record["methods"]["ngram"]["tau_measured"],
         drafter_tok_s=tokens / measurement.geomean("candidate"),
         accepted_histogram=json.dumps(record["methods"]["candidate"]["accepted_histogram"]).replace(" ", ""),

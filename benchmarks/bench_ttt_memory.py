@@ -1,12 +1,15 @@
-"""Peak memory of one training-time-test forward + backward (7 steps) at L=2048 over L=512, for our
-chunked diagonal attention and for a dense reference that materializes every step's [L, L*(k+1)]
-scores. Each measurement runs in its own process; memory is peak RSS above the process's RSS just
-before the step.
+"""Peak memory of one training-time-test forward + backward (7 steps) at L=512, 2048 and 16384, for our
+chunked diagonal attention, and at L=512 and 2048 for a dense reference that materializes every step's
+[L, L*(k+1)] scores. Each measurement runs in its own process; memory is peak RSS above the process's
+RSS just before the step.
 
     python benchmarks/bench_ttt_memory.py [--steps 7] [--hidden 128]
 
-Linear memory gives a ratio of ~4 (2048/512); quadratic gives ~16.
-Headline lines: dense_mem_ratio= then mem_ratio= (ours) last.
+Linear memory gives ratios of ~4 (2048/512) and ~8 (16384/2048); quadratic gives ~16 and ~64. The dense
+reference is skipped at 16384: its scores alone would take steps x 4 heads x 16384 x 16384 x 4 bytes
+(~34 GB at 7 steps), more than this machine has.
+Headline lines: dense_mem_ratio= and mem_ratio= (ours, 2048/512), then mem_ratio_16k= (ours, 16384/2048,
+the context the Kimi config trains at; goal <= 9) last.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import subprocess
 import sys
 
 from support import report
+
+LONG = 16384  # the Kimi config's train.max_length
+OURS_LENGTHS = (512, 2048, LONG)
+DENSE_LENGTHS = (512, 2048)  # the dense reference only where its scores fit in memory
 
 
 def child(length: int, steps: int, hidden: int, dense: bool) -> None:
@@ -66,18 +73,18 @@ def main() -> None:
     if args.child:
         child(args.child, args.steps, args.hidden, args.dense)
         return
-    ours = {length: measure(length, args.steps, args.hidden, False) for length in (512, 2048)}
-    dense = {length: measure(length, args.steps, args.hidden, True) for length in (512, 2048)}
+    ours = {length: measure(length, args.steps, args.hidden, False) for length in OURS_LENGTHS}
+    dense = {length: measure(length, args.steps, args.hidden, True) for length in DENSE_LENGTHS}
+    print(f"dense_skipped_at={LONG}", flush=True)  # its [L, L*(k+1)] scores would not fit in memory
     # memory of one deterministic computation, not a timing: the ratios print without an interval
     report(
         ttt_steps=args.steps,
         hidden=args.hidden,
-        ours_mb_512=ours[512],
-        ours_mb_2048=ours[2048],
-        dense_mb_512=dense[512],
-        dense_mb_2048=dense[2048],
+        **{f"ours_mb_{length}": ours[length] for length in OURS_LENGTHS},
+        **{f"dense_mb_{length}": dense[length] for length in DENSE_LENGTHS},
         dense_mem_ratio=dense[2048] / dense[512],
         mem_ratio=ours[2048] / ours[512],
+        mem_ratio_16k=ours[LONG] / ours[2048],
     )
 
 

@@ -13,7 +13,9 @@ import argparse
 import json
 import logging
 import os
+import shlex
 import sys
+from pathlib import Path
 
 from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE
 from pipeline.stages import TABLE
@@ -64,6 +66,14 @@ def _input_option(parser: argparse.ArgumentParser, name: str) -> None:
         parser.add_argument(f"--{stem}", dest=name, metavar="URI", help="default: this run's")
 
 
+_TARGET_CONFIG_HELP = (
+    "the target's config.json, or its model directory, to check against: the drafter is refused when the "
+    "target's SGLang server would refuse it (context length, RoPE, widths, vocabularies, aux layers, "
+    "weights, the version's speculative flags). Default: the target config the drafter recorded at export "
+    "(target_config.json)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drafter", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -81,15 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dest", required=True)
     p.add_argument(
         "--flags-file",
-        help="also write the version's SGLang serving flags to this file (one line), for "
-        "a server started from it: `launch_server ... $(cat FILE)`",
+        help="also write the SGLang flags that serve the target with this version (one line: --tp, "
+        "--trust-remote-code when the target needs it, the speculative flags), for a server started "
+        "from it: `launch_server --model-path TARGET ... $(cat FILE)`",
     )
+    p.add_argument("--target-config", metavar="DIR_OR_CONFIG_JSON", help=_TARGET_CONFIG_HELP)
     p = sub.add_parser("rollback", help="point production back at previous")
     _common(p, run_id=False)
     p = sub.add_parser("list", help="list drafter versions and aliases")
     _common(p, run_id=False)
-    p = sub.add_parser("verify", help="verify a drafter directory against its manifest.json")
+    p = sub.add_parser(
+        "verify",
+        help="verify a drafter directory against its manifest.json, and that the target's SGLang server "
+        "would serve it",
+    )
     p.add_argument("directory")
+    p.add_argument("--target-config", metavar="DIR_OR_CONFIG_JSON", help=_TARGET_CONFIG_HELP)
     p = sub.add_parser("status", help="the registry's aliases and recent runs with their gate/bench outcomes")
     _common(p, run_id=False)
     p.add_argument("--limit", type=int, default=10, help="how many recent runs to show")
@@ -141,10 +158,14 @@ def dispatch(args) -> int:
         worker_main(args.spec)
         return 0
     if args.command == "verify":
-        manifest = registry.verify_dir(args.directory)
+        from pipeline.drafter.servable import target_config_for
+
+        manifest = registry.verify_dir(args.directory, args.target_config)
+        checked = target_config_for(Path(args.directory), args.target_config)
         print(
             f"ok: {args.directory} matches its manifest ({len(manifest['objects'])} files, "
-            f"{manifest.get('target')} version {manifest.get('version')})"
+            f"{manifest.get('target')} version {manifest.get('version')}) and SGLang would serve it "
+            f"for the target of {checked}"
         )
         return 0
     config = _load(args)
@@ -163,13 +184,15 @@ def dispatch(args) -> int:
         print(f"summary={location}")
         return {"gate failed": EXIT_GATE, "promotion refused": EXIT_FAILED}.get(summary.outcome, 0)
     if args.command == "pull":
-        dest = registry.pull(store, target, args.alias, args.dest)
+        dest = registry.pull(store, target, args.alias, args.dest, args.target_config)
         manifest = json.loads((dest / "manifest.json").read_text())
-        flags = registry.serving_flags(str(dest), manifest["serving"])
+        command = registry.launch_command(config.target, str(dest), manifest["serving"])
         print(f"pulled {target} {manifest['version']} into {dest}")
-        print("serve with: python -m sglang.launch_server --model-path <target> " + " ".join(flags))
+        print("serve with: " + shlex.join(command))
         if args.flags_file:
-            registry.write_serving_flags(args.flags_file, flags)
+            registry.write_serving_flags(
+                args.flags_file, registry.server_flags(config.target, str(dest), manifest["serving"])
+            )
         return 0
     if args.command == "rollback":
         record = registry.rollback(store, target)

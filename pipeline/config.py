@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from pipeline.ids import validate_id
+from pipeline.sglang_ngram_rules import launch_from_args, refusals, silent_changes
 
 
 class ConfigError(ValueError):
@@ -247,7 +248,22 @@ class CaptureConfig(Strict):
         None, description="0-indexed decoder layers whose OUTPUT is captured; default [1, N//2-1, N-4]"
     )
     encoding: Literal["bf16", "fp8"] = Field(
-        "fp8", description="aux (and last hidden) storage: bf16, or e4m3 with one scale per token and layer"
+        "fp8",
+        description="aux (and last hidden) storage: bf16, or e4m3 with one scale per token per fp8_block "
+        "channels of a layer",
+    )
+    fp8_block: PositiveInt = Field(
+        128,
+        description="channels per fp8 scale (1x128 as DeepSeek-V3 quantizes activations); a layer width it "
+        "does not divide gets a shorter last block, a block as wide as the layer is one scale per token and "
+        "layer",
+    )
+    fp8_max_rel_error: float | None = Field(
+        0.05,
+        gt=0,
+        description="a shard whose measured fp8 round-trip error (RMS over channels of the per-channel "
+        "relative error) exceeds this in any layer is stored bf16, with a warning; e4m3 rounding alone "
+        "measures 0.023-0.026 (docs/BENCHMARKS.md); null: never fall back",
     )
     teacher: list[TeacherKind] = Field(
         default_factory=_topk_teacher,
@@ -283,14 +299,32 @@ class CaptureConfig(Strict):
         return ids
 
 
+# Drafter settings that come from the target's config.json only: SGLang 0.5.23 refuses a draft whose context
+# is shorter than the target's, and applies the draft config's own RoPE settings (pipeline.drafter.rope).
+TARGET_DERIVED_DRAFTER_SETTINGS = ("max_position_embeddings", "rope_theta", "rope_scaling", "vocab_size")
+
+
 class DrafterConfig(Strict):
-    draft_vocab_size: int = Field(32000, ge=2)
+    draft_vocab_size: int = Field(32000, ge=2, description="at most the target's vocabulary")
     num_heads: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
     intermediate_size: int | None = None
-    max_position_embeddings: int | None = None
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_target_derived_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            given = [key for key in TARGET_DERIVED_DRAFTER_SETTINGS if key in data]
+            if given:
+                raise ValueError(
+                    f"drafter.{given[0]} is not a setting: the drafter takes its context length "
+                    "(max_position_embeddings), RoPE settings (rope_theta, rope_scaling) and vocab_size from "
+                    "the target's config.json, so that SGLang serves it with the target; remove "
+                    f"drafter.{', drafter.'.join(given)}"
+                )
+        return data
 
 
 class PlateauConfig(Strict):
@@ -402,6 +436,78 @@ class GateConfig(Strict):
     max_regression_vs_incumbent: float = Field(0.0, ge=0.0, description="allowed drop in tau_simulated")
 
 
+class NgramServerSetting(Strict):
+    """One NGRAM server the SGLang benchmark measures: SGLang 0.5.23's n-gram flags. A setting SGLang would
+    refuse or run otherwise than written is refused here (pipeline.sglang_ngram_rules)."""
+
+    draft_tokens: int = Field(ge=2, description="--speculative-num-draft-tokens: the draft tree's nodes + 1")
+    min_bfs_breadth: int = Field(1, ge=1, description="--speculative-ngram-min-bfs-breadth (longest matches)")
+    max_bfs_breadth: int = Field(
+        10, ge=1, description="--speculative-ngram-max-bfs-breadth (shortest matches); SGLang's topk"
+    )
+    max_trie_depth: int = Field(
+        18, ge=2, description="--speculative-ngram-max-trie-depth: matches suffixes of up to depth - 1 tokens"
+    )
+    match_type: Literal["BFS", "PROB"] = Field("BFS", description="--speculative-ngram-match-type")
+    capacity: PositiveInt = Field(10_000_000, description="--speculative-ngram-capacity (trie nodes)")
+
+    @property
+    def label(self) -> str:
+        kind = "" if self.match_type == "BFS" else f"-{self.match_type.lower()}"
+        return (
+            f"tokens{self.draft_tokens}-bfs{self.min_bfs_breadth}-{self.max_bfs_breadth}"
+            f"-depth{self.max_trie_depth}{kind}"
+        )
+
+    def launch_args(self) -> list[str]:
+        """The NGRAM server's speculative flags."""
+        return [
+            "--speculative-algorithm",
+            "NGRAM",
+            "--speculative-num-draft-tokens",
+            str(self.draft_tokens),
+            "--speculative-ngram-min-bfs-breadth",
+            str(self.min_bfs_breadth),
+            "--speculative-ngram-max-bfs-breadth",
+            str(self.max_bfs_breadth),
+            "--speculative-ngram-match-type",
+            self.match_type,
+            "--speculative-ngram-max-trie-depth",
+            str(self.max_trie_depth),
+            "--speculative-ngram-capacity",
+            str(self.capacity),
+        ]
+
+    def serving_problems(self, extra_args: list[str]) -> list[str]:
+        """What SGLang 0.5.23 would refuse or change in this setting, served with `extra_args`."""
+        launch = launch_from_args([*extra_args, *self.launch_args()])
+        return refusals(launch) + silent_changes(launch)
+
+    @model_validator(mode="after")
+    def _served_as_written(self) -> NgramServerSetting:
+        problems = self.serving_problems([])
+        if problems:
+            raise ValueError(f"n-gram setting {self.label}:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+def _ngram_server_sweep() -> list[NgramServerSetting]:
+    """A chain, two narrow trees and SGLang's own defaults (12 draft tokens, breadth 10)."""
+    return [
+        NgramServerSetting(draft_tokens=4, max_bfs_breadth=1),
+        NgramServerSetting(draft_tokens=4, max_bfs_breadth=4),
+        NgramServerSetting(draft_tokens=8, max_bfs_breadth=4, max_trie_depth=8),
+        NgramServerSetting(draft_tokens=12, max_bfs_breadth=10),
+    ]
+
+
+def _unique_labels(settings: list[Any], where: str) -> None:
+    labels = [setting.label for setting in settings]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"{where} lists the same setting twice: {repeated}")
+
+
 class SGLangBenchConfig(Strict):
     """Servers the SGLang benchmark starts, one method at a time, on this machine's GPUs."""
 
@@ -416,21 +522,23 @@ class SGLangBenchConfig(Strict):
     steps: PositiveInt = Field(3, description="--speculative-num-steps for EAGLE3")
     topk: PositiveInt = Field(1, description="--speculative-eagle-topk")
     draft_tokens: int = Field(4, ge=2, description="--speculative-num-draft-tokens")
-    ngram_draft_tokens: int = Field(4, ge=2)
-    ngram_args: list[str] = Field(
-        default_factory=lambda: [
-            "--speculative-ngram-min-bfs-breadth",
-            "1",
-            "--speculative-ngram-max-bfs-breadth",
-            "10",
-            "--speculative-ngram-match-type",
-            "BFS",
-            "--speculative-ngram-max-trie-depth",
-            "18",
-            "--speculative-ngram-capacity",
-            "10000000",
-        ]
+    ngram_settings: list[NgramServerSetting] = Field(
+        default_factory=_ngram_server_sweep,
+        min_length=1,
+        description="NGRAM servers measured, one launch each; the candidate is compared with the fastest",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_removed_ngram_keys(cls, data: Any) -> Any:
+        removed = sorted({"ngram_draft_tokens", "ngram_args"} & set(data)) if isinstance(data, dict) else []
+        if removed:
+            raise ValueError(
+                f"benchmark.sglang.{removed[0]} was replaced by benchmark.sglang.ngram_settings: a list of "
+                "{draft_tokens, min_bfs_breadth, max_bfs_breadth, max_trie_depth, match_type, capacity}, "
+                "one NGRAM server per setting"
+            )
+        return data
 
     @model_validator(mode="after")
     def _chain_tokens(self) -> SGLangBenchConfig:
@@ -438,14 +546,58 @@ class SGLangBenchConfig(Strict):
             raise ValueError("with topk 1 SGLang requires draft_tokens == steps + 1")
         return self
 
+    @model_validator(mode="after")
+    def _ngram_served_as_configured(self) -> SGLangBenchConfig:
+        speculative = [arg for arg in self.extra_args if arg.startswith("--speculative")]
+        if speculative:
+            raise ValueError(
+                f"benchmark.sglang.extra_args go to every server, the baseline's too: {speculative} belong "
+                "in the method's own settings (steps/topk/draft_tokens, ngram_settings)"
+            )
+        _unique_labels(self.ngram_settings, "benchmark.sglang.ngram_settings")
+        problems = [
+            f"n-gram setting {setting.label}: {problem}"
+            for setting in self.ngram_settings
+            for problem in setting.serving_problems(self.extra_args)
+        ]
+        if problems:
+            raise ValueError("with benchmark.sglang.extra_args:\n  - " + "\n  - ".join(problems))
+        return self
+
+
+class NgramLocalSetting(Strict):
+    """One setting of the reference decoder's n-gram (prompt-lookup) proposer. It drafts a chain, not a
+    tree: SGLang's BFS breadth has no counterpart here."""
+
+    min_match: PositiveInt = Field(1, description="shortest context suffix looked up")
+    max_match: PositiveInt = Field(4, description="longest context suffix looked up (tried first)")
+    steps: PositiveInt = Field(4, description="tokens drafted per verify forward (SGLang's draft tokens - 1)")
+
+    @property
+    def label(self) -> str:
+        return f"match{self.min_match}-{self.max_match}-steps{self.steps}"
+
+    @model_validator(mode="after")
+    def _window(self) -> NgramLocalSetting:
+        if self.min_match > self.max_match:
+            raise ValueError(f"n-gram min_match {self.min_match} exceeds max_match {self.max_match}")
+        return self
+
+
+def _ngram_local_sweep() -> list[NgramLocalSetting]:
+    """Short, medium and long matches and drafts: three settings keep the local sweep to seconds."""
+    return [
+        NgramLocalSetting(min_match=1, max_match=2, steps=2),
+        NgramLocalSetting(min_match=1, max_match=4, steps=4),
+        NgramLocalSetting(min_match=2, max_match=8, steps=6),
+    ]
+
 
 class BenchmarkConfig(Strict):
     engine: Literal["local", "sglang"] = "local"
     num_prompts: PositiveInt = 16
     max_new_tokens: PositiveInt = 96
-    draft_steps: PositiveInt = Field(
-        4, description="n-gram draft length, and the chain when auto_select is off"
-    )
+    draft_steps: PositiveInt = Field(4, description="the candidate's chain when auto_select is off")
     auto_select: bool = Field(True, description="pick steps/topk/draft tokens with the speedup model")
     max_draft_steps: PositiveInt = 6
     tree_widths: list[int] = Field(default_factory=lambda: [1, 2, 4], description="topk values considered")
@@ -454,8 +606,12 @@ class BenchmarkConfig(Strict):
         3, description="best predicted settings timed before choosing"
     )
     calibration_prompts: PositiveInt = 4
-    ngram_max_match: PositiveInt = 4
-    ngram_min_match: PositiveInt = 1
+    ngram_settings: list[NgramLocalSetting] = Field(
+        default_factory=_ngram_local_sweep,
+        min_length=1,
+        description="local engine: n-gram settings timed on the calibration prompts; the fastest is "
+        "measured against the candidate (SGLang engine: sglang.ngram_settings)",
+    )
     repeats: PositiveInt = Field(1, description="passes over the prompts at least (all methods interleaved)")
     ci_rel_width: float = Field(
         0.1, gt=0, description="more passes until every speedup's interval is this narrow (relative)..."
@@ -467,8 +623,20 @@ class BenchmarkConfig(Strict):
     min_speedup_vs_incumbent: float = Field(1.0, ge=0)
     sglang: SGLangBenchConfig | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_removed_ngram_keys(cls, data: Any) -> Any:
+        removed = sorted({"ngram_max_match", "ngram_min_match"} & set(data)) if isinstance(data, dict) else []
+        if removed:
+            raise ValueError(
+                f"benchmark.{removed[0]} was replaced by benchmark.ngram_settings: a list of "
+                "{min_match, max_match, steps}, the fastest of which the candidate is compared with"
+            )
+        return data
+
     @model_validator(mode="after")
     def _sglang_settings(self) -> BenchmarkConfig:
+        _unique_labels(self.ngram_settings, "benchmark.ngram_settings")
         if self.engine == "sglang" and self.sglang is None:
             raise ValueError(
                 "benchmark.engine 'sglang' needs benchmark.sglang (launch command, model path, ...)"
@@ -542,6 +710,11 @@ class RunConfig(Strict):
             raise ValueError(
                 f"capture.aux_layer_ids {ids} out of range for a target of {self.target.num_layers} layers"
             )
+        tiny = self.target.tiny if self.target.source == "tiny" else None
+        if ids is not None and tiny is not None:  # the model family is known before the target is built
+            from pipeline.engines.layer_ids import TINY_TARGET_FAMILIES, refuse_unservable_capture
+
+            refuse_unservable_capture(ids, TINY_TARGET_FAMILIES[tiny.architecture], tiny.num_layers)
         if self.target.vocab_size is not None and self.drafter.draft_vocab_size > self.target.vocab_size:
             raise ValueError("drafter.draft_vocab_size exceeds target.vocab_size")
         return self

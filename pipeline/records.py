@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.config import GateConfig, RunConfig
 from pipeline.data.capture_contract import CaptureContract
@@ -162,6 +162,9 @@ class EvalRecord(AcceptanceMetrics, StageRecord):
     loss: list[float]
     masked_tokens: list[int]
     chain_anchors: list[int]
+    # per step: the share of masked positions whose target top-1 is outside the draft vocabulary (counted
+    # as misses above, trained on nowhere); empty in records written before it was measured
+    inexpressible_fraction: list[float] = Field(default_factory=list)
     drafter: str  # the train artifact's URI
     dataset: str  # the dataset's URI
     incumbent: IncumbentEval | IncumbentSkipped | None = None
@@ -206,9 +209,26 @@ class MethodResult(Record):
     accepted_histogram: list[int] | None = None  # verify steps by draft tokens accepted
 
 
+class NgramSettingResult(Record):
+    """One n-gram setting of the benchmark's sweep and what it measured."""
+
+    setting: str  # its label (pipeline.config.NgramLocalSetting / NgramServerSetting .label)
+    knobs: dict[str, int | str]  # the setting's fields
+    result: MethodResult
+
+
+class NgramSweep(Record):
+    """Every n-gram setting the benchmark measured; `best` (the highest tokens/s) is the n-gram the candidate
+    is compared with (BenchMethods.ngram, speedups["ngram"])."""
+
+    measured_on: str  # which prompts the sweep ran on
+    settings: list[NgramSettingResult]
+    best: str  # the label of the fastest setting
+
+
 class BenchMethods(Record):
     baseline: MethodResult
-    ngram: MethodResult
+    ngram: MethodResult  # n-gram at its best setting (BenchRecord.ngram_sweep.best)
     candidate: MethodResult
     incumbent: MethodResult | None = None
 
@@ -309,6 +329,7 @@ class BenchRecord(BenchSummary, StageRecord):
     methods: BenchMethods
     speed_model: SpeedModel | None = None  # the local engine only
     decision: BenchDecision
+    ngram_sweep: NgramSweep | None = None  # None in records written before n-gram settings were swept
 
     def summary(self) -> BenchSummary:
         return BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))
@@ -373,12 +394,15 @@ class RunSummary(FileRecord):
     cond_acc: list[float]
     stop_reason: str
     outcome: str
+    chosen_epoch: int | None = None  # the exported epoch (best held-out tau_simulated), 0-based
+    heldout_tau_by_epoch: list[float] | None = None  # held-out tau_simulated after each epoch
     report: str
     gate_passed: bool | None = None
     tau_simulated: float | None = None
     tau_measured: float | None = None
     baseline_tok_s: float | None = None
     ngram_tok_s: float | None = None
+    ngram_best_setting: str | None = None  # the n-gram setting the candidate was compared with (the fastest)
     drafter_tok_s: float | None = None
     speedup_vs_baseline: float | None = None
     speedup_vs_ngram: float | None = None
@@ -412,6 +436,8 @@ class WorkerSpec(DrafterSource, FileRecord):
     run_id: str
     workdir: str
     train_shards: list[DatasetShard]
+    # the held-out shards every epoch is evaluated on; the best epoch is exported (none: the last one)
+    eval_shards: list[DatasetShard] = Field(default_factory=list)
     shard_cache: str
 
 

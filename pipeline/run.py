@@ -63,6 +63,15 @@ def _data_summary(store: ObjectStore, run_id: str, config: RunConfig) -> dict[st
         "tokens": totals["train"].tokens + totals["eval"].tokens,
         "cond_acc": evaluation.cond_acc,
         "stop_reason": train["result"]["stop_reason"],
+        **epoch_selection(train["result"]),
+    }
+
+
+def epoch_selection(train_result: dict[str, Any]) -> dict[str, Any]:
+    """The exported epoch and every epoch's held-out tau, from the train stage's result."""
+    return {
+        "chosen_epoch": train_result.get("chosen_epoch"),
+        "heldout_tau_by_epoch": train_result.get("heldout_tau_by_epoch"),
     }
 
 
@@ -78,6 +87,7 @@ def _bench_summary(store: ObjectStore, bench_uri: str) -> dict[str, Any]:
         "speedup_vs_ngram": headline.speedup_vs_ngram,
         "speedups": headline.speedups,
         "ngram_tok_s": bench.methods.ngram.tok_s,
+        "ngram_best_setting": bench.ngram_sweep.best if bench.ngram_sweep else None,
     }
 
 
@@ -86,8 +96,16 @@ def _promotion_summary(config: RunConfig, run_id: str, store: ObjectStore, promo
     assert isinstance(promoted, PromoteOutput)
     if not promoted.promoted:
         return {"outcome": "not promoted (registry.promote is false)"}
+    from pipeline.engines.target import describe_target  # torch: only once a run has promoted
+
     workdir = config.storage.run_workdir(run_id)
-    pulled = registry.pull(store, config.target.name, config.registry.alias, workdir / "pulled_drafter")
+    pulled = registry.pull(
+        store,
+        config.target.name,
+        config.registry.alias,
+        workdir / "pulled_drafter",
+        describe_target(config).model_dir,
+    )
     return {
         "outcome": "promoted",
         "promoted_version": promoted.version,
@@ -131,11 +149,14 @@ def format_table(summary: RunSummary) -> str:
     rows: list[tuple[str, Any]] = [("samples", summary.samples), ("tokens", summary.tokens)]
     rows += [(f"cond_acc_{k}", v) for k, v in enumerate(summary.cond_acc)]
     rows += [
+        ("chosen epoch (from 0)", summary.chosen_epoch),
+        ("held-out tau by epoch", summary.heldout_tau_by_epoch),
         ("outcome", summary.outcome),
         ("tau simulated", summary.tau_simulated),
         ("tau measured", summary.tau_measured),
         ("baseline tok/s", summary.baseline_tok_s),
         ("n-gram tok/s", summary.ngram_tok_s),
+        ("n-gram best setting", summary.ngram_best_setting),
         ("drafter tok/s", summary.drafter_tok_s),
         ("speedup vs baseline", summary.speedup_vs_baseline),
         *[

@@ -50,3 +50,40 @@ def test_paired_rounds_give_the_recorded_interval():
     recorded = interval(ratio_from_samples(candidate, baseline, 0.95))
     assert recorded.ci_low < recorded.ratio < recorded.ci_high and recorded.rounds == 4
     assert 1.4 < recorded.ratio < 1.6
+
+
+def test_the_candidate_is_compared_with_ngram_at_its_fastest_setting():
+    from pipeline.config import NgramServerSetting
+    from pipeline.engines.sglang_bench import ngram_method_name
+    from pipeline.stages.benchmark import paired_speedups, sglang_methods
+
+    def measured(rounds: list[float], tau: float | None = None) -> dict:
+        figures = {"tokens": 120, "seconds": 1.0, "tok_s": sum(rounds) / len(rounds), "round_tok_s": rounds}
+        return figures | ({"tau_measured": tau} if tau else {})
+
+    chain = NgramServerSetting(draft_tokens=4, max_bfs_breadth=1)
+    wide = NgramServerSetting(draft_tokens=12, max_bfs_breadth=10)
+    methods, sweep = sglang_methods(
+        {
+            "baseline": measured([80.0, 84.0, 82.0]),
+            ngram_method_name(chain): measured([90.0, 95.0, 92.0], tau=1.6),  # the fastest n-gram
+            ngram_method_name(wide): measured([41.0, 40.0, 42.0], tau=2.4),  # tree verification dominates
+            "candidate": measured([93.0, 94.0, 95.0], tau=3.1),
+        },
+        [chain, wide],
+    )
+    assert sweep.best == chain.label and [entry.setting for entry in sweep.settings] == [
+        chain.label,
+        wide.label,
+    ]
+    assert methods.ngram.round_tok_s == [90.0, 95.0, 92.0]
+    speedups = paired_speedups(methods, 0.95)
+    assert speedups["ngram"] == interval(ratio_from_samples([93.0, 94.0, 95.0], [90.0, 95.0, 92.0], 0.95))
+    # more than twice the wide tree's speed, but not clearly faster than n-gram at its best: not promotable
+    decision = promotion_decision(
+        speedups, BenchmarkConfig(min_speedup_vs_baseline=1.0, min_speedup_vs_ngram=1.0)
+    )
+    assert not decision.promotable
+    assert any(
+        reason.startswith("candidate/ngram") and "< required 1.0" in reason for reason in decision.reasons
+    )

@@ -27,8 +27,10 @@ def test_bytes_per_token_follow_the_encodings():
     hidden = 7168
     fp8_topk = shard_bytes_per_token(hidden, "fp8", ("topk",), 16)
     bf16_last = shard_bytes_per_token(hidden, "bf16", ("last_hidden",), 16)
-    # fp8: one byte per aux value plus a scale per layer; top-16 ids and log-probs; the token id and mask
-    assert 3 * hidden < fp8_topk < 3 * hidden + 3 * 4 + 16 * 8 + 16
+    # fp8: one byte per aux value plus a float32 scale per 128 channels of each layer (1x128 blocks);
+    # top-16 ids and log-probs; the token id and mask
+    aux_bytes = 3 * hidden + 3 * (hidden // 128) * 4
+    assert aux_bytes < fp8_topk < aux_bytes + 16 * 8 + 16
     # bf16 aux + bf16 last hidden: the plain layout other tools store, plus the id and mask
     assert 4 * hidden * 2 <= bf16_last < 4 * hidden * 2 + 16
 
@@ -93,7 +95,9 @@ def test_responses_are_capped_by_the_generation_limit(kimi):
     capped = plan(
         kimi.model_copy(
             update={
-                "plan": kimi.plan.model_copy(update={"response_tokens_mean": 1e6, "prompt_tokens_mean": 2000})
+                "plan": kimi.plan.model_copy(
+                    update={"response_tokens_mean": 1e6, "prompt_tokens_mean": kimi.capture.max_length}
+                )
             }
         ),
         10,

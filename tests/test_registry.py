@@ -1,11 +1,14 @@
 """Registry on both backends: promote, aliases, rollback, verified pull, refusals."""
 
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 
 from pipeline import layout
 from pipeline.drafter.export import export_drafter
+from pipeline.engines.sglang_draft_checks import DraftModelRefused
 from pipeline.ops.registry import (
     RegistryError,
     list_versions,
@@ -19,10 +22,52 @@ from tests.test_ttt import small_drafter
 
 CONTRACT = {"aux_layer_ids": [1, 2, 3], "hidden_size": 16}
 SERVING = {"steps": 3, "topk": 1, "draft_tokens": 4}
+# the target small_drafter fits: a 6-layer Llama, 16 wide, 50 tokens, 2,048 positions of plain RoPE
+SMALL_TARGET = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 6,
+    "intermediate_size": 32,
+    "vocab_size": 50,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+}
+
+
+def small_target(tmp_path):
+    """The target's model directory (its config.json written atomically: racing promoters share it)."""
+    import os
+    import threading
+
+    directory = tmp_path / "target"
+    directory.mkdir(exist_ok=True)
+    partial = directory / f".config.json.{threading.get_ident()}"
+    partial.write_text(json.dumps(SMALL_TARGET))
+    os.replace(partial, directory / "config.json")
+    return directory
 
 
 def drafter_dir(tmp_path, seed):
-    return export_drafter(small_drafter(seed), CONTRACT, tmp_path / f"drafter-{seed}", "float32")
+    return export_drafter(
+        small_drafter(seed), CONTRACT, tmp_path / f"drafter-{seed}", "float32", small_target(tmp_path)
+    )
+
+
+def hand_edit_published_config(store, target, version, **changes):
+    """Edit a published version's config.json and its manifest entry, as a hand edit before an older
+    pipeline published it would have left it: the checksums agree, the content is what changed."""
+    import hashlib
+
+    prefix = layout.drafter_version_prefix(target, version)
+    config = json.loads(store.get_bytes(f"{prefix}/config.json"))
+    data = json.dumps({**config, **changes}, indent=2).encode()
+    manifest = json.loads(store.get_bytes(f"{prefix}/manifest.json"))
+    entry = next(o for o in manifest["objects"] if o["name"] == "config.json")
+    entry.update({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+    store.put_bytes(f"{prefix}/config.json", data)
+    store.put_bytes(f"{prefix}/manifest.json", json.dumps(manifest).encode())
 
 
 def test_promote_then_pull_and_verify(store, tmp_path):
@@ -42,6 +87,7 @@ def test_promote_then_pull_and_verify(store, tmp_path):
         "config.json",
         "model.safetensors",
         "capture_contract.json",
+        "target_config.json",
         "README.md",
         "manifest.json",
     }
@@ -249,3 +295,101 @@ def test_names_that_would_escape_the_registry_are_refused(store, tmp_path, targe
     with pytest.raises((InvalidIdError, RegistryError)):
         pull(store, target, alias, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_pull_and_verify_refuse_a_drafter_with_a_shorter_context_than_the_target(
+    store, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    good = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)["version"]
+    served = pull(store, "tgt", "production", tmp_path / "served")
+    bad = promote(store, "tgt", drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)["version"]
+    hand_edit_published_config(store, "tgt", bad, max_position_embeddings=1024)
+    reason = "derived context length 1024 .* shorter than the target's 2048"
+    with pytest.raises(RegistryError, match=reason):
+        pull(store, "tgt", "production", served)
+    assert verify_dir(served)["version"] == good  # what was served stays
+    synced = tmp_path / "synced"
+    synced.mkdir()
+    prefix = layout.drafter_version_prefix("tgt", bad)
+    for key in store.list(prefix):
+        store.get_file(key, synced / key[len(prefix) + 1 :])
+    with pytest.raises(DraftModelRefused, match=reason):
+        verify_dir(synced)
+
+
+def test_verify_checks_against_a_given_target_config(store, tmp_path, monkeypatch):
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)
+    dest = pull(store, "tgt", "production", tmp_path / "served")
+    longer = tmp_path / "longer" / "config.json"
+    longer.parent.mkdir()
+    longer.write_text(json.dumps({**SMALL_TARGET, "max_position_embeddings": 8192, "vocab_size": 64}))
+    with pytest.raises(DraftModelRefused) as refused:
+        verify_dir(dest, longer)
+    assert "shorter than the target's 8192" in str(refused.value)
+    assert "draft vocab_size 50 differs from the target's 64" in str(refused.value)
+    assert verify_dir(dest, longer.parent.parent / "target")["version"]  # a model directory works too
+
+
+def test_a_drafter_without_a_recorded_target_is_not_published(store, tmp_path):
+    from pipeline.drafter.servable import NoTargetConfig
+
+    bare = export_drafter(small_drafter(1), CONTRACT, tmp_path / "bare", "float32")
+    with pytest.raises(NoTargetConfig, match="records no target_config.json"):
+        promote(store, "tgt", bare, {"run_id": "r1"}, "production", SERVING)
+    assert store.list("drafters") == []
+
+
+def test_drafter_pull_prints_the_complete_sglang_command_for_kimi(tmp_path, capsys, monkeypatch):
+    from pipeline.cli import main
+    from pipeline.config import StorageConfig
+    from pipeline.storage import open_store
+    from tests.test_drafter_target_fidelity import AUX, drafter_for, kimi_like_target
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    store = open_store(StorageConfig(root=str(tmp_path / "store")))
+    target_dir = kimi_like_target(tmp_path / "kimi")
+    drafter = export_drafter(
+        drafter_for(tmp_path, target_dir),
+        {"aux_layer_ids": AUX, "hidden_size": 16},
+        tmp_path / "d",
+        "float32",
+        target_dir,
+    )
+    promote(store, "kimi-k2.5", drafter, {"run_id": "r1"}, "production", SERVING)
+    dest, flags_file = tmp_path / "current", tmp_path / "serving-flags"
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml")
+    argv = ["pull", "--config", config, "--dest", str(dest), "--flags-file", str(flags_file)]
+    assert main([*argv, f"storage.root={tmp_path / 'store'}"]) == 0
+    printed = capsys.readouterr().out.splitlines()[-1]
+    speculative = [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(dest),
+        "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
+        "--speculative-num-draft-tokens", "4",
+    ]  # fmt: skip
+    assert shlex.split(printed.removeprefix("serve with: ")) == [
+        "python", "-m", "sglang.launch_server", "--model-path", "/models/Kimi-K2.5",
+        "--tp", "8", "--trust-remote-code", *speculative,
+    ]  # fmt: skip
+    assert shlex.split(flags_file.read_text()) == ["--tp", "8", "--trust-remote-code", *speculative]
+    assert "--context-length" not in printed  # the drafter has the target's 262,144 positions
+
+
+def test_drafter_verify_names_the_reason_sglang_would_refuse(store, tmp_path, capsys, caplog, monkeypatch):
+    from pipeline.cli import main
+    from pipeline.failures import EXIT_BAD_INPUT
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)
+    dest = pull(store, "tgt", "production", tmp_path / "served")
+    assert main(["verify", str(dest)]) == 0
+    assert "SGLang would serve it for the target of" in capsys.readouterr().out
+    longer = tmp_path / "longer.json"
+    longer.write_text(json.dumps({**SMALL_TARGET, "max_position_embeddings": 8192}))
+    assert main(["verify", str(dest), "--target-config", str(longer)]) == EXIT_BAD_INPUT
+    assert "shorter than the target's 8192" in caplog.text

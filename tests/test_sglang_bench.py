@@ -2,20 +2,24 @@
 over HTTP against stand-in servers started the way SGLang servers are started."""
 
 import socket
+import subprocess
 import sys
 
 import pytest
 
-from pipeline.config import SGLangBenchConfig
+from pipeline.config import ConfigError, NgramServerSetting, SGLangBenchConfig, load_config
 from pipeline.drafter.export import export_drafter
 from pipeline.engines.sglang_bench import (
     SGLangBenchmarkFailed,
     batches,
     launch_command,
     measure,
+    ngram_method_name,
     run_methods,
     summarize_responses,
 )
+from pipeline.sglang_ngram_rules import launch_from_args, silent_changes
+from tests.conftest import REPO
 
 # what SGLang 0.5.23 returns for two finished EAGLE3 requests (meta_info trimmed to what is read)
 RECORDED = [
@@ -86,9 +90,26 @@ def test_launch_flags_per_method():
         "8",
         "--trust-remote-code",
     ]
-    ngram = launch_command(config, "ngram")
-    assert ngram[ngram.index("--speculative-algorithm") + 1] == "NGRAM"
-    assert "--speculative-ngram-max-trie-depth" in ngram
+    chain = NgramServerSetting(draft_tokens=4, max_bfs_breadth=1, max_trie_depth=8)
+    ngram = launch_command(config, "ngram", ngram=chain)
+    assert ngram[-14:] == [
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-draft-tokens",
+        "4",
+        "--speculative-ngram-min-bfs-breadth",
+        "1",
+        "--speculative-ngram-max-bfs-breadth",
+        "1",
+        "--speculative-ngram-match-type",
+        "BFS",
+        "--speculative-ngram-max-trie-depth",
+        "8",
+        "--speculative-ngram-capacity",
+        "10000000",
+    ]
+    with pytest.raises(SGLangBenchmarkFailed, match="ngram_settings"):
+        launch_command(config, "ngram")
     eagle = launch_command(config, "candidate", drafter_dir="/d")
     assert eagle[-10:] == [
         "--speculative-algorithm",
@@ -104,6 +125,92 @@ def test_launch_flags_per_method():
     ]
     with pytest.raises(ValueError, match="steps \\+ 1"):
         settings(draft_tokens=6)
+
+
+def test_an_ngram_setting_sglang_would_run_otherwise_is_refused_with_the_reason():
+    # topk becomes the breadth (10) and num_steps 4 // 10 = 0: what the Kimi config used to ask for
+    with pytest.raises(ValueError, match=r"num_steps 4 // 10 = 0.*speculative_hook.py:1309-1330"):
+        NgramServerSetting(draft_tokens=4, max_bfs_breadth=10)
+    with pytest.raises(ValueError, match=r"BFS breadth 5\.\.3.*ngram.cpp:17-26"):
+        NgramServerSetting(draft_tokens=8, min_bfs_breadth=5, max_bfs_breadth=3)
+    assert NgramServerSetting(draft_tokens=4, max_bfs_breadth=4).label == "tokens4-bfs1-4-depth18"
+    # SGLang replaces an explicit --speculative-eagle-topk with the breadth, without a word
+    topk = launch_from_args(["--speculative-num-draft-tokens", "8", "--speculative-eagle-topk", "4"])
+    assert any("replaces it with the max BFS breadth 10" in change for change in silent_changes(topk))
+
+
+TREE_AND_CHAIN = [{"draft_tokens": 4, "max_bfs_breadth": 1}, {"draft_tokens": 8, "max_bfs_breadth": 4}]
+
+
+@pytest.mark.parametrize(
+    "extra_args, refused",
+    [
+        ([], None),
+        (
+            ["--attention-backend", "flashinfer", "--page-size", "64"],
+            None,
+        ),  # the one backend for trees on pages
+        (["--attention-backend", "flashmla"], "page size 64 on flashmla"),  # flashmla forces pages of 64
+        (["--attention-backend", "trtllm_mla", "--page-size", "1"], "page size 64 on trtllm_mla"),
+        (["--page-size", "16"], "page size 16 on the default backend"),
+    ],
+)
+def test_ngram_trees_need_an_attention_backend_sglang_serves_them_on(extra_args, refused):
+    if refused is None:
+        assert len(settings(extra_args=extra_args, ngram_settings=TREE_AND_CHAIN).ngram_settings) == 2
+        return
+    with pytest.raises(ValueError, match=refused) as info:
+        settings(extra_args=extra_args, ngram_settings=TREE_AND_CHAIN)
+    assert "tokens8-bfs1-4" in str(info.value) and "tokens4-bfs1-1" not in str(info.value)
+    settings(
+        extra_args=extra_args, ngram_settings=TREE_AND_CHAIN[:1]
+    )  # a chain (breadth 1) runs on any backend
+
+
+def test_launch_flags_that_break_every_ngram_server_are_refused():
+    with pytest.raises(ValueError, match="--enable-dp-attention: SGLang 0.5.23 fails"):
+        settings(extra_args=["--enable-dp-attention"], ngram_settings=TREE_AND_CHAIN[:1])
+    with pytest.raises(ValueError, match="go to every server"):
+        settings(extra_args=["--speculative-eagle-topk", "4"])
+
+
+def test_the_ngram_settings_of_the_configs_are_what_sglang_serves():
+    for name in ("kimi-k2.5", "rehearsal"):
+        sweep = load_config(REPO / "configs" / f"{name}.yaml").benchmark.sglang.ngram_settings
+        assert len(sweep) >= 3 and {s.max_bfs_breadth for s in sweep} >= {1, 10}
+        assert all(s.draft_tokens >= s.max_bfs_breadth for s in sweep)
+    kimi = REPO / "configs" / "kimi-k2.5.yaml"
+    with pytest.raises(ConfigError, match="replaced by benchmark.sglang.ngram_settings"):
+        load_config(kimi, ["benchmark.sglang.ngram_args=[--speculative-ngram-capacity, '100']"])
+    with pytest.raises(ConfigError, match="the same setting twice"):
+        load_config(kimi, ["benchmark.sglang.ngram_settings=[{draft_tokens: 12}, {draft_tokens: 12}]"])
+
+
+def test_the_standin_refuses_ngram_flags_sglang_refuses():
+    base = [
+        sys.executable,
+        "-m",
+        "pipeline.dev.sglang_standin",
+        "--model-path",
+        "/nonexistent",
+        "--port",
+        "1",
+    ]
+    ngram = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "8"]
+    for flags, reason in [
+        (
+            ["--speculative-ngram-max-bfs-breadth", "4", "--attention-backend", "trtllm_mla"],
+            "speculative_hook.py:1355",
+        ),
+        (
+            ["--speculative-ngram-min-bfs-breadth", "3", "--speculative-ngram-max-bfs-breadth", "2"],
+            "ngram.cpp:17",
+        ),
+        (["--speculative-ngram-max-trie-depth", "1"], "ngram.cpp:13"),
+    ]:
+        out = subprocess.run(base + ngram + flags, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert out.returncode == 1 and reason in out.stderr, (flags, out.stderr[-2000:])
+        assert "would not start this NGRAM server" in out.stderr
 
 
 def test_recorded_responses_give_throughput_and_acceptance():
@@ -137,6 +244,7 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
         steps=2,
         topk=2,
         draft_tokens=4,
+        ngram_settings=[{"draft_tokens": 4, "max_bfs_breadth": 1}, {"draft_tokens": 6, "max_bfs_breadth": 2}],
     )
     prompts = [
         tiny_tokenizer.apply_chat_template(
@@ -148,10 +256,11 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
         for i in range(3)
     ]
     methods = run_methods(config, prompts, 12, {"candidate": drafter_dir})
-    assert set(methods) == {"baseline", "ngram", "candidate"}
+    ngrams = [ngram_method_name(setting) for setting in config.ngram_settings]  # one server per setting
+    assert set(methods) == {"baseline", *ngrams, "candidate"} and len(ngrams) == 2
     assert all(m["requests"] == 3 and m["tok_s"] > 0 for m in methods.values())
     assert "tau_measured" not in methods["baseline"]
-    assert methods["candidate"]["tau_measured"] >= 1 and methods["ngram"]["tau_measured"] >= 1
+    assert methods["candidate"]["tau_measured"] >= 1 and all(methods[n]["tau_measured"] >= 1 for n in ngrams)
     assert sum(methods["candidate"]["accepted_histogram"]) > 0
     # the prompts went in batches (config.rounds, at most one per prompt), one tokens/s sample each
     assert all(len(m["round_tok_s"]) == 3 and min(m["round_tok_s"]) > 0 for m in methods.values())

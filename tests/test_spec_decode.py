@@ -118,3 +118,41 @@ def test_draft_tree_masks_and_acceptance():
     assert tree.accepted_path(torch.tensor([5, 7, 0, 9])) == [0, 2]
     assert tree.accepted_path(torch.tensor([6, 7, 1, 9])) == [1]
     assert tree.accepted_path(torch.tensor([8, 7, 1, 9])) == []
+
+
+def test_the_ngram_sweep_times_every_setting_and_keeps_the_fastest(tiny_model, tiny_tokenizer, prompts):
+    from pipeline.config import BenchmarkConfig
+    from pipeline.stages.benchmark import sweep_ngram
+
+    settings = BenchmarkConfig(
+        max_new_tokens=16,
+        calibration_prompts=2,
+        ngram_settings=[
+            {"min_match": 1, "max_match": 1, "steps": 1},
+            {"min_match": 1, "max_match": 4, "steps": 4},
+            {"min_match": 3, "max_match": 8, "steps": 8},
+        ],
+    )
+    chosen, sweep = sweep_ngram(tiny_model, tiny_tokenizer, prompts, settings)
+    assert [entry.setting for entry in sweep.settings] == [
+        "match1-1-steps1",
+        "match1-4-steps4",
+        "match3-8-steps8",
+    ]
+    fastest = max(sweep.settings, key=lambda entry: entry.result.tok_s)
+    assert sweep.best == fastest.setting == chosen.label
+    assert all(entry.result.round_tok_s and entry.result.tau_measured for entry in sweep.settings)
+    assert sweep.settings[2].knobs == {"min_match": 3, "max_match": 8, "steps": 8}
+    assert sum(sweep.settings[1].result.accepted_histogram or []) > 0  # 4-token drafts were verified
+    assert len(sweep.settings[1].result.accepted_histogram or []) == 5
+
+
+def test_an_ngram_match_window_must_be_a_window():
+    with pytest.raises(ValueError, match="1 <= min_match <= max_match, got 3..2"):
+        NgramProposer(max_match=2, min_match=3)
+    from pipeline.config import BenchmarkConfig
+
+    with pytest.raises(ValueError, match="min_match 3 exceeds max_match 2"):
+        BenchmarkConfig(ngram_settings=[{"min_match": 3, "max_match": 2}])
+    with pytest.raises(ValueError, match="replaced by benchmark.ngram_settings"):
+        BenchmarkConfig.model_validate({"ngram_max_match": 4})

@@ -1,6 +1,6 @@
-"""The trainer end to end on a small captured dataset: learning, exact resume after SIGKILL, warm start
-(reusing the old mapping, refusing another contract), plateau stop, the node command and the settings
-the SSH launcher left behind. Several nodes: tests/test_multinode.py."""
+"""The trainer end to end on a small captured dataset: learning, the best held-out epoch exported, exact
+resume after SIGKILL, warm start (reusing the old mapping, refusing another contract), plateau stop, the
+node command and the settings the SSH launcher left behind. Several nodes: tests/test_multinode.py."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -21,6 +22,7 @@ from pipeline.stages import run_stage
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
 from pipeline.training.nodes import torchrun_args
+from pipeline.training.worker import BEST_EPOCH_DIR
 from tests.conftest import REPO, captured_dataset, published, storage_config, tiny_config_dict
 
 
@@ -28,7 +30,7 @@ from tests.conftest import REPO, captured_dataset, published, storage_config, ti
 def setup(tmp_path_factory, tiny_target_dir):
     tmp = tmp_path_factory.mktemp("trainer")
     data = tiny_config_dict(storage_config("file", tmp, None))
-    data["prompts"].update({"num_samples": 64, "shard_size": 16, "eval_fraction": 0.0})
+    data["prompts"].update({"num_samples": 80, "shard_size": 16, "eval_fraction": 0.2})
     data["generate"]["max_new_tokens"] = 24
     data["train"].update({"epochs": 3, "checkpoint_every_steps": 2, "log_every": 1, "micro_batch_size": 4})
     data["capture"]["parity"] = {"samples": 0}
@@ -72,6 +74,64 @@ def test_training_learns_and_writes_metrics(setup):
     assert steps == sorted(set(steps))
     for key in ("loss", "acc", "full_acc", "cond_acc", "tau_simulated"):
         assert key in lines[-1]
+
+
+def test_the_exported_drafter_is_the_epoch_with_the_best_held_out_acceptance(setup):
+    """Every epoch is scored on the eval split; the drafter exported is the best one, and evaluating it
+    again (the evaluate stage) gives that epoch's held-out tau."""
+    store = setup["store"]
+    result = run_stage("train", setup["config"], "uninterrupted", store, dataset_uri=setup["dataset"])
+    manifest = train_manifest(setup, result)
+    taus = [epoch["heldout"]["tau_simulated"] for epoch in manifest["history"]]
+    assert len(taus) == 3 and all(tau >= 1.0 for tau in taus)
+    chosen = taus.index(max(taus))  # the earliest of equals
+    assert manifest["result"]["chosen_epoch"] == chosen
+    assert manifest["result"]["heldout_tau_by_epoch"] == taus
+    evaluation = run_stage("evaluate", setup["config"], "uninterrupted", store, dataset_uri=setup["dataset"])
+    assert published(store, evaluation)["summary"]["tau_simulated"] == pytest.approx(taus[chosen], abs=1e-5)
+    assert len(list((workdir(setup, "uninterrupted") / BEST_EPOCH_DIR).iterdir())) == 1
+
+
+def test_a_later_worse_epoch_is_not_the_one_exported(tmp_path):
+    """Held-out tau 1.5, 1.8, then 1.2: epoch 1's weights are exported and the run summary names it."""
+    from pipeline.drafter.export import export_drafter, read_drafter_dir
+    from pipeline.records import RunSummary
+    from pipeline.run import epoch_selection, format_table
+    from pipeline.training.worker import keep_if_best, prune_best_weights, restore_best, selection_summary
+    from tests.test_ttt import small_drafter
+
+    drafter = small_drafter(seed=0)
+    best_dir = tmp_path / BEST_EPOCH_DIR
+    best, history, weights = None, [], []
+    for epoch, tau in enumerate([1.5, 1.8, 1.2]):
+        trained = small_drafter(seed=epoch + 1)  # what this epoch's training left
+        drafter.load_state_dict(trained.state_dict())
+        weights.append({k: v.clone() for k, v in trained.state_dict().items()})
+        heldout = {"tau_simulated": tau, "cond_acc": [0.5]}
+        history.append({"epoch": epoch, "heldout": heldout})
+        best = keep_if_best(best, epoch, heldout, drafter, best_dir)
+        prune_best_weights(best_dir, best)
+    assert best == {"epoch": 1, "tau_simulated": 1.8}
+    assert [p.name for p in best_dir.iterdir()] == ["epoch-0001.safetensors"]
+    restore_best(drafter, best_dir, best)
+    contract = {"aux_layer_ids": drafter.arch.aux_layer_ids}
+    _, exported, _ = read_drafter_dir(export_drafter(drafter, contract, tmp_path / "drafter", "float32"))
+    assert all(torch.equal(exported[name], weights[1][name]) for name in weights[1])
+    assert not torch.equal(exported["fc.weight"], weights[2]["fc.weight"])
+    selection = selection_summary(history, best)
+    assert selection["chosen_epoch"] == 1 and selection["heldout_tau_by_epoch"] == [1.5, 1.8, 1.2]
+    summary = RunSummary(
+        run_id="r",
+        target="t",
+        samples=1,
+        tokens=1,
+        cond_acc=[0.5],
+        stop_reason="completed",
+        outcome="promoted",
+        report="r.html",
+        **epoch_selection(selection),
+    )
+    assert summary.chosen_epoch == 1 and "chosen epoch (from 0)  1" in format_table(summary)
 
 
 def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
@@ -122,6 +182,10 @@ def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
     resumed_history = read_manifest(store, "runs/killed/train", kind="train")["history"]
     straight = read_manifest(store, "runs/uninterrupted/train", kind="train")["history"]
     assert resumed_history == straight
+    resumed_result = read_manifest(store, "runs/killed/train", kind="train")["result"]
+    straight_result = read_manifest(store, "runs/uninterrupted/train", kind="train")["result"]
+    for key in ("chosen_epoch", "heldout_tau_by_epoch"):  # the best-so-far survives the kill
+        assert resumed_result[key] == straight_result[key]
     weights = [
         load_file(str(workdir(setup, run) / "drafter" / "model.safetensors"))
         for run in ("killed", "uninterrupted")
@@ -247,7 +311,7 @@ def test_placement_settings_keep_the_checkpoints_of_a_run(tmp_path):
         "train": {"nodes": 2, "rendezvous_endpoint": "127.0.0.1"},
     }
     dataset = DatasetRecord.model_construct(
-        uri="u", created_at="c", train_shards=[DatasetShard.model_construct(sha256="s")]
+        uri="u", created_at="c", train_shards=[DatasetShard.model_construct(sha256="s")], eval_shards=[]
     )
 
     def fingerprint(**train):

@@ -84,7 +84,9 @@ def test_alignment_targets_and_mask_are_indexed_by_the_input_token():
     loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0]])  # assistant tokens are x2..x5
     target_top1 = torch.arange(10, 10 + length)[None]  # teacher's top-1 at position p is 10 + p
     teacher = Teacher(
-        target_top1, torch.softmax(torch.nn.functional.one_hot(target_top1, vocab).float() * 5, -1)
+        target_top1,
+        torch.softmax(torch.nn.functional.one_hot(target_top1, vocab).float() * 5, -1),
+        torch.ones(1, length, dtype=torch.bool),
     )
     d2t = torch.zeros(vocab, dtype=torch.long)
     h = [torch.zeros(1, length, 4)] * steps
@@ -107,7 +109,9 @@ def test_loss_is_weighted_by_step_and_normalized_by_masked_tokens():
     ids = torch.zeros(1, length, dtype=torch.long)
     loss_mask = torch.tensor([[0, 1, 1, 1]])
     uniform = torch.full((1, length, vocab), 1.0 / vocab)
-    teacher = Teacher(torch.zeros(1, length, dtype=torch.long), uniform)
+    teacher = Teacher(
+        torch.zeros(1, length, dtype=torch.long), uniform, torch.ones(1, length, dtype=torch.bool)
+    )
     h = [torch.zeros(1, length, 2)] * 2
     loss, counts = ttt_loss_and_counts(
         h,
@@ -189,6 +193,8 @@ def test_topk_and_last_hidden_teachers_agree_when_k_covers_the_vocabulary():
     approx = teacher_from_topk(top.indices, top.values, draft_index, 5)
     assert torch.equal(exact.argmax, approx.argmax)
     torch.testing.assert_close(exact.probs, approx.probs)
+    assert torch.equal(exact.expressible, torch.isin(exact.argmax, used))
+    assert torch.equal(exact.expressible, approx.expressible)
 
 
 def test_tree_width_counts_follow_the_draft_top_k():
@@ -196,7 +202,11 @@ def test_tree_width_counts_follow_the_draft_top_k():
     ids = torch.zeros(1, length, dtype=torch.long)
     loss_mask = torch.tensor([[1, 1, 1, 1]])
     target_top1 = torch.tensor([[0, 2, 3, 1]])
-    teacher = Teacher(target_top1, torch.nn.functional.one_hot(target_top1, vocab).float())
+    teacher = Teacher(
+        target_top1,
+        torch.nn.functional.one_hot(target_top1, vocab).float(),
+        torch.ones(1, length, dtype=torch.bool),
+    )
     d2t = torch.zeros(vocab, dtype=torch.long)
     # the draft ranks token 1 first and token 2 second everywhere
     logits = torch.tensor([0.0, 5.0, 4.0, 0.0, 0.0, 0.0]).expand(1, length, vocab)
@@ -208,3 +218,90 @@ def test_tree_width_counts_follow_the_draft_top_k():
     assert counts.full_correct_at[2][1] == 0
     again = MetricCounts.from_tensor(counts.as_tensor(), (2,))
     assert again.summary()["full_acc_at"] == counts.summary()["full_acc_at"]
+
+
+def test_topk_teacher_marks_positions_whose_top1_is_outside_the_draft_vocabulary():
+    draft_index = torch.tensor([-1, 0, -1, 1, 2])  # target ids 1, 3, 4 are in a 3-token draft vocabulary
+    # top-1 inside; top-1 outside but the rest inside; no draft token in the top-K at all
+    topk_ids = torch.tensor([[[3, 0], [0, 4], [2, 0]]])
+    logprobs = torch.log(torch.tensor([[[0.6, 0.3], [0.6, 0.3], [0.7, 0.2]]]))
+    teacher = teacher_from_topk(topk_ids, logprobs, draft_index, 3)
+    assert teacher.expressible.tolist() == [[True, False, False]]
+
+
+def masked_loss_case():
+    """Five positions, all assistant tokens; the target's top-1 at position 2 is outside a 3-token
+    draft vocabulary (target ids 1, 3, 4), though its top-2 is inside."""
+    draft_index = torch.tensor([-1, 0, -1, 1, 2])
+    topk_ids = torch.tensor([[[1, 3], [3, 1], [0, 4], [4, 1], [1, 4]]])
+    logprobs = torch.log(torch.tensor([[[0.7, 0.2]] * 5]))
+    teacher = teacher_from_topk(topk_ids, logprobs, draft_index, 3)
+    d2t = torch.tensor([1, 2, 2])  # draft 0 -> 1, 1 -> 3, 2 -> 4
+    loss_mask = torch.ones(1, 5, dtype=torch.long)
+    return teacher, d2t, loss_mask
+
+
+def test_loss_leaves_out_positions_the_draft_vocabulary_cannot_express():
+    """SpecForge's position_mask = t2d[top-1] * loss_mask: no loss where the target's top-1 is not a
+    draft token (the drafter cannot be right there), and no all-zero target ever enters the mean."""
+    teacher, d2t, loss_mask = masked_loss_case()
+    torch.manual_seed(0)
+    logits = torch.randn(1, 5, 3)
+    h = [torch.zeros(1, 5, 2)]
+    loss, counts = ttt_loss_and_counts(h, lambda _h: logits, loss_mask, loss_mask, teacher, d2t, 0.8)
+    # step 0's draft at anchor t is trained on the teacher at position t + 1: anchors 0..3 see positions
+    # 1..4, and position 2 (anchor 1) is inexpressible
+    per_anchor = -(teacher.probs[0, 1:] * torch.log_softmax(logits[0, :4], -1)).sum(-1)
+    expected = per_anchor[[0, 2, 3]].mean()
+    torch.testing.assert_close(loss, expected)
+    assert counts.masked == [4.0] and counts.inexpressible == [1.0]
+    assert counts.loss_sum[0] == pytest.approx(float(per_anchor[[0, 2, 3]].sum()), rel=1e-6)
+    summary = counts.summary()
+    assert summary["inexpressible_fraction"] == [0.25]
+    assert summary["loss"][0] == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_inexpressible_positions_count_as_misses_in_acceptance():
+    """A drafter right at every position it can be right at: acceptance is 3 of 4, not 3 of 3."""
+    teacher, d2t, loss_mask = masked_loss_case()
+    draft_of = {1: 0, 3: 1, 4: 2}
+    # the draft at anchor t predicts the teacher's top-1 at position t + 1, whenever it is a draft token
+    best = torch.tensor([draft_of.get(int(t), 0) for t in teacher.argmax[0, 1:]] + [0])
+    logits = torch.nn.functional.one_hot(best, 3).float()[None] * 10
+    h = [torch.zeros(1, 5, 2)]
+    _, counts = ttt_loss_and_counts(h, lambda _h: logits, loss_mask, loss_mask, teacher, d2t, 0.8)
+    summary = counts.summary()
+    assert summary["acc"] == [0.75] and summary["tau_simulated"] == pytest.approx(1.75)
+    assert MetricCounts.from_tensor(counts.as_tensor()).summary() == summary
+
+
+def test_both_teachers_mask_the_same_positions_in_the_objective():
+    """The full-distribution teacher (last hidden state through lm_head) and a top-K teacher whose K
+    covers the vocabulary give the same loss and counts, masking included."""
+    from pipeline.drafter.objective import DraftObjective
+
+    torch.manual_seed(3)
+    vocab, hidden, length = 12, 16, 9
+    drafter = small_drafter(vocab=vocab, hidden=hidden)
+    mapping = build_mapping(torch.arange(vocab).flip(0), 5)  # target ids 7..11 are the draft vocabulary
+    arch = drafter.arch
+    arch.draft_vocab_size = 5
+    drafter = Eagle3Drafter(arch, torch.randn(vocab, hidden))
+    drafter.set_vocab_mapping(mapping.d2t, mapping.t2d)
+    lm_head = torch.randn(vocab, hidden)
+    last = torch.randn(1, length, hidden)
+    top = torch.log_softmax(last @ lm_head.T, -1).topk(vocab, -1)
+    batch = {
+        "input_ids": torch.randint(0, vocab, (1, length)),
+        "loss_mask": torch.ones(1, length, dtype=torch.long),
+        "aux": torch.randn(1, length, 3 * hidden),
+    }
+    full = DraftObjective(drafter, lm_head, "last_hidden", 2, 0.8, 4).eval()
+    topk = DraftObjective(drafter, None, "topk", 2, 0.8, 4).eval()
+    with torch.no_grad():
+        full_loss, full_counts = full(**batch, last_hidden=last)
+        topk_loss, topk_counts = topk(**batch, topk_ids=top.indices, topk_logprobs=top.values)
+    torch.testing.assert_close(full_loss, topk_loss)
+    torch.testing.assert_close(full_counts.as_tensor(), topk_counts.as_tensor())
+    expressible = torch.isin((last @ lm_head.T).argmax(-1), mapping.used_ids)[0]
+    assert 0 < full_counts.inexpressible[0] == float((~expressible[1:]).sum())

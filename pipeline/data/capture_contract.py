@@ -49,6 +49,11 @@ class CaptureContract(Strict):
     hidden_size: int
     vocab_size: int
     aux_encoding: Literal["bf16", "fp8"] = "bf16"
+    # fp8: channels per scale (one float32 scale per token per block of a layer); None with bf16, and in
+    # contracts written before block scales (one scale per token and layer). A shard whose measured fp8
+    # error exceeded aux_fp8_max_rel_error is stored bf16 (its own header says so)
+    aux_fp8_block: int | None = None
+    aux_fp8_max_rel_error: float | None = None
     teacher_kinds: list[TeacherKind] = Field(default_factory=_last_hidden_teacher)
     teacher_topk: int | None = None
     # last_hidden is taken after the final RMSNorm; top-k log-probs are a full-vocabulary log-softmax
@@ -68,6 +73,8 @@ def build_contract(
     encoding: str = "bf16",
     teacher_kinds: list[str] | None = None,
     teacher_topk: int | None = None,
+    fp8_block: int | None = None,
+    fp8_max_rel_error: float | None = None,
 ) -> CaptureContract:
     if (
         sorted(set(aux_layer_ids)) != list(aux_layer_ids)
@@ -83,6 +90,8 @@ def build_contract(
         hidden_size=hidden_size,
         vocab_size=vocab_size,
         aux_encoding=encoding,
+        aux_fp8_block=fp8_block if encoding == "fp8" else None,
+        aux_fp8_max_rel_error=fp8_max_rel_error if encoding == "fp8" else None,
         teacher_kinds=list(teacher_kinds or ["last_hidden"]),
         teacher_topk=teacher_topk if "topk" in (teacher_kinds or []) else None,
         target=dict(target_identity),

@@ -5,12 +5,18 @@ Tensors (T = total tokens of the shard, N = samples, H = hidden size, K = teache
   loss_mask        uint8 [T]        1 on assistant-generated tokens
   offsets          int64 [N + 1]    sample i owns rows offsets[i]:offsets[i+1]
   aux              [T, 3H]          aux hidden states, ascending layer order; bf16, or
-                                    fp8 e4m3 with aux_scale float32 [T, 3] (one scale per token and layer)
+                                    fp8 e4m3 with aux_scale float32 [T, 3 * ceil(H / B)]: one scale per
+                                    token per block of B contiguous channels of a layer (the last block
+                                    of a layer is shorter when B does not divide H)
   last_hidden      [T, H]           teacher: post-final-norm last hidden state; bf16, or fp8 with
-                                    last_hidden_scale float32 [T, 1]                      (optional)
+                                    last_hidden_scale float32 [T, ceil(H / B)]            (optional)
   topk_ids         int32 [T, K]     teacher: the target's top-K next-token ids at each position,
   topk_logprobs    fp16  [T, K]     and their log-probabilities (full-vocabulary log-softmax)  (optional)
-Header metadata: format, encoding, teacher (comma list), sample_ids (JSON list).
+Header metadata: format, encoding, fp8_block (B; fp8 only), teacher (comma list), sample_ids (JSON list).
+
+Block scales (1x128 by default, as DeepSeek-V3 quantizes activations) keep a massive-activation channel
+from setting the scale of every other channel of its layer. Shards of the previous format
+(drafter-capture-shard/2: one fp8 scale per token and layer) are still read: their block is the layer.
 
 safetensors is a JSON header plus raw row-major buffers, so any sample's rows are one contiguous
 byte range per tensor: a reader needs the header and ranged reads, nothing else (no pickle).
@@ -28,7 +34,10 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-FORMAT = "drafter-capture-shard/2"
+FORMAT = "drafter-capture-shard/3"
+# fp8 with one scale per token and layer: read as one block per layer
+PER_LAYER_SCALE_FORMAT = "drafter-capture-shard/2"
+DEFAULT_FP8_BLOCK = 128
 ENCODINGS = ("bf16", "fp8")
 TEACHERS = ("last_hidden", "topk")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -76,26 +85,114 @@ class CaptureSample:
         )
 
 
-def quantize_fp8(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row, per-group (e.g. per layer) e4m3 quantization: x [T, G*D] -> (fp8 [T, G*D], scale [T, G])."""
+def _blocked(x: torch.Tensor, groups: int, block: int) -> torch.Tensor:
+    """x [T, G*D] -> [T, G, ceil(D/B), B], each layer's channels zero-padded to whole blocks."""
     rows = x.shape[0]
     grouped = x.float().reshape(rows, groups, -1)
-    scale = grouped.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    quantized = (grouped / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return quantized.reshape(rows, -1), scale
+    width = grouped.shape[-1]
+    padded = torch.nn.functional.pad(grouped, (0, -width % block))
+    return padded.reshape(rows, groups, -1, block)
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    rows, groups = scale.shape
-    return (q.float().reshape(rows, groups, -1) * scale[..., None]).reshape(rows, -1)
+def quantize_fp8(
+    x: torch.Tensor, groups: int, block: int = DEFAULT_FP8_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 with one scale per row per block of `block` channels of each group (layer).
+
+    x [T, G*D] -> (fp8 [T, G*D], scale float32 [T, G*ceil(D/block)]); a block of D or more is one
+    scale per row and group."""
+    if block < 1:
+        raise ShardFormatError(f"fp8 block size must be >= 1, got {block}")
+    rows, width = x.shape[0], x.shape[1] // groups
+    blocks = _blocked(x, groups, block)
+    scale = blocks.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    quantized = (blocks / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    unpadded = quantized.reshape(rows, groups, -1)[..., :width]
+    return unpadded.reshape(rows, -1), scale.reshape(rows, -1)
 
 
-def _encode(name: str, values: list[torch.Tensor], encoding: str, groups: int) -> dict[str, torch.Tensor]:
-    packed = torch.cat(values)
-    if encoding == "bf16":
-        return {name: packed.to(torch.bfloat16)}
-    quantized, scale = quantize_fp8(packed, groups)
-    return {name: quantized, f"{name}_scale": scale}
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, groups: int, block: int) -> torch.Tensor:
+    """The inverse of quantize_fp8 with the same groups and block."""
+    rows, width = q.shape[0], q.shape[1] // groups
+    blocks = _blocked(q.float(), groups, block)
+    if scale.shape != (rows, groups * blocks.shape[2]):
+        raise ShardFormatError(
+            f"fp8 scales of shape {tuple(scale.shape)} do not fit {groups} groups of {width} channels "
+            f"in blocks of {block}"
+        )
+    values = blocks * scale.float().reshape(rows, groups, -1)[..., None]
+    return values.reshape(rows, groups, -1)[..., :width].reshape(rows, -1)
+
+
+def fp8_rel_error(x: torch.Tensor, restored: torch.Tensor, groups: int) -> list[float]:
+    """Per group (layer): the RMS over channels of ||x_c - restored_c|| / ||x_c||, norms over tokens.
+
+    Normalized per channel, so that a massive-activation channel (stored almost exactly) cannot hide
+    the precision every other channel lost; e4m3 rounding alone gives about 0.02-0.03."""
+    rows = x.shape[0]
+    original = x.float().reshape(rows, groups, -1)
+    error = (restored.float().reshape(rows, groups, -1) - original).norm(dim=0)
+    per_channel = error / original.norm(dim=0).clamp(min=1e-30)
+    return [float(v) for v in per_channel.pow(2).mean(-1).sqrt()]
+
+
+@dataclass(frozen=True)
+class EncodingReport:
+    """How a shard's hidden states were stored, and what fp8 would have cost them."""
+
+    requested: str
+    stored: str
+    fp8_block: int | None  # the block fp8 was measured (and, when stored, written) with
+    # measured fp8 round-trip error (fp8_rel_error) per tensor: "aux" (one per layer), "last_hidden"
+    fp8_rel_error: dict[str, list[float]]
+    max_rel_error: float | None
+
+    @property
+    def fell_back(self) -> bool:
+        return self.requested != self.stored
+
+    @property
+    def worst(self) -> float:
+        return max((e for errors in self.fp8_rel_error.values() for e in errors), default=0.0)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "requested": self.requested,
+            "stored": self.stored,
+            "fp8_block": self.fp8_block,
+            "fp8_rel_error": {k: [round(e, 5) for e in v] for k, v in self.fp8_rel_error.items()},
+            "max_rel_error": self.max_rel_error,
+            "fell_back": self.fell_back,
+        }
+
+
+def _encode_fp8(name: str, packed: torch.Tensor, groups: int, block: int) -> tuple[dict, list[float]]:
+    quantized, scale = quantize_fp8(packed, groups, block)
+    error = fp8_rel_error(packed, dequantize_fp8(quantized, scale, groups, block), groups)
+    return {name: quantized, f"{name}_scale": scale}, error
+
+
+def encode_hidden(
+    features: dict[str, tuple[torch.Tensor, int]],
+    encoding: str,
+    fp8_block: int,
+    max_rel_error: float | None,
+) -> tuple[dict[str, torch.Tensor], EncodingReport]:
+    """The stored tensors of {name: (packed [T, G*D], groups)}: fp8 block-scaled, unless encoding is bf16
+    or some layer's measured fp8 error exceeds max_rel_error, when all of them are stored bf16."""
+    tensors: dict[str, torch.Tensor] = {}
+    errors: dict[str, list[float]] = {}
+    if encoding == "fp8":
+        for name, (packed, groups) in features.items():
+            encoded, errors[name] = _encode_fp8(name, packed, groups, fp8_block)
+            tensors.update(encoded)
+    report = EncodingReport(
+        encoding, encoding, fp8_block if encoding == "fp8" else None, errors, max_rel_error
+    )
+    if encoding == "fp8" and (max_rel_error is None or report.worst <= max_rel_error):
+        return tensors, report
+    bf16 = {name: packed.to(torch.bfloat16) for name, (packed, _) in features.items()}
+    return bf16, EncodingReport(encoding, "bf16", report.fp8_block, errors, max_rel_error)
 
 
 _SAFETENSORS_DTYPES = {
@@ -141,8 +238,26 @@ def _all_present(values: list[torch.Tensor | None]) -> list[torch.Tensor] | None
     return present if len(present) == len(values) else None
 
 
-def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = "bf16") -> dict:
-    """Write samples to one shard file; returns counts for the manifest."""
+def write_shard(
+    samples: list[CaptureSample],
+    path: str | Path,
+    encoding: str = "bf16",
+    fp8_block: int = DEFAULT_FP8_BLOCK,
+    fp8_max_rel_error: float | None = None,
+) -> dict:
+    """Write samples to one shard file; returns counts for the manifest (`encoding`: what is stored)."""
+    return write_checked_shard(samples, path, encoding, fp8_block, fp8_max_rel_error)[0]
+
+
+def write_checked_shard(
+    samples: list[CaptureSample],
+    path: str | Path,
+    encoding: str,
+    fp8_block: int = DEFAULT_FP8_BLOCK,
+    fp8_max_rel_error: float | None = None,
+) -> tuple[dict, EncodingReport]:
+    """write_shard, with the encoding report: a shard whose fp8 round-trip error exceeds
+    fp8_max_rel_error (None: no bound) in any layer is stored bf16 instead."""
     if encoding not in ENCODINGS:
         raise ShardFormatError(f"unsupported aux encoding {encoding!r}; use one of {ENCODINGS}")
     if not samples:
@@ -154,14 +269,16 @@ def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = 
     if not teachers:
         raise ShardFormatError("samples carry no teacher signal (last_hidden or top-k log-probs)")
     lengths = [s.length for s in samples]
+    features = {"aux": (torch.cat([s.aux for s in samples]), 3)}
+    if last_hidden is not None:
+        features["last_hidden"] = (torch.cat(last_hidden), 1)
+    hidden, report = encode_hidden(features, encoding, fp8_block, fp8_max_rel_error)
     tensors = {
         "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in samples]),
         "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
         "offsets": torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int64),
-        **_encode("aux", [s.aux for s in samples], encoding, groups=3),
+        **hidden,
     }
-    if last_hidden is not None:
-        tensors.update(_encode("last_hidden", last_hidden, encoding, groups=1))
     if topk_ids is not None:
         topk_logprobs = _all_present([s.topk_logprobs for s in samples])
         if topk_logprobs is None:
@@ -170,18 +287,21 @@ def write_shard(samples: list[CaptureSample], path: str | Path, encoding: str = 
         tensors["topk_logprobs"] = torch.cat([t.to(torch.float16) for t in topk_logprobs])
     metadata = {
         "format": FORMAT,
-        "encoding": encoding,
+        "encoding": report.stored,
         "teacher": ",".join(teachers),
         "sample_ids": json.dumps([s.sample_id for s in samples]),
     }
+    if report.stored == "fp8":
+        metadata["fp8_block"] = str(fp8_block)
     write_safetensors(path, tensors, metadata)
-    return {
+    stats = {
         "samples": len(samples),
         "tokens": int(tensors["offsets"][-1]),
         "assistant_tokens": int(tensors["loss_mask"].sum()),
         "teacher": teachers,
-        "encoding": encoding,
+        "encoding": report.stored,
     }
+    return stats, report
 
 
 class ShardReader:
@@ -195,13 +315,18 @@ class ShardReader:
             raise ShardFormatError("shard header is implausibly large")
         header = json.loads(self._read(8, 8 + header_len))
         self.metadata = header.pop("__metadata__", {}) or {}
-        if self.metadata.get("format") != FORMAT:
+        if self.metadata.get("format") not in (FORMAT, PER_LAYER_SCALE_FORMAT):
             raise ShardFormatError(
-                f"not a capture shard of format {FORMAT} (found {self.metadata.get('format')!r})"
+                f"not a capture shard of format {FORMAT} or {PER_LAYER_SCALE_FORMAT} "
+                f"(found {self.metadata.get('format')!r})"
             )
         self.entries = header
         self.data_start = 8 + header_len
         self.encoding = self.metadata["encoding"]
+        # None: one fp8 scale per token and layer (format /2), i.e. one block as wide as the layer
+        self.fp8_block: int | None = int(self.metadata["fp8_block"]) if "fp8_block" in self.metadata else None
+        if self.encoding == "fp8" and self.fp8_block is None and self.metadata["format"] == FORMAT:
+            raise ShardFormatError(f"fp8 shard of format {FORMAT} without its fp8_block")
         self.teachers = [t for t in self.metadata.get("teacher", "").split(",") if t]
         self.sample_ids: list[str] = json.loads(self.metadata["sample_ids"])
         self.offsets = self._rows("offsets", 0, None)
@@ -246,11 +371,12 @@ class ShardReader:
         tensor = torch.from_numpy(array.copy())
         return tensor.view(torch_dtype) if tensor.dtype != torch_dtype else tensor
 
-    def _decoded(self, name: str, start: int, end: int) -> torch.Tensor:
+    def _decoded(self, name: str, groups: int, start: int, end: int) -> torch.Tensor:
         values = self._rows(name, start, end)
-        if self.encoding == "fp8":
-            return dequantize_fp8(values, self._rows(f"{name}_scale", start, end))
-        return values.float()
+        if self.encoding != "fp8":
+            return values.float()
+        block = self.fp8_block or values.shape[1] // groups
+        return dequantize_fp8(values, self._rows(f"{name}_scale", start, end), groups, block)
 
     def sample(self, index: int) -> CaptureSample:
         start, end = int(self.offsets[index]), int(self.offsets[index + 1])
@@ -259,8 +385,10 @@ class ShardReader:
             sample_id=self.sample_ids[index],
             input_ids=self._rows("input_ids", start, end).to(torch.long),
             loss_mask=self._rows("loss_mask", start, end),
-            aux=self._decoded("aux", start, end),
-            last_hidden=self._decoded("last_hidden", start, end) if "last_hidden" in self.teachers else None,
+            aux=self._decoded("aux", 3, start, end),
+            last_hidden=self._decoded("last_hidden", 1, start, end)
+            if "last_hidden" in self.teachers
+            else None,
             topk_ids=self._rows("topk_ids", start, end).to(torch.long) if has_topk else None,
             topk_logprobs=self._rows("topk_logprobs", start, end).float() if has_topk else None,
         )

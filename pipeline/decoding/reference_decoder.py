@@ -150,11 +150,17 @@ class Proposer(Protocol):
 
 
 class NgramProposer:
-    """Prompt-lookup drafting: continue the latest earlier occurrence of the context's suffix."""
+    """Prompt-lookup drafting: continue the latest earlier occurrence of the context's suffix, trying the
+    longest suffix first (max_match tokens, down to min_match). It drafts a chain: SGLang's NGRAM drafts a
+    tree over a trie of every request's tokens, with a BFS breadth this proposer has no counterpart for."""
 
     needs_aux = False
 
     def __init__(self, max_match: int = 4, min_match: int = 1):
+        if not 1 <= min_match <= max_match:
+            raise ValueError(
+                f"n-gram match window needs 1 <= min_match <= max_match, got {min_match}..{max_match}"
+            )
         self.max_match, self.min_match = max_match, min_match
 
     def start(self, context, aux) -> None:

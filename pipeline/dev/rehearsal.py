@@ -282,11 +282,14 @@ def sized_for_the_tiny_target(path: Path, workspace: Path) -> Path:
     """The manifest as applied here. One thing differs, and only for size: the capture servers return the
     aux layers of the tiny target's contract (Kimi's 1 29 57 do not exist in an 8-layer model)."""
     from pipeline.config import default_aux_layer_ids, load_config
+    from pipeline.engines.layer_ids import TINY_TARGET_FAMILIES, draft_config_ids
 
     if path.name != "sglang-capture.yaml":
         return path
     config = load_config(REHEARSAL_CONFIG)
-    aux_ids = config.capture.aux_layer_ids or default_aux_layer_ids(TARGET_RECIPE.num_layers)
+    layers = config.capture.aux_layer_ids or default_aux_layer_ids(TARGET_RECIPE.num_layers)
+    family = TINY_TARGET_FAMILIES[TARGET_RECIPE.architecture]
+    aux_ids = draft_config_ids("sglang", family, layers, TARGET_RECIPE.num_layers)  # as SGLang reads the flag
     docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
     for doc in docs:
         for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):

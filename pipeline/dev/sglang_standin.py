@@ -4,8 +4,10 @@ SGLang needs CUDA and cannot run on these machines; this server lets the SGLang 
 run over real HTTP in tests and benchmarks. It implements what the pipeline uses of SGLang 0.5.23
 (reference/sglang-contract.md): POST /generate (input_ids, sampling_params, return_hidden_states),
 GET /server_info, GET /health. With --aux-layer-ids it behaves like a server started with
---enable-return-aux-hidden-states; with --speculative-algorithm NGRAM or EAGLE3 it decodes with the
-reference speculative decoder and reports the spec_* meta_info fields.
+--enable-return-aux-hidden-states, capturing the layers SGLang captures for those ids on the target's model
+family (pipeline.engines.layer_ids), as it feeds an EAGLE3 draft the layers its config's ids name; with
+--speculative-algorithm NGRAM or EAGLE3 it decodes with the reference speculative decoder and reports the
+spec_* meta_info fields.
 
     python -m pipeline.dev.sglang_standin --model-path DIR --port 30000 [--trust-remote-code]
         [--aux-layer-ids 1 3 4]
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -29,6 +33,8 @@ import orjson
 import torch
 
 from pipeline.dev.json_http import send_json
+from pipeline.engines.layer_ids import captured_layer_outputs, model_family_of
+from pipeline.sglang_ngram_rules import NgramLaunch, launch_from_args, refusals
 
 if TYPE_CHECKING:
     from pipeline.drafter.model import Eagle3Drafter
@@ -94,6 +100,7 @@ class StandinBackend:
         topk: int = 1,
         draft_tokens: int | None = None,
         trust_remote_code: bool = False,
+        ngram_max_match: int = NgramLaunch().max_trie_depth - 1,
     ):
         from pipeline.engines.hf import HFEngine
 
@@ -108,10 +115,20 @@ class StandinBackend:
             )
         self.engine = HFEngine(model_dir, trust_remote_code=trust_remote_code)
         self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+        self.family = model_family_of(model_dir)
+        # --return-aux-hidden-state-layer-ids are read as SGLang reads them for this target's model family
         self.aux_layer_ids = aux_layer_ids
+        self.aux_layer_outputs = (
+            captured_layer_outputs("sglang", self.family, aux_layer_ids, self.engine.num_layers)
+            if aux_layer_ids is not None
+            else None
+        )
         self.algorithm = algorithm
         self.num_steps, self.topk = num_steps, topk
         self.draft_tokens = draft_tokens or num_steps + 1
+        # NGRAM drafts a chain continuing the latest match of a context suffix of up to this many tokens
+        # (SGLang's trie matches up to max_trie_depth - 1; its BFS breadth has no counterpart here)
+        self.ngram_max_match = ngram_max_match
         self.lock = threading.Lock()
         self.batcher = Batcher(self.engine, self.lock)
         self.accept_lengths: list[float] = []
@@ -121,14 +138,19 @@ class StandinBackend:
             from pipeline.engines.target import load_frozen_tensors
 
             assert draft_dir is not None  # require_loadable_draft refused a missing draft above
-            self.drafter, contract = load_drafter(draft_dir, load_frozen_tensors(model_dir)["embed"].float())
-            self.draft_layers = contract["aux_layer_ids"]
+            self.drafter, _ = load_drafter(draft_dir, load_frozen_tensors(model_dir)["embed"].float())
+            # the layers SGLang feeds the draft: those its config's ids name on this target
+            eagle = json.loads((draft_dir / "config.json").read_text()).get("eagle_config") or {}
+            self.draft_layers = captured_layer_outputs(
+                "sglang", self.family, eagle.get("eagle_aux_hidden_state_layer_ids"), self.engine.num_layers
+            )
 
     def _prompt_forward(self, ids: list[int], output: list[int], hidden: bool, top_k: int) -> dict[str, Any]:
         """meta_info fields from one forward over prompt + output: hidden states (prompt block) and
         log-probs."""
-        num_layers = self.model.config.num_hidden_layers
-        wanted = [k + 1 for k in self.aux_layer_ids] if self.aux_layer_ids else [num_layers]
+        num_layers = self.engine.num_layers
+        outputs = self.aux_layer_outputs
+        wanted = [k + 1 for k in outputs] if outputs is not None else [num_layers]
         out = self.model(input_ids=torch.tensor([ids + output]), output_hidden_states=wanted, use_cache=False)
         meta: dict[str, Any] = {}
         if hidden:
@@ -155,7 +177,7 @@ class StandinBackend:
         if self.algorithm is None:
             return decoder.greedy_decode(plain, ids, max_new_tokens, eos).tokens, {}
         if self.algorithm == "NGRAM":
-            ngram = decoder.NgramProposer()
+            ngram = decoder.NgramProposer(max_match=self.ngram_max_match)
             result = decoder.speculative_decode(plain, ngram, ids, max_new_tokens, eos, self.draft_tokens - 1)
         elif self.drafter is None:  # only EAGLE3, which loads one, is served besides NGRAM
             raise ValueError(f"speculative algorithm {self.algorithm} has no draft model")
@@ -292,6 +314,16 @@ def listen_address(host: str) -> str:
     return pod_ip if host in ("0.0.0.0", "::") and loopback else "127.0.0.1"
 
 
+def ngram_launch(argv: list[str]) -> NgramLaunch:
+    """An NGRAM server's flags as SGLang 0.5.23 runs them; SystemExit naming every reason it would refuse
+    them (pipeline.sglang_ngram_rules), before anything is loaded, as SGLang fails at startup."""
+    launch = launch_from_args(argv)
+    problems = refusals(launch)
+    if problems:
+        raise SystemExit("SGLang 0.5.23 would not start this NGRAM server:\n  - " + "\n  - ".join(problems))
+    return launch
+
+
 def main() -> None:
     """Accepts the SGLang launch flags the pipeline uses (others are ignored, as a stand-in should)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -326,13 +358,15 @@ def main() -> None:
                 "(reference/sglang-contract.md)"
             )
         algorithm = None
-        if args.aux_layer_ids is None:
+        if args.aux_layer_ids is None:  # SGLang's default layers, outputs [1, N//2 - 1, N - 4]: the same
+            # flag ids on every model family (a first id of 1 is shifted by models/deepseek_v2.py too)
             from pipeline.config import default_aux_layer_ids
             from pipeline.engines.target import text_config
 
             args.aux_layer_ids = default_aux_layer_ids(
                 int(text_config(Path(args.model_path))["num_hidden_layers"])
             )
+    ngram = ngram_launch(sys.argv[1:]) if algorithm == "NGRAM" else NgramLaunch()
     address = listen_address(args.host)
     if args.host != address:  # a manifest's --host 0.0.0.0
         print(f"stand-in: --host {args.host} asked; listening on {address} only", flush=True)
@@ -346,8 +380,9 @@ def main() -> None:
             Path(args.speculative_draft_model_path) if args.speculative_draft_model_path else None,
             args.speculative_num_steps,
             args.speculative_eagle_topk,
-            args.speculative_num_draft_tokens,
+            ngram.draft_tokens if algorithm == "NGRAM" else args.speculative_num_draft_tokens,
             args.trust_remote_code,
+            ngram_max_match=ngram.max_trie_depth - 1,
         )
     except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
         raise SystemExit(str(refused)) from None

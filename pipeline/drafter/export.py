@@ -1,8 +1,10 @@
 """The SGLang drafter directory (LlamaForCausalLMEagle3): write, validate, load.
 
 A directory holds config.json, model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d; never
-embed_tokens) and capture_contract.json. Export refuses a model missing any tensor SGLang needs,
-because SGLang's loader would otherwise silently serve a broken draft.
+embed_tokens), capture_contract.json and target_config.json (the target's config.json, which gives the
+drafter its context length, RoPE and vocabulary). Export refuses a model missing any tensor SGLang needs,
+and one the target's SGLang server would refuse, because SGLang would otherwise fail to start or silently
+serve a broken draft.
 """
 
 from __future__ import annotations
@@ -11,17 +13,23 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.servable import TARGET_CONFIG_NAME, record_target_config, require_servable
+from pipeline.engines.layer_ids import LayerIdsInexpressible, draft_config_ids
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 CONTRACT_NAME = "capture_contract.json"
-DRAFTER_FILES = (CONFIG_NAME, WEIGHTS_NAME, CONTRACT_NAME)
+REQUIRED_FILES = (CONFIG_NAME, WEIGHTS_NAME, CONTRACT_NAME)  # what a drafter directory cannot do without
+# what export writes for a target (its config.json recorded as target_config.json), and what the train stage,
+# evaluation and the registry move
+DRAFTER_FILES = (*REQUIRED_FILES, TARGET_CONFIG_NAME)
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 REQUIRED_CONFIG_KEYS = (
     "architectures",
@@ -47,7 +55,25 @@ class DrafterFormatError(ValueError):
     pass
 
 
-def sglang_config(arch: DrafterArch, dtype: str) -> dict[str, Any]:
+def sglang_eagle_layer_ids(contract: dict[str, Any]) -> list[int]:
+    """The eagle_aux_hidden_state_layer_ids that make SGLang feed the drafter the layer outputs its training
+    features came from (the contract's aux_layer_ids), read with the rule of the target's model family.
+
+    The family is what the capture recorded in the contract's target (contracts from before it was recorded:
+    the Llama rule, ids unchanged). A contract without num_layers is checked against the shallowest target
+    its ids fit.
+    """
+    layers = [int(k) for k in contract["aux_layer_ids"]]
+    family = (contract.get("target") or {}).get("model_family", "llama")
+    num_layers = contract.get("num_layers") or layers[-1] + 2
+    try:
+        return draft_config_ids("sglang", family, layers, num_layers)
+    except LayerIdsInexpressible as err:
+        raise DrafterFormatError(f"no SGLang drafter can be fed this contract's layers: {err}") from err
+
+
+def sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int]) -> dict[str, Any]:
+    """The drafter's config.json; eagle_layer_ids: SGLang's ids for arch's layers (sglang_eagle_layer_ids)."""
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -58,7 +84,8 @@ def sglang_config(arch: DrafterArch, dtype: str) -> dict[str, Any]:
         "intermediate_size": arch.intermediate_size,
         "rms_norm_eps": arch.rms_norm_eps,
         "rope_theta": arch.rope_theta,
-        "rope_scaling": None,
+        # the target's RoPE variant, which the drafter trained with (pipeline.drafter.rope); None: plain RoPE
+        "rope_scaling": arch.rope_scaling,
         "max_position_embeddings": arch.max_position_embeddings,
         "hidden_act": arch.hidden_act,
         "vocab_size": arch.vocab_size,
@@ -68,7 +95,7 @@ def sglang_config(arch: DrafterArch, dtype: str) -> dict[str, Any]:
         "target_hidden_size": arch.target_hidden_size or arch.hidden_size,
         "torch_dtype": dtype,
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(arch.aux_layer_ids),
+            "eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids),
             "use_aux_hidden_state": True,
         },
     }
@@ -144,9 +171,18 @@ def validate_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -
 
 
 def export_drafter(
-    model: Eagle3Drafter, contract: dict[str, Any], out_dir: str | Path, dtype: str = "bfloat16"
+    model: Eagle3Drafter,
+    contract: dict[str, Any],
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    target_dir: str | Path | None = None,
 ) -> Path:
-    """Write the SGLang directory atomically (staging dir, then rename)."""
+    """Write the SGLang directory atomically (staging dir, then rename).
+
+    With target_dir (the target model directory), the target's config.json is recorded in the directory as
+    target_config.json and the drafter is refused (DraftModelRefused, with SGLang's reasons) when the target's
+    SGLang server would refuse it or serve it broken.
+    """
     from safetensors.torch import save_file
 
     if list(contract["aux_layer_ids"]) != list(model.arch.aux_layer_ids):
@@ -155,7 +191,7 @@ def export_drafter(
             f"contract's {contract['aux_layer_ids']}"
         )
     out_dir = Path(out_dir)
-    config = sglang_config(model.arch, dtype)
+    config = sglang_config(model.arch, dtype, sglang_eagle_layer_ids(contract))
     target_dtype = getattr(torch, dtype)
     tensors = {
         name: (t.to(target_dtype) if t.is_floating_point() else t).contiguous().clone()
@@ -169,6 +205,9 @@ def export_drafter(
         save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2))
         (staging / CONTRACT_NAME).write_text(json.dumps(contract, indent=2, sort_keys=True))
+        if target_dir is not None:
+            record_target_config(Path(target_dir), staging)
+            require_servable(staging)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(staging, out_dir)
@@ -182,7 +221,7 @@ def read_drafter_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     from safetensors.torch import load_file
 
     directory = Path(directory)
-    for name in DRAFTER_FILES:
+    for name in REQUIRED_FILES:
         if not (directory / name).is_file():
             raise DrafterFormatError(f"drafter directory {directory} has no {name}")
     try:
@@ -193,8 +232,12 @@ def read_drafter_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     validate_config(config)
     tensors = load_file(str(directory / WEIGHTS_NAME))
     validate_tensors(config, tensors)
-    if list(contract.get("aux_layer_ids", [])) != config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]:
-        raise DrafterFormatError("config.json aux layer ids disagree with capture_contract.json")
+    written = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    if "aux_layer_ids" not in contract or written != sglang_eagle_layer_ids(contract):
+        raise DrafterFormatError(
+            f"config.json aux layer ids {written} disagree with capture_contract.json's layers "
+            f"{contract.get('aux_layer_ids')}: SGLang would feed it other layers than it was trained on"
+        )
     return config, tensors, contract
 
 
@@ -210,6 +253,7 @@ def arch_from_config(config: dict[str, Any]) -> DrafterArch:
         aux_layer_ids=list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
         rms_norm_eps=config["rms_norm_eps"],
         rope_theta=config["rope_theta"],
+        rope_scaling=config.get("rope_scaling"),
         max_position_embeddings=config["max_position_embeddings"],
         hidden_act=config["hidden_act"],
         target_hidden_size=config.get("target_hidden_size"),
@@ -221,7 +265,9 @@ def load_drafter(
 ) -> tuple[Eagle3Drafter, dict[str, Any]]:
     """The drafter from an SGLang directory, with the target's embedding; returns (model, contract)."""
     config, tensors, contract = read_drafter_dir(directory)
-    model = Eagle3Drafter(arch_from_config(config), embed_weight)
+    # the layers it was trained on, in the project's convention (config.json holds SGLang's ids for them)
+    arch = replace(arch_from_config(config), aux_layer_ids=list(contract["aux_layer_ids"]))
+    model = Eagle3Drafter(arch, embed_weight)
     model.load_state_dict({k: (v.to(dtype) if v.is_floating_point() else v) for k, v in tensors.items()})
     model.to(dtype)
     model.eval()

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.drafter.rope import rope_cos_sin
+
 
 @dataclass
 class DrafterArch:
@@ -33,6 +35,8 @@ class DrafterArch:
     aux_layer_ids: list[int]
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # SGLang's rope_scaling ({"rope_type": "yarn", "factor": ...}); None: plain RoPE (pipeline.drafter.rope)
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
     target_hidden_size: int | None = None
@@ -75,15 +79,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
-    )
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -168,7 +163,9 @@ class DrafterAttention(nn.Module):
         q = self.q_proj(x).view(batch, length, a.num_heads, a.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, a.head_dim, a.rope_theta, q.dtype)
+        cos, sin = rope_cos_sin(
+            positions, a.head_dim, a.rope_theta, q.dtype, a.rope_scaling, a.max_position_embeddings
+        )
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         repeat = a.num_heads // a.num_kv_heads
         if repeat > 1:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from pipeline.engines import DEFAULT_TEACHER, Capture, Generation, SamplingParams, TeacherRequest
+from pipeline.engines.layer_ids import hf_hidden_states_indices
 from pipeline.engines.target import load_model, load_tokenizer
 
 
@@ -73,13 +74,10 @@ class HFEngine:
     def capture(
         self, sequences: list[list[int]], aux_layer_ids: list[int], teacher: TeacherRequest = DEFAULT_TEACHER
     ) -> list[Capture]:
-        if aux_layer_ids[-1] >= self.num_layers - 1:
-            raise ValueError(
-                f"aux layer {aux_layer_ids[-1]} must be below the last layer ({self.num_layers - 1})"
-            )
-        ids, mask = self._padded(sequences, left=False)
         # hidden_states[k + 1] is the output of decoder layer k; hidden_states[N] is the final-norm output.
-        wanted = [k + 1 for k in aux_layer_ids] + [self.num_layers]
+        # Only layers an engine can capture for a drafter are asked for (pipeline.engines.layer_ids).
+        wanted = hf_hidden_states_indices(aux_layer_ids, self.num_layers) + [self.num_layers]
+        ids, mask = self._padded(sequences, left=False)
         out = self.model(input_ids=ids, attention_mask=mask, output_hidden_states=wanted, use_cache=False)
         states = out.hidden_states
         aux = torch.cat([states[i] for i in wanted[:-1]], dim=-1)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest
+from pipeline.engines.layer_ids import hf_hidden_states_indices
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -39,6 +40,9 @@ def reference_capture(
     model: PreTrainedModel, sequence: list[int], aux_layer_ids: list[int], teacher: TeacherRequest
 ) -> Capture:
     num_layers = model.config.get_text_config().num_hidden_layers
+    # a forward hook on layer k sees its output: the project's layer id k, the layers capture engines can
+    # be asked for (refused otherwise, as HF capture refuses them)
+    hf_hidden_states_indices(aux_layer_ids, num_layers)
     layers, norm = decoder_layers_and_norm(model, num_layers)
     seen: dict[str, torch.Tensor] = {}
 

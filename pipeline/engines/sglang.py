@@ -36,6 +36,12 @@ from pipeline.engines import (
     SamplingParams,
     TeacherRequest,
 )
+from pipeline.engines.layer_ids import (
+    LayerIdsInexpressible,
+    ModelFamily,
+    captured_layer_outputs,
+    draft_config_ids,
+)
 from pipeline.retrying import retrying
 
 log = logging.getLogger(__name__)
@@ -257,6 +263,15 @@ def parse_topk(meta: dict[str, Any], length: int, k: int) -> tuple[torch.Tensor,
     return ids, logprobs
 
 
+def capture_server_flag(aux_layer_ids: list[int], family: ModelFamily, num_layers: int) -> str:
+    """The launch flag that makes an SGLang capture server capture these layer outputs (project ids)."""
+    try:
+        ids = draft_config_ids("sglang", family, aux_layer_ids, num_layers)
+    except LayerIdsInexpressible as err:
+        return f"no --return-aux-hidden-state-layer-ids ({err.why})"
+    return "--return-aux-hidden-state-layer-ids " + " ".join(str(k) for k in ids)
+
+
 def capture_server_problems(
     info: dict[str, Any],
     aux_layer_ids: list[int] | None,
@@ -264,11 +279,13 @@ def capture_server_problems(
     max_length: int,
     aux_server: bool,
     prompt_logprobs: bool,
+    family: ModelFamily = "llama",
 ) -> list[str]:
     """What in a server's /server_info makes it unfit to capture under this contract.
 
-    Keys are SGLang 0.5.23's resolved server args. With no explicit ids an aux server captures the
-    EAGLE3 default layers, which in draft-config ids are [1, N//2 - 1, N - 4].
+    Keys are SGLang 0.5.23's resolved server args. The server's --return-aux-hidden-state-layer-ids are
+    read the way SGLang reads them for the target's model family (pipeline.engines.layer_ids); with no
+    ids an aux server captures the EAGLE3 default layers, the outputs of [1, N//2 - 1, N - 4].
     """
     problems = []
     version = str(info.get("version", ""))
@@ -292,10 +309,13 @@ def capture_server_problems(
             else "a last-hidden server must not run with --enable-return-aux-hidden-states"
         )
     if aux_server and wants_aux:
-        served = info.get("return_aux_hidden_state_layer_ids") or [1, num_layers // 2 - 1, num_layers - 4]
-        if list(served) != list(aux_layer_ids or []):
+        flag_ids = info.get("return_aux_hidden_state_layer_ids") or None
+        served = captured_layer_outputs("sglang", family, flag_ids, num_layers)
+        if served != list(aux_layer_ids or []):
             problems.append(
-                f"the server captures aux layers {list(served)}, the contract says {aux_layer_ids}"
+                f"the server captures aux layers {served} (--return-aux-hidden-state-layer-ids "
+                f"{flag_ids} on a {family}-family target), the contract says {aux_layer_ids}; "
+                f"start it with {capture_server_flag(list(aux_layer_ids or []), family, num_layers)}"
             )
     if setting("disable_radix_cache") is not True and not prompt_logprobs:
         problems.append("prompt rows go missing on radix-cache hits: start with --disable-radix-cache")
@@ -332,7 +352,13 @@ class SGLangEngine:
             raise EngineError(f"cannot reach SGLang at {url}: {err}") from err
 
     def verify_capture_servers(
-        self, aux_layer_ids: list[int], num_layers: int, max_length: int, teacher: TeacherRequest
+        self,
+        aux_layer_ids: list[int],
+        num_layers: int,
+        max_length: int,
+        teacher: TeacherRequest,
+        *,
+        family: ModelFamily,
     ) -> None:
         """Refuse to capture through servers whose settings disagree with the capture contract."""
         checks = [(url, self.client, True) for url in self.client.urls]
@@ -345,7 +371,7 @@ class SGLangEngine:
             problems += [
                 f"{url}: {p}"
                 for p in capture_server_problems(
-                    info, aux_layer_ids, num_layers, max_length, aux_server, prompt_logprobs
+                    info, aux_layer_ids, num_layers, max_length, aux_server, prompt_logprobs, family
                 )
             ]
         if problems:
@@ -366,8 +392,9 @@ class SGLangEngine:
     ) -> list[Capture]:
         """Aux states (and top-K log-probs) from the aux-state servers; last hidden from the teacher servers.
 
-        The aux layers are fixed when the aux servers start (--return-aux-hidden-state-layer-ids); the
-        capture contract records the ids this pipeline asked for, and the parity check verifies them.
+        The aux layers are fixed when the aux servers start (--return-aux-hidden-state-layer-ids, SGLang's
+        ids, which verify_capture_servers reads with the target family's rule); the capture contract records
+        the layer outputs this pipeline asked for, and the parity check verifies them.
         """
         if self.hidden_size is None:
             raise EngineError("SGLang capture needs the target's hidden size")

@@ -1,5 +1,6 @@
 """Production benchmark on SGLang: baseline, NGRAM, incumbent and candidate EAGLE3 servers, one after
-the other on the same GPUs, each sent the same prompts.
+the other on the same GPUs, each sent the same prompts. NGRAM runs once per configured setting
+(benchmark.sglang.ngram_settings), so the candidate is compared with n-gram at its best.
 
 Each server is started with `benchmark.sglang.launch` + the method's flags, waited on through
 /health, measured, and stopped (SIGTERM, then SIGKILL, by PID). Throughput is completion tokens over
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import SGLangBenchConfig, SGLangClientConfig
+from pipeline.config import NgramServerSetting, SGLangBenchConfig, SGLangClientConfig
 from pipeline.engines import EngineError
 from pipeline.ops.registry import sglang_flags
 from pipeline.retrying import await_health
@@ -34,7 +35,18 @@ class SGLangBenchmarkFailed(RuntimeError):
     pass
 
 
-def launch_command(settings: SGLangBenchConfig, method: str, drafter_dir: Path | None = None) -> list[str]:
+def ngram_method_name(setting: NgramServerSetting) -> str:
+    """How run_methods names the NGRAM server of one setting."""
+    return f"ngram:{setting.label}"
+
+
+def launch_command(
+    settings: SGLangBenchConfig,
+    method: str,
+    drafter_dir: Path | None = None,
+    ngram: NgramServerSetting | None = None,
+) -> list[str]:
+    """The server command of one method; "ngram" needs its setting."""
     command = [
         *settings.launch,
         "--model-path",
@@ -46,13 +58,9 @@ def launch_command(settings: SGLangBenchConfig, method: str, drafter_dir: Path |
         *settings.extra_args,
     ]
     if method == "ngram":
-        return command + [
-            "--speculative-algorithm",
-            "NGRAM",
-            "--speculative-num-draft-tokens",
-            str(settings.ngram_draft_tokens),
-            *settings.ngram_args,
-        ]
+        if ngram is None:
+            raise SGLangBenchmarkFailed("the ngram server needs one of benchmark.sglang.ngram_settings")
+        return command + ngram.launch_args()
     if method in ("candidate", "incumbent"):
         if drafter_dir is None:
             raise SGLangBenchmarkFailed(f"the {method} server needs a drafter directory")
@@ -160,10 +168,15 @@ def measure(
 def run_methods(
     settings: SGLangBenchConfig, prompts: list[list[int]], max_new_tokens: int, drafters: dict[str, Path]
 ) -> dict[str, Any]:
-    """Every method on the same prompts, one server at a time."""
+    """Every method on the same prompts, one server at a time: the baseline, one NGRAM server per n-gram
+    setting (named by ngram_method_name), then each drafter."""
+    commands = {"baseline": launch_command(settings, "baseline")}
+    for setting in settings.ngram_settings:
+        commands[ngram_method_name(setting)] = launch_command(settings, "ngram", ngram=setting)
+    for name, drafter_dir in drafters.items():
+        commands[name] = launch_command(settings, name, drafter_dir)
     methods = {}
-    for method in ["baseline", "ngram", *drafters]:
-        command = launch_command(settings, method, drafters.get(method))
+    for method, command in commands.items():
         log.info("benchmark %s: %s", method, " ".join(command))
         with running_server(command, settings) as url:
             methods[method] = measure(url, prompts, max_new_tokens, settings.concurrency, settings.rounds)

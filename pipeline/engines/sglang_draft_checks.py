@@ -33,18 +33,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pipeline.engines.layer_ids import (
+    SOURCES,
+    ModelFamily,
+    capture_points,
+    captured_layer_outputs,
+    model_family,
+)
+
 SGLANG_VERSION = "0.5.23"
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # models/kimi_k25_eagle3.py:523 registers the other EAGLE-3 draft class of 0.5.23 (MLA attention)
 OTHER_EAGLE3_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM",)
-# Targets served by models/deepseek_v2.py (kimi_k25.py:928-939 delegates to its DeepseekV3ForCausalLM),
-# whose set_eagle3_layers_to_capture shifts layer ids differently from models/llama.py.
-DEEPSEEK_CAPTURE_ARCHITECTURES = (
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-    "DeepseekV32ForCausalLM",
-    "KimiK25ForConditionalGeneration",
-)
 # configs/model_config.py / utils/hf_transformers/common.py:668-674, in SGLang's order of preference
 CONTEXT_LENGTH_KEYS = (
     "max_sequence_length",
@@ -78,7 +78,11 @@ class TargetFacts:
     hidden_size: int
     vocab_size: int
     context_length: int
-    deepseek_capture: bool
+    deepseek_capture: bool  # SGLang serves it with models/deepseek_v2.py (pipeline.engines.layer_ids)
+
+    @property
+    def family(self) -> ModelFamily:
+        return "deepseek" if self.deepseek_capture else "llama"
 
 
 @dataclass(frozen=True)
@@ -199,14 +203,8 @@ def read_target(target_dir: Path) -> TargetFacts:
         hidden_size=int(text["hidden_size"]),
         vocab_size=int(text["vocab_size"]),
         context_length=derived_context_length(text),
-        deepseek_capture=_uses_deepseek_capture(architecture, text),
+        deepseek_capture=model_family(top) == "deepseek",
     )
-
-
-def _uses_deepseek_capture(architecture: str, text: dict[str, Any]) -> bool:
-    # The project's tiny Kimi-style target ships DeepSeek-V3 (MLA) under its own architecture name; it
-    # stands for Kimi-K2.5, so an MLA config (kv_lora_rank) follows the DeepSeek capture rule too.
-    return architecture in DEEPSEEK_CAPTURE_ARCHITECTURES or text.get("kv_lora_rank") is not None
 
 
 def derived_context_length(config: Any) -> int:
@@ -546,13 +544,9 @@ def target_fit_problems(target: TargetFacts, shape: DraftShape) -> list[str]:
 
 
 def sglang_capture_points(target: TargetFacts, layer_ids: list[int] | None) -> list[int]:
-    """The target layers whose input SGLang captures for the draft's eagle_aux_hidden_state_layer_ids."""
-    if layer_ids is None:
-        # llama.py:933-936, deepseek_v2.py:3462-3465
-        return [2, target.num_layers // 2, target.num_layers - 3]
-    if target.deepseek_capture and not (layer_ids and layer_ids[0] == 1):
-        return list(layer_ids)  # deepseek_v2.py:3470-3473 shifts only when the first id is 1
-    return [k + 1 for k in layer_ids]  # llama.py:938-941, deepseek_v2.py:3470-3471
+    """The target layers whose input SGLang captures for the draft's eagle_aux_hidden_state_layer_ids
+    (the rule per family lives in pipeline.engines.layer_ids)."""
+    return capture_points("sglang", target.family, layer_ids, target.num_layers)
 
 
 def aux_layer_problems(
@@ -579,25 +573,20 @@ def aux_layer_problems(
         ]
     layer_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     points = sglang_capture_points(target, layer_ids)
-    captured = sorted({p for p in points if 0 <= p < target.num_layers})
-    capture_where = (
-        "sglang/srt/models/deepseek_v2.py:3458-3473"
-        if target.deepseek_capture
-        else "sglang/srt/models/llama.py:929-941"
-    )
-    if len(captured) != shape.num_aux:
+    served = captured_layer_outputs("sglang", target.family, layer_ids, target.num_layers)
+    capture_where = SOURCES["sglang"][target.family]
+    if len(served) != shape.num_aux:
         # only layers the forward loop visits are captured (llama.py:486-493; deepseek's packer then raises,
         # layers/aux_hidden_states.py:84-89)
         return [
             _problem(
                 f"eagle_aux_hidden_state_layer_ids {layer_ids} give capture points {points} on a "
-                f"{target.num_layers}-layer target, {len(captured)} distinct in range",
+                f"{target.num_layers}-layer target, {len(served)} distinct in range",
                 f"fails: the draft's fc takes {shape.num_aux} aux states",
                 capture_where,
                 "sglang/srt/models/llama_eagle3.py:156-167",
             )
         ]
-    served = [p - 1 for p in captured]
     trained = sorted(trained_ids if trained_ids is not None else (layer_ids or served))
     if served != trained:
         return [

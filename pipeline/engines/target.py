@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import RunConfig
+from pipeline.engines.layer_ids import model_family_of
 
 
 class TargetError(RuntimeError):
@@ -134,6 +135,8 @@ def describe_target(config: RunConfig, model_dir: Path | None = None) -> TargetI
             "config_sha256": _config_hash(model_dir),
             "tokenizer_sha256": _tokenizer_hash(model_dir),
             "chat_template_sha256": _sha256_text(chat_template_of(model_dir)),
+            # how SGLang reads aux layer ids for it; the exporter writes the drafter's ids by it
+            "model_family": model_family_of(model_dir),
         },
     )
     for field in ("num_layers", "hidden_size", "vocab_size"):

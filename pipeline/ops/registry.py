@@ -1,6 +1,7 @@
 """Drafter registry in the object store: immutable versions, aliases that point at them, verified pull.
 
 drafters/<target>/versions/<version>/   config.json, model.safetensors, capture_contract.json,
+                                        target_config.json (the target's config.json, recorded at export),
                                         README.md, manifest.json (lineage + sha256 of every file)
 drafters/<target>/aliases/<alias>.json  {"version": ...}
 drafters/<target>/history/<time>-<alias>.json   one record per alias move (append-only)
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import layout
+from pipeline.config import TargetConfig
 from pipeline.drafter.export import CONFIG_NAME, DRAFTER_FILES, WEIGHTS_NAME, read_drafter_dir
+from pipeline.drafter.servable import require_servable
 from pipeline.ids import validate_id
 from pipeline.manifest import MANIFEST_NAME, manifest_exists, now_iso, publish, read_manifest
 from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atomic_write, sha256_file
@@ -51,6 +54,34 @@ def sglang_flags(drafter_path: str, steps: int, topk: int = 1, draft_tokens: int
 def serving_flags(drafter_path: str, serving: dict[str, int]) -> list[str]:
     """SGLang flags for a version's benchmarked setting ({"steps", "topk", "draft_tokens"})."""
     return sglang_flags(drafter_path, serving["steps"], serving.get("topk", 1), serving.get("draft_tokens"))
+
+
+def target_flags(target: TargetConfig) -> list[str]:
+    """What SGLang needs to serve the target itself: its tensor parallelism, and --trust-remote-code for a
+    target that ships its own code (Kimi-K2.5). No --context-length: the drafter has the target's context."""
+    flags = ["--tp", str(target.tensor_parallel)]
+    if target.trust_remote_code:
+        flags.append("--trust-remote-code")
+    return flags
+
+
+def server_flags(target: TargetConfig, drafter_path: str, serving: dict[str, int]) -> list[str]:
+    """Every flag after --model-path that serves the target with a version's drafter at its benchmarked
+    setting: the target's own, then the speculative ones."""
+    return [*target_flags(target), *serving_flags(drafter_path, serving)]
+
+
+def launch_command(target: TargetConfig, drafter_path: str, serving: dict[str, int]) -> list[str]:
+    """The whole SGLang command that serves the target with a version's drafter."""
+    model_path = target.model_path or f"<{target.name} model directory>"
+    return [
+        "python",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_path,
+        *server_flags(target, drafter_path, serving),
+    ]
 
 
 def write_serving_flags(path: str | Path, flags: list[str]) -> None:
@@ -190,8 +221,11 @@ def publish_version(
     store: ObjectStore, target: str, drafter_dir: Path, lineage: dict[str, Any], serving: dict[str, int]
 ) -> tuple[str, dict[str, Any]]:
     """Upload a validated drafter directory as a new immutable version; returns (version, manifest).
-    A version an interrupted attempt of the same promotion already published is reused."""
+    A version an interrupted attempt of the same promotion already published is reused. A drafter the
+    target's SGLang server would refuse with these flags (checked against the target config recorded at
+    export) is not published."""
     read_drafter_dir(drafter_dir)
+    require_servable(drafter_dir, serving=serving)
     weights_sha = sha256_file(drafter_dir / WEIGHTS_NAME)
     if lineage.get("run_id") is not None:
         earlier = earlier_attempt(store, target, weights_sha, lineage["run_id"])
@@ -313,8 +347,11 @@ def resolve(store: ObjectStore, target: str, alias_or_version: str) -> str:
     raise RegistryError(f"{target} has no alias or version named {alias_or_version!r}")
 
 
-def verify_dir(directory: str | Path) -> dict[str, Any]:
-    """Check every file listed by the directory's manifest.json against its sha256 and size."""
+def verify_dir(directory: str | Path, target_config: str | Path | None = None) -> dict[str, Any]:
+    """Check every file listed by the directory's manifest.json against its sha256 and size, the drafter's
+    format, and that the target's SGLang server would serve it with the version's flags: checked against
+    target_config (a model directory or its config.json) when given, else the target config recorded at
+    export (DraftModelRefused names SGLang's reasons)."""
     directory = Path(directory)
     try:
         manifest = json.loads((directory / MANIFEST_NAME).read_text())
@@ -330,11 +367,19 @@ def verify_dir(directory: str | Path) -> dict[str, Any]:
     if problems:
         raise RegistryError(f"drafter directory {directory} failed verification: " + "; ".join(problems))
     read_drafter_dir(directory)
+    require_servable(directory, target_config, manifest.get("serving"))
     return manifest
 
 
-def pull(store: ObjectStore, target: str, alias_or_version: str, dest: str | Path) -> Path:
-    """Download a version to dest atomically; on any mismatch dest is left as it was."""
+def pull(
+    store: ObjectStore,
+    target: str,
+    alias_or_version: str,
+    dest: str | Path,
+    target_config: str | Path | None = None,
+) -> Path:
+    """Download a version to dest atomically; on any mismatch, or a drafter the target's SGLang server would
+    refuse (verify_dir; target_config as there), dest is left as it was."""
     version = resolve(store, target, alias_or_version)
     prefix = layout.drafter_version_prefix(target, version)
     manifest = read_manifest(store, prefix, kind="drafter")
@@ -345,7 +390,7 @@ def pull(store: ObjectStore, target: str, alias_or_version: str, dest: str | Pat
         for entry in manifest["objects"]:
             store.get_file_verified(f"{prefix}/{entry['name']}", staging / entry["name"], entry["sha256"])
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        verify_dir(staging)
+        verify_dir(staging, target_config)
         _swap_into_place(staging, dest)
     except (StorageError, RegistryError, ValueError) as err:
         raise RegistryError(
@@ -357,12 +402,17 @@ def pull(store: ObjectStore, target: str, alias_or_version: str, dest: str | Pat
     return dest
 
 
-def pull_incumbent(store: ObjectStore, target: str, alias: str, workdir: Path) -> tuple[str, Path] | None:
-    """The drafter currently behind `alias` (what a candidate must beat), or None if there is none."""
+def pull_incumbent(
+    store: ObjectStore, target: str, alias: str, workdir: Path, target_config: str | Path | None = None
+) -> tuple[str, Path] | None:
+    """The drafter currently behind `alias` (what a candidate must beat), or None if there is none; checked
+    against target_config as `pull` does."""
     record = read_alias(store, target, alias)
     if record is None:
         return None
-    return record["version"], pull(store, target, record["version"], workdir / "incumbent_drafter")
+    return record["version"], pull(
+        store, target, record["version"], workdir / "incumbent_drafter", target_config
+    )
 
 
 def _swap_into_place(staging: Path, dest: Path) -> None:

@@ -2,6 +2,8 @@
 
 The local engine is the reference speculative decoder (pipeline.decoding.reference_decoder) over the target on
 held-out prompts; methods run interleaved prompt by prompt so machine noise hits all of them alike.
+n-gram runs at its best: every configured n-gram setting is measured (locally on the calibration prompts,
+on SGLang one server per setting) and the candidate is compared with the fastest; the record keeps all.
 Every speculative output must equal plain greedy decoding token for token, or the stage fails.
 """
 
@@ -17,7 +19,7 @@ from typing import Literal
 import torch
 
 from pipeline import layout
-from pipeline.config import BenchmarkConfig, RunConfig
+from pipeline.config import BenchmarkConfig, NgramLocalSetting, NgramServerSetting, RunConfig
 from pipeline.data.conversations import prompt_ids
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.decoding.reference_decoder import (
@@ -46,6 +48,8 @@ from pipeline.records import (
     EvalRecord,
     MeasuredCosts,
     MethodResult,
+    NgramSettingResult,
+    NgramSweep,
     PredictedVsMeasured,
     RatioInterval,
     SpeedModel,
@@ -236,6 +240,52 @@ def eagle_method(runner: TargetRunner, drafter, setting: DraftSetting, max_new_t
     )
 
 
+def ngram_method(runner: TargetRunner, setting: NgramLocalSetting, max_new_tokens: int, eos: int | None):
+    """The reference decoder's n-gram (prompt-lookup) speculation with one setting."""
+    return lambda p: speculative_decode(
+        runner,
+        NgramProposer(setting.max_match, setting.min_match),
+        p,
+        max_new_tokens,
+        eos,
+        setting.steps,
+    )
+
+
+def fastest_ngram(settings: list[NgramSettingResult], measured_on: str) -> NgramSweep:
+    """The sweep's record: every setting's figures, and the fastest (highest tokens/s; the first of equals)
+    as the n-gram the candidate must beat."""
+    if not settings:
+        raise BenchmarkFailed("no n-gram setting was measured")
+    best = max(settings, key=lambda entry: entry.result.tok_s)
+    return NgramSweep(measured_on=measured_on, settings=settings, best=best.setting)
+
+
+def sweep_ngram(
+    model, tokenizer, prompts: list[list[int]], settings: BenchmarkConfig
+) -> tuple[NgramLocalSetting, NgramSweep]:
+    """Every configured n-gram setting timed on the calibration prompts (after a warm-up prompt), as the
+    candidate's own setting is; the fastest is the n-gram the benchmark then measures against it."""
+    runner = TargetRunner(model, None)
+    calibration = prompts[: settings.calibration_prompts]
+    results = []
+    with torch.inference_mode():
+        for setting in settings.ngram_settings:
+            method = ngram_method(runner, setting, settings.max_new_tokens, tokenizer.eos_token_id)
+            method(prompts[0])  # warm-up
+            results.append(
+                NgramSettingResult(
+                    setting=setting.label,
+                    knobs=setting.model_dump(),
+                    result=_summary([[method(p) for p in calibration]]),
+                )
+            )
+    sweep = fastest_ngram(results, f"the first {len(calibration)} benchmark prompts (calibration)")
+    chosen = next(s for s in settings.ngram_settings if s.label == sweep.best)
+    log.info("benchmark: n-gram at its fastest with %s of %d settings", sweep.best, len(results))
+    return chosen, sweep
+
+
 def _side(
     method: Callable[[list[int]], DecodeResult], prompts: list[list[int]], passes: list[list[DecodeResult]]
 ) -> Callable[[], float]:
@@ -257,24 +307,18 @@ def compare_methods(
     aux_layer_ids: list[int],
     settings: BenchmarkConfig,
     setting: DraftSetting,
+    ngram: NgramLocalSetting,
 ) -> tuple[BenchMethods, dict[str, RatioInterval]]:
     """Every method on the same prompts, interleaved pass by pass (pipeline.spread.measure; a round is one
     pass of each method over every prompt): at least `repeats` (and 3) measured passes, then more until
-    every speedup's interval is `ci_rel_width` narrow or `budget_s` is spent. Outputs are checked
-    against greedy decoding."""
+    every speedup's interval is `ci_rel_width` narrow or `budget_s` is spent. n-gram runs with `ngram`
+    (the sweep's fastest setting). Outputs are checked against greedy decoding."""
     plain = TargetRunner(model, None)
     with_aux = TargetRunner(model, aux_layer_ids)
     eos = tokenizer.eos_token_id
     methods = {
         "baseline": lambda p: greedy_decode(plain, p, settings.max_new_tokens, eos),
-        "ngram": lambda p: speculative_decode(
-            plain,
-            NgramProposer(settings.ngram_max_match, settings.ngram_min_match),
-            p,
-            settings.max_new_tokens,
-            eos,
-            settings.draft_steps,
-        ),
+        "ngram": ngram_method(plain, ngram, settings.max_new_tokens, eos),
     }
     for name, drafter in drafters.items():
         methods[name] = eagle_method(with_aux, drafter, setting, settings.max_new_tokens, eos)
@@ -350,10 +394,12 @@ def bench_record(
     tau_simulated: float,
     methods: BenchMethods,
     speedups: dict[str, RatioInterval],
+    ngram_sweep: NgramSweep,
     speed_model: SpeedModel | None = None,
 ) -> BenchRecord:
     """The record of one benchmark: the (steps, topk, draft tokens) setting it ran, every method's
-    figures, the candidate's headline figures and the promotion decision."""
+    figures (n-gram's at its fastest setting, every setting in `ngram_sweep`), the candidate's headline
+    figures and the promotion decision."""
     candidate, baseline = methods.candidate, methods.baseline
     return BenchRecord(
         engine=engine,
@@ -373,6 +419,7 @@ def bench_record(
         methods=methods,
         speed_model=speed_model,
         decision=promotion_decision(speedups, config.benchmark),
+        ngram_sweep=ngram_sweep,
     )
 
 
@@ -394,7 +441,10 @@ def local_record(
     chosen, ranked, costs, calibration = choose_setting(
         evaluation, model, tokenizer, drafters["candidate"], prompts, aux_layer_ids, settings
     )
-    methods, speedups = compare_methods(model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen)
+    ngram, ngram_sweep = sweep_ngram(model, tokenizer, prompts, settings)
+    methods, speedups = compare_methods(
+        model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen, ngram
+    )
     speedup = round(speedups["baseline"].ratio, 4)
     speed_model = SpeedModel(
         costs=MeasuredCosts.model_validate(costs.as_dict()),
@@ -407,7 +457,16 @@ def local_record(
     )
     setting = (chosen.steps, chosen.topk, chosen.draft_tokens)
     return bench_record(
-        config, run_id, len(prompts), "local", setting, chosen.tau, methods, speedups, speed_model
+        config,
+        run_id,
+        len(prompts),
+        "local",
+        setting,
+        chosen.tau,
+        methods,
+        speedups,
+        ngram_sweep,
+        speed_model,
     )
 
 
@@ -424,18 +483,47 @@ def sglang_record(
     settings = config.benchmark.sglang
     if settings is None:
         raise BenchmarkFailed("benchmark.engine 'sglang' needs benchmark.sglang")
-    methods = BenchMethods.model_validate(
-        run_methods(settings, prompts, config.benchmark.max_new_tokens, drafter_dirs)
+    measured = run_methods(settings, prompts, config.benchmark.max_new_tokens, drafter_dirs)
+    methods, ngram_sweep = sglang_methods(measured, settings.ngram_settings)
+    speedups = paired_speedups(methods, config.benchmark.confidence)
+    setting = (settings.steps, settings.topk, settings.draft_tokens)
+    tau = round(predicted_tau(evaluation, settings.steps, settings.topk), 4)
+    return bench_record(config, run_id, len(prompts), "sglang", setting, tau, methods, speedups, ngram_sweep)
+
+
+def sglang_methods(
+    measured: dict[str, dict], ngram_settings: list[NgramServerSetting]
+) -> tuple[BenchMethods, NgramSweep]:
+    """run_methods' figures as the record keeps them: n-gram's servers (one per setting, named
+    pipeline.engines.sglang_bench.ngram_method_name) as the sweep, and the fastest as the n-gram method."""
+    from pipeline.engines.sglang_bench import ngram_method_name
+
+    sweep = fastest_ngram(
+        [
+            NgramSettingResult(
+                setting=setting.label,
+                knobs=setting.model_dump(),
+                result=MethodResult.model_validate(measured[ngram_method_name(setting)]),
+            )
+            for setting in ngram_settings
+        ],
+        "every benchmark prompt, one server per setting",
     )
+    ngram_names = {ngram_method_name(setting) for setting in ngram_settings}
+    plain = {name: figures for name, figures in measured.items() if name not in ngram_names}
+    best = next(entry.result for entry in sweep.settings if entry.setting == sweep.best)
+    return BenchMethods.model_validate({**plain, "ngram": best}), sweep
+
+
+def paired_speedups(methods: BenchMethods, confidence: float) -> dict[str, RatioInterval]:
+    """The candidate over every other method, from their paired per-round tokens/s (one server at a time:
+    rounds are paired batches of the same prompts, not interleaved); n-gram is its fastest setting."""
     candidate = methods.candidate.round_tok_s
-    speedups = {  # one server at a time: rounds are paired batches of the same prompts, not interleaved
-        other: interval(ratio_from_samples(candidate, result.round_tok_s, config.benchmark.confidence))
+    return {
+        other: interval(ratio_from_samples(candidate, result.round_tok_s, confidence))
         for other, result in methods.present().items()
         if other != "candidate"
     }
-    setting = (settings.steps, settings.topk, settings.draft_tokens)
-    tau = round(predicted_tau(evaluation, settings.steps, settings.topk), 4)
-    return bench_record(config, run_id, len(prompts), "sglang", setting, tau, methods, speedups)
 
 
 class Inputs(StageInputs):
@@ -453,7 +541,11 @@ def incumbent_dir(config: RunConfig, store: ObjectStore, evaluation: EvalRecord,
         return None
     workdir = config.storage.run_workdir(run_id)
     return registry.pull(
-        store, config.target.name, evaluation.incumbent.version, workdir / "incumbent_drafter"
+        store,
+        config.target.name,
+        evaluation.incumbent.version,
+        workdir / "incumbent_drafter",
+        describe_target(config).model_dir,
     )
 
 
@@ -490,11 +582,12 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     }
     manifest = publish_record(store, prefix, record, {"run_id": run_id, "summary": summary})
     log.info(
-        "benchmark (%s): baseline %.1f tok/s, ngram %.1f, candidate %.1f at steps %d topk %d tokens %d "
+        "benchmark (%s): baseline %.1f tok/s, ngram %.1f (%s), candidate %.1f at steps %d topk %d tokens %d "
         "(tau %s measured, %.2f simulated)",
         record.engine,
         record.baseline_tok_s,
         record.methods.ngram.tok_s,
+        record.ngram_sweep.best if record.ngram_sweep else "-",
         record.drafter_tok_s,
         record.draft_steps,
         record.topk,

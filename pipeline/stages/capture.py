@@ -20,12 +20,14 @@ import torch
 
 from pipeline import layout
 from pipeline.config import RunConfig, default_aux_layer_ids
+from pipeline.data.activation_outliers import channel_amax, merge_channel_amax, outlier_summary
 from pipeline.data.capture_contract import CaptureContract, build_contract, require_same_contract
-from pipeline.data.capture_shards import CaptureSample, write_shard
+from pipeline.data.capture_shards import CaptureSample, EncodingReport, write_checked_shard
 from pipeline.data.conversations import capture_sequence
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest, engine_servers
 from pipeline.engines.hf import HFEngine
+from pipeline.engines.layer_ids import model_family_of, refuse_unservable_capture
 from pipeline.engines.target import TargetInfo, describe_target, load_model, load_tokenizer
 from pipeline.manifest import listed_shard, read_listed, read_manifest
 from pipeline.progress import Progress
@@ -62,9 +64,13 @@ def make_engine(config: RunConfig, target: TargetInfo) -> CaptureEngine:
 
 def contract_for(config: RunConfig, target: TargetInfo, engine: CaptureEngine | None) -> CaptureContract:
     """The capture contract of this config's target and capture settings; with no engine, the contract
-    any engine's capture must match (what training and evaluation expect)."""
+    any engine's capture must match (what training and evaluation expect). Layers SGLang could not capture
+    for a drafter on this target's model family are refused here, before any capture work."""
+    layer_ids = aux_layer_ids(config, target.num_layers)
+    family = model_family_of(target.model_dir)
+    refuse_unservable_capture(layer_ids, family, target.num_layers)
     return build_contract(
-        aux_layer_ids(config, target.num_layers),
+        layer_ids,
         target.num_layers,
         target.hidden_size,
         target.vocab_size,
@@ -73,6 +79,8 @@ def contract_for(config: RunConfig, target: TargetInfo, engine: CaptureEngine | 
         config.capture.encoding,
         list(config.capture.teacher),
         config.capture.teacher_topk,
+        config.capture.fp8_block,
+        config.capture.fp8_max_rel_error,
     )
 
 
@@ -192,7 +200,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     )
     counts: Counter = Counter()
     objects: list[ObjectInfo] = []
-    shards, quarantine = [], []
+    shards, quarantine, stored_markers = [], [], []
     progress = Progress(total=sum(s["samples"] for s in responses["shards"]), desc="capture", unit="sample")
     with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
         for shard in responses["shards"]:
@@ -210,6 +218,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
                     ObjectInfo(f"{prefix}/{marker['shard']['name']}", marker["bytes"], marker["sha256"])
                 )
                 shards.append(marker["shard"])
+                stored_markers.append(marker)
     progress.close()
     if not shards:
         raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
@@ -228,10 +237,39 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             "counts": dict(counts),
             "shards": shards,
             "totals": {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")},
+            **feature_measurements(stored_markers, contract["aux_layer_ids"]),
         },
     )
     log.info("capture: %s", dict(counts))
     return Output(uri=store.uri(prefix), kind=manifest["kind"])
+
+
+def feature_measurements(markers: list[dict[str, Any]], layer_ids: list[int]) -> dict[str, Any]:
+    """The capture manifest's `outliers` (per aux layer, channel amax over its median, over every shard)
+    and `encoding` (per shard: what was stored and the fp8 round-trip error measured on it).
+
+    Shards captured before these measurements existed are counted as unmeasured."""
+    measured = [m for m in markers if "aux_channel_amax" in m]
+    amaxes = [torch.tensor(m["aux_channel_amax"]) for m in measured]
+    per_shard = [
+        {
+            "name": m["shard"]["name"],
+            **m["encoding"],
+            "aux_amax_over_median": [layer["amax_over_median"] for layer in m["outliers"]],
+        }
+        for m in measured
+    ]
+    return {
+        "outliers": {
+            "layers": outlier_summary(merge_channel_amax(amaxes), layer_ids) if amaxes else [],
+            "shards_measured": len(measured),
+            "shards_unmeasured": len(markers) - len(measured),
+        },
+        "encoding": {
+            "shards": per_shard,
+            "fell_back_to_bf16": [s["name"] for s in per_shard if s["fell_back"]],
+        },
+    }
 
 
 def verify_engine(
@@ -255,7 +293,11 @@ def verify_engine(
 
         assert isinstance(engine, SGLangEngine)  # make_engine builds one for capture.engine "sglang"
         engine.verify_capture_servers(
-            contract["aux_layer_ids"], target.num_layers, config.capture.max_length, teacher
+            contract["aux_layer_ids"],
+            target.num_layers,
+            config.capture.max_length,
+            teacher,
+            family=model_family_of(target.model_dir),
         )
     settings = config.capture.parity
     if settings.samples == 0:
@@ -367,7 +409,8 @@ def _capture_shard(
     if samples:
         name = response_shard["name"].replace(".jsonl", ".safetensors")
         path = tmp / name
-        stats = write_shard(samples, path, config.capture.encoding)
+        stats, measurements = write_measured_shard(samples, path, config, contract["aux_layer_ids"])
+        marker.update(measurements)
         info = store.put_file(f"{prefix}/{name}", path)
         path.unlink()
         marker.update(
@@ -385,3 +428,36 @@ def _capture_shard(
     }
     store.put_bytes(layout.shard_marker_key(prefix, response_shard["name"]), json.dumps(marker).encode())
     return marker
+
+
+def write_measured_shard(
+    samples: list[CaptureSample], path: Path, config: RunConfig, layer_ids: list[int]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write one capture shard; returns its manifest entry and what was measured on it for the marker:
+    the encoding stored (bf16 when fp8's round-trip error exceeds capture.fp8_max_rel_error, with a
+    warning), and every aux channel's amax."""
+    settings = config.capture
+    stats, encoding = write_checked_shard(
+        samples, path, settings.encoding, settings.fp8_block, settings.fp8_max_rel_error
+    )
+    if encoding.fell_back:
+        _warn_fell_back(path.name, encoding)
+    amax = channel_amax([s.aux for s in samples], groups=3)
+    return stats, {
+        "encoding": encoding.as_dict(),
+        "aux_channel_amax": [[float(f"{v:.4g}") for v in row] for row in amax.tolist()],
+        "outliers": outlier_summary(amax, layer_ids, top=3),
+    }
+
+
+def _warn_fell_back(shard_name: str, encoding: EncodingReport) -> None:
+    errors = ", ".join(f"{name} {[round(e, 4) for e in v]}" for name, v in encoding.fp8_rel_error.items())
+    log.warning(
+        "capture: shard %s stored bf16, not fp8: its fp8 round-trip error %.4f (per layer: %s) exceeds "
+        "capture.fp8_max_rel_error %s (fp8 block %s channels)",
+        shard_name,
+        encoding.worst,
+        errors,
+        encoding.max_rel_error,
+        encoding.fp8_block,
+    )

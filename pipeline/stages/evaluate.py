@@ -119,9 +119,11 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             f"dataset {dataset_uri} has no held-out (eval) shards; raise prompts.eval_fraction"
         )
     workdir = config.storage.run_workdir(run_id)
-    incumbent = registry.pull_incumbent(store, config.target.name, config.registry.alias, workdir)
-    drafter_dir = local_drafter_dir(store, store.key_for(train_uri), workdir)
     target = describe_target(config)
+    incumbent = registry.pull_incumbent(
+        store, config.target.name, config.registry.alias, workdir, target_config=target.model_dir
+    )
+    drafter_dir = local_drafter_dir(store, store.key_for(train_uri), workdir)
     refs = [ShardRef.from_manifest(entry) for entry in dataset.eval_shards]
     cache = ShardCache(
         store, Path(config.storage.local_cache) / "shards", int(config.train.cache_gb * (1 << 30))
@@ -154,9 +156,11 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         store, prefix, record, {"run_id": run_id, "summary": record.summary().model_dump(mode="json")}
     )
     log.info(
-        "evaluate: cond_acc %s tau_simulated %.3f over %d samples",
+        "evaluate: cond_acc %s tau_simulated %.3f over %d samples (top-1 outside the draft vocabulary, "
+        "counted as misses: %s)",
         record.cond_acc,
         record.tau_simulated,
         record.samples,
+        record.inexpressible_fraction,
     )
     return Output(uri=store.uri(prefix), kind=manifest["kind"])

@@ -1,5 +1,8 @@
 """train: a dataset snapshot -> a trained, exported drafter and its metrics in runs/<run_id>/train/.
 
+Every epoch is scored on the dataset's eval split, and the drafter exported is the epoch with the best
+held-out simulated acceptance (tau_simulated); the result names it (`chosen_epoch`).
+
 This side stays light: it checks the capture contract, fixes the draft vocabulary (counting assistant
 tokens with ranged reads, or reusing a warm start's mapping), writes the worker spec to the object store,
 starts the training nodes through a launcher (pipeline.training.nodes: torchrun agents running
@@ -79,6 +82,9 @@ def training_fingerprint(config: RunConfig, dataset: DatasetRecord) -> str:
         "dataset": dataset.uri,
         "dataset_created": dataset.created_at,
         "shards": [s.sha256 for s in dataset.train_shards],
+        # the eval shards and settings score every epoch, and so choose the epoch exported
+        "eval_shards": [s.sha256 for s in dataset.eval_shards],
+        "evaluate": config.evaluate.model_dump(mode="json"),
         "train": config.train.model_dump(mode="json", exclude=PLACEMENT_SETTINGS),
         "drafter": config.drafter.model_dump(mode="json"),
     }
@@ -113,6 +119,7 @@ def worker_spec(
         run_id=run_id,
         workdir=str(workdir),
         train_shards=dataset.train_shards,
+        eval_shards=dataset.eval_shards,
         shard_cache=str((Path(config.storage.local_cache) / "shards").resolve()),
         target_dir=str(describe_target(config).model_dir.resolve()),
         contract=dataset.contract,

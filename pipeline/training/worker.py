@@ -23,43 +23,59 @@ from pipeline.data.capture_contract import ContractMismatch
 from pipeline.drafter.export import export_drafter, read_drafter_dir
 from pipeline.drafter.model import DrafterArch, Eagle3Drafter
 from pipeline.drafter.objective import DraftObjective, choose_teacher
-from pipeline.drafter.ttt import (
-    MetricCounts,
-)
+from pipeline.drafter.rope import draft_rope
+from pipeline.drafter.ttt import MetricCounts
 from pipeline.drafter.vocab import mapping_from_used_ids
+from pipeline.engines.sglang_draft_checks import derived_context_length
 from pipeline.engines.target import load_frozen_tensors, text_config
 from pipeline.progress import Progress
 from pipeline.records import DrafterSource, WorkerSpec, parse_record
 from pipeline.storage import atomic_write
-from pipeline.training.stream import ShardCache, ShardRef, StreamingShards, collate, epoch_plan
+from pipeline.training.stream import (
+    ShardCache,
+    ShardRef,
+    StreamingShards,
+    collate,
+    epoch_plan,
+    sequential_plan,
+)
 
 log = logging.getLogger(__name__)
 CHECKPOINTS_KEPT = 2
 COMMITTED_FILE = "committed.json"
+BEST_EPOCH_DIR = "best_epoch"  # in the work dir: the weights of the best epoch so far (safetensors)
 
 
 def drafter_arch(
     config: RunConfig, target_dir: Path, aux_layer_ids: list[int], draft_vocab_size: int
 ) -> DrafterArch:
-    """Drafter shape: explicit drafter.* settings, else the target's own attention/MLP shape."""
+    """Drafter shape: explicit drafter.* settings, else the target's own attention/MLP shape. Context length,
+    RoPE and vocabulary always come from the target's config.json, so that SGLang serves the exported
+    drafter with the target and applies the RoPE it trained with (pipeline.drafter.rope)."""
     target = text_config(target_dir)
     settings = config.drafter
     hidden = int(target["hidden_size"])
     heads = settings.num_heads or int(target["num_attention_heads"])
-    rope = target.get("rope_parameters") or {}
+    vocab_size = int(target["vocab_size"])
+    if draft_vocab_size > vocab_size:
+        raise ValueError(
+            f"draft vocabulary of {draft_vocab_size} tokens exceeds the target's vocab_size {vocab_size} "
+            f"({target_dir / 'config.json'}); lower drafter.draft_vocab_size"
+        )
+    rope_theta, rope_scaling, max_position_embeddings = draft_rope(target, derived_context_length(target))
     return DrafterArch(
         hidden_size=hidden,
         num_heads=heads,
         num_kv_heads=settings.num_kv_heads or int(target.get("num_key_value_heads") or heads),
         head_dim=settings.head_dim or int(target.get("head_dim") or hidden // heads),
         intermediate_size=settings.intermediate_size or int(target["intermediate_size"]),
-        vocab_size=int(target["vocab_size"]),
+        vocab_size=vocab_size,
         draft_vocab_size=draft_vocab_size,
         aux_layer_ids=list(aux_layer_ids),
         rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", target.get("rope_theta", 10000.0))),
-        max_position_embeddings=settings.max_position_embeddings
-        or int(target.get("max_position_embeddings", 2048)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
     )
 
 
@@ -161,14 +177,85 @@ class MetricsLog:
                 handle.write(json.dumps(record) + "\n")
 
 
+def _plateau_metric(entry: dict[str, Any]) -> float:
+    """cond_acc_0 on the held-out split when the run has one (what the gate judges), else on training."""
+    return (entry.get("heldout") or entry)["cond_acc"][0]
+
+
 def plateau_reached(history: list[dict[str, Any]], config: RunConfig) -> bool:
     plateau = config.train.plateau
     if not plateau.enabled or len(history) <= plateau.window_epochs:
         return False
-    current = history[-1]["cond_acc"][0]
-    before = history[-1 - plateau.window_epochs]["cond_acc"][0]
+    current = _plateau_metric(history[-1])
+    before = _plateau_metric(history[-1 - plateau.window_epochs])
     threshold = config.gate.min_cond_acc[0] if config.gate.min_cond_acc else 1.0
     return current - before < plateau.min_gain and current < threshold
+
+
+def best_weights_path(directory: Path, epoch: int) -> Path:
+    return directory / f"epoch-{epoch:04d}.safetensors"
+
+
+def keep_if_best(
+    best: dict[str, Any] | None,
+    epoch: int,
+    heldout: dict[str, Any],
+    drafter: Eagle3Drafter,
+    directory: Path | None,
+) -> dict[str, Any] | None:
+    """The new best-epoch record when `epoch` beats `best` on held-out tau_simulated (a tie keeps the
+    earlier epoch), after writing its weights to `directory`; else `best` unchanged. Rank 0 calls it
+    with a directory; other ranks pass None for it and only follow the decision (their metrics are the
+    same all-reduced counts)."""
+    tau = float(heldout["tau_simulated"])
+    if best is not None and tau <= best["tau_simulated"]:
+        return best
+    if directory is not None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {name: t.detach().contiguous().clone() for name, t in drafter.state_dict().items()}
+        with atomic_write(best_weights_path(directory, epoch)) as partial:
+            save_file(tensors, str(partial), metadata={"format": "pt", "epoch": str(epoch)})
+    return {"epoch": epoch, "tau_simulated": tau}
+
+
+def prune_best_weights(directory: Path, best: dict[str, Any] | None) -> None:
+    """Drop the weights of epochs that are no longer the best (call after the checkpoint naming `best`
+    is committed: until then the previous best is what a resume would continue from)."""
+    keep = best_weights_path(directory, best["epoch"]).name if best else None
+    for path in directory.glob("epoch-*.safetensors") if directory.is_dir() else []:
+        if path.name != keep:
+            path.unlink(missing_ok=True)
+
+
+def restore_best(drafter: Eagle3Drafter, directory: Path, best: dict[str, Any]) -> None:
+    """Load the best epoch's weights into `drafter` (the one exported)."""
+    from safetensors.torch import load_file
+
+    path = best_weights_path(directory, best["epoch"])
+    if not path.is_file():
+        raise RuntimeError(
+            f"the weights of the best epoch ({best['epoch']}) are missing from {path}; the work dir "
+            "was changed by hand: delete it to train from the start"
+        )
+    drafter.load_state_dict(load_file(str(path)))
+
+
+def selection_summary(history: list[dict[str, Any]], best: dict[str, Any] | None) -> dict[str, Any]:
+    """Which epoch is exported and why, with each epoch's held-out tau (for the train result)."""
+    taus = [entry["heldout"]["tau_simulated"] for entry in history if entry.get("heldout")]
+    if best is None:
+        return {
+            "chosen_epoch": history[-1]["epoch"] if history else None,
+            "selection": "last epoch: the dataset has no eval split",
+            "heldout_tau_by_epoch": None,
+        }
+    return {
+        "chosen_epoch": best["epoch"],
+        "selection": "best held-out tau_simulated",
+        "heldout_tau_by_epoch": taus,
+    }
 
 
 def _save_checkpoint(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -> None:
@@ -212,6 +299,7 @@ def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
         "history": [],
         "stop_reason": None,
         "epoch_counts": None,
+        "best": None,  # {"epoch", "tau_simulated"} of the best held-out epoch so far (BEST_EPOCH_DIR)
     }
     if (ckpt_dir / "latest").exists():
         tag = (ckpt_dir / "latest").read_text().strip()
@@ -274,9 +362,44 @@ class Trainer:
             model_parameters=[p for p in objective.parameters() if p.requires_grad],
             config=deepspeed_config(self.config, self.steps_per_epoch * settings.epochs),
         )
+        self.heldout = (
+            self._heldout_set(spec, cache, frozen["lm_head"].to(self.dtype)) if spec.eval_shards else None
+        )
         self.state = _resume(self.engine, self.ckpt_dir)
         self.metrics = MetricsLog(self.workdir / "metrics.jsonl", self.rank == 0)
         self.metrics.truncate_after(self.state["global_step"])
+
+    def _heldout_set(
+        self, spec: WorkerSpec, cache: ShardCache, lm_head: torch.Tensor
+    ) -> tuple[StreamingShards, DraftObjective]:
+        """The eval split and the objective that scores the drafter on it, as the evaluate stage does
+        (its ttt_steps, no loss decay, the teacher the captures carry); the drafter is the trained one,
+        already cast and placed by DeepSpeed (ZeRO stages 1-2 keep every parameter on every rank)."""
+        settings = self.settings
+        refs = [ShardRef.from_manifest(entry) for entry in spec.eval_shards]
+        stream = StreamingShards(refs, cache, settings.max_length, settings.prefetch_shards)
+        objective = DraftObjective(
+            self.model,
+            lm_head,
+            choose_teacher("auto", stream.teachers()),
+            self.config.evaluate.ttt_steps or settings.ttt_steps,
+            1.0,
+            settings.attention_chunk,
+        ).to(self.engine.device)
+        return stream, objective
+
+    def heldout_summary(self) -> dict[str, Any] | None:
+        """Metrics on the eval split, each rank scoring every world-th batch, counts summed over ranks."""
+        if self.heldout is None:
+            return None
+        stream, objective = self.heldout
+        plan = sequential_plan(stream.shards, self.config.evaluate.micro_batch_size)[self.rank :: self.world]
+        totals = MetricCounts.empty(objective.ttt_steps)
+        with torch.no_grad():
+            for samples in stream.batches(plan):
+                batch = {k: v.to(self.engine.device) for k, v in collate(samples, self.dtype).items()}
+                totals.add(objective(**batch)[1])
+        return MetricCounts.from_tensor(_all_reduce(totals.as_tensor())).summary()
 
     def plan(self, epoch: int):
         return epoch_plan(
@@ -326,14 +449,20 @@ class Trainer:
                     self.engine, self.ckpt_dir, f"step-{state['global_step']:08d}", state, self.rank
                 )
         summary = MetricCounts.from_tensor(_all_reduce(epoch_counts.clone())).summary()
-        state["history"].append({"epoch": epoch, **summary})
-        self.metrics.write({"kind": "epoch", "epoch": epoch, "global_step": state["global_step"], **summary})
+        heldout = self.heldout_summary()
+        entry = {"epoch": epoch, **summary, **({"heldout": heldout} if heldout else {})}
+        state["history"].append(entry)
+        self.metrics.write({"kind": "epoch", "global_step": state["global_step"], **entry})
+        if heldout is not None:
+            best_dir = self.workdir / BEST_EPOCH_DIR if self.rank == 0 else None
+            state["best"] = keep_if_best(state["best"], epoch, heldout, self.model, best_dir)
         if self.rank == 0:
             log.info(
-                "epoch %d: cond_acc %s tau_simulated %.3f",
+                "epoch %d: cond_acc %s tau_simulated %.3f, held out %s",
                 epoch,
                 summary["cond_acc"],
                 summary["tau_simulated"],
+                heldout and heldout["tau_simulated"],
             )
         if plateau_reached(state["history"], self.config):
             state["stop_reason"] = "plateau"
@@ -344,6 +473,8 @@ class Trainer:
             )
         state.update({"epoch": epoch + 1, "batch_in_epoch": 0, "epoch_counts": None})
         _save_checkpoint(self.engine, self.ckpt_dir, f"epoch-{epoch:04d}", state, self.rank)
+        if self.rank == 0:
+            prune_best_weights(self.workdir / BEST_EPOCH_DIR, state["best"])
 
     def run(self) -> dict[str, Any]:
         import torch.distributed as dist
@@ -370,17 +501,23 @@ class Trainer:
             "seconds_this_attempt": round(time.monotonic() - started, 1),
             "steps_this_attempt": state["global_step"] - first_step,
             "steps_per_epoch": self.steps_per_epoch,
+            **selection_summary(state["history"], state["best"]),
         }
         if self.rank == 0:
+            if state["best"] is not None:
+                restore_best(self.engine.module.drafter, self.workdir / BEST_EPOCH_DIR, state["best"])
             export_drafter(
                 self.engine.module.drafter,
                 self.spec.contract.model_dump(mode="json"),
                 self.workdir / "drafter",
                 self.config.drafter.export_dtype,
+                target_dir=self.spec.target_dir,  # records its config; refuses what SGLang would refuse
             )
             (self.workdir / "train_result.json").write_text(json.dumps(result, indent=2))
         dist.barrier()
         self.stream.close()
+        if self.heldout is not None:
+            self.heldout[0].close()
         return result
 
 

@@ -1,0 +1,186 @@
+"""The drafter's rotary position encoding: exactly what SGLang 0.5.23 applies to the exported draft config.
+
+What the drafter sees in training is what SGLang feeds it. SGLang builds the attention of the draft class the
+project exports (LlamaForCausalLMEagle3, models/llama_eagle3.py: its midlayer is models/llama.py's
+LlamaDecoderLayer) with
+
+    get_rope(head_dim, rotary_dim=head_dim, max_position=max_position_embeddings, base=rope_theta,
+             rope_scaling=rope_scaling, is_neox_style=True)
+
+(models/llama.py LlamaAttention.__init__, cited as models/llama.py:225-232 in
+pipeline/engines/sglang_draft_checks.py). Under transformers 5, rope_theta and rope_scaling are
+config.rope_parameters["rope_theta"] and config.rope_parameters itself (utils/hf_transformers_utils.py
+get_rope_config), so the draft config's `rope_theta` + `rope_scaling` reach get_rope whole.
+get_rope (layers/rotary_embedding/factory.py, get_rope's scaling_type branches) then builds:
+- no rope_scaling, or rope_type "default": RotaryEmbedding, inv_freq = theta ** (-2i / d);
+- "linear": LinearScalingRotaryEmbedding, positions divided by `factor`;
+- "llama3": Llama3RotaryEmbedding (layers/rotary_embedding/rope_variant.py), low/high-frequency bands;
+- "yarn": YaRNScalingRotaryEmbedding (layers/rotary_embedding/yarn.py:91-180) built with `factor`,
+  `original_max_position_embeddings` (default: max_position_embeddings) and, of the other keys, only
+  extrapolation_factor, attn_factor, beta_fast, beta_slow, mscale, mscale_all_dim and truncate. SGLang
+  ignores every other key: transformers' `attention_factor` among them (transformers multiplies cos/sin by
+  it; SGLang by `attn_factor` times the mscale ratio), so the drafter follows SGLang and ignores it too.
+Line numbers are those of the SGLang 0.5.23 wheel (sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl):
+get_rope at layers/rotary_embedding/factory.py:125, its yarn branch :311-369; yarn.py helpers :15-65,
+YaRNScalingRotaryEmbedding :91-180 (mscale :117-131, _compute_inv_freq :137-160, cos/sin cache :171-180).
+
+Targets with any other rope type (dynamic NTK, longrope, ...): the drafter does not copy it; it trains and
+is exported with plain RoPE over the target's whole derived context, which SGLang then applies as well.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+REPRODUCED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# the keys get_rope's yarn branch forwards to YaRNScalingRotaryEmbedding (factory.py, branch "yarn")
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "extrapolation_factor",
+    "attn_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+)
+# keys of transformers 5's rope_parameters that describe the target's attention, not a RoPE variant
+_NOT_SCALING_KEYS = ("rope_theta", "type", "rope_type", "partial_rotary_factor")
+
+
+def rope_type_of(rope_scaling: dict[str, Any] | None) -> str:
+    """The RoPE variant a rope_scaling dict names, as get_rope reads it ("rope_type", else "type")."""
+    if not rope_scaling:
+        return "default"
+    kind = rope_scaling.get("rope_type") or rope_scaling.get("type")
+    if not kind:
+        raise ValueError(f"rope_scaling {rope_scaling} names no rope_type (SGLang's get_rope refuses it)")
+    return str(kind)
+
+
+def target_rope(text_config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) of a target config in either layout: transformers 5's `rope_parameters`
+    or a checkpoint's `rope_theta` + `rope_scaling`. rope_scaling is None for plain RoPE; otherwise it
+    names its variant under "rope_type" and holds only the variant's own settings."""
+    parameters = text_config.get("rope_parameters") or {}
+    scaling = text_config.get("rope_scaling") or {}
+    if any(isinstance(value, dict) for value in parameters.values()):
+        raise ValueError(
+            f"the target's rope_parameters are per layer type ({sorted(parameters)}); the drafter's single "
+            "attention layer needs one RoPE"
+        )
+    merged = {**scaling, **parameters}
+    theta = float(merged.get("rope_theta", text_config.get("rope_theta", 10000.0)))
+    kind = rope_type_of(merged) if merged.get("rope_type") or merged.get("type") else "default"
+    if kind == "default":
+        return theta, None
+    settings = {key: value for key, value in merged.items() if key not in _NOT_SCALING_KEYS}
+    return theta, {"rope_type": kind, **settings}
+
+
+def inverse_frequencies(
+    head_dim: int, theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int
+) -> torch.Tensor:
+    """The [head_dim / 2] rotation frequencies SGLang's rotary embedding for these settings uses."""
+    plain = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    kind = rope_type_of(rope_scaling)
+    if kind == "default":
+        return plain
+    assert rope_scaling is not None
+    if kind == "linear":  # LinearScalingRotaryEmbedding: position / factor
+        return plain / float(rope_scaling.get("factor", 1.0))
+    if kind == "llama3":
+        return _llama3_frequencies(plain, rope_scaling, max_position_embeddings)
+    if kind == "yarn":
+        return _yarn_frequencies(plain, head_dim, theta, rope_scaling, max_position_embeddings)
+    raise ValueError(
+        f"RoPE type {kind!r}: the drafter reproduces only {list(REPRODUCED_ROPE_TYPES)} "
+        "(pipeline.drafter.rope.draft_rope falls back to plain RoPE for a target using another one)"
+    )
+
+
+def _llama3_frequencies(
+    plain: torch.Tensor, settings: dict[str, Any], max_position_embeddings: int
+) -> torch.Tensor:
+    """Llama3RotaryEmbedding._compute_inv_freq: long wavelengths interpolated by `factor`, short ones kept,
+    the band between blended."""
+    factor = float(settings.get("factor", 1.0))
+    low, high = float(settings.get("low_freq_factor", 1.0)), float(settings.get("high_freq_factor", 4.0))
+    original = float(settings.get("original_max_position_embeddings", max_position_embeddings))
+    wavelength = 2 * math.pi / plain
+    smooth = (original / wavelength - low) / (high - low) if low != high else torch.zeros_like(plain)
+    blended = (1 - smooth) * plain / factor + smooth * plain
+    interpolated = torch.where(wavelength > original / low, plain / factor, blended)
+    return torch.where(wavelength < original / high, plain, interpolated)
+
+
+def _yarn_correction_dim(rotations: float, head_dim: int, theta: float, original: float) -> float:
+    return (head_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+
+def _yarn_frequencies(
+    plain: torch.Tensor, head_dim: int, theta: float, settings: dict[str, Any], max_position_embeddings: int
+) -> torch.Tensor:
+    """YaRNScalingRotaryEmbedding._compute_inv_freq (yarn.py:137-160, helpers yarn.py:15-52): frequencies
+    below the beta_slow..beta_fast band are interpolated by `factor`, those above kept, the band ramped."""
+    factor = float(settings.get("factor", 1.0))
+    original = float(settings.get("original_max_position_embeddings", max_position_embeddings))
+    low = _yarn_correction_dim(float(settings.get("beta_fast", 32)), head_dim, theta, original)
+    high = _yarn_correction_dim(float(settings.get("beta_slow", 1)), head_dim, theta, original)
+    if settings.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # yarn_linear_ramp_mask's guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    keep = (1 - ramp) * float(settings.get("extrapolation_factor", 1))
+    return (plain / factor) * (1 - keep) + plain * keep
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_scale(rope_scaling: dict[str, Any] | None) -> float:
+    """The factor SGLang multiplies cos and sin by: YaRN's mscale (yarn.py:117-131), 1 for the others."""
+    if rope_type_of(rope_scaling) != "yarn":
+        return 1.0
+    assert rope_scaling is not None
+    factor = float(rope_scaling.get("factor", 1.0))
+    mscale, mscale_all_dim = rope_scaling.get("mscale"), rope_scaling.get("mscale_all_dim")
+    if mscale is not None and mscale_all_dim is not None:
+        scale = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+    else:
+        scale = _yarn_mscale(factor)
+    return scale * float(rope_scaling.get("attn_factor", 1))
+
+
+def rope_cos_sin(
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    rope_scaling: dict[str, Any] | None = None,
+    max_position_embeddings: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., head_dim] for positions, neox style (halves rotated), as SGLang's cos_sin_cache
+    holds them: computed in float32, scaled, then cast."""
+    inv_freq = inverse_frequencies(head_dim, theta, rope_scaling, max_position_embeddings)
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    scale = attention_scale(rope_scaling)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def draft_rope(text_config: dict[str, Any], context_length: int) -> tuple[float, dict[str, Any] | None, int]:
+    """(rope_theta, rope_scaling, max_position_embeddings) the drafter of this target trains and is exported
+    with. context_length is the target's derived context length (SGLang's get_context_length); a target
+    whose rope type the drafter does not reproduce gets plain RoPE over that whole context."""
+    theta, scaling = target_rope(text_config)
+    if rope_type_of(scaling) in REPRODUCED_ROPE_TYPES:
+        return theta, scaling, int(text_config.get("max_position_embeddings") or context_length)
+    return theta, None, context_length

@@ -1,0 +1,95 @@
+"""Would the target's SGLang server load this drafter? Asked wherever a drafter is handed towards a server:
+at export, by `drafter verify` and by `drafter pull` (pipeline.ops.registry).
+
+The answer comes from pipeline.engines.sglang_draft_checks, SGLang 0.5.23's own load-time checks (context
+length, widths and vocabularies, the draft config, aux layers, weights, the hot-token map, the speculative
+flags), run against the target's config.json. Export records that config next to the drafter as
+target_config.json, so a pulled or synced copy can be checked without the target's weights at hand.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from pipeline.engines.sglang_draft_checks import (
+    SGLANG_VERSION,
+    DraftModelRefused,
+    SpeculativeArgs,
+    draft_model_problems,
+)
+
+TARGET_CONFIG_NAME = "target_config.json"  # the target's config.json, recorded by export
+
+
+class NoTargetConfig(ValueError):
+    """Nothing says which target the drafter is for, so whether SGLang would serve it cannot be checked."""
+
+
+def speculative_args(serving: dict[str, Any] | None) -> SpeculativeArgs:
+    """The EAGLE3 launch flags of a version's benchmarked setting ({"steps", "topk", "draft_tokens"});
+    SGLang's own defaults without one."""
+    if not serving:
+        return SpeculativeArgs("EAGLE3")
+    topk = int(serving.get("topk", 1))
+    steps = int(serving["steps"])
+    draft_tokens = serving.get("draft_tokens") or (steps + 1 if topk == 1 else steps * topk)
+    return SpeculativeArgs("EAGLE3", steps, topk, int(draft_tokens))
+
+
+def record_target_config(target_dir: Path, drafter_dir: Path) -> None:
+    shutil.copyfile(target_dir / "config.json", drafter_dir / TARGET_CONFIG_NAME)
+
+
+def target_config_for(drafter_dir: Path, target_config: str | Path | None) -> Path:
+    """The target config to check a drafter against: the one given (a model directory or its config.json),
+    else the one recorded at export."""
+    if target_config is not None:
+        path = Path(target_config)
+        config = path / "config.json" if path.is_dir() else path
+        if not config.is_file():
+            raise NoTargetConfig(
+                f"target config {target_config} is neither a config.json nor a directory with one"
+            )
+        return config
+    recorded = drafter_dir / TARGET_CONFIG_NAME
+    if not recorded.is_file():
+        raise NoTargetConfig(
+            f"drafter directory {drafter_dir} records no {TARGET_CONFIG_NAME} (exported before drafters "
+            "recorded their target), so whether SGLang would serve it is unknown; give the target's config "
+            "(--target-config DIR_OR_CONFIG_JSON)"
+        )
+    return recorded
+
+
+@contextmanager
+def _as_model_dir(config_file: Path) -> Iterator[Path]:
+    """A directory whose config.json is config_file (the checks read a target the way SGLang does: a
+    model directory)."""
+    if config_file.name == "config.json":
+        yield config_file.parent
+        return
+    with tempfile.TemporaryDirectory(prefix="target-config-") as scratch:
+        shutil.copyfile(config_file, Path(scratch) / "config.json")
+        yield Path(scratch)
+
+
+def require_servable(
+    drafter_dir: Path, target_config: str | Path | None = None, serving: dict[str, Any] | None = None
+) -> Path:
+    """Raise DraftModelRefused (a ValueError naming every reason and where SGLang 0.5.23 does it) when the
+    target's server would refuse, or serve broken, this drafter with these flags; returns the target config
+    file it was checked against."""
+    config_file = target_config_for(drafter_dir, target_config)
+    with _as_model_dir(config_file) as model_dir:
+        problems = draft_model_problems(model_dir, drafter_dir, speculative_args(serving))
+    if problems:
+        raise DraftModelRefused(
+            f"SGLang {SGLANG_VERSION} would not serve drafter {drafter_dir} for the target of {config_file}:"
+            "\n  - " + "\n  - ".join(problems)
+        )
+    return config_file

@@ -1,0 +1,389 @@
+"""Which layer outputs SGLang 0.5.23 and vLLM capture for a draft config's aux layer ids, per model family
+(pipeline.engines.layer_ids), and everything that writes or reads such ids agreeing with it: export, the
+draft checks, the capture-server check, the stand-in server, HF capture and the config checks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.engines.layer_ids import (
+    LayerIdsInexpressible,
+    captured_layer_outputs,
+    draft_config_ids,
+    hf_hidden_states_indices,
+    model_family,
+    model_family_of,
+)
+from tests.conftest import TEST_CACHE
+
+
+@pytest.fixture(scope="module")
+def kimi_target_dir() -> Path:
+    """The tiny DeepSeek-family target (tests.test_remote_code_target builds the same one)."""
+    from pipeline.config import TinyTargetRecipe
+    from pipeline.engines.tiny_target import ensure_tiny_target
+    from tests.test_remote_code_target import KIMI_TEST_RECIPE
+
+    return ensure_tiny_target(TinyTargetRecipe(**KIMI_TEST_RECIPE), TEST_CACHE)
+
+
+KIMI_TEXT = {"model_type": "kimi_k2", "num_hidden_layers": 61, "kv_lora_rank": 512, "hidden_size": 7168}
+
+
+# ---- the model family --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config, family",
+    [
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "llama"),
+        ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}, "llama"),
+        ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "deepseek"),
+        ({"architectures": ["DeepseekV2ForCausalLM"]}, "deepseek"),
+        ({"model_type": "deepseek_v32"}, "deepseek"),
+        # Kimi-K2.5: a multimodal wrapper around DeepSeek-V3, the language model under text_config
+        ({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": KIMI_TEXT}, "deepseek"),
+        ({"architectures": ["SomethingNew"], "text_config": {"model_type": "deepseek_v3"}}, "deepseek"),
+        # the project's tiny Kimi-style target: DeepSeek-V3 (MLA) under its own names
+        (
+            {"architectures": ["TinyKimiForCausalLM"], "model_type": "tiny_kimi", "kv_lora_rank": 16},
+            "deepseek",
+        ),
+    ],
+)
+def test_the_model_family_comes_from_the_targets_config(config, family):
+    assert model_family(config) == family
+
+
+def test_the_tiny_targets_are_one_of_each_family(tiny_target_dir, kimi_target_dir):
+    assert model_family_of(tiny_target_dir) == "llama"
+    assert model_family_of(kimi_target_dir) == "deepseek"
+
+
+# ---- ids -> captured layer outputs -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "engine, family, ids, num_layers, outputs",
+    [
+        # SGLang, Llama family: every id + 1 is a capture point, i.e. id k captures the output of layer k
+        ("sglang", "llama", [1, 29, 57], 61, [1, 29, 57]),
+        ("sglang", "llama", [2, 30, 58], 61, [2, 30, 58]),
+        ("sglang", "llama", [0, 3, 5], 8, [0, 3, 5]),
+        ("sglang", "llama", None, 61, [1, 29, 57]),  # the default points [2, N//2, N-3]
+        ("sglang", "llama", [5, 1, 3], 8, [1, 3, 5]),  # captured in layer order whatever the order given
+        ("sglang", "llama", [3, 3, 5], 8, [3, 5]),  # a repeated point is captured once
+        ("sglang", "llama", [1, 3, 7], 8, [1, 3]),  # point 8 = the last layer's output is never reached
+        ("sglang", "llama", [-1, 3, 5], 8, [-1, 3, 5]),  # point 0 is the embedding output
+        # SGLang, DeepSeek family: shifted only when the first id is 1
+        ("sglang", "deepseek", [1, 29, 57], 61, [1, 29, 57]),
+        ("sglang", "deepseek", [2, 30, 58], 61, [1, 29, 57]),
+        ("sglang", "deepseek", [3, 31, 59], 61, [2, 30, 58]),
+        ("sglang", "deepseek", [2, 29, 57], 61, [1, 28, 56]),
+        ("sglang", "deepseek", [1, 2, 3], 6, [1, 2, 3]),
+        ("sglang", "deepseek", [3, 1, 2], 6, [0, 1, 2]),  # first id 3: unshifted, in layer order
+        ("sglang", "deepseek", None, 61, [1, 29, 57]),
+        ("sglang", "deepseek", [0, 29, 57], 61, [-1, 28, 56]),  # first id 0: point 0, the embeddings
+        ("sglang", "deepseek", [1, 1, 57], 61, [1, 57]),
+        ("sglang", "deepseek", [2, 30, 61], 61, [1, 29]),  # point 61 is past the last layer
+        ("sglang", "deepseek", [1, 30, 60], 61, [1, 30]),  # shifted: 60 -> point 61
+        # vLLM: ids are points as given, every family
+        ("vllm", "llama", [1, 29, 57], 61, [0, 28, 56]),
+        ("vllm", "deepseek", [1, 29, 57], 61, [0, 28, 56]),
+        ("vllm", "deepseek", [2, 30, 58], 61, [1, 29, 57]),
+        ("vllm", "llama", None, 61, [1, 29, 57]),
+        ("vllm", "llama", [2, 2, 61], 61, [1]),
+    ],
+)
+def test_captured_layer_outputs(engine, family, ids, num_layers, outputs):
+    assert captured_layer_outputs(engine, family, ids, num_layers) == outputs
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+def test_the_ids_found_capture_exactly_the_layers_asked_for(engine, family):
+    num_layers, inexpressible = 8, []
+    for outputs in map(list, itertools.combinations(range(num_layers - 1), 3)):
+        try:
+            ids = draft_config_ids(engine, family, outputs, num_layers)
+        except LayerIdsInexpressible:
+            inexpressible.append(outputs)
+            continue
+        assert captured_layer_outputs(engine, family, ids, num_layers) == outputs, (outputs, ids)
+    # only SGLang's DeepSeek rule cannot start at layer 0's output: id 1 switches the shift on, 0 is point 0
+    expected = (
+        [o for o in map(list, itertools.combinations(range(num_layers - 1), 3)) if o[0] == 0]
+        if (engine, family) == ("sglang", "deepseek")
+        else []
+    )
+    assert inexpressible == expected
+
+
+@pytest.mark.parametrize(
+    "engine, family, outputs, ids",
+    [
+        ("sglang", "llama", [1, 29, 57], [1, 29, 57]),
+        ("sglang", "llama", [2, 30, 58], [2, 30, 58]),
+        ("sglang", "llama", [0, 30, 58], [0, 30, 58]),
+        ("sglang", "deepseek", [1, 29, 57], [1, 29, 57]),  # Kimi-K2.5's ids mean the same on both rules
+        ("sglang", "deepseek", [2, 30, 58], [3, 31, 59]),
+        ("vllm", "llama", [1, 29, 57], [2, 30, 58]),
+        ("vllm", "deepseek", [2, 30, 58], [3, 31, 59]),
+    ],
+)
+def test_draft_config_ids(engine, family, outputs, ids):
+    assert draft_config_ids(engine, family, outputs, 61) == ids
+
+
+@pytest.mark.parametrize(
+    "engine, family, outputs, why",
+    [
+        ("sglang", "deepseek", [0, 29, 57], "the first id decides whether SGLang shifts"),
+        ("sglang", "llama", [1, 29, 60], "the last capturable output is layer 59's"),
+        ("sglang", "deepseek", [1, 29, 61], "the last capturable output is layer 59's"),
+        ("vllm", "llama", [1, 29, 60], "the last capturable output is layer 59's"),
+        ("sglang", "llama", [-1, 29, 57], "layer ids start at 0"),
+        ("sglang", "deepseek", [1, 29, 29], "distinct and ascending"),
+        ("vllm", "deepseek", [29, 1, 57], "distinct and ascending"),
+        ("sglang", "llama", [], "no layers given"),
+    ],
+)
+def test_layers_no_ids_can_capture_are_refused_with_the_reason(engine, family, outputs, why):
+    with pytest.raises(LayerIdsInexpressible) as refused:
+        draft_config_ids(engine, family, outputs, 61)
+    message = str(refused.value)
+    assert isinstance(refused.value, ValueError)
+    assert why in message and engine in message and f"({family} family)" in message
+    assert str(outputs) in message
+
+
+def test_unknown_engines_and_families_are_refused():
+    with pytest.raises(ValueError, match="unknown engine 'tgi'"):
+        captured_layer_outputs("tgi", "llama", None, 8)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown model family 'gpt'"):
+        draft_config_ids("sglang", "gpt", [1, 2, 3], 8)  # type: ignore[arg-type]
+
+
+def test_hf_hidden_state_indices_are_the_layer_outputs_plus_one():
+    assert hf_hidden_states_indices([1, 29, 57], 61) == [2, 30, 58]
+    with pytest.raises(LayerIdsInexpressible, match="last capturable output is layer 5's"):
+        hf_hidden_states_indices([1, 3, 6], 7)
+
+
+# ---- export and the draft checks ---------------------------------------------------------------------------
+
+
+def deepseek_target(directory: Path, num_layers: int = 61, hidden: int = 16, vocab: int = 50) -> Path:
+    """A DeepSeek-V3 target's config.json (all the draft checks read of a target)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": num_layers,
+        "hidden_size": hidden,
+        "vocab_size": vocab,
+        "kv_lora_rank": 8,
+        "max_position_embeddings": 2048,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def drafter_trained_on(layers: list[int], vocab: int = 50, hidden: int = 16):
+    from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+
+    torch.manual_seed(0)
+    arch = DrafterArch(
+        hidden_size=hidden,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        intermediate_size=32,
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        aux_layer_ids=list(layers),
+    )
+    model = Eagle3Drafter(arch, torch.randn(vocab, hidden))
+    model.set_vocab_mapping(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    return model
+
+
+def deepseek_contract(layers: list[int], num_layers: int = 61) -> dict:
+    return {
+        "aux_layer_ids": layers,
+        "num_layers": num_layers,
+        "hidden_size": 16,
+        "target": {"name": "kimi-like", "model_family": "deepseek"},
+    }
+
+
+def test_a_deepseek_drafter_is_exported_with_the_ids_sglang_maps_back_to_its_layers(tmp_path):
+    from pipeline.drafter.export import export_drafter, load_drafter
+    from pipeline.engines.sglang_draft_checks import SpeculativeArgs, draft_model_problems
+
+    model = drafter_trained_on([2, 30, 58])
+    directory = export_drafter(model, deepseek_contract([2, 30, 58]), tmp_path / "drafter", "float32")
+    written = json.loads((directory / "config.json").read_text())["eagle_config"]
+    assert written["eagle_aux_hidden_state_layer_ids"] == [3, 31, 59]
+    assert captured_layer_outputs("sglang", "deepseek", [3, 31, 59], 61) == [2, 30, 58]
+    target = deepseek_target(tmp_path / "target")
+    served = SpeculativeArgs("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+    assert draft_model_problems(target, directory, served) == []
+    loaded, contract = load_drafter(directory, model.embed_weight)
+    assert loaded.arch.aux_layer_ids == [2, 30, 58] and contract["aux_layer_ids"] == [2, 30, 58]
+
+
+def test_kimis_own_layers_are_exported_unchanged_and_a_llama_contract_keeps_its_ids(tmp_path):
+    from pipeline.drafter.export import export_drafter
+
+    for name, contract in (
+        ("kimi", deepseek_contract([1, 29, 57])),
+        ("llama", {**deepseek_contract([2, 30, 58]), "target": {"model_family": "llama"}}),
+    ):
+        model = drafter_trained_on(contract["aux_layer_ids"])
+        directory = export_drafter(model, contract, tmp_path / name, "float32")
+        eagle = json.loads((directory / "config.json").read_text())["eagle_config"]
+        assert eagle["eagle_aux_hidden_state_layer_ids"] == contract["aux_layer_ids"]
+
+
+def test_a_deepseek_drafter_with_unshifted_ids_is_refused_by_the_reader_and_the_draft_checks(tmp_path):
+    from pipeline.drafter.export import DrafterFormatError, export_drafter, read_drafter_dir
+    from pipeline.engines.sglang_draft_checks import SpeculativeArgs, draft_model_problems
+
+    directory = export_drafter(
+        drafter_trained_on([2, 30, 58]), deepseek_contract([2, 30, 58]), tmp_path / "drafter", "float32"
+    )
+    config = json.loads((directory / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 30, 58]  # what export wrote before
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(DrafterFormatError, match="SGLang would feed it other layers"):
+        read_drafter_dir(directory)
+    [problem] = draft_model_problems(
+        deepseek_target(tmp_path / "target"), directory, SpeculativeArgs("EAGLE3", 3, 1, 4)
+    )
+    assert "trained on the outputs of layers [2, 30, 58]" in problem
+    assert "captures the outputs of layers [1, 29, 57]" in problem
+
+
+def test_export_refuses_layers_sglang_cannot_feed_a_deepseek_drafter(tmp_path):
+    from pipeline.drafter.export import DrafterFormatError, export_drafter
+
+    with pytest.raises(DrafterFormatError, match="first id decides whether SGLang shifts"):
+        export_drafter(drafter_trained_on([0, 30, 58]), deepseek_contract([0, 30, 58]), tmp_path / "d")
+
+
+# ---- capture servers, the stand-in, HF capture -------------------------------------------------------------
+
+
+def test_capture_servers_are_read_with_the_targets_family():
+    from pipeline.engines.sglang import capture_server_problems
+
+    def server(ids):
+        return {
+            "version": "0.5.23",
+            "enable_return_hidden_states": True,
+            "enable_return_aux_hidden_states": True,
+            "return_aux_hidden_state_layer_ids": ids,
+            "disable_radix_cache": True,
+            "chunked_prefill_size": -1,
+        }
+
+    def problems(ids, contract):
+        return capture_server_problems(server(ids), contract, 61, 4096, True, False, family="deepseek")
+
+    assert problems([3, 31, 59], [2, 30, 58]) == []
+    assert problems([1, 29, 57], [1, 29, 57]) == []
+    assert problems(None, [1, 29, 57]) == []
+    [problem] = problems([2, 30, 58], [2, 30, 58])
+    assert "captures aux layers [1, 29, 57]" in problem
+    assert "start it with --return-aux-hidden-state-layer-ids 3 31 59" in problem
+    [problem] = problems([1, 29, 57], [0, 29, 57])
+    assert "no --return-aux-hidden-state-layer-ids (the first id decides" in problem
+
+
+def test_the_stand_in_captures_the_layers_sglang_would_for_the_flag_it_is_given(kimi_target_dir):
+    """On the DeepSeek-family tiny target, --return-aux-hidden-state-layer-ids 3 4 5 captures the outputs
+    of layers 2, 3, 4 (ids not starting at 1 are taken unshifted): what HF capture of [2, 3, 4] holds."""
+    from pipeline.dev.sglang_standin import StandinBackend
+    from pipeline.engines.hf import HFEngine
+
+    layers = [2, 3, 4]
+    flag = draft_config_ids("sglang", "deepseek", layers, 6)
+    assert flag == [3, 4, 5]
+    sequence = [1013, 10, 11, 12, 1010, 20, 21]
+    backend = StandinBackend(kimi_target_dir, flag, trust_remote_code=True)
+    assert backend.server_info()["return_aux_hidden_state_layer_ids"] == flag
+    served = backend.generate_one(
+        {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_hidden_states": True}, sequence
+    )
+    aux = torch.tensor(served["meta_info"]["hidden_states"][0])
+    [captured] = HFEngine(kimi_target_dir, trust_remote_code=True).capture([sequence], layers)
+    torch.testing.assert_close(aux, captured.aux.float(), rtol=1e-4, atol=1e-5)
+
+
+# ---- the config checks -------------------------------------------------------------------------------------
+
+
+def test_a_tiny_deepseek_config_whose_layers_sglang_cannot_capture_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from pipeline.config import RunConfig
+    from tests.conftest import storage_config, tiny_config_dict
+
+    data = tiny_config_dict(storage_config("file", tmp_path, None))
+    data["target"]["trust_remote_code"] = True
+    data["target"]["tiny"]["architecture"] = "deepseek_v3"
+    data["capture"]["aux_layer_ids"] = [0, 2, 4]
+    with pytest.raises(ValidationError, match="sglang cannot capture the outputs of layers \\[0, 2, 4\\]"):
+        RunConfig(**data)
+    data["capture"]["aux_layer_ids"] = [1, 2, 4]
+    assert RunConfig(**data).capture.aux_layer_ids == [1, 2, 4]
+    data["target"]["tiny"]["architecture"] = "llama"
+    data["capture"]["aux_layer_ids"] = [0, 2, 4]
+    assert RunConfig(**data).capture.aux_layer_ids == [0, 2, 4]
+
+
+def test_capture_refuses_layers_sglang_cannot_capture_on_an_hf_targets_family(tmp_path):
+    from pipeline.config import load_config
+    from pipeline.engines.target import TargetInfo
+    from pipeline.stages.capture import contract_for
+
+    model_dir = deepseek_target(tmp_path / "Kimi", num_layers=8, hidden=64, vocab=1024)
+    target = TargetInfo("kimi-like", model_dir, 8, 64, 1024, {"name": "kimi-like"})
+
+    def config(layers):
+        return load_config(
+            data={
+                "storage": {"root": str(tmp_path / "store")},
+                "target": {"name": "kimi-like", "source": "hf", "model_path": str(model_dir)},
+                "capture": {"aux_layer_ids": layers},
+            }
+        )
+
+    with pytest.raises(LayerIdsInexpressible, match="capture.aux_layer_ids must name layers"):
+        contract_for(config([0, 3, 5]), target, None)
+    assert contract_for(config([2, 3, 5]), target, None).aux_layer_ids == [2, 3, 5]
+
+
+def test_the_targets_identity_records_its_family_for_the_exporter(kimi_target_dir, tiny_target_dir):
+    from pipeline.config import load_config
+    from pipeline.engines.target import describe_target
+
+    for model_dir, family in ((kimi_target_dir, "deepseek"), (tiny_target_dir, "llama")):
+        config = load_config(
+            data={
+                "storage": {"root": str(model_dir.parent / "store"), "local_cache": str(TEST_CACHE)},
+                "target": {
+                    "name": "t",
+                    "source": "hf",
+                    "model_path": str(model_dir),
+                    "trust_remote_code": True,
+                },
+            }
+        )
+        assert describe_target(config).identity["model_family"] == family
