@@ -9,6 +9,7 @@ their pods do; torchrun's nodes meet in them."""
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import time
@@ -130,6 +131,24 @@ def test_a_pod_sees_its_volumes_and_not_this_machines_files(cluster, tmp_path):
     assert (
         "No such file" in logs and pod.current_phase() == "Failed" and pod.containers["base"].exit_code != 0
     )
+
+
+def test_a_pod_starts_with_default_signals_even_when_the_cluster_was_started_ignoring_them(cluster):
+    # a cluster started as a background job inherits SIGINT and SIGQUIT ignored; a container runtime starts
+    # the pod's process with default dispositions, so the xcom sidecar's `trap "exit 0" INT` can end it
+    ignored = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGQUIT)}
+    try:
+        pod, logs = run_pod(
+            cluster,
+            'trap "echo trapped; exit 0" INT; grep SigIgn /proc/self/status; '
+            "kill -2 $$$$; sleep 5; echo untrapped",  # $$ is Kubernetes' escape for $
+        )
+    finally:
+        for number, handler in ignored.items():
+            signal.signal(number, handler)
+    ignored_mask = int(logs.split("SigIgn:")[1].split()[0], 16)
+    assert not ignored_mask & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGQUIT - 1)), logs
+    assert "trapped" in logs and "untrapped" not in logs and pod.current_phase() == "Succeeded", logs
 
 
 def test_a_claim_nobody_applied_fails_the_pod_to_start(cluster):

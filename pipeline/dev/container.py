@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -110,7 +111,17 @@ def enter(spec: dict) -> None:
     _volumes(root, spec["mounts"])
     os.chroot(root)
     os.chdir(spec["workdir"])
+    _default_signals()
     os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
+
+
+def _default_signals() -> None:
+    """A container runtime starts the container's process with every signal at its default disposition.
+    Ignored signals survive exec, and a shell that starts this cluster as a background job ignores SIGINT and
+    SIGQUIT (nohup: SIGHUP too); a shell started ignoring SIGINT cannot trap it (POSIX), so the xcom
+    sidecar's `trap "exit 0" INT` would never end it. Reset them, as the runtime would."""
+    for number in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGTERM):
+        signal.signal(number, signal.SIG_DFL)
 
 
 def main() -> None:
