@@ -436,6 +436,14 @@ class GateConfig(Strict):
     max_regression_vs_incumbent: float = Field(0.0, ge=0.0, description="allowed drop in tau_simulated")
 
 
+def _refuse_replaced_keys(data: Any, keys: set[str], where: str, replacement: str) -> Any:
+    """A `mode="before"` check: keys a config section no longer takes are refused with what replaced them."""
+    removed = sorted(keys & set(data)) if isinstance(data, dict) else []
+    if removed:
+        raise ValueError(f"{where}.{removed[0]} was replaced by {replacement}")
+    return data
+
+
 class NgramServerSetting(Strict):
     """One NGRAM server the SGLang benchmark measures: SGLang 0.5.23's n-gram flags. A setting SGLang would
     refuse or run otherwise than written is refused here (pipeline.sglang_ngram_rules)."""
@@ -531,14 +539,13 @@ class SGLangBenchConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _no_removed_ngram_keys(cls, data: Any) -> Any:
-        removed = sorted({"ngram_draft_tokens", "ngram_args"} & set(data)) if isinstance(data, dict) else []
-        if removed:
-            raise ValueError(
-                f"benchmark.sglang.{removed[0]} was replaced by benchmark.sglang.ngram_settings: a list of "
-                "{draft_tokens, min_bfs_breadth, max_bfs_breadth, max_trie_depth, match_type, capacity}, "
-                "one NGRAM server per setting"
-            )
-        return data
+        return _refuse_replaced_keys(
+            data,
+            {"ngram_draft_tokens", "ngram_args"},
+            "benchmark.sglang",
+            "benchmark.sglang.ngram_settings: a list of {draft_tokens, min_bfs_breadth, max_bfs_breadth, "
+            "max_trie_depth, match_type, capacity}, one NGRAM server per setting",
+        )
 
     @model_validator(mode="after")
     def _chain_tokens(self) -> SGLangBenchConfig:
@@ -626,13 +633,13 @@ class BenchmarkConfig(Strict):
     @model_validator(mode="before")
     @classmethod
     def _no_removed_ngram_keys(cls, data: Any) -> Any:
-        removed = sorted({"ngram_max_match", "ngram_min_match"} & set(data)) if isinstance(data, dict) else []
-        if removed:
-            raise ValueError(
-                f"benchmark.{removed[0]} was replaced by benchmark.ngram_settings: a list of "
-                "{min_match, max_match, steps}, the fastest of which the candidate is compared with"
-            )
-        return data
+        return _refuse_replaced_keys(
+            data,
+            {"ngram_max_match", "ngram_min_match"},
+            "benchmark",
+            "benchmark.ngram_settings: a list of {min_match, max_match, steps}, the fastest of which the "
+            "candidate is compared with",
+        )
 
     @model_validator(mode="after")
     def _sglang_settings(self) -> BenchmarkConfig:

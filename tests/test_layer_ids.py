@@ -195,22 +195,9 @@ def deepseek_target(directory: Path, num_layers: int = 61, hidden: int = 16, voc
 
 
 def drafter_trained_on(layers: list[int], vocab: int = 50, hidden: int = 16):
-    from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+    from tests.test_ttt import small_drafter
 
-    torch.manual_seed(0)
-    arch = DrafterArch(
-        hidden_size=hidden,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=8,
-        intermediate_size=32,
-        vocab_size=vocab,
-        draft_vocab_size=vocab,
-        aux_layer_ids=list(layers),
-    )
-    model = Eagle3Drafter(arch, torch.randn(vocab, hidden))
-    model.set_vocab_mapping(torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
-    return model
+    return small_drafter(vocab=vocab, hidden=hidden, aux_layer_ids=layers)
 
 
 def deepseek_contract(layers: list[int], num_layers: int = 61) -> dict:

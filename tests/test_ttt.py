@@ -14,7 +14,7 @@ from pipeline.drafter.ttt import (
 from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
 
 
-def small_drafter(seed=0, vocab=50, hidden=16) -> Eagle3Drafter:
+def small_drafter(seed=0, vocab=50, hidden=16, aux_layer_ids=(1, 2, 3)) -> Eagle3Drafter:
     torch.manual_seed(seed)
     arch = DrafterArch(
         hidden_size=hidden,
@@ -24,7 +24,7 @@ def small_drafter(seed=0, vocab=50, hidden=16) -> Eagle3Drafter:
         intermediate_size=32,
         vocab_size=vocab,
         draft_vocab_size=vocab,
-        aux_layer_ids=[1, 2, 3],
+        aux_layer_ids=list(aux_layer_ids),
     )
     model = Eagle3Drafter(arch, torch.randn(vocab, hidden))
     for p in model.parameters():

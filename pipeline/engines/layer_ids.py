@@ -20,8 +20,8 @@ SGLang 0.5.23 (`set_eagle3_layers_to_capture` of the target model class; paths i
   (:3462-3465); ids whose FIRST id is 1 -> [k + 1 for k]; any other ids -> the ids unchanged (:3470-3473).
   So [1, 29, 57] captures outputs 1, 29, 57, but [2, 30, 58] captures outputs 1, 29, 57 too.
   Line numbers are those of the 0.5.23 wheel (sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl), where
-  :3468-3473 carry the first-id-is-1 rule with a TODO to check "if other draft models need similar layer id
-  adjustment"; older releases shifted every id, so pin one SGLang version for capture and serving.
+  :3468-3473 carry the first-id-is-1 rule, with an upstream note asking whether other draft models need
+  the same adjustment; older releases shifted every id, so pin one SGLang version for capture and serving.
 
 vLLM (0.32, checked on this machine; vllm/model_executor/models/llama.py `get_eagle3_aux_hidden_state_layers`
   and LlamaModel.forward): ids are points as given, every family; no ids -> (2, N//2, N-3).
