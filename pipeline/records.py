@@ -207,6 +207,12 @@ class MethodResult(Record):
     requests: int | None = None  # SGLang engine only
     tau_measured: float | None = None  # tokens per verify step; speculative methods only
     accepted_histogram: list[int] | None = None  # verify steps by draft tokens accepted
+    # P(the draft at position i of a chain is accepted), over every verify step (vLLM's own counters on the
+    # vLLM engine); speculative methods only
+    acceptance_per_position: list[float] | None = None
+    # sha256 of the outputs of one round (the token ids of every prompt, as JSON): the same for every method
+    # when their outputs all equal greedy decoding, and comparable across engines
+    outputs_sha256: str | None = None
 
 
 class NgramSettingResult(Record):
@@ -303,11 +309,29 @@ class RatioInterval(Record):
     rounds: int
 
 
+class RealEngineFigures(Record):
+    """The local benchmark's candidate also served by a real engine (benchmark.beside_reference): vLLM's
+    acceptance beside the reference decoder's on the same prompts and drafts, and vLLM's own speedup."""
+
+    engine: Literal["vllm"]
+    engine_version: str
+    draft_steps: int
+    tau: float
+    reference_tau: float
+    tau_rel_diff: float
+    acceptance_per_position: list[float]
+    reference_acceptance_per_position: list[float]
+    baseline_tok_s: float
+    drafter_tok_s: float
+    speedup_vs_baseline: RatioInterval
+
+
 class BenchSummary(Record):
     """The headline of a benchmark: in the bench manifest and in a promoted version's lineage.
     `speedup_vs_*` are the point estimates of `speedups` (the candidate over baseline, ngram, incumbent)."""
 
-    engine: Literal["local", "sglang"]
+    engine: Literal["local", "sglang", "vllm"]
+    engine_version: str | None = None  # the vLLM engine: vLLM's version
     draft_steps: int
     topk: int
     draft_tokens: int
@@ -318,6 +342,7 @@ class BenchSummary(Record):
     speedup_vs_baseline: float
     speedup_vs_ngram: float
     speedups: dict[str, RatioInterval]
+    real_engine: RealEngineFigures | None = None  # the local engine with benchmark.vllm_beside_reference
 
 
 class BenchRecord(BenchSummary, StageRecord):
@@ -407,6 +432,7 @@ class RunSummary(FileRecord):
     speedup_vs_baseline: float | None = None
     speedup_vs_ngram: float | None = None
     speedups: dict[str, RatioInterval] | None = None  # the speedups' intervals (BenchSummary.speedups)
+    real_engine: RealEngineFigures | None = None  # the candidate served by vLLM (BenchRecord.real_engine)
     promoted_version: str | None = None
     registry_uri: str | None = None
     pulled_to: str | None = None

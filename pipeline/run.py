@@ -88,6 +88,7 @@ def _bench_summary(store: ObjectStore, bench_uri: str) -> dict[str, Any]:
         "speedups": headline.speedups,
         "ngram_tok_s": bench.methods.ngram.tok_s,
         "ngram_best_setting": bench.ngram_sweep.best if bench.ngram_sweep else None,
+        "real_engine": bench.real_engine,
     }
 
 
@@ -138,6 +139,21 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
     return record, summary_location(write_summary(store, run_id, record))
 
 
+def real_engine_rows(summary: RunSummary) -> list[tuple[str, Any]]:
+    """The candidate served by a real engine beside the reference decoder (vllm_beside_reference)."""
+    served = summary.real_engine
+    if served is None:
+        return []
+    speedup = served.speedup_vs_baseline
+    return [
+        (f"{served.engine} {served.engine_version}: tau (reference)", [served.tau, served.reference_tau]),
+        (f"{served.engine}: acceptance per position", served.acceptance_per_position),
+        ("  reference decoder's", served.reference_acceptance_per_position),
+        (f"{served.engine}: speedup vs its baseline", speedup.ratio),
+        (f"  {speedup.confidence:.0%} interval", [speedup.ci_low, speedup.ci_high]),
+    ]
+
+
 def format_table(summary: RunSummary) -> str:
     def fmt(value: Any) -> str:
         if isinstance(value, float):
@@ -163,6 +179,7 @@ def format_table(summary: RunSummary) -> str:
             (f"  {speedup.confidence:.0%} interval vs {other}", [speedup.ci_low, speedup.ci_high])
             for other, speedup in (summary.speedups or {}).items()
         ],
+        *real_engine_rows(summary),
         ("promoted version", summary.promoted_version),
         ("registry", summary.registry_uri),
         ("pulled to", summary.pulled_to),

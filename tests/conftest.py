@@ -144,3 +144,15 @@ def published(store, output) -> dict:
     from pipeline.manifest import read_manifest
 
     return read_manifest(store, store.key_for(output.uri))
+
+
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """vLLM's virtualenv, which `make test` creates (`make vllm-venv`); missing, the vLLM tests fail with
+    that advice rather than skip, so CI cannot pass without running them."""
+    if not VLLM_PYTHON.is_file():
+        pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (or `make test`, which creates it)")
+    return VLLM_PYTHON

@@ -17,7 +17,7 @@ def exported(tmp_path, dtype="float32"):
     return model, export_drafter(model, CONTRACT, tmp_path / "drafter", dtype)
 
 
-def test_export_writes_what_sglang_loads(tmp_path):
+def test_export_writes_what_sglang_and_vllm_load(tmp_path):
     _, directory = exported(tmp_path, "bfloat16")
     config = json.loads((directory / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
@@ -26,6 +26,8 @@ def test_export_writes_what_sglang_loads(tmp_path):
         "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
         "use_aux_hidden_state": True,
     }
+    # vLLM reads the top-level list first, and counts layer k's input as id k (Llama: SGLang's ids + 1)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
     tensors = load_file(str(directory / "model.safetensors"))
     assert "embed_tokens.weight" not in tensors and not any("embed" in k for k in tensors)
     assert tensors["fc.weight"].shape == (16, 48) and tensors["fc.weight"].dtype == torch.bfloat16

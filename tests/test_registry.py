@@ -343,28 +343,37 @@ def test_a_drafter_without_a_recorded_target_is_not_published(store, tmp_path):
     assert store.list("drafters") == []
 
 
-def test_drafter_pull_prints_the_complete_sglang_command_for_kimi(tmp_path, capsys, monkeypatch):
-    from pipeline.cli import main
+def promoted_kimi_version(tmp_path, serving=SERVING, lineage=None):
+    """A Kimi-like drafter (a DeepSeek-family target of 6 layers, trained on layers AUX) promoted to
+    production of kimi-k2.5 in a filesystem store; returns the store and `drafter pull` argv for it."""
     from pipeline.config import StorageConfig
     from pipeline.storage import open_store
     from tests.test_drafter_target_fidelity import AUX, drafter_for, kimi_like_target
 
-    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
-    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
     store = open_store(StorageConfig(root=str(tmp_path / "store")))
     target_dir = kimi_like_target(tmp_path / "kimi")
+    contract = {
+        "aux_layer_ids": AUX,
+        "num_layers": 6,
+        "hidden_size": 16,
+        "target": {"model_family": "deepseek"},
+    }
     drafter = export_drafter(
-        drafter_for(tmp_path, target_dir),
-        {"aux_layer_ids": AUX, "hidden_size": 16},
-        tmp_path / "d",
-        "float32",
-        target_dir,
+        drafter_for(tmp_path, target_dir), contract, tmp_path / "d", "float32", target_dir
     )
-    promote(store, "kimi-k2.5", drafter, {"run_id": "r1"}, "production", SERVING)
-    dest, flags_file = tmp_path / "current", tmp_path / "serving-flags"
+    promote(store, "kimi-k2.5", drafter, lineage or {"run_id": "r1"}, "production", serving)
     config = str(Path(__file__).resolve().parents[1] / "configs" / "kimi-k2.5.yaml")
-    argv = ["pull", "--config", config, "--dest", str(dest), "--flags-file", str(flags_file)]
-    assert main([*argv, f"storage.root={tmp_path / 'store'}"]) == 0
+    return store, ["pull", "--config", config, f"storage.root={tmp_path / 'store'}"]
+
+
+def test_drafter_pull_prints_the_complete_sglang_command_for_kimi(tmp_path, capsys, monkeypatch):
+    from pipeline.cli import main
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    _, pull_argv = promoted_kimi_version(tmp_path)
+    dest, flags_file = tmp_path / "current", tmp_path / "serving-flags"
+    assert main([*pull_argv, "--dest", str(dest), "--flags-file", str(flags_file)]) == 0
     printed = capsys.readouterr().out.splitlines()[-1]
     speculative = [
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(dest),
@@ -393,3 +402,176 @@ def test_drafter_verify_names_the_reason_sglang_would_refuse(store, tmp_path, ca
     longer.write_text(json.dumps({**SMALL_TARGET, "max_position_embeddings": 8192}))
     assert main(["verify", str(dest), "--target-config", str(longer)]) == EXIT_BAD_INPUT
     assert "shorter than the target's 8192" in caplog.text
+
+
+def test_drafter_pull_for_vllm_prints_vllm_serve_with_the_speculative_config(tmp_path, capsys, monkeypatch):
+    from pipeline.cli import main
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    _, pull_argv = promoted_kimi_version(tmp_path)
+    dest, flags_file = tmp_path / "current", tmp_path / "vllm-flags"
+    argv = [*pull_argv, "--dest", str(dest), "--engine", "vllm", "--flags-file", str(flags_file)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    command = shlex.split(captured.out.splitlines()[-1].removeprefix("serve with: "))
+    assert command[:-1] == [
+        "vllm", "serve", "/models/Kimi-K2.5", "--tensor-parallel-size", "8", "--trust-remote-code",
+        "--speculative-config",
+    ]  # fmt: skip
+    speculative = {"method": "eagle3", "model": str(dest), "num_speculative_tokens": 3}
+    assert json.loads(command[-1]) == speculative
+    assert shlex.split(flags_file.read_text())[:-1] == command[3:-1]
+    assert json.loads(shlex.split(flags_file.read_text())[-1]) == speculative
+    assert "chain" not in captured.err  # the benchmarked setting is a chain already
+    # vLLM is given the ids that capture the trained layers [1, 2, 3] (its id k: the input of layer k)
+    assert json.loads((dest / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
+
+
+def test_pulling_a_tree_setting_for_vllm_says_vllm_serves_a_chain(tmp_path, capsys, monkeypatch):
+    from pipeline.cli import main
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    _, pull_argv = promoted_kimi_version(tmp_path, serving={"steps": 3, "topk": 4, "draft_tokens": 8})
+    assert main([*pull_argv, "--dest", str(tmp_path / "current"), "--engine", "vllm"]) == 0
+    captured = capsys.readouterr()
+    assert "vLLM serves a chain of 3 speculative tokens" in captured.err and "topk 4" in captured.err
+    speculative = json.loads(shlex.split(captured.out.splitlines()[-1])[-1])
+    assert speculative["num_speculative_tokens"] == 3
+
+
+def drop_published_key(store, target, version, name, drop):
+    """Remove a key from a published version's JSON file `name` and fix its manifest entry, as a version
+    published by an older pipeline has it."""
+    import hashlib
+
+    prefix = layout.drafter_version_prefix(target, version)
+    content = json.loads(store.get_bytes(f"{prefix}/{name}"))
+    del content[drop]
+    data = json.dumps(content, indent=2).encode()
+    store.put_bytes(f"{prefix}/{name}", data)
+    if name != "manifest.json":
+        manifest = json.loads(store.get_bytes(f"{prefix}/manifest.json"))
+        entry = next(o for o in manifest["objects"] if o["name"] == name)
+        entry.update({"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)})
+        store.put_bytes(f"{prefix}/manifest.json", json.dumps(manifest).encode())
+
+
+def test_a_version_exported_before_vllm_ids_pulls_for_sglang_and_is_refused_for_vllm(
+    tmp_path, capsys, caplog, monkeypatch
+):
+    from pipeline.cli import main
+    from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    store, pull_argv = promoted_kimi_version(tmp_path)
+    version = read_alias(store, "kimi-k2.5", "production")["version"]
+    drop_published_key(store, "kimi-k2.5", version, "config.json", "eagle_aux_hidden_state_layer_ids")
+    dest = tmp_path / "current"
+    assert main([*pull_argv, "--dest", str(dest), "--engine", "vllm"]) == EXIT_FAILED
+    assert not dest.exists()
+    assert "carries no vLLM aux layer ids" in caplog.text and "Re-export it" in caplog.text
+    assert main([*pull_argv, "--dest", str(dest)]) == 0  # SGLang reads eagle_config's ids, which are right
+    assert "sglang.launch_server" in capsys.readouterr().out
+    assert main(["verify", str(dest)]) == 0
+    assert main(["verify", str(dest), "--engine", "vllm"]) == EXIT_BAD_INPUT
+
+
+def test_drafter_verify_for_vllm_checks_the_vllm_ids(store, tmp_path, capsys, monkeypatch):
+    from pipeline.cli import main
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)
+    dest = pull(store, "tgt", "production", tmp_path / "served", engine="vllm")
+    assert main(["verify", str(dest), "--engine", "vllm"]) == 0
+    printed = capsys.readouterr().out
+    assert "its vLLM aux layer ids [2, 3, 4] capture the layers it was trained on" in printed
+    assert "verified in sglang: load-time checks of SGLang 0.5.23" in printed
+
+
+BENCHED = {
+    "draft_steps": 3,
+    "topk": 1,
+    "draft_tokens": 4,
+    "tau_simulated": 3.4,
+    "tau_measured": 3.57,
+    "baseline_tok_s": 100.0,
+    "drafter_tok_s": 170.0,
+    "speedup_vs_baseline": 1.7,
+    "speedup_vs_ngram": 1.2,
+}
+
+
+def test_a_version_benchmarked_in_vllm_records_it_beside_sglangs_load_checks(store, tmp_path):
+    lineage = {"run_id": "r1", "bench": {**BENCHED, "engine": "vllm", "engine_version": "0.32.0+cpu"}}
+    promote(store, "tgt", drafter_dir(tmp_path, 1), lineage, "production", SERVING)
+    dest = pull(store, "tgt", "production", tmp_path / "served")
+    verified = json.loads((dest / "manifest.json").read_text())["verified_engines"]
+    assert set(verified) == {"sglang", "vllm"}
+    assert verified["sglang"].startswith(
+        "load-time checks of SGLang 0.5.23 (pipeline.engines.sglang_draft_checks)"
+    )
+    assert verified["sglang"].endswith("; not run")
+    assert "benchmarked in vLLM 0.32.0+cpu on the target, 3 draft steps, topk 1" in verified["vllm"]
+    assert "measured acceptance length 3.570, 1.70x the target alone" in verified["vllm"]
+    assert "not run" not in verified["vllm"]
+    card = (dest / "README.md").read_text()
+    assert "## Verified engines" in card and f"| vLLM | {verified['vllm']} |" in card
+    assert (
+        '--speculative-config \'{"method": "eagle3", "model": "<drafter-dir>", "num_speculative_tokens": 3}\''
+        in (card)
+    )
+
+
+def test_a_version_benchmarked_locally_says_vllm_was_not_run(store, tmp_path):
+    lineage = {"run_id": "r1", "bench": {**BENCHED, "engine": "local"}}
+    version = promote(store, "tgt", drafter_dir(tmp_path, 1), lineage, "production", SERVING)["version"]
+    manifest = json.loads(store.get_bytes(f"{layout.drafter_version_prefix('tgt', version)}/manifest.json"))
+    verified = manifest["verified_engines"]
+    assert set(verified) == {"sglang", "vllm", "local"}
+    assert verified["vllm"] == (
+        "config.json gives vLLM the aux layer ids [2, 3, 4], which capture the trained layers [1, 2, 3] "
+        "(pipeline.engines.layer_ids); not run"
+    )
+    assert verified["local"].startswith("benchmarked with the project's reference decoder (the local engine)")
+
+
+def test_a_local_benchmark_served_beside_the_reference_decoder_records_vllm_as_run(store, tmp_path):
+    served = {
+        "engine": "vllm",
+        "engine_version": "0.32.0",
+        "draft_steps": 3,
+        "tau": 3.41,
+        "reference_tau": 3.4,
+        "tau_rel_diff": 0.003,
+        "acceptance_per_position": [0.9, 0.8, 0.71],
+        "reference_acceptance_per_position": [0.9, 0.8, 0.7],
+        "baseline_tok_s": 100.0,
+        "drafter_tok_s": 140.0,
+        "speedup_vs_baseline": {"ratio": 1.4, "ci_low": 1.3, "ci_high": 1.5, "confidence": 0.95, "rounds": 4},
+    }
+    lineage = {"run_id": "r1", "bench": {**BENCHED, "engine": "local", "real_engine": served}}
+    version = promote(store, "tgt", drafter_dir(tmp_path, 1), lineage, "production", SERVING)["version"]
+    manifest = json.loads(store.get_bytes(f"{layout.drafter_version_prefix('tgt', version)}/manifest.json"))
+    vllm = manifest["verified_engines"]["vllm"]
+    assert "not run" not in vllm
+    assert vllm.endswith(
+        "; served by vLLM 0.32.0 beside the reference decoder, outputs equal to greedy: acceptance length "
+        "3.410 (reference decoder 3.400), 1.40x its own baseline"
+    )
+
+
+def test_versions_published_before_verified_engines_still_pull_and_verify(store, tmp_path, capsys):
+    from pipeline.cli import main
+
+    version = promote(store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1"}, "production", SERVING)[
+        "version"
+    ]
+    drop_published_key(store, "tgt", version, "manifest.json", "verified_engines")
+    dest = pull(store, "tgt", "production", tmp_path / "served")
+    assert "verified_engines" not in json.loads((dest / "manifest.json").read_text())
+    assert main(["verify", str(dest)]) == 0
+    assert "verified in sglang: load-time checks of SGLang 0.5.23" in capsys.readouterr().out

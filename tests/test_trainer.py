@@ -219,7 +219,13 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
     shutil.copytree(source, other)
     for name, edit in (
         ("capture_contract.json", lambda c: c.update(aux_layer_ids=[0, 2, 3])),
-        ("config.json", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 3])),
+        (
+            "config.json",
+            lambda c: (
+                c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[0, 2, 3]),
+                c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4]),  # vLLM's ids for layers 0, 2, 3
+            ),
+        ),
     ):
         content = json.loads((other / name).read_text())
         edit(content)

@@ -15,7 +15,8 @@ What runs, in the order docs/RUNBOOK.md gives it to a user:
    sglang-capture.yaml at 0 replicas; their pods run stand-in servers (SGLang needs CUDA) with the
    manifests' flags, the capture servers' aux layers being the tiny target's. drafter_data scales each
    fleet up before its stage and back to 0 after it, from its own task pods;
-4. Airflow with `DRAFTER_DEPLOYMENT=configs/deployment/kubernetes.yaml`, unchanged: every
+4. Airflow with `DRAFTER_DEPLOYMENT=configs/deployment/kubernetes.yaml`, unchanged but for its
+   retry_delay_seconds (REHEARSAL_RETRY_DELAY_S: the retried training task waits seconds, not minutes): every
    `@task.kubernetes` task is rendered and run by the cncf provider's own code against the local
    cluster. drafter_data publishes the dataset Asset; drafter_train, given the Asset's dataset, trains,
    gates, benchmarks (the SGLang runner, its servers started in the benchmark's own pod) and promotes
@@ -52,6 +53,7 @@ from pipeline.retrying import await_health
 log = logging.getLogger("drafter.rehearsal")
 
 DEPLOYMENT = PROJECT_ROOT / "configs" / "deployment" / "kubernetes.yaml"
+REHEARSAL_RETRY_DELAY_S = 5
 REHEARSAL_CONFIG = PROJECT_ROOT / "configs" / "rehearsal.yaml"
 SHIM = PROJECT_ROOT / "pipeline" / "dev" / "sglang_shim"
 BUCKET = "drafter-pipeline"
@@ -484,6 +486,16 @@ def _exited(process: subprocess.Popen):
     return lambda: f"the server exited with code {process.returncode}" if process.poll() is not None else None
 
 
+def rehearsal_deployment(workspace: Path) -> Path:
+    """configs/deployment/kubernetes.yaml with one change, the wait before a task's retry
+    (REHEARSAL_RETRY_DELAY_S): the rehearsal's lost node is retried at once instead of minutes later."""
+    deployment = yaml.safe_load(DEPLOYMENT.read_text())
+    deployment["retry_delay_seconds"] = REHEARSAL_RETRY_DELAY_S
+    path = workspace / "deployment.yaml"
+    path.write_text(yaml.safe_dump(deployment, sort_keys=False))
+    return path
+
+
 def airflow_environment(workspace: Path) -> None:
     """Airflow's settings, before anything imports Airflow (it reads them once, on import)."""
     if "airflow" in sys.modules:
@@ -496,7 +508,7 @@ def airflow_environment(workspace: Path) -> None:
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
             "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
-            "DRAFTER_DEPLOYMENT": str(DEPLOYMENT),
+            "DRAFTER_DEPLOYMENT": str(rehearsal_deployment(workspace)),
         }
     )
 

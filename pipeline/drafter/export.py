@@ -1,4 +1,4 @@
-"""The SGLang drafter directory (LlamaForCausalLMEagle3): write, validate, load.
+"""The drafter directory (LlamaForCausalLMEagle3) that SGLang and vLLM load: write, validate, load.
 
 A directory holds config.json, model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d; never
 embed_tokens), capture_contract.json and target_config.json (the target's config.json, which gives the
@@ -21,7 +21,14 @@ import torch
 
 from pipeline.drafter.model import DrafterArch, Eagle3Drafter
 from pipeline.drafter.servable import TARGET_CONFIG_NAME, record_target_config, require_servable
-from pipeline.engines.layer_ids import LayerIdsInexpressible, draft_config_ids
+from pipeline.engines.layer_ids import (
+    ENGINES,
+    Engine,
+    LayerIdsInexpressible,
+    ModelFamily,
+    captured_layer_outputs,
+    draft_config_ids,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -55,25 +62,98 @@ class DrafterFormatError(ValueError):
     pass
 
 
-def sglang_eagle_layer_ids(contract: dict[str, Any]) -> list[int]:
-    """The eagle_aux_hidden_state_layer_ids that make SGLang feed the drafter the layer outputs its training
-    features came from (the contract's aux_layer_ids), read with the rule of the target's model family.
+# Where config.json gives each engine the target layers to capture (the drafter's aux layer ids).
+# vLLM 0.32.0 reads the TOP-LEVEL key first and falls back to eagle_config's only when it is absent
+# (vllm/v1/worker/gpu_model_runner.py:5268-5283; the newer runner reads only the top-level one,
+# vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py:106). SGLang 0.5.23 captures the layers that
+# eagle_config's key names
+# (sglang/srt/model_executor/model_runner_components/spec_aux_hidden_state.py:186-196) and reads the
+# top-level key only to count the aux states when eagle_config has none
+# (sglang/srt/speculative/eagle_utils.py:272-275). The engines count the ids differently
+# (pipeline.engines.layer_ids), so one directory serves both: eagle_config holds SGLang's ids, the top
+# level vLLM's. Directories exported before the top-level key are SGLang-only: vLLM would fall back to
+# SGLang's ids and, for a Llama-family target, capture the layers one below the trained ones.
+EAGLE_CONFIG_KEY = "eagle_config"
+LAYER_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+LAYER_IDS_WHERE: dict[Engine, str] = {
+    "sglang": f"{EAGLE_CONFIG_KEY}.{LAYER_IDS_KEY}",
+    "vllm": f"top-level {LAYER_IDS_KEY}",
+}
+ENGINE_NAMES: dict[str, str] = {"sglang": "SGLang", "vllm": "vLLM"}
+
+
+def contract_target(contract: dict[str, Any]) -> tuple[list[int], ModelFamily, int]:
+    """The layer outputs a contract's features came from, the target's model family and its depth.
 
     The family is what the capture recorded in the contract's target (contracts from before it was recorded:
-    the Llama rule, ids unchanged). A contract without num_layers is checked against the shallowest target
-    its ids fit.
+    the Llama rule). A contract without num_layers is read as the shallowest target its ids fit.
     """
     layers = [int(k) for k in contract["aux_layer_ids"]]
     family = (contract.get("target") or {}).get("model_family", "llama")
-    num_layers = contract.get("num_layers") or layers[-1] + 2
+    num_layers = int(contract.get("num_layers") or layers[-1] + 2)
+    return layers, family, num_layers
+
+
+def engine_layer_ids(contract: dict[str, Any], engine: Engine) -> list[int]:
+    """The eagle_aux_hidden_state_layer_ids that make `engine` feed the drafter the layer outputs its
+    training features came from (the contract's aux_layer_ids), by the rule of the target's model family."""
+    layers, family, num_layers = contract_target(contract)
     try:
-        return draft_config_ids("sglang", family, layers, num_layers)
+        return draft_config_ids(engine, family, layers, num_layers)
     except LayerIdsInexpressible as err:
-        raise DrafterFormatError(f"no SGLang drafter can be fed this contract's layers: {err}") from err
+        raise DrafterFormatError(
+            f"no {ENGINE_NAMES.get(engine, engine)} drafter can be fed this contract's layers: {err}"
+        ) from err
+
+
+def written_layer_ids(config: dict[str, Any], engine: Engine) -> list[int] | None:
+    """The aux layer ids config.json gives `engine` (see LAYER_IDS_WHERE); None for vLLM in a directory
+    exported before the top-level key (vLLM would fall back to SGLang's ids)."""
+    if engine == "sglang":
+        return (config.get(EAGLE_CONFIG_KEY) or {}).get(LAYER_IDS_KEY)
+    if engine == "vllm":
+        return config.get(LAYER_IDS_KEY)
+    raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+
+
+def exported_for(config: dict[str, Any]) -> list[Engine]:
+    """The engines config.json carries aux layer ids for: SGLang always, vLLM once exported with its ids."""
+    return [engine for engine in ENGINES if written_layer_ids(config, engine) is not None]
+
+
+class EngineNotExported(DrafterFormatError):
+    """The drafter directory carries no aux layer ids for this engine."""
+
+
+def require_exported_for(config: dict[str, Any], engine: Engine, directory: str | Path = "") -> list[int]:
+    """The ids config.json gives `engine`; EngineNotExported (saying to re-export) when it gives none."""
+    ids = written_layer_ids(config, engine)
+    if ids is None:
+        where = f"drafter directory {directory}" if directory else "this drafter"
+        raise EngineNotExported(
+            f"{where} carries no {ENGINE_NAMES[engine]} aux layer ids ({LAYER_IDS_WHERE[engine]}): it was "
+            f"exported for SGLang alone, and {ENGINE_NAMES[engine]} would fall back to SGLang's ids, which "
+            "it counts differently, and may capture other layers than the drafter was trained on. Re-export "
+            "it (export_drafter, or promote a new run) and publish the new version"
+        )
+    return list(ids)
+
+
+def drafter_config(
+    arch: DrafterArch, dtype: str, sglang_layer_ids: list[int], vllm_layer_ids: list[int] | None
+) -> dict[str, Any]:
+    """The drafter's config.json, with each engine's aux layer ids as given (engine_layer_ids gives the right
+    ones; vllm_layer_ids None: no top-level key, an SGLang-only directory). Writing other ids (e.g. SGLang's
+    at the top level too, how a drafter exported for SGLang alone loads in vLLM) makes a directory that
+    read_drafter_dir refuses; experiments that need one use copy_with_layer_ids."""
+    config = sglang_config(arch, dtype, sglang_layer_ids)
+    if vllm_layer_ids is not None:
+        config[LAYER_IDS_KEY] = list(vllm_layer_ids)
+    return config
 
 
 def sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int]) -> dict[str, Any]:
-    """The drafter's config.json; eagle_layer_ids: SGLang's ids for arch's layers (sglang_eagle_layer_ids)."""
+    """The drafter's config.json for SGLang alone; eagle_layer_ids: SGLang's ids for arch's layers."""
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "llama",
@@ -144,6 +224,16 @@ def validate_config(config: dict[str, Any]) -> None:
         raise DrafterFormatError(
             "eagle_config needs use_aux_hidden_state: true and 3 eagle_aux_hidden_state_layer_ids"
         )
+    vllm_ids = written_layer_ids(config, "vllm")
+    if vllm_ids is not None and (
+        not isinstance(vllm_ids, list)
+        or len(vllm_ids) != len(ids)
+        or not all(type(k) is int for k in vllm_ids)
+    ):
+        raise DrafterFormatError(
+            f"the top-level {LAYER_IDS_KEY} (vLLM's aux layer ids) must be a list of {len(ids)} integers "
+            f"like eagle_config's, got {vllm_ids!r}"
+        )
 
 
 def validate_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
@@ -177,7 +267,8 @@ def export_drafter(
     dtype: str = "bfloat16",
     target_dir: str | Path | None = None,
 ) -> Path:
-    """Write the SGLang directory atomically (staging dir, then rename).
+    """Write the drafter directory atomically (staging dir, then rename), with each engine's aux layer ids
+    for the contract's layers (SGLang's in eagle_config, vLLM's at the top level; see LAYER_IDS_WHERE).
 
     With target_dir (the target model directory), the target's config.json is recorded in the directory as
     target_config.json and the drafter is refused (DraftModelRefused, with SGLang's reasons) when the target's
@@ -191,7 +282,9 @@ def export_drafter(
             f"contract's {contract['aux_layer_ids']}"
         )
     out_dir = Path(out_dir)
-    config = sglang_config(model.arch, dtype, sglang_eagle_layer_ids(contract))
+    config = drafter_config(
+        model.arch, dtype, engine_layer_ids(contract, "sglang"), engine_layer_ids(contract, "vllm")
+    )
     target_dtype = getattr(torch, dtype)
     tensors = {
         name: (t.to(target_dtype) if t.is_floating_point() else t).contiguous().clone()
@@ -232,13 +325,62 @@ def read_drafter_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     validate_config(config)
     tensors = load_file(str(directory / WEIGHTS_NAME))
     validate_tensors(config, tensors)
-    written = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    if "aux_layer_ids" not in contract or written != sglang_eagle_layer_ids(contract):
-        raise DrafterFormatError(
-            f"config.json aux layer ids {written} disagree with capture_contract.json's layers "
-            f"{contract.get('aux_layer_ids')}: SGLang would feed it other layers than it was trained on"
-        )
+    if "aux_layer_ids" not in contract:
+        raise DrafterFormatError(f"drafter directory {directory}: capture_contract.json has no aux_layer_ids")
+    problems = layer_ids_problems(config, contract)
+    if problems:
+        raise DrafterFormatError(f"drafter directory {directory}: " + "; ".join(problems))
     return config, tensors, contract
+
+
+def layer_ids_problems(config: dict[str, Any], contract: dict[str, Any]) -> list[str]:
+    """Why config.json's aux layer ids would make an engine feed the drafter other layers than it was trained
+    on (the contract's aux_layer_ids): each engine's ids are mapped back to the layer outputs that engine
+    captures (pipeline.engines.layer_ids.captured_layer_outputs). Empty when every engine the directory was
+    exported for (exported_for) is fed the trained layers."""
+    trained, family, num_layers = contract_target(contract)
+    captured = {
+        engine: captured_layer_outputs(engine, family, written_layer_ids(config, engine), num_layers)
+        for engine in exported_for(config)
+    }
+    problems = []
+    if len({tuple(layers) for layers in captured.values()}) > 1:
+        problems.append(
+            "config.json's aux layer id lists disagree: "
+            + ", ".join(
+                f"{LAYER_IDS_WHERE[engine]} {written_layer_ids(config, engine)} make {ENGINE_NAMES[engine]} "
+                f"capture the outputs of layers {layers}"
+                for engine, layers in captured.items()
+            )
+            + f" of a {num_layers}-layer {family}-family target"
+        )
+    for engine in captured:
+        written, expected = written_layer_ids(config, engine), engine_layer_ids(contract, engine)
+        if written != expected:
+            problems.append(
+                f"config.json's {ENGINE_NAMES[engine]} aux layer ids ({LAYER_IDS_WHERE[engine]}) {written} "
+                f"disagree with capture_contract.json's layers {trained} (they take {expected}): "
+                f"{ENGINE_NAMES[engine]} would feed it other layers than it was trained on"
+            )
+    return problems
+
+
+def copy_with_layer_ids(source: str | Path, dest: str | Path, engine: Engine, layer_ids: list[int]) -> Path:
+    """A copy of a drafter directory whose config.json gives `engine` these aux layer ids, every other file
+    unchanged; for experiments on what an engine serves when fed other layers, e.g. SGLang's ids at the top
+    level too (`engine_layer_ids(contract, "sglang")` as vLLM's: the drafter exported for SGLang alone, as
+    vLLM loads it). read_drafter_dir refuses the copy unless the ids are the right ones."""
+    source, dest = Path(source), Path(dest)
+    shutil.copytree(source, dest)
+    config = json.loads((dest / CONFIG_NAME).read_text())
+    if engine == "sglang":
+        config[EAGLE_CONFIG_KEY] = {**config[EAGLE_CONFIG_KEY], LAYER_IDS_KEY: list(layer_ids)}
+    elif engine == "vllm":
+        config[LAYER_IDS_KEY] = list(layer_ids)
+    else:
+        raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
+    (dest / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    return dest
 
 
 def arch_from_config(config: dict[str, Any]) -> DrafterArch:

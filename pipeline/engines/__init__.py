@@ -2,14 +2,23 @@
 
 - `hf`: transformers on CPU or GPU; the embedded default.
 - `sglang`: an SGLang server over HTTP (see reference/sglang-contract.md).
+- `vllm` (generation only): a vLLM worker of vLLM's own virtualenv (pipeline.engines.vllm_generate), or vLLM's
+  OpenAI-compatible servers over HTTP (pipeline.engines.vllm_openai).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
+
+from pipeline.retrying import retrying
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineError(RuntimeError):
@@ -21,10 +30,45 @@ class EngineUnavailable(EngineError):
     it finished is kept) instead of counting the conversations in flight as failed."""
 
 
+class TransientRequestError(Exception):
+    """A request failure worth retrying (timeout, dropped connection, 408/429/5xx, cut-off body)."""
+
+
+def retried_request(engine: str, attempt: Callable[[int], T], attempts: int, deadline: float) -> T:
+    """attempt(i) for i = 0, 1, ...: retried with backoff on TransientRequestError, within `attempts` and the
+    monotonic `deadline`; EngineUnavailable (naming the engine, the tries and the last error) after that."""
+    tried = 0
+
+    def once() -> T:
+        nonlocal tried
+        tried += 1
+        return attempt(tried - 1)
+
+    def note(error: BaseException, retry: int, pause: float) -> None:
+        log.warning("%s request failed (%s); retry %d in %.1fs", engine, error, retry, pause)
+
+    try:
+        return retrying(
+            attempts,
+            TransientRequestError,
+            first_pause_s=0.5,
+            max_pause_s=30.0,
+            jitter=True,
+            deadline=deadline,
+            note=note,
+        )(once)
+    except TransientRequestError as err:
+        cut_short = "; the request's deadline passed" if tried < attempts else ""
+        raise EngineUnavailable(f"{engine} request failed after {tried} attempts: {err}{cut_short}") from err
+
+
 def engine_servers(section) -> int:
     """How many servers a stage's (generate or capture config section) engine spreads over; the
     in-process engine counts as one."""
-    return len(section.sglang.urls) if section.engine == "sglang" and section.sglang else 1
+    if section.engine == "sglang" and section.sglang:
+        return len(section.sglang.urls)
+    server = getattr(section, "vllm_server", None)  # generation only
+    return len(server.urls) if section.engine == "vllm" and server else 1
 
 
 @dataclass(frozen=True)

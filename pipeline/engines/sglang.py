@@ -31,10 +31,11 @@ from pipeline.engines import (
     DEFAULT_TEACHER,
     Capture,
     EngineError,
-    EngineUnavailable,
     Generation,
     SamplingParams,
     TeacherRequest,
+    TransientRequestError,
+    retried_request,
 )
 from pipeline.engines.layer_ids import (
     LayerIdsInexpressible,
@@ -42,17 +43,12 @@ from pipeline.engines.layer_ids import (
     captured_layer_outputs,
     draft_config_ids,
 )
-from pipeline.retrying import retrying
 
 log = logging.getLogger(__name__)
 # The one SGLang version captures and serving run on (layer-id semantics changed between releases);
 # docker/sglang.Dockerfile installs exactly this one.
 SGLANG_VERSION = "0.5.23"
 RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
-
-
-class _Transient(Exception):
-    """A failed attempt another may not repeat: a timeout, a dropped connection, a 5xx, a truncated body."""
 
 
 class SGLangClient:
@@ -85,31 +81,7 @@ class SGLangClient:
         body = orjson.dumps(payload)
         attempts = self.settings.retries + 1
         deadline = time.monotonic() + (self.settings.deadline_s or self.settings.timeout_s * attempts)
-        tried = 0
-
-        def attempt() -> bytes:
-            nonlocal tried
-            tried += 1
-            return self._post_once(path, body, deadline)
-
-        def note(error: BaseException, retry: int, pause: float) -> None:
-            log.warning("SGLang request failed (%s); retry %d in %.1fs", error, retry, pause)
-
-        try:
-            return retrying(
-                attempts,
-                _Transient,
-                first_pause_s=0.5,
-                max_pause_s=30.0,
-                jitter=True,
-                deadline=deadline,
-                note=note,
-            )(attempt)
-        except _Transient as err:
-            cut_short = "; the request's deadline passed" if tried < attempts else ""
-            raise EngineUnavailable(
-                f"SGLang request failed after {tried} attempts: {err}{cut_short}"
-            ) from err
+        return retried_request("SGLang", lambda _: self._post_once(path, body, deadline), attempts, deadline)
 
     def _post_once(self, path: str, body: bytes, deadline: float) -> bytes:
         import requests
@@ -123,13 +95,13 @@ class SGLangClient:
                 timeout=min(self.settings.timeout_s, max(deadline - time.monotonic(), 0.01)),
             )
         except (requests.ConnectionError, requests.Timeout) as err:
-            raise _Transient(f"{type(err).__name__} from {url}") from err
+            raise TransientRequestError(f"{type(err).__name__} from {url}") from err
         if response.status_code == 200:
             if _complete_json(response.content):
                 return response.content
-            raise _Transient(f"truncated or invalid JSON from {url}")
+            raise TransientRequestError(f"truncated or invalid JSON from {url}")
         if response.status_code in RETRYABLE_STATUS:
-            raise _Transient(f"HTTP {response.status_code} from {url}")
+            raise TransientRequestError(f"HTTP {response.status_code} from {url}")
         raise EngineError(
             f"SGLang rejected the request at {url}: HTTP {response.status_code} {_error_message(response)}"
         )

