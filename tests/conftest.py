@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import socket
 import uuid
 from pathlib import Path
 
@@ -144,6 +145,13 @@ def published(store, output) -> dict:
     from pipeline.manifest import read_manifest
 
     return read_manifest(store, store.key_for(output.uri))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server a test starts."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

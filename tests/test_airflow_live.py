@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import requests
 import yaml
 
-from tests.conftest import REPO, storage_config, tiny_config_dict
+from tests.conftest import REPO, free_port, storage_config, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 
@@ -47,12 +46,6 @@ DEPLOYMENT = {
         for stage in ("generate", "parity", "capture", "train", "evaluate", "benchmark")
     },
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class AirflowClient:
@@ -124,7 +117,7 @@ def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir):
     home = tmp_path_factory.mktemp("airflow-live")
     deployment = home / "deployment.yaml"
     deployment.write_text(yaml.safe_dump(DEPLOYMENT))
-    port = _free_port()
+    port = free_port()
     # the components get no AWS credentials: the tasks must take them from the aws_default connection
     env = {
         "DRAFTER_DEPLOYMENT": str(deployment),

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 
 from pipeline.dev.cluster import LocalCluster, LocalImage, LocalNode, expand_variables, scheduling_problems
 from pipeline.ops.kube_api import KubernetesApi
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="containers need root (mount and PID namespaces)")
 
@@ -491,12 +491,6 @@ def indexed_job(
             },
         },
     }
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def last_line(pod) -> str:

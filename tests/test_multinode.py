@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -37,13 +36,7 @@ from pipeline.training.nodes import (
     load_job_manifest,
     node_launcher,
 )
-from tests.conftest import REPO, captured_dataset, storage_config, tiny_config_dict
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from tests.conftest import REPO, captured_dataset, free_port, storage_config, tiny_config_dict
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +110,7 @@ class TrainStage:
             run_id,
             "--dataset",
             setup["dataset"],
-            f"train.rendezvous_port={_free_port()}",
+            f"train.rendezvous_port={free_port()}",
         ]
         self.stderr_path = setup["tmp"] / f"{run_id}-{attempt}.stderr"
         with open(self.stderr_path, "w") as stderr:

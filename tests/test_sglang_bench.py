@@ -1,7 +1,6 @@
 """The production benchmark runner: launch flags, parsing of recorded SGLang responses, and a real run
 over HTTP against stand-in servers started the way SGLang servers are started."""
 
-import socket
 import subprocess
 import sys
 
@@ -19,7 +18,7 @@ from pipeline.engines.sglang_bench import (
     summarize_responses,
 )
 from pipeline.sglang_ngram_rules import launch_from_args, silent_changes
-from tests.conftest import REPO
+from tests.conftest import REPO, free_port
 
 # what SGLang 0.5.23 returns for two finished EAGLE3 requests (meta_info trimmed to what is read)
 RECORDED = [
@@ -220,12 +219,6 @@ def test_recorded_responses_give_throughput_and_acceptance():
     assert summary["accepted_histogram"] == [2, 1, 1, 1]
     plain = summarize_responses([{"meta_info": {"completion_tokens": 8}}], seconds=4.0)
     assert plain == {"requests": 1, "tokens": 8, "seconds": 4.0, "tok_s": 2.0}
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, tiny_tokenizer, tmp_path):

@@ -5,7 +5,6 @@ the stand-in server refuses to start with one."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from pipeline.engines.sglang_draft_checks import (
     sglang_capture_points,
 )
 from pipeline.records import DrafterSource
+from tests.conftest import free_port
 
 SERVED = SpeculativeArgs("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4)
 OVERRIDES = ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "SGLANG_IS_IN_CI")
@@ -339,12 +339,6 @@ def test_a_broken_hot_token_map_is_refused(tiny_target_dir, drafter, damage, mes
 
 def test_eagle3_without_a_draft_path_is_refused(tiny_target_dir):
     assert "without --speculative-draft-model-path" in single_problem(tiny_target_dir, None)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_the_standin_refuses_to_start_with_a_draft_sglang_would_refuse(tiny_target_dir, drafter):

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 from collections import Counter
@@ -28,16 +27,10 @@ from pipeline.manifest import read_listed, read_manifest
 from pipeline.retrying import await_health, poll_until
 from pipeline.stages import run_stage
 from pipeline.storage import open_store
-from tests.conftest import storage_config, tiny_config_dict
+from tests.conftest import free_port, storage_config, tiny_config_dict
 
 MAX_MODEL_LEN = 512
 TOPK = 4
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 FUNCTIONS = [
