@@ -59,11 +59,15 @@ vllm-venv: $(VLLM_STAMP)
 demo: $(BASE_STAMP)
 	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml
 
-# Lint, format and types first (ruff, mypy; configured in pyproject.toml), then the tests.
+# Lint, format and types first (ruff, mypy; configured in pyproject.toml), then the tests, on two
+# workers (pytest-xdist): a module, or a group of modules that share a machine-wide resource, runs on one
+# worker, the longest first (tests/conftest.py). Much of the suite waits on servers, pods and schedulers.
 # pytest exits 5 when it collects nothing; that is not a failure here.
+TEST_WORKERS ?= 2
 test: $(TEST_STAMP) $(VLLM_STAMP) lint
 	scripts/install-system-deps
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
+		--durations=25 tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .

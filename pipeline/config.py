@@ -635,11 +635,17 @@ class SGLangBenchConfig(Strict):
 
 class VllmBenchConfig(VllmEngineConfig):
     """The vLLM benchmark (benchmark.engine 'vllm'): one vLLM engine per method, the measured ones alive at
-    once. vLLM's n-gram runs benchmark.ngram_settings (min_match/max_match/steps as vLLM's
-    prompt_lookup_min/prompt_lookup_max/num_speculative_tokens)."""
+    once or one at a time (engines_at_once). vLLM's n-gram runs benchmark.ngram_settings
+    (min_match/max_match/steps as vLLM's prompt_lookup_min/prompt_lookup_max/num_speculative_tokens)."""
 
     num_speculative_tokens: PositiveInt | None = Field(
         None, description="the candidate's and incumbent's draft chain; default: benchmark.draft_steps"
+    )
+    engines_at_once: bool = Field(
+        True,
+        description="the measured engines alive at once, their passes interleaved round by round; false: one "
+        "engine at a time, each decoding a warm-up pass then max(3, benchmark.repeats) timed passes, paired "
+        "by index (a GPU node holds one Kimi-K2.5 engine, as the SGLang runner's servers run in turn)",
     )
 
 

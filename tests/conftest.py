@@ -164,3 +164,51 @@ def vllm_python() -> Path:
     if not VLLM_PYTHON.is_file():
         pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (or `make test`, which creates it)")
     return VLLM_PYTHON
+
+
+# -- running the suite on two workers (pytest-xdist: `make test` passes -n 2 --dist loadscope) -------------
+# Tests are handed to the workers a group at a time. A module is a group, so its fixtures are built once,
+# on one worker. Modules that share something machine-wide share a group and run one after another on one
+# worker: the local cluster gives pods the addresses 127.0.0.10 and up, and the fault suite writes one
+# results file. The longest groups are handed out first (with --no-loadscope-reorder, in this order).
+SHARED_GROUPS = {
+    "tests/test_rehearsal.py": "local-cluster",
+    "tests/test_local_cluster.py": "local-cluster",
+    "tests/test_fleets.py": "local-cluster",
+    "tests/faults/": "faults",
+}
+LONGEST_GROUPS_FIRST = (
+    "local-cluster",
+    "tests/test_vllm_bench.py",
+    "tests/test_airflow_live.py",
+    "faults",
+    "tests/test_pipeline_e2e.py",
+)
+
+
+def suite_group(nodeid: str) -> str:
+    """The group a test runs in: its module's, or the shared group its module belongs to."""
+    module = nodeid.split("::")[0]
+    return next((group for prefix, group in SHARED_GROUPS.items() if module.startswith(prefix)), module)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        group = suite_group(item.nodeid)
+        return (
+            LONGEST_GROUPS_FIRST.index(group) if group in LONGEST_GROUPS_FIRST else len(LONGEST_GROUPS_FIRST)
+        )
+
+    items.sort(key=rank)  # stable: a group's tests keep their order
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's loadscope scheduling, its scopes being suite_group's groups."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return suite_group(nodeid)
+
+    return GroupScheduling(config, log)

@@ -1,6 +1,7 @@
 """The Airflow DAGs: integrity (parse without a database), params, schedule, per-task placement, the
 Kubernetes pod specs they render (no cluster), and `dag.test` of both DAGs on the tiny target."""
 
+import copy
 import json
 import os
 import subprocess
@@ -162,6 +163,26 @@ for dag_id, task_id in tasks:
     operator = bag.dags[dag_id].get_task(task_id)
     pods[task_id] = ApiClient().sanitize_for_serialization(operator.build_pod_request_obj())
     pods[task_id]["waits"] = [operator.schedule_timeout_seconds, operator.startup_timeout_seconds]
+# the images of the pods that run the run's engine, as Airflow renders them from the configure step's pick
+from drafter_support import DEPLOYMENT
+from pipeline.tasks import configure_run, plan_run
+class Configured:
+    def __init__(self, run):
+        self.run = run
+    def xcom_pull(self, task_ids):
+        assert task_ids == "configure", task_ids
+        return self.run
+images = {}
+for engine in ("sglang", "vllm"):
+    overrides = [f"benchmark.engine={engine}", f"generate.engine={engine}"]
+    if engine == "vllm":
+        overrides.append("generate.vllm_server.urls=[http://vllm-generate-0.vllm-generate.vllm.svc:8000]")
+    plan = plan_run({"config": "configs/kimi-k2.5.yaml", "overrides": overrides}, "r1", DEPLOYMENT.run_config)
+    run = configure_run(plan, None, DEPLOYMENT.engine_images())
+    for dag_id, task_id in (("drafter_train", "benchmark"), ("drafter_data", "responses")):
+        operator = bag.dags[dag_id].get_task(task_id)
+        images[f"{engine} {task_id}"] = operator.render_template(operator.image, {"ti": Configured(run)})
+pods["engine_images"] = images
 print(json.dumps(pods))
 """
 
@@ -216,6 +237,13 @@ def test_kubernetes_deployment_renders_valid_pod_specs(tmp_path):
     assert promote["containers"][0]["image"] == placement["images"]["pipeline"]
     assert "nvidia.com/gpu" not in promote["containers"][0]["resources"]["limits"]
     assert not promote.get("nodeSelector") and not promote.get("tolerations")  # CPU pods go anywhere
+    # the benchmark's and generation's pods run in the image of the run's engine: vLLM's for engine vllm
+    assert pods.pop("engine_images") == {
+        "sglang benchmark": placement["images"]["sglang"],
+        "sglang responses": placement["images"]["pipeline"],
+        "vllm benchmark": placement["images"]["vllm"],
+        "vllm responses": placement["images"]["vllm"],
+    }
     for pod in pods.values():  # each renders back into the Kubernetes model without loss
         pod.pop("waits")
 
@@ -349,6 +377,41 @@ def test_configure_refuses_local_paths_no_pod_mounts():
     with pytest.raises(ConfigError, match="/mnt/weights/Kimi-K2.5"):
         configure_run(moved, mounts)
     configure_run(moved, None)  # tasks in the worker: nothing to check
+
+
+def _written(path: Path, deployment: dict) -> Path:
+    path.write_text(yaml.safe_dump(deployment))
+    return path
+
+
+def test_a_stages_engine_images_name_its_engines_and_known_images(tmp_path):
+    from pipeline.config import ConfigError
+    from pipeline.ops.deployment import load_deployment
+
+    deployment = yaml.safe_load((REPO / "configs/deployment/kubernetes.yaml").read_text())
+    assert load_deployment(REPO / "configs/deployment/kubernetes.yaml").engine_images() == {
+        "generate": {
+            engine: deployment["kubernetes"]["images"][image]
+            for engine, image in (("hf", "pipeline"), ("sglang", "pipeline"), ("vllm", "vllm"))
+        },
+        "benchmark": {
+            engine: deployment["kubernetes"]["images"][image]
+            for engine, image in (("local", "sglang"), ("sglang", "sglang"), ("vllm", "vllm"))
+        },
+    }
+    for stage, entry, message in (
+        ("train", {"engine_images": {"vllm": "vllm"}}, "only generate and benchmark have an engine"),
+        ("benchmark", {"engine_images": {"tgi": "vllm"}}, "unknown engines \\['tgi'\\]"),
+        ("benchmark", {"engine_images": {"vllm": "tgi"}}, "engine_images.vllm"),
+    ):
+        broken = copy.deepcopy(deployment)
+        broken["stages"][stage].update(entry)
+        with pytest.raises(ConfigError, match=message):
+            load_deployment(_written(tmp_path / "deployment.yaml", broken))
+    without_vllm = copy.deepcopy(deployment)
+    del without_vllm["kubernetes"]["images"]["vllm"]
+    with pytest.raises(ConfigError, match="runs in image 'vllm', which kubernetes.images does not name"):
+        load_deployment(_written(tmp_path / "deployment.yaml", without_vllm))
 
 
 def test_permanent_failures_fail_the_task_at_once(dagbag):

@@ -111,6 +111,24 @@ def test_dockerfiles_pin_what_pyproject_pins():
     assert "sglang" not in PYPROJECT["project"]["optional-dependencies"]
 
 
+def test_the_vllm_image_keeps_vllm_apart_at_the_version_the_pipeline_was_coded_to():
+    from pipeline.config import VllmEngineConfig
+    from pipeline.engines.vllm import VLLM_VERSION
+
+    vllm = _dockerfile("vllm")
+    assert re.search(rf"^ARG VLLM_VERSION={re.escape(VLLM_VERSION)}$", vllm, flags=re.M)
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(rf"^VLLM_VERSION := {re.escape(VLLM_VERSION)}$", makefile, flags=re.M)
+    # vLLM in its own virtualenv where benchmark.vllm.python's default finds it from the WORKDIR
+    workdir = re.search(r"^WORKDIR (\S+)$", vllm, flags=re.M).group(1)
+    assert f"{workdir}/{Path(VllmEngineConfig().python).parent.parent}" == "/opt/drafter/.venv-vllm"
+    assert "python3.11 -m venv /opt/drafter/.venv-vllm" in vllm and '"vllm==${VLLM_VERSION}"' in vllm
+    # the pipeline apart from it, with pyproject's torch pin (the CPU build: it never loads the target)
+    torch_pin = _pin(PYPROJECT["project"]["dependencies"], "torch")
+    assert f'"{torch_pin}" --index-url https://download.pytorch.org/whl/cpu' in vllm
+    assert "python3.11 -m venv /opt/venv" in vllm and "pip install --no-cache-dir ." in vllm
+
+
 MODELS = {
     "Namespace": "V1Namespace",
     "Service": "V1Service",

@@ -175,3 +175,49 @@ def test_the_rehearsal_config_is_kimis_in_everything_but_size():
     for stage in ("generate", "capture"):  # fewer servers: the first pods of the same StatefulSets
         urls = rehearsal[f"{stage}.sglang.urls"]
         assert urls == kimi[f"{stage}.sglang.urls"][: len(urls)]
+
+
+class _TaskInstance:
+    def __init__(self, task_id: str, result: dict):
+        self.task_id, self.result = task_id, result
+
+    def xcom_pull(self, task_ids: str) -> dict:
+        assert task_ids == self.task_id
+        return self.result
+
+
+class _Run:
+    def __init__(self, dag_id: str, images: dict[str, str]):
+        self.dag_id, self.images = dag_id, images
+
+    def get_task_instances(self) -> list[_TaskInstance]:
+        return [_TaskInstance("configure", {"images": self.images})]
+
+
+class _Cluster:
+    def __init__(self, rows: list[tuple[str, str, str]]):
+        self.rows = [{"dag_id": d, "task_id": t, "image": i} for d, t, i in rows]
+
+    def pods_run(self) -> list[dict]:
+        return self.rows
+
+
+def test_the_engine_image_check_compares_each_pod_with_its_runs_pick():
+    from pipeline.dev.rehearsal import RehearsalFailed, check_engine_images
+
+    picked = {"generate": "pipeline:1", "benchmark": "sglang:1"}
+    runs = [_Run("drafter_data", picked), _Run("drafter_train", picked)]
+    pods = [
+        ("drafter_data", "generate_shard", "pipeline:1"),
+        ("drafter_data", "responses", "pipeline:1"),
+        ("drafter_data", "prompts", "pipeline:1"),
+        ("drafter_train", "benchmark", "sglang:1"),
+        ("drafter_train", "train", "trainer:1"),
+    ]
+    line = check_engine_images(runs, _Cluster(pods))
+    assert line == "engine images: drafter_data.generate ['pipeline:1'], drafter_train.benchmark ['sglang:1']"
+    wrong = [*pods[:3], ("drafter_train", "benchmark", "vllm:1")]
+    with pytest.raises(RehearsalFailed, match="benchmark"):
+        check_engine_images(runs, _Cluster(wrong))
+    with pytest.raises(RehearsalFailed):  # no benchmark pod ran at all
+        check_engine_images(runs, _Cluster(pods[:3]))

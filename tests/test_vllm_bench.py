@@ -173,6 +173,27 @@ def test_the_vllm_benchmark_records_every_method_with_vllms_figures(run):
     assert record.speed_model is None
 
 
+def test_engines_one_at_a_time_measure_every_method_in_turn_with_paired_passes(run, prompts, caplog):
+    """benchmark.vllm.engines_at_once false, as on a GPU node that holds one Kimi-K2.5 engine: each engine
+    decodes all its passes before the next one starts, and the speedups pair max(3, repeats) passes."""
+    data = run["config"].model_dump(mode="json")
+    data["benchmark"].update({"max_new_tokens": 16, "repeats": 3})
+    data["benchmark"]["vllm"]["engines_at_once"] = False
+    config = load_config(data=data)
+    with caplog.at_level("INFO", logger="pipeline.engines.vllm_bench"):
+        record = vllm_record(
+            config, run["target_dir"], {"candidate": run["drafter_dir"]}, prompts[:4], run["evaluation"], RUN
+        )
+    passes = [
+        m.getMessage().split(": ")[1].split(" pass ")[0] for m in caplog.records if " pass " in m.getMessage()
+    ]
+    assert passes == ["baseline"] * 3 + ["ngram"] * 3 + ["candidate"] * 3
+    assert {len(result.round_tok_s) for result in record.methods.present().values()} == {3}
+    assert set(record.speedups) == {"baseline", "ngram"}
+    assert all(s.rounds == 3 and s.ci_low <= s.ratio <= s.ci_high for s in record.speedups.values())
+    assert record.methods.candidate.tau_measured is not None and record.methods.candidate.tau_measured > 1.0
+
+
 def test_a_missing_vllm_python_is_a_clear_error(run, prompts, tmp_path):
     config = run["config"].model_copy(deep=True)
     assert config.benchmark.vllm is not None

@@ -99,9 +99,12 @@ def _check(condition: bool, what: str) -> None:
 
 
 def _images() -> dict[str, LocalImage]:
-    """The three images of configs/deployment/kubernetes.yaml, as this machine has them: the project at
+    """The images of configs/deployment/kubernetes.yaml, as this machine has them: the project at
     /opt/drafter (the Dockerfiles' WORKDIR) and at its own path (its virtualenv points there), and the
-    Python it runs on. The SGLang image's `sglang` is the stand-in (pipeline/dev/sglang_shim)."""
+    Python it runs on. The SGLang image's `sglang` is the stand-in (pipeline/dev/sglang_shim); the vLLM
+    image's vLLM is vLLM's CPU build at /opt/drafter/.venv-vllm, where docker/vllm.Dockerfile puts its GPU
+    build (the rehearsal's Kimi-like target is a model of the project's own that vLLM does not serve, so
+    its runs keep benchmark.engine sglang and no pod runs this image)."""
     from airflow.providers.cncf.kubernetes.utils.xcom_sidecar import PodDefaults
 
     deployment = yaml.safe_load(DEPLOYMENT.read_text())["kubernetes"]["images"]
@@ -134,6 +137,7 @@ def _images() -> dict[str, LocalImage]:
         deployment["pipeline"]: pipeline,
         deployment["trainer"]: pipeline,
         deployment["sglang"]: sglang,
+        deployment["vllm"]: pipeline,
         PodDefaults.SIDECAR_CONTAINER.image: sidecar,
     }
 
@@ -924,6 +928,32 @@ def check_fleets_followed_their_stages(run, cluster: LocalCluster) -> str:
     return "; ".join(summary)
 
 
+# the tasks of the stages whose image follows the run's engine (dags/: generate_shard is mapped over shards)
+ENGINE_STAGE_TASKS = {"generate_shard": "generate", "responses": "generate", "benchmark": "benchmark"}
+
+
+def check_engine_images(runs: list, cluster: LocalCluster) -> str:
+    """The pods of the stages whose image follows the run's engine (the deployment's engine_images) ran in
+    the image their run's configure step picked: the pod's templated image, rendered by Airflow."""
+    picked: dict[tuple[str, str], set[str]] = {}
+    for run in runs:
+        configure = next(ti for ti in run.get_task_instances() if ti.task_id == "configure")
+        for stage, image in ((configure.xcom_pull(task_ids="configure") or {}).get("images") or {}).items():
+            picked.setdefault((run.dag_id, stage), set()).add(image)
+    ran: dict[tuple[str, str], set[str]] = {}
+    for row in cluster.pods_run():
+        stage = ENGINE_STAGE_TASKS.get(row["task_id"])
+        if stage and (row["dag_id"], stage) in picked:
+            ran.setdefault((row["dag_id"], stage), set()).add(row["image"])
+    expected = {("drafter_data", "generate"), ("drafter_train", "benchmark")}
+    _check(
+        set(ran) == expected and all(images == picked.get(key) for key, images in ran.items()),
+        f"the generate and benchmark pods ran in the images picked for the runs' engines: {ran} "
+        f"(picked: {picked})",
+    )
+    return "engine images: " + ", ".join(f"{d}.{t} {sorted(i)}" for (d, t), i in sorted(ran.items()))
+
+
 def run_dags(
     runbook: Runbook, serving: ServingDeployment, cluster: LocalCluster, reference_url: str, workspace: Path
 ) -> list[str]:
@@ -984,6 +1014,7 @@ def run_dags(
     second_version = promoted_version(cron)
     _check(second_version != first_version, f"the cron run promoted a new version {second_version}")
 
+    lines.append(check_engine_images([data, first, cron], cluster))
     runbook.run("drafter rollback --config configs/kimi-k2.5.yaml")
     runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
     lines.append(check_serving(serving, first_version, reference_url))

@@ -62,6 +62,22 @@ def retried_request(engine: str, attempt: Callable[[int], T], attempts: int, dea
         raise EngineUnavailable(f"{engine} request failed after {tried} attempts: {err}{cut_short}") from err
 
 
+# what a server answers while it is loading, overloaded or restarting: worth another try
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+def pooled_session(servers: int, concurrency: int):
+    """A requests.Session for a client of `servers` servers: a connection pool per server, holding up to
+    max(4, concurrency) connections each."""
+    import requests
+
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_connections=servers, pool_maxsize=max(4, concurrency))
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
 def engine_servers(section) -> int:
     """How many servers a stage's (generate or capture config section) engine spreads over; the
     in-process engine counts as one."""

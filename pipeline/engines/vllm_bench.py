@@ -3,8 +3,10 @@
 speculative-decoding counters.
 
 The methods measured against each other are alive at once and decoded interleaved, one pass over every
-prompt per method per round (pipeline.spread.measure), so machine noise falls on all of them alike. n-gram
-settings are first timed one engine at a time on the calibration prompts; the fastest is then measured.
+prompt per method per round (pipeline.spread.measure), so machine noise falls on all of them alike; where
+one engine fills the machine (Kimi-K2.5 on a GPU node: benchmark.vllm.engines_at_once false) they run one
+at a time instead (`measure_engines_in_turn`). n-gram settings are first timed one engine at a time on the
+calibration prompts; the fastest is then measured.
 
 vLLM counts acceptance differently from the reference decoder at the end of a request: it drafts
 num_speculative_tokens in every step ("We don't schedule partial draft tokens",
@@ -20,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -183,6 +186,41 @@ def measure_engines(
     )
     log.info("benchmark (vllm): %d measured rounds, stopped by %s", measured.rounds, measured.stopped_by)
     return {name: runs[len(runs) - measured.rounds :] for name, runs in passes.items()}, measured
+
+
+def measure_engines_in_turn(
+    specs: Mapping[str, EngineSpec],
+    settings: VllmEngineConfig,
+    trust_remote_code: bool,
+    prompts: list[list[int]],
+    bench: BenchmarkConfig,
+) -> tuple[dict[str, list[VllmGeneration]], Measurement, str]:
+    """benchmark.vllm.engines_at_once false: one engine alive at a time, as a GPU node holds one Kimi-K2.5
+    engine. Each decodes a warm-up pass, then max(3, benchmark.repeats) timed passes over the prompts; the
+    speedups pair the passes by index (stopped by "max_rounds": their number is fixed beforehand). A drift of
+    the machine from one engine to the next is not cancelled as interleaved rounds cancel it. The timed passes
+    per engine, the measurement, and vLLM's version."""
+    rounds = max(3, bench.repeats)
+    passes: dict[str, list[VllmGeneration]] = {}
+    version = ""
+    start = time.perf_counter()
+    for name, spec in specs.items():
+        with running_engine(name, settings, spec.model_dir, spec.speculation, trust_remote_code) as engine:
+            version = engine.vllm_version
+            decode_pass(engine, prompts, bench.max_new_tokens)
+            passes[name] = []
+            for index in range(rounds):
+                passes[name].append(decode_pass(engine, prompts, bench.max_new_tokens))
+                log.info(
+                    "benchmark (vllm): %s pass %d of %d: %.1f tok/s",
+                    name,
+                    index + 1,
+                    rounds,
+                    pass_tok_s(passes[name][-1]),
+                )
+    samples = {name: tuple(pass_tok_s(g) for g in runs) for name, runs in passes.items()}
+    elapsed = time.perf_counter() - start
+    return passes, Measurement(samples, rounds, "max_rounds", bench.confidence, elapsed), version
 
 
 class RoundLog:

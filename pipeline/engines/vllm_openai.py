@@ -30,17 +30,18 @@ import orjson
 
 from pipeline.config import VllmServerClientConfig
 from pipeline.engines import (
+    RETRYABLE_STATUS,
     EngineError,
     EngineUnavailable,
     Generation,
     SamplingParams,
     TransientRequestError,
+    pooled_session,
     retried_request,
 )
 
 log = logging.getLogger(__name__)
 
-RETRYABLE_STATUS = {408, 429, 500, 502, 503, 504}
 TOKEN_ID_PREFIX = "token_id:"
 SAMPLING_EPSILON = 1e-6  # temperatures at or below it decode greedily, as the HF engine does
 
@@ -49,18 +50,11 @@ class OpenAIClient:
     """JSON over HTTP to several OpenAI-compatible servers: bounded concurrency, retries, a deadline."""
 
     def __init__(self, settings: VllmServerClientConfig):
-        import requests
-
         self.settings = settings
         self.urls = [u.rstrip("/") for u in settings.urls]
         self._next_start = cycle(range(len(self.urls)))
         self._lock = Lock()
-        self.session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(
-            pool_connections=len(self.urls), pool_maxsize=max(4, settings.concurrency)
-        )
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        self.session = pooled_session(len(self.urls), settings.concurrency)
 
     def _first_server(self) -> int:
         with self._lock:

@@ -44,8 +44,24 @@ class Toleration(Strict):
 PLACED_STEPS = ("configure", "fleet", *STAGES)
 
 
+ImageName = Literal["pipeline", "trainer", "sglang", "vllm"]
+# The stages whose run-config section names an engine (`<stage>.engine`), and that section's engines.
+ENGINE_STAGES: dict[str, tuple[str, ...]] = {
+    "generate": ("hf", "sglang", "vllm"),
+    "benchmark": ("local", "sglang", "vllm"),
+}
+# A pod's image where it follows the run's engine: what the configure step picked (`configure_run`), read
+# when Airflow renders the pod's templated fields, just before the pod is created.
+ENGINE_IMAGE_TEMPLATE = "{{{{ ti.xcom_pull(task_ids='configure')['images']['{stage}'] }}}}"
+
+
 class StageResources(Strict):
-    image: Literal["pipeline", "trainer", "sglang"] = "pipeline"
+    image: ImageName = "pipeline"
+    engine_images: dict[str, ImageName] = Field(
+        default_factory=dict,
+        description="generate and benchmark: the image by the run config's engine (<stage>.engine), picked "
+        "when the run is configured; `image` for an engine not listed",
+    )
     cpu: str = "1"
     memory: str = "4Gi"
     gpus: int = Field(0, ge=0)
@@ -61,7 +77,7 @@ class KubernetesPlacement(Strict):
     service_account: str = Field(
         "drafter-pipeline", description="IRSA / workload identity role with S3 access"
     )
-    images: dict[Literal["pipeline", "trainer", "sglang"], str]
+    images: dict[ImageName, str]
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     node_selector_gpu: dict[str, str] = Field(default_factory=dict)
     gpu_tolerations: list[Toleration] = Field(
@@ -142,6 +158,20 @@ class DeploymentConfig(Strict):
     def _kubernetes_has_placement(self) -> DeploymentConfig:
         if self.executor == "kubernetes" and self.kubernetes is None:
             raise ValueError("executor 'kubernetes' needs a kubernetes section (images, namespace, volumes)")
+        problems = [
+            problem for name, stage in self.stages.items() for problem in _image_problems(name, stage)
+        ]
+        if self.kubernetes is not None:
+            named = {
+                name: {stage.image, *stage.engine_images.values()} for name, stage in self.stages.items()
+            }
+            problems += [
+                f"stages.{name} runs in image {image!r}, which kubernetes.images does not name"
+                for name, images in named.items()
+                for image in sorted(images - set(self.kubernetes.images))
+            ]
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     def stage(self, name: str) -> StageResources:
@@ -169,6 +199,21 @@ class DeploymentConfig(Strict):
         fleets = self.kubernetes.fleets if self.kubernetes else {}
         return fleets[stage].model_dump() if stage in fleets else None
 
+    def engine_images(self) -> dict[str, dict[str, str]] | None:
+        """For each stage whose image follows the run's engine (`engine_images`), the image reference per
+        engine of its section (the stage's `image` where engine_images names none); the configure step
+        picks the run's (`pipeline.tasks.configure_run`). None when tasks run in the worker."""
+        if self.kubernetes is None:
+            return None
+        images = self.kubernetes.images
+        return {
+            name: {
+                engine: images[stage.engine_images.get(engine, stage.image)] for engine in ENGINE_STAGES[name]
+            }
+            for name, stage in self.stages.items()
+            if stage.engine_images
+        }
+
     def pod_mounts(self, name: str) -> list[PodMount]:
         """Every volume a stage's pod mounts (the common ones, then the stage's own)."""
         if self.kubernetes is None:
@@ -188,7 +233,9 @@ class DeploymentConfig(Strict):
         from pipeline.failures import POD_EXIT_CODES_ENV
 
         options: dict[str, Any] = {
-            "image": placement.images[stage.image],
+            "image": ENGINE_IMAGE_TEMPLATE.format(stage=name)
+            if stage.engine_images
+            else placement.images[stage.image],
             "namespace": placement.namespace,
             "service_account_name": placement.service_account,
             "image_pull_policy": placement.image_pull_policy,
@@ -226,6 +273,27 @@ class DeploymentConfig(Strict):
         if volumes:
             options["volumes"], options["volume_mounts"] = volumes, volume_mounts
         return options
+
+
+def _image_problems(name: str, stage: StageResources) -> list[str]:
+    """What is wrong with a stage's engine_images: only a stage with an engine has them, by its engines."""
+    if not stage.engine_images:
+        return []
+    if name not in ENGINE_STAGES:
+        return [f"stages.{name}.engine_images: only {' and '.join(ENGINE_STAGES)} have an engine"]
+    unknown = sorted(set(stage.engine_images) - set(ENGINE_STAGES[name]))
+    if unknown:
+        return [
+            f"stages.{name}.engine_images names unknown engines {unknown}; {name}.engine is one of "
+            f"{', '.join(ENGINE_STAGES[name])}"
+        ]
+    return []
+
+
+def pick_engine_images(config: Any, engine_images: dict[str, dict[str, str]]) -> dict[str, str]:
+    """The image of each stage in `engine_images` (DeploymentConfig.engine_images) for the run config's
+    engine of that stage (`<stage>.engine`)."""
+    return {stage: images[getattr(config, stage).engine] for stage, images in engine_images.items()}
 
 
 def _volume(k8s, name: str, mount: PodMount):

@@ -600,13 +600,15 @@ def vllm_record(
 ) -> BenchRecord:
     """vLLM engines on this machine (its CPU build locally, its GPU build in a benchmark pod): every n-gram
     setting timed one engine at a time, then baseline, the fastest n-gram, the incumbent and the candidate
-    alive at once and measured interleaved, one prompt at a time (pipeline.engines.vllm_bench); acceptance
+    measured one prompt at a time, alive at once and interleaved or, with benchmark.vllm.engines_at_once
+    false, one engine after another (pipeline.engines.vllm_bench); acceptance
     from vLLM's counters. Every output must equal the baseline's greedy decoding. The candidate drafts a
     chain of benchmark.vllm.num_speculative_tokens (default: benchmark.draft_steps)."""
     from pipeline.engines.vllm import eagle3_speculation, vllm_python
     from pipeline.engines.vllm_bench import (
         EngineSpec,
         measure_engines,
+        measure_engines_in_turn,
         method_result,
         ngram_setting_speculation,
         pass_tok_s,
@@ -636,9 +638,12 @@ def vllm_record(
         },
     }
     others = [name for name in specs if name != "candidate"]
-    with running_engines(specs, settings, trust) as engines:
-        version = engines["baseline"].vllm_version
-        passes, measured = measure_engines(engines, prompts, bench, [("candidate", o) for o in others])
+    if settings.engines_at_once:
+        with running_engines(specs, settings, trust) as engines:
+            version = engines["baseline"].vllm_version
+            passes, measured = measure_engines(engines, prompts, bench, [("candidate", o) for o in others])
+    else:
+        passes, measured, version = measure_engines_in_turn(specs, settings, trust, prompts, bench)
     require_greedy_outputs(passes, swept)
     methods = BenchMethods.model_validate({name: method_result(runs) for name, runs in passes.items()})
     sweep = vllm_ngram_sweep(bench, {label: method_result([g]) for label, g in swept.items()}, methods.ngram)
