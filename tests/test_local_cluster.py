@@ -307,7 +307,7 @@ def wait_for(condition, timeout=30.0):
 def gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before or while /proc was read
         return True
     return state in ("Z", "X")
 
@@ -415,8 +415,10 @@ def test_a_pod_with_a_readiness_probe_is_ready_only_while_the_probe_answers(api)
         spec = {"containers": [{"name": "base", "image": "python", "command": ["sleep", "30"], **container}]}
         return api.create_pod({"metadata": {"name": name, "namespace": "ns"}, "spec": spec})
 
+    # a port nothing on this machine listens on (a pod of an earlier test may still be going away)
+    port = free_port()
     unanswered = pod(
-        "unanswered", readinessProbe={"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1}
+        "unanswered", readinessProbe={"httpGet": {"path": "/", "port": port}, "periodSeconds": 1}
     )
     unprobed = pod("unprobed")
     wait_for(lambda: unprobed.ready() and unanswered.current_phase() == "Running")
