@@ -41,7 +41,7 @@ class StorageConfig(Strict):
     max_attempts: PositiveInt = Field(
         8,
         description="S3 requests: attempts on throttling (503 SlowDown), 5xx, "
-        "dropped connections and stale or torn reads",
+        "dropped connections and torn reads (an object whose checksum does not match: 3 reads at most)",
     )
     local_cache: str = Field(".cache/drafter", description="local dir for models, downloads, work dirs")
 

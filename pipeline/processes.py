@@ -47,3 +47,21 @@ def stop_process_group(process: subprocess.Popen, grace_s: float) -> None:
         process.wait()
     except ProcessLookupError:
         process.wait()
+
+
+def session_members(session_id: int) -> list[int]:
+    """Linux: the live (not zombie) processes of a session, from /proc. A process started with
+    start_new_session leads a session that holds whatever it starts in process groups of their own."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue  # gone while /proc was read
+        state, session = fields[0], int(fields[3])
+        if session == session_id and state != "Z":
+            members.append(int(entry.name))
+    return members

@@ -55,6 +55,10 @@ def _retrying_reads(attempts: int, retry_on: type[BaseException] | tuple[type[Ba
 
 
 _CHUNK = 8 * 1024 * 1024
+# S3 reads back what was written (strong read-after-write consistency), so a whole object that does not
+# hash to its manifest's checksum is corrupt, or was rewritten while read: it is read twice more, not for
+# as long as throttling is retried (max_attempts, up to half a minute of pauses).
+CHECKSUM_READS = 3
 
 
 class StorageError(RuntimeError):
@@ -302,7 +306,8 @@ class S3Store(ObjectStore):
         self.endpoint_url, self.region = endpoint_url, region
         self.prefix = prefix.strip("/")
         self.root_uri = f"s3://{_join(bucket, self.prefix)}"
-        self.max_attempts = self.verify_attempts = max_attempts
+        self.max_attempts = max_attempts
+        self.verify_attempts = min(max_attempts, CHECKSUM_READS)
         self.client = s3_client(endpoint_url, region, max_attempts, connect_timeout=20, read_timeout=120)
         self.transfer = TransferConfig(
             multipart_threshold=multipart_threshold_mb * 1024 * 1024,

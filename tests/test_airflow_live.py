@@ -146,7 +146,7 @@ def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir):
         _wait_for_dags(client)
         yield {"home": home, "base": base, "client": client, "password": password}
     finally:
-        airflow_local.down(home)
+        airflow_local.down(home, grace_s=5)  # what a test leaves running is killed, not waited for
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import PROJECT_ROOT
+from pipeline.processes import session_members
 from pipeline.retrying import poll_until
 
 COMPONENTS = {
@@ -125,35 +126,41 @@ def up(
     return pids
 
 
-def down(home: Path) -> None:
-    """SIGTERM every component's process group, then SIGKILL what is left after a grace period."""
+def down(home: Path, grace_s: float = 20.0) -> None:
+    """SIGTERM every process of the components' sessions (the task runners the scheduler starts lead
+    process groups of their own there), then SIGKILL what is left after grace_s (a running task's runner
+    can take that long: the scheduler waits for it)."""
     pid_file = home.resolve() / "pids.json"
     if not pid_file.exists():
         return
-    pids = json.loads(pid_file.read_text())["pids"].values()
-    for pid in pids:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+    sessions = list(json.loads(pid_file.read_text())["pids"].values())
+    _signal_sessions(sessions, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and _left(sessions):
         time.sleep(0.2)
-    for pid in pids:
-        _signal(pid, signal.SIGKILL)
+    _signal_sessions(sessions, signal.SIGKILL)
+    _left(sessions)
     pid_file.unlink()
 
 
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
+def _signal_sessions(sessions: list[int], sig: int) -> None:
+    for session in sessions:
+        for pid in session_members(session):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
+def _left(sessions: list[int]) -> list[int]:
+    """The components' processes still running. A component that `up` started in this same process is
+    reaped first: as a zombie it would count as running until the grace period ran out."""
+    for pid in sessions:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass  # started by another process (`airflow_local up`), or reaped already
+    return [pid for session in sessions for pid in session_members(session)]
 
 
 def main() -> None:

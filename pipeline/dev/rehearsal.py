@@ -124,6 +124,10 @@ def _images() -> dict[str, LocalImage]:
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "DRAFTER_HOME": "/opt/drafter",
+        # Pods share this machine's cores as pods share a node: one OpenMP thread each unless this machine's
+        # environment says otherwise. Several processes at once, each with a thread per core, stall at OpenMP
+        # barriers (two side by side ran 3x slower than with one thread each).
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
     pipeline = LocalImage(files, "/opt/drafter", base, masked)
     sglang = LocalImage(
