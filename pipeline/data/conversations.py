@@ -1,7 +1,8 @@
 """Conversations: normalizing common formats, and rendering them with the target's chat template.
 
 A normalized conversation is a list of {"role": "system"|"user"|"assistant", "content": str} that
-starts (after an optional system message) with a user turn and alternates user/assistant.
+starts (after an optional system message) with a user turn and alternates user/assistant, or holds user
+turns only (prompts that the target answers in turn, as MT-Bench's two).
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def normalize_conversation(record: Any) -> list[dict[str, str]]:
         raise BadRecord("system_not_first")
     if not body or body[0]["role"] != "user":
         raise BadRecord("no_user_turn_first")
+    prompts_only = all(m["role"] == "user" for m in body)  # asked in turn, each after the last answer
     for index, message in enumerate(body):
-        expected = "user" if index % 2 == 0 else "assistant"
+        expected = "user" if prompts_only or index % 2 == 0 else "assistant"
         if message["role"] != expected:
             raise BadRecord("roles_not_alternating")
     return messages

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
 import logging
 import os
@@ -430,15 +431,21 @@ def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
 MALFORMED_LINE = '{"conversations": [{"from": "human", "value": "an export cut off mid-rec'
 
 
+STANDARD_SET_RECORDS = 4  # conversations of the demo corpus written as each standard set's records
+
+
 def write_prompt_files(directory: Path) -> None:
-    """sharegpt.jsonl (with one truncated line, as exports have) and ultrachat.parquet (OpenAI form)."""
+    """sharegpt.jsonl (with one truncated line, as exports have) and ultrachat.parquet (OpenAI form), and
+    under eval/ the standard sets configs/kimi-k2.5.yaml evaluates on, in their publishers' formats."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from pipeline.engines.tiny_target import demo_conversations
 
     conversations = demo_conversations()
-    sharegpt = [json.dumps(c) for c in conversations[0::2]]
+    held_back = 5 * STANDARD_SET_RECORDS
+    training, standard = conversations[:-held_back], conversations[-held_back:]
+    sharegpt = [json.dumps(c) for c in training[0::2]]
     sharegpt.insert(len(sharegpt) // 2, MALFORMED_LINE)
     (directory / "sharegpt.jsonl").write_text("\n".join(sharegpt) + "\n")
     rows = [
@@ -448,9 +455,55 @@ def write_prompt_files(directory: Path) -> None:
                 for t in c["conversations"]
             ]
         }
-        for c in conversations[1::2]
+        for c in training[1::2]
     ]
     pq.write_table(pa.Table.from_pylist(rows), directory / "ultrachat.parquet")
+    write_standard_sets(directory / "eval", [c["conversations"][0]["value"] for c in standard])
+
+
+def write_standard_sets(directory: Path, asked: list[str]) -> None:
+    """The five standard sets' files, each in its publisher's format (pipeline/data/standard_sets.py), with
+    questions from the demo corpus: the real sets' prompts are longer than the rehearsal's 160 tokens (BFCL's
+    function specs alone are), and three of them ship in no registry package (pipeline/dev/shipped_sets.py).
+    """
+    chunks = [asked[i::5] for i in range(5)]
+    lookup = {
+        "name": "lookup",
+        "description": "Look a name up in the project's documentation.",
+        "parameters": {"type": "dict", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+    }
+    records: dict[str, list[dict[str, Any]]] = {
+        "mt_bench/question.jsonl": [
+            {"question_id": 81 + i, "category": "coding", "turns": [q, "Say that again in one sentence."]}
+            for i, q in enumerate(chunks[0])
+        ],
+        "gsm8k/test.jsonl": [{"question": q, "answer": "#### 0"} for q in chunks[1]],
+        "math500/test.jsonl": [
+            {
+                "problem": q,
+                "solution": "",
+                "answer": "",
+                "subject": "Prealgebra",
+                "level": 1,
+                "unique_id": f"test/prealgebra/{i}.json",
+            }
+            for i, q in enumerate(chunks[3])
+        ],
+        "bfcl/BFCL_v4_simple_python.json": [
+            {"id": f"simple_python_{i}", "question": [[{"role": "user", "content": q}]], "function": [lookup]}
+            for i, q in enumerate(chunks[4])
+        ],
+    }
+    humaneval = [
+        {"task_id": f"HumanEval/{i}", "prompt": f'def answer():\n    """{q}"""\n', "entry_point": "answer"}
+        for i, q in enumerate(chunks[2])
+    ]
+    for name, lines in records.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        (directory / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (directory / "humaneval").mkdir(parents=True, exist_ok=True)
+    with gzip.open(directory / "humaneval" / "HumanEval.jsonl.gz", "wt") as handle:
+        handle.writelines(json.dumps(line) + "\n" for line in humaneval)
 
 
 def start_reference_server(model_dir: Path, workspace: Path, processes: list[subprocess.Popen]) -> str:

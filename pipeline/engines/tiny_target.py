@@ -182,12 +182,46 @@ def corpus_turns(heldout: bool, max_modules: int | None = None) -> list[CodeTurn
     return [turn for path in modules for turn in module_turns(path)]
 
 
+# The demo corpus's two domains: functions of modules that read and write data formats, and the rest
+# (the language runtime: syntax trees, threads, enums, temporary files, tracebacks). They differ in what a
+# drafter meets: byte and field handling against control flow over objects.
+DATA_FORMAT_MODULES = frozenset(
+    {
+        "mailbox",
+        "tarfile",
+        "pickletools",
+        "stringprep",
+        "imghdr",
+        "colorsys",
+        "uu",
+        "zipfile",
+        "csv",
+        "wave",
+        "aifc",
+        "sunau",
+        "plistlib",
+        "quopri",
+        "base64",
+        "binhex",
+        "mimetypes",
+        "netrc",
+        "gzip",
+    }
+)
+
+
+def demo_domain(module: str) -> str:
+    return "data-formats" if module in DATA_FORMAT_MODULES else "runtime"
+
+
 def demo_conversations() -> list[dict]:
-    """The built-in demo prompt corpus: ShareGPT-style conversations from held-out modules."""
+    """The built-in demo prompt corpus: ShareGPT-style conversations from held-out modules, each tagged
+    with its domain (demo_domain)."""
     return [
         {
             "conversations": [{"from": "human", "value": t.prompt}, {"from": "gpt", "value": t.response}],
             "source": f"stdlib:{t.module}.{t.qualname}",
+            "domain": demo_domain(t.module),
         }
         for t in corpus_turns(heldout=True)
     ]

@@ -337,6 +337,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         ("train samples", result.get("train_samples")),
         ("cond_acc_k (eval)", evaluation.cond_acc if evaluation else None),
         ("tau simulated (eval)", evaluation.tau_simulated if evaluation else None),
+        *(_domain_rows(evaluation) if evaluation else []),
         ("benchmark engine", " ".join(filter(None, (bench.engine, bench.engine_version))) if bench else None),
         ("tau predicted (bench)", bench.tau_simulated if bench else None),
         ("tau measured (bench)", bench.tau_measured if bench else None),
@@ -348,6 +349,22 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         ],
         ("promoted version", promote.version if promote and promote.promoted else None),
     ]
+
+
+def _domain_rows(evaluation: EvalRecord) -> list[tuple[str, Any]]:
+    """Per held-out domain: the candidate's cond_acc_k and tau, beside the incumbent's on that domain."""
+    incumbent = evaluation.incumbent if isinstance(evaluation.incumbent, IncumbentEval) else None
+    rows = []
+    for domain, metrics in sorted(evaluation.domains.items()):
+        theirs = incumbent.domains.get(domain) if incumbent else None
+        beside = f" (incumbent {theirs.tau_simulated:.3f})" if theirs else ""
+        rows.append(
+            (
+                f"domain {domain} (eval, {metrics.samples} held out)",
+                f"cond_acc_k {_cell(metrics.cond_acc)}; tau simulated {metrics.tau_simulated:.3f}{beside}",
+            )
+        )
+    return rows
 
 
 @dataclass(frozen=True)

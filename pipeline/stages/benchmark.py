@@ -17,13 +17,21 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from pipeline import layout
-from pipeline.config import BenchmarkConfig, NgramLocalSetting, NgramServerSetting, RunConfig, VllmBenchConfig
+from pipeline.config import (
+    DEFAULT_DOMAIN,
+    BenchmarkConfig,
+    NgramLocalSetting,
+    NgramServerSetting,
+    RunConfig,
+    VllmBenchConfig,
+)
 from pipeline.data.conversations import prompt_ids
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.decoding.reference_decoder import (
@@ -86,17 +94,29 @@ class BenchmarkFailed(RuntimeError):
 
 
 def heldout_prompts(store: ObjectStore, prompts_uri: str, tokenizer, count: int) -> list[list[int]]:
+    """The first user turn of up to `count` held-out conversations, taken from every domain in turn (one of
+    each, then the next of each), so the benchmark covers all domains alike."""
     prefix = store.key_for(prompts_uri)
     manifest = read_manifest(store, prefix, kind="prompts")
-    prompts = []
+    shards_of: dict[str, list[str]] = {}
     for shard in manifest["shards"]:
-        if shard["split"] != "eval":
-            continue
-        for record in decode_jsonl(read_listed(store, prefix, manifest, shard["name"])):
+        if shard["split"] == "eval":
+            shards_of.setdefault(shard.get("domain", DEFAULT_DOMAIN), []).append(shard["name"])
+    streams = [
+        chain.from_iterable(decode_jsonl(read_listed(store, prefix, manifest, name)) for name in names)
+        for _, names in sorted(shards_of.items())
+    ]
+    prompts: list[list[int]] = []
+    while streams and len(prompts) < count:
+        for stream in list(streams):
+            record = next(stream, None)
+            if record is None:
+                streams.remove(stream)
+                continue
             first_user = next(i for i, m in enumerate(record["messages"]) if m["role"] == "user")
             prompts.append(prompt_ids(tokenizer, record["messages"][: first_user + 1]))
             if len(prompts) == count:
-                return prompts
+                break
     if not prompts:
         raise BenchmarkFailed(f"prompts {prompts_uri} have no held-out (eval) conversations to benchmark on")
     return prompts

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from pipeline import layout
-from pipeline.config import RunConfig, default_aux_layer_ids
+from pipeline.config import DEFAULT_DOMAIN, RunConfig, default_aux_layer_ids
 from pipeline.data.activation_outliers import channel_amax, merge_channel_amax, outlier_summary
 from pipeline.data.capture_contract import CaptureContract, build_contract, require_same_contract
 from pipeline.data.capture_shards import CaptureSample, EncodingReport, write_checked_shard
@@ -417,7 +417,12 @@ def _capture_shard(
             {
                 "bytes": info.bytes,
                 "sha256": info.sha256,
-                "shard": {"name": name, "split": response_shard["split"], **stats},
+                "shard": {
+                    "name": name,
+                    "split": response_shard["split"],
+                    "domain": response_shard.get("domain", DEFAULT_DOMAIN),
+                    **stats,
+                },
             }
         )
     else:

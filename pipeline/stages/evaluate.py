@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline import layout
-from pipeline.config import RunConfig
+from pipeline.config import DEFAULT_DOMAIN, RunConfig
 from pipeline.data.capture_contract import contract_differences, require_same_contract
 from pipeline.drafter.export import load_drafter, read_drafter_dir
 from pipeline.drafter.objective import DraftObjective, choose_teacher
@@ -46,6 +47,17 @@ class EvaluationFailed(RuntimeError):
     pass
 
 
+def domain_plan(shards: StreamingShards, domains: list[str], micro_batch: int) -> list[tuple[str, list]]:
+    """Every sample once, as (domain, micro-batch): a batch never mixes domains (`domains`: each shard's)."""
+    if len(domains) != len(shards.shards):
+        raise EvaluationFailed(f"{len(domains)} domains for {len(shards.shards)} shards")
+    plan = []
+    for domain in sorted(set(domains)):
+        indices = [i for i, shard_domain in enumerate(domains) if shard_domain == domain]
+        plan += [(domain, batch) for batch in sequential_plan(shards.shards, micro_batch, indices)]
+    return plan
+
+
 def evaluate_drafter(
     drafter_dir: Path,
     shards: StreamingShards,
@@ -54,28 +66,49 @@ def evaluate_drafter(
     micro_batch: int,
     chunk: int,
     teacher: str = "auto",
+    domains: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Metrics of one drafter over every sample of the shards, from counts summed over all of them."""
+    """Metrics of one drafter over every sample of the shards, from counts summed over all of them, and
+    the same per domain (`domains`: each shard's; default: all in DEFAULT_DOMAIN)."""
     frozen = load_frozen_tensors(target_dir)
     drafter, contract = load_drafter(drafter_dir, frozen["embed"].float())
     teacher = choose_teacher(teacher, shards.teachers())
     objective = DraftObjective(
         drafter, frozen["lm_head"].float(), teacher, steps, 1.0, chunk, TREE_WIDTHS
     ).eval()
-    totals = MetricCounts.empty(steps, TREE_WIDTHS)
-    plan = sequential_plan(shards.shards, micro_batch)
+    shard_domains = domains or [DEFAULT_DOMAIN] * len(shards.shards)
+    plan = domain_plan(shards, shard_domains, micro_batch)
+    per_domain = {domain: MetricCounts.empty(steps, TREE_WIDTHS) for domain, _ in plan}
+    batches = shards.batches([batch for _, batch in plan])
     with torch.no_grad():
-        for samples in Progress(shards.batches(plan), total=len(plan), desc="evaluate", unit="batch"):
+        for (domain, _), samples in zip(
+            plan, Progress(batches, total=len(plan), desc="evaluate", unit="batch"), strict=True
+        ):
             _, counts = objective(**collate(samples, torch.float32))
-            totals.add(counts)
+            per_domain[domain].add(counts)
+    totals = MetricCounts.empty(steps, TREE_WIDTHS)
+    for counts in per_domain.values():
+        totals.add(counts)
+    samples_of: Counter[str] = Counter()
+    for shard, domain in zip(shards.shards, shard_domains, strict=True):
+        samples_of[domain] += shard.samples
     return {
         "samples": sum(s.samples for s in shards.shards),
         "ttt_steps": steps,
         "teacher": teacher,
         "counts": totals.as_tensor().tolist(),
         **totals.summary(),
+        "domains": {
+            domain: {"samples": samples_of[domain], **domain_metrics(counts.summary())}
+            for domain, counts in per_domain.items()
+        },
         "contract": contract,
     }
+
+
+def domain_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    """The acceptance figures of a summary (MetricCounts.summary) that a domain reports."""
+    return {name: summary[name] for name in AcceptanceMetrics.model_fields if name in summary}
 
 
 def evaluate_incumbent(
@@ -85,6 +118,7 @@ def evaluate_incumbent(
     target_dir: Path,
     steps: int,
     config: RunConfig,
+    domains: list[str],
 ) -> IncumbentEval | IncumbentSkipped:
     """The incumbent on the same eval set, or why it cannot be compared (a different capture contract)."""
     version, directory = incumbent
@@ -93,9 +127,17 @@ def evaluate_incumbent(
     if problems:
         return IncumbentSkipped(version=version, skipped="different capture contract: " + "; ".join(problems))
     result = evaluate_drafter(
-        directory, shards, target_dir, steps, config.evaluate.micro_batch_size, config.train.attention_chunk
+        directory,
+        shards,
+        target_dir,
+        steps,
+        config.evaluate.micro_batch_size,
+        config.train.attention_chunk,
+        domains=domains,
     )
-    return IncumbentEval(version=version, **{k: result[k] for k in AcceptanceMetrics.model_fields})
+    return IncumbentEval(
+        version=version, domains=result["domains"], **{k: result[k] for k in AcceptanceMetrics.model_fields}
+    )
 
 
 def local_drafter_dir(store: ObjectStore, train_prefix: str, workdir: Path) -> Path:
@@ -130,6 +172,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     )
     shards = StreamingShards(refs, cache, config.train.max_length, config.train.prefetch_shards)
     steps = config.evaluate.ttt_steps or config.train.ttt_steps
+    domains = [entry.domain for entry in dataset.eval_shards]
     result = evaluate_drafter(
         drafter_dir,
         shards,
@@ -137,6 +180,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         steps,
         config.evaluate.micro_batch_size,
         config.train.attention_chunk,
+        domains=domains,
     )
     contract = dataset.contract.model_dump(mode="json")
     require_same_contract(contract, result.pop("contract"), "evaluating the candidate drafter")
@@ -145,7 +189,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         drafter=train_uri,
         dataset=dataset_uri,
         incumbent=(
-            evaluate_incumbent(incumbent, contract, shards, target.model_dir, steps, config)
+            evaluate_incumbent(incumbent, contract, shards, target.model_dir, steps, config, domains)
             if incumbent is not None
             else None
         ),
@@ -163,4 +207,12 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         record.samples,
         record.inexpressible_fraction,
     )
+    for domain, metrics in record.domains.items():
+        log.info(
+            "evaluate: domain %s: cond_acc %s tau_simulated %.3f over %d samples",
+            domain,
+            metrics.cond_acc,
+            metrics.tau_simulated,
+            metrics.samples,
+        )
     return Output(uri=store.uri(prefix), kind=manifest["kind"])

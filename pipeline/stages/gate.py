@@ -62,6 +62,8 @@ def decide(evaluation: EvalRecord, gate: GateConfig, run_id: str) -> GateRecord:
                 incumbent_version=incumbent.version,
             )
         )
+    if isinstance(incumbent, IncumbentEval) and gate.max_domain_regression_vs_incumbent is not None:
+        checks += domain_checks(evaluation, incumbent, gate.max_domain_regression_vs_incumbent)
     reasons = [f"{c.check} = {c.value:.4f} {'>=' if c.passed else '<'} {c.threshold:.4f}" for c in checks]
     if isinstance(incumbent, IncumbentSkipped):
         reasons.append(f"incumbent not compared: {incumbent.skipped}")
@@ -72,6 +74,28 @@ def decide(evaluation: EvalRecord, gate: GateConfig, run_id: str) -> GateRecord:
         checks=checks,
         reasons=reasons,
     )
+
+
+def domain_checks(evaluation: EvalRecord, incumbent: IncumbentEval, margin: float) -> list[GateCheck]:
+    """tau_simulated per held-out domain against the incumbent's on that domain, at most `margin` below: a
+    candidate better on average but worse on one domain fails, the check naming the domain. Domains the
+    incumbent was not evaluated on have nothing to compare with."""
+    checks = []
+    for domain, metrics in sorted(evaluation.domains.items()):
+        theirs = incumbent.domains.get(domain)
+        if theirs is None:
+            continue
+        floor = theirs.tau_simulated - margin
+        checks.append(
+            GateCheck(
+                check=f"tau_simulated_vs_incumbent[{domain}]",
+                value=metrics.tau_simulated,
+                threshold=round(floor, 6),
+                passed=metrics.tau_simulated >= floor,
+                incumbent_version=incumbent.version,
+            )
+        )
+    return checks
 
 
 def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline import layout
-from pipeline.config import RunConfig
+from pipeline.config import DEFAULT_DOMAIN, RunConfig
 from pipeline.data.conversations import prompt_ids, user_turn_count
 from pipeline.data.jsonl import decode_jsonl, encode_jsonl
 from pipeline.engines import EngineError, EngineUnavailable, GenerationEngine, SamplingParams, engine_servers
@@ -206,7 +206,12 @@ def generate_shard(job: ShardJob, engine: GenerationEngine, tokenizer, config: R
         "sha256": info.sha256,
         "failures": failures,
         "counts": counts,
-        "shard": {"name": shard["name"], "split": shard["split"], "samples": len(ordered)},
+        "shard": {
+            "name": shard["name"],
+            "split": shard["split"],
+            "domain": shard.get("domain", DEFAULT_DOMAIN),
+            "samples": len(ordered),
+        },
         "timing": {
             "seconds": round(time.monotonic() - started, 3),
             "servers": engine_servers(config.generate),

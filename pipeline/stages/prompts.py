@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import logging
 import tempfile
@@ -10,7 +11,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple, cast
 
 import orjson
 
@@ -19,7 +20,9 @@ from pipeline.config import PromptsConfig, PromptSource, RunConfig, StorageConfi
 from pipeline.data.conversations import BadRecord, normalize_conversation
 from pipeline.data.dedup import ExactDuplicateFilter, NearDuplicateFilter
 from pipeline.data.jsonl import conversation_id, write_jsonl
+from pipeline.data.standard_sets import as_conversation
 from pipeline.engines.target import load_tokenizer, resolve_model_dir
+from pipeline.ids import InvalidIdError, validate_id
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.progress import Progress
 from pipeline.stages import StageInputs, StageOutput
@@ -39,7 +42,7 @@ def _hash_order(record: dict[str, Any]) -> str:
 
 
 SOURCE_SUFFIXES = {
-    "jsonl": (".jsonl", ".json"),
+    "jsonl": (".jsonl", ".json", ".gz"),  # .jsonl.gz: gzip-compressed JSON lines (HumanEval ships so)
     "json": (".json", ".jsonl"),
     "parquet": (".parquet",),
     "arrow": (".arrow",),
@@ -182,11 +185,15 @@ def _source_files(source: PromptSource, storage: StorageConfig) -> list[SourceFi
     return _local_source_files(path, source.kind)
 
 
+def _open_lines(path: Path) -> IO[bytes]:
+    return cast(IO[bytes], gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb"))
+
+
 def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
     """One record per non-blank line; a line that is not JSON becomes a BadRecord, so the rest still
     counts."""
     try:
-        with open(file.path, "rb") as handle:
+        with _open_lines(file.path) as handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -195,7 +202,7 @@ def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
                     yield SourceRecord(where, orjson.loads(line))
                 except orjson.JSONDecodeError as err:
                     yield SourceRecord(where, BadRecord("malformed_json", f"{err.msg} at column {err.colno}"))
-    except OSError as err:
+    except (OSError, EOFError) as err:  # EOFError: a gzip file cut short
         raise PromptSourceError(f"cannot read prompt file {file.name}: {err}") from err
 
 
@@ -222,7 +229,23 @@ def _iter_with_datasets(files: list[SourceFile], source: PromptSource) -> Iterat
 
 
 def iter_source(source: PromptSource, storage: StorageConfig) -> Iterator[SourceRecord]:
-    """Records of one source, streamed (a file is never loaded whole, except a JSON array of kind json)."""
+    """Records of one source, streamed (a file is never loaded whole, except a JSON array of kind json);
+    a standard set's records (source.format) as conversation records."""
+    records = _iter_raw(source, storage)
+    if source.format == "conversation":
+        yield from records
+        return
+    for item in records:
+        if isinstance(item.record, BadRecord):
+            yield item
+            continue
+        try:
+            yield SourceRecord(item.where, as_conversation(source.format, item.record))
+        except BadRecord as bad:
+            yield SourceRecord(item.where, bad)
+
+
+def _iter_raw(source: PromptSource, storage: StorageConfig) -> Iterator[SourceRecord]:
     if source.kind == "demo":
         from pipeline.engines.tiny_target import demo_conversations
 
@@ -255,41 +278,97 @@ def mix_sources(sources: list[PromptSource], storage: StorageConfig) -> Iterator
             total = sum(sources[i].weight for i in iterators)
 
 
+def source_records(sources: list[PromptSource], storage: StorageConfig) -> Iterator[tuple[int, SourceRecord]]:
+    """(source index, record): the eval sources whole, one after another, then the others interleaved
+    by weight (mix_sources)."""
+    for index, source in enumerate(sources):
+        if source.split == "eval":
+            for item in iter_source(source, storage):
+                yield index, item
+    mixed = [index for index, source in enumerate(sources) if source.split != "eval"]
+    for position, item in mix_sources([sources[index] for index in mixed], storage):
+        yield mixed[position], item
+
+
 def split_of(sample_id: str, eval_fraction: float) -> str:
     return "eval" if int(sample_id[:8], 16) / 0x100000000 < eval_fraction else "train"
 
 
+class DomainSplitter:
+    """The split of each kept conversation, keeping a held-out set per domain: a source with split 'eval'
+    is held out whole; otherwise the sample id's hash decides (split_of), except that a domain's first
+    conversation is held out while none of that domain is, so that no domain of a run with eval_fraction
+    > 0 goes unevaluated."""
+
+    def __init__(self, eval_fraction: float):
+        self.eval_fraction = eval_fraction
+        self.held_out: Counter = Counter()
+
+    def split(self, sample_id: str, domain: str, source: PromptSource) -> str:
+        if source.split == "eval":
+            split = "eval"
+        elif self.eval_fraction > 0 and not self.held_out[domain]:
+            split = "eval"
+        else:
+            split = split_of(sample_id, self.eval_fraction)
+        self.held_out[domain] += split == "eval"
+        return split
+
+
+def record_domain(record: Any, source: PromptSource) -> str:
+    """A record's own `domain`, else its source's; a record's that is not an id is a bad record."""
+    own = record.get("domain") if isinstance(record, dict) else None
+    if own is None:
+        return source.domain
+    try:
+        return validate_id(own, "domain")
+    except InvalidIdError as err:
+        raise BadRecord("bad_domain", str(err)) from err
+
+
+def domain_counts(shards: list[dict]) -> dict[str, dict[str, int]]:
+    """Conversations per domain and split, from the shards' entries."""
+    counts: dict[str, dict[str, int]] = {}
+    for shard in shards:
+        per_split = counts.setdefault(shard["domain"], dict.fromkeys(SPLITS, 0))
+        per_split[shard["split"]] += shard["samples"]
+    return dict(sorted(counts.items()))
+
+
 class ShardWriter:
-    """Buffers records per split and uploads a JSONL shard whenever one fills up."""
+    """Buffers records per split and domain and uploads a JSONL shard whenever one fills up: every shard
+    holds one split of one domain, so evaluation can report each domain."""
 
     def __init__(self, store: ObjectStore, prefix: str, shard_size: int, workdir: Path):
         self.store, self.prefix, self.shard_size, self.workdir = store, prefix, shard_size, workdir
-        self.buffers: dict[str, list[dict]] = {split: [] for split in SPLITS}
+        self.buffers: dict[tuple[str, str], list[dict]] = {}
         self.objects: list[ObjectInfo] = []
         self.shards: list[dict] = []
 
     def add(self, record: dict) -> None:
-        buffer = self.buffers[record["split"]]
+        key = (record["split"], record["domain"])
+        buffer = self.buffers.setdefault(key, [])
         buffer.append(record)
         if len(buffer) >= self.shard_size:
-            self.flush(record["split"])
+            self.flush(key)
 
-    def flush(self, split: str) -> None:
-        buffer = self.buffers[split]
+    def flush(self, key: tuple[str, str]) -> None:
+        buffer = self.buffers.get(key)
         if not buffer:
             return
+        split, domain = key
         index = sum(1 for s in self.shards if s["split"] == split)
         name = f"{split}-{index:05d}.jsonl"
         path = self.workdir / name
         write_jsonl(path, buffer)
         self.objects.append(self.store.put_file(f"{self.prefix}/{name}", path))
-        self.shards.append({"name": name, "split": split, "samples": len(buffer)})
+        self.shards.append({"name": name, "split": split, "domain": domain, "samples": len(buffer)})
         path.unlink()
-        self.buffers[split] = []
+        self.buffers[key] = []
 
     def close(self) -> None:
-        for split in SPLITS:
-            self.flush(split)
+        for key in sorted(self.buffers, key=lambda k: (SPLITS.index(k[0]), k[1])):
+            self.flush(key)
 
 
 class PromptFilter:
@@ -411,34 +490,47 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     judge = PromptFilter(settings, load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code))
     counts: Counter = Counter()
     kept_per_source: Counter = Counter()
+    kept_mixed = 0  # from the sources that prompts.num_samples shares out (split auto)
     rejected_examples = RejectedExamples()
     with tempfile.TemporaryDirectory(prefix="prompts-") as tmp:
         writer = ShardWriter(store, prefix, settings.shard_size, Path(tmp))
+        splitter = DomainSplitter(settings.eval_fraction)
         progress = Progress(total=settings.num_samples, desc="prompts", unit="conv")
-        for batch in _batched(mix_sources(settings.sources, config.storage), JUDGE_BATCH):
+        for batch in _batched(source_records(settings.sources, config.storage), JUDGE_BATCH):
             verdicts = judge.judge([item.record for _, item in batch])
             for (source_index, item), verdict in zip(batch, verdicts, strict=True):
-                if counts["kept"] >= settings.num_samples:
+                source = settings.sources[source_index]
+                if source.split != "eval" and kept_mixed >= settings.num_samples:
                     break
+                if source.max_samples is not None and kept_per_source[source_index] >= source.max_samples:
+                    continue
                 counts["read"] += 1
                 if isinstance(verdict, BadRecord):
                     counts[f"rejected.{verdict.reason}"] += 1
                     rejected_examples.add(verdict, item.where)
                     continue
                 sample_id, messages = verdict
-                source = settings.sources[source_index]
+                try:
+                    domain = record_domain(item.record, source)
+                except BadRecord as bad:
+                    counts[f"rejected.{bad.reason}"] += 1
+                    rejected_examples.add(bad, item.where)
+                    continue
                 writer.add(
                     {
                         "id": sample_id,
-                        "split": split_of(sample_id, settings.eval_fraction),
+                        "split": splitter.split(sample_id, domain, source),
+                        "domain": domain,
                         "source": item.record.get("source") or source.path or source.kind,
                         "messages": messages,
                     }
                 )
                 counts["kept"] += 1
                 kept_per_source[source_index] += 1
-                progress.update(1)
-            if counts["kept"] >= settings.num_samples:
+                if source.split != "eval":
+                    kept_mixed += 1
+                    progress.update(1)
+            if kept_mixed >= settings.num_samples:
                 break
         progress.close()
         _check_malformed_share(counts, rejected_examples, settings.max_bad_fraction)
@@ -459,6 +551,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
                 settings.sources[i].path or settings.sources[i].kind: n for i, n in kept_per_source.items()
             },
             "shards": writer.shards,
+            "domains": domain_counts(writer.shards),
         },
     )
     rejected = {k: v for k, v in counts.items() if k.startswith("rejected.")}

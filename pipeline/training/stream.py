@@ -16,7 +16,7 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,9 +168,12 @@ class StreamingShards:
         self.pool.shutdown(wait=True)
 
 
-def sequential_plan(shards: list[ShardRef], micro_batch: int) -> list[list[SampleRef]]:
-    """Every sample once, in storage order (evaluation)."""
-    refs = [SampleRef(s, i) for s, shard in enumerate(shards) for i in range(shard.samples)]
+def sequential_plan(
+    shards: list[ShardRef], micro_batch: int, only: Sequence[int] | None = None
+) -> list[list[SampleRef]]:
+    """Every sample once, in storage order (evaluation); with `only`, of those shards (by index) alone."""
+    indices = range(len(shards)) if only is None else only
+    refs = [SampleRef(s, i) for s in indices for i in range(shards[s].samples)]
     return [refs[i : i + micro_batch] for i in range(0, len(refs), micro_batch)]
 
 
