@@ -364,6 +364,8 @@ class BenchRecord(BenchSummary, StageRecord):
     speed_model: SpeedModel | None = None  # the local engine only
     decision: BenchDecision
     ngram_sweep: NgramSweep | None = None  # None in records written before n-gram settings were swept
+    # per held-out domain, every method's figures on that domain's prompts (the local engine; {} elsewhere)
+    domains: dict[str, BenchMethods] = Field(default_factory=dict)
 
     def summary(self) -> BenchSummary:
         return BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))

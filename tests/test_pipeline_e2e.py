@@ -274,3 +274,27 @@ def test_report_opens_in_a_real_browser(e2e, tmp_path):
         finally:
             browser.close()
     assert (ARTIFACTS / "run-report.png").stat().st_size > 50_000
+
+
+def test_the_benchmark_reports_every_method_per_domain_beside_the_pooled_figures(e2e):
+    import boto3
+
+    config = yaml.safe_load(e2e["config"].read_text())
+    bucket, prefix = config["storage"]["root"][len("s3://") :].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
+    record = json.loads(
+        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/bench/bench.json")["Body"].read()
+    )
+    domains = record["domains"]
+    assert set(domains) == {
+        "data-formats",
+        "runtime",
+    }  # the demo corpus's, its held-out prompts taken in turn
+    for name, pooled in record["methods"].items():
+        if pooled is None:
+            continue
+        assert sum(domains[d][name]["tokens"] for d in domains) == pooled["tokens"], name
+    for figures in domains.values():
+        candidate = figures["candidate"]
+        assert candidate["tau_measured"] >= 1 and len(candidate["acceptance_per_position"]) >= 1
+        assert figures["baseline"]["tau_measured"] is None

@@ -96,6 +96,13 @@ class BenchmarkFailed(RuntimeError):
 def heldout_prompts(store: ObjectStore, prompts_uri: str, tokenizer, count: int) -> list[list[int]]:
     """The first user turn of up to `count` held-out conversations, taken from every domain in turn (one of
     each, then the next of each), so the benchmark covers all domains alike."""
+    return heldout_set(store, prompts_uri, tokenizer, count)[0]
+
+
+def heldout_set(
+    store: ObjectStore, prompts_uri: str, tokenizer, count: int
+) -> tuple[list[list[int]], list[str]]:
+    """heldout_prompts, with each prompt's domain."""
     prefix = store.key_for(prompts_uri)
     manifest = read_manifest(store, prefix, kind="prompts")
     shards_of: dict[str, list[str]] = {}
@@ -103,23 +110,28 @@ def heldout_prompts(store: ObjectStore, prompts_uri: str, tokenizer, count: int)
         if shard["split"] == "eval":
             shards_of.setdefault(shard.get("domain", DEFAULT_DOMAIN), []).append(shard["name"])
     streams = [
-        chain.from_iterable(decode_jsonl(read_listed(store, prefix, manifest, name)) for name in names)
-        for _, names in sorted(shards_of.items())
+        (
+            domain,
+            chain.from_iterable(decode_jsonl(read_listed(store, prefix, manifest, name)) for name in names),
+        )
+        for domain, names in sorted(shards_of.items())
     ]
     prompts: list[list[int]] = []
+    domains: list[str] = []
     while streams and len(prompts) < count:
-        for stream in list(streams):
+        for domain, stream in list(streams):
             record = next(stream, None)
             if record is None:
-                streams.remove(stream)
+                streams.remove((domain, stream))
                 continue
             first_user = next(i for i, m in enumerate(record["messages"]) if m["role"] == "user")
             prompts.append(prompt_ids(tokenizer, record["messages"][: first_user + 1]))
+            domains.append(domain)
             if len(prompts) == count:
                 break
     if not prompts:
         raise BenchmarkFailed(f"prompts {prompts_uri} have no held-out (eval) conversations to benchmark on")
-    return prompts
+    return prompts, domains
 
 
 def _tok_s(results: list[DecodeResult]) -> float:
@@ -147,6 +159,22 @@ def _summary(passes: list[list[DecodeResult]]) -> MethodResult:
         ]
     summary.outputs_sha256 = outputs_sha256([r.tokens for r in passes[0]])
     return summary
+
+
+def domain_summaries(
+    passes: dict[str, list[list[DecodeResult]]], domains: list[str]
+) -> dict[str, BenchMethods]:
+    """Every method's figures on each domain's prompts (`domains`: each prompt's, in the passes' order)."""
+    per_domain = {}
+    for domain in sorted(set(domains)):
+        indices = [i for i, prompt_domain in enumerate(domains) if prompt_domain == domain]
+        per_domain[domain] = BenchMethods.model_validate(
+            {
+                name: _summary([[one_pass[i] for i in indices] for one_pass in runs])
+                for name, runs in passes.items()
+            }
+        )
+    return per_domain
 
 
 def _median_seconds(action, repeats: int = 15) -> float:
@@ -348,11 +376,13 @@ def compare_methods(
     settings: BenchmarkConfig,
     setting: DraftSetting,
     ngram: NgramLocalSetting,
-) -> tuple[BenchMethods, dict[str, RatioInterval]]:
+    domains: list[str] | None = None,
+) -> tuple[BenchMethods, dict[str, RatioInterval], dict[str, BenchMethods]]:
     """Every method on the same prompts, interleaved pass by pass (pipeline.spread.measure; a round is one
     pass of each method over every prompt): at least `repeats` (and 3) measured passes, then more until
     every speedup's interval is `ci_rel_width` narrow or `budget_s` is spent. n-gram runs with `ngram`
-    (the sweep's fastest setting). Outputs are checked against greedy decoding."""
+    (the sweep's fastest setting). Outputs are checked against greedy decoding. Also returns the figures
+    per domain (`domains`: each prompt's; default: all in DEFAULT_DOMAIN)."""
     plain = TargetRunner(model, None)
     with_aux = TargetRunner(model, aux_layer_ids)
     eos = tokenizer.eos_token_id
@@ -398,7 +428,12 @@ def compare_methods(
     if bad:
         raise BenchmarkFailed(f"speculative outputs differ from greedy decoding on some prompts: {bad}")
     speedups = {other: interval(measured.ratio("candidate", other)) for other in others}
-    return BenchMethods.model_validate({name: _summary(p) for name, p in passes.items()}), speedups
+    per_domain = domain_summaries(passes, domains or [DEFAULT_DOMAIN] * len(prompts))
+    return (
+        BenchMethods.model_validate({name: _summary(p) for name, p in passes.items()}),
+        speedups,
+        per_domain,
+    )
 
 
 def interval(estimate: RatioEstimate) -> RatioInterval:
@@ -472,8 +507,10 @@ def local_record(
     evaluation: EvalRecord,
     aux_layer_ids: list[int],
     run_id: str,
+    domains: list[str] | None = None,
 ) -> BenchRecord:
-    """The reference decoder on this machine: costs measured, best setting chosen, every method run."""
+    """The reference decoder on this machine: costs measured, best setting chosen, every method run, its
+    figures pooled and per domain (`domains`: each prompt's)."""
     settings = config.benchmark
     frozen = load_frozen_tensors(target.model_dir)
     drafters = {name: load_drafter(path, frozen["embed"].float())[0] for name, path in drafter_dirs.items()}
@@ -482,8 +519,8 @@ def local_record(
         evaluation, model, tokenizer, drafters["candidate"], prompts, aux_layer_ids, settings
     )
     ngram, ngram_sweep = sweep_ngram(model, tokenizer, prompts, settings)
-    methods, speedups = compare_methods(
-        model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen, ngram
+    methods, speedups, per_domain = compare_methods(
+        model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen, ngram, domains
     )
     speedup = round(speedups["baseline"].ratio, 4)
     speed_model = SpeedModel(
@@ -508,6 +545,7 @@ def local_record(
         ngram_sweep,
         speed_model,
     )
+    record.domains = per_domain
     if settings.vllm_beside_reference:
         record.real_engine = served_beside_reference(
             config,
@@ -805,14 +843,14 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             raise BenchmarkFailed(
                 f"{name} drafter reads aux layers {contract['aux_layer_ids']}, the candidate {aux_layer_ids}"
             )
-    prompts = heldout_prompts(store, prompts_uri, tokenizer, settings.num_prompts)
+    prompts, domains = heldout_set(store, prompts_uri, tokenizer, settings.num_prompts)
     if settings.engine == "sglang":
         record = sglang_record(config, drafter_dirs, prompts, evaluation, run_id)
     elif settings.engine == "vllm":
         record = vllm_record(config, Path(target.model_dir), drafter_dirs, prompts, evaluation, run_id)
     else:
         record = local_record(
-            config, target, tokenizer, drafter_dirs, prompts, evaluation, aux_layer_ids, run_id
+            config, target, tokenizer, drafter_dirs, prompts, evaluation, aux_layer_ids, run_id, domains
         )
     prefix = layout.run_stage_prefix(run_id, "bench")
     summary = {
