@@ -716,6 +716,15 @@ def _ngram_local_sweep() -> list[NgramLocalSetting]:
     ]
 
 
+class ServingSampling(Strict):
+    """How production samples (the serving engine's request defaults): the benchmark measures acceptance
+    and speed at these too, besides greedy decoding."""
+
+    temperature: float = Field(gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0, description="0: every token")
+
+
 class BenchmarkConfig(Strict):
     engine: Literal["local", "sglang", "vllm"] = "local"
     num_prompts: PositiveInt = 16
@@ -744,6 +753,12 @@ class BenchmarkConfig(Strict):
     min_speedup_vs_baseline: float = Field(1.0, ge=0)
     min_speedup_vs_ngram: float = Field(0.0, ge=0)
     min_speedup_vs_incumbent: float = Field(1.0, ge=0)
+    serving_sampling: ServingSampling | None = Field(
+        None,
+        description="also measure baseline, candidate (and incumbent) sampled at the serving temperature/"
+        "top_p/top_k, on every engine (the reference decoder verifies drafts by SGLang's rule); recorded "
+        "beside the greedy figures, not gated (None: greedy only)",
+    )
     sglang: SGLangBenchConfig | None = None
     vllm: VllmBenchConfig | None = Field(
         None, description="engine 'vllm': its engines' settings (default: vLLM's CPU build, `make vllm-venv`)"
@@ -770,6 +785,7 @@ class BenchmarkConfig(Strict):
     @model_validator(mode="after")
     def _sglang_settings(self) -> BenchmarkConfig:
         _unique_labels(self.ngram_settings, "benchmark.ngram_settings")
+
         if self.engine == "sglang" and self.sglang is None:
             raise ValueError(
                 "benchmark.engine 'sglang' needs benchmark.sglang (launch command, model path, ...)"

@@ -318,6 +318,18 @@ class RatioInterval(Record):
     rounds: int
 
 
+class SampledBench(Record):
+    """The benchmark at the serving temperature (benchmark.serving_sampling): each method's figures, its
+    outputs draws from the target's own distribution (pipeline.decoding.sampling), and the candidate's
+    speedups over the others, paired round by round."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    methods: dict[str, MethodResult]
+    speedups: dict[str, RatioInterval]
+
+
 class RealEngineFigures(Record):
     """The local benchmark's candidate also served by a real engine (benchmark.beside_reference): vLLM's
     acceptance beside the reference decoder's on the same prompts and drafts, and vLLM's own speedup."""
@@ -366,6 +378,7 @@ class BenchRecord(BenchSummary, StageRecord):
     ngram_sweep: NgramSweep | None = None  # None in records written before n-gram settings were swept
     # per held-out domain, every method's figures on that domain's prompts (the local engine; {} elsewhere)
     domains: dict[str, BenchMethods] = Field(default_factory=dict)
+    sampled: SampledBench | None = None  # at the serving temperature (the local engine; None: not measured)
 
     def summary(self) -> BenchSummary:
         return BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import uuid
 from pathlib import Path
 
@@ -155,9 +154,9 @@ def published(store, output) -> dict:
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a server a test starts."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+    from pipeline.dev.json_http import free_port as free
+
+    return free()
 
 
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"

@@ -27,7 +27,9 @@ def drafter(*args, env=None, timeout=900):
 def e2e(tmp_path_factory, s3_endpoint, tiny_target_dir):
     tmp = tmp_path_factory.mktemp("e2e")
     config_path = tmp / "config.yaml"
-    config_path.write_text(yaml.safe_dump(tiny_config_dict(storage_config("s3", tmp, s3_endpoint))))
+    data = tiny_config_dict(storage_config("s3", tmp, s3_endpoint))
+    data["benchmark"]["serving_sampling"] = {"temperature": 1.0, "top_p": 0.95}
+    config_path.write_text(yaml.safe_dump(data))
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     result = drafter("run", "--config", str(config_path), "--run-id", "e2e-run", env=env)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -212,6 +214,10 @@ def test_run_renders_a_self_contained_report(e2e):
         "aux_layer_ids",
         "Capture contract",
         "learning_rate",
+        "domain data-formats (bench)",  # measured per domain beside the pooled figures
+        "domain runtime (eval, ",
+        "tau measured (temperature 1, top_p 0.95)",  # and at the serving temperature
+        "speedup vs baseline (temperature 1, top_p 0.95)",
     ):
         assert text in page, text
     # the gate table shows each check with its threshold
@@ -248,6 +254,9 @@ def test_status_lists_aliases_and_recent_runs(e2e):
     run_row = next(line for line in out.splitlines() if line.strip().startswith("e2e-run"))
     version = production.split()[1]
     assert "passed" in run_row and f"promoted {version}" in run_row and "x" in run_row
+    # the newest evaluated run in detail: its acceptance on each held-out domain
+    detail = out[out.index("latest evaluated run") :]
+    assert "domain data-formats (eval" in detail and "domain runtime (eval" in detail
     missing = drafter("report", "--config", str(e2e["config"]), "--run-id", "no-such-run", env=e2e["env"])
     assert missing.returncode == 2 and "has published nothing" in missing.stderr
 
@@ -298,3 +307,20 @@ def test_the_benchmark_reports_every_method_per_domain_beside_the_pooled_figures
         candidate = figures["candidate"]
         assert candidate["tau_measured"] >= 1 and len(candidate["acceptance_per_position"]) >= 1
         assert figures["baseline"]["tau_measured"] is None
+
+
+def test_the_benchmark_also_measures_at_the_serving_temperature(e2e):
+    import boto3
+
+    config = yaml.safe_load(e2e["config"].read_text())
+    bucket, prefix = config["storage"]["root"][len("s3://") :].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
+    record = json.loads(
+        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/bench/bench.json")["Body"].read()
+    )
+    sampled = record["sampled"]
+    assert (sampled["temperature"], sampled["top_p"]) == (1.0, 0.95)
+    assert set(sampled["methods"]) == {"baseline", "candidate"} and set(sampled["speedups"]) == {"baseline"}
+    candidate = sampled["methods"]["candidate"]
+    assert candidate["tau_measured"] >= 1 and candidate["tokens"] > 0
+    assert sampled["speedups"]["baseline"]["rounds"] >= 3

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pipeline.config import ConfigError, NgramServerSetting, SGLangBenchConfig, load_config
+from pipeline.config import ConfigError, NgramServerSetting, ServingSampling, SGLangBenchConfig, load_config
 from pipeline.drafter.export import export_drafter
 from pipeline.engines.sglang_bench import (
     SGLangBenchmarkFailed,
@@ -248,7 +248,8 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
         )
         for i in range(3)
     ]
-    methods = run_methods(config, prompts, 12, {"candidate": drafter_dir})
+    serving = ServingSampling(temperature=1.0, top_p=0.95)
+    methods, sampled = run_methods(config, prompts, 12, {"candidate": drafter_dir}, serving)
     ngrams = [ngram_method_name(setting) for setting in config.ngram_settings]  # one server per setting
     assert set(methods) == {"baseline", *ngrams, "candidate"} and len(ngrams) == 2
     assert all(m["requests"] == 3 and m["tok_s"] > 0 for m in methods.values())
@@ -257,6 +258,10 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
     assert sum(methods["candidate"]["accepted_histogram"]) > 0
     # the prompts went in batches (config.rounds, at most one per prompt), one tokens/s sample each
     assert all(len(m["round_tok_s"]) == 3 and min(m["round_tok_s"]) > 0 for m in methods.values())
+    # sampled at the serving temperature too, on the baseline's and the drafter's servers
+    assert set(sampled) == {"baseline", "candidate"}
+    assert all(m["requests"] == 3 and len(m["round_tok_s"]) == 3 for m in sampled.values())
+    assert sampled["candidate"]["tau_measured"] >= 1 and "tau_measured" not in sampled["baseline"]
 
 
 def test_a_server_that_dies_or_never_answers_fails_the_benchmark():

@@ -68,6 +68,7 @@ def run(tmp_path_factory, tiny_target_dir, vllm_python):
         "min_speedup_vs_baseline": 0.0,
         "ngram_settings": [{"min_match": 1, "max_match": 3, "steps": STEPS}],
         "vllm": {"python": str(vllm_python), "max_model_len": 256},
+        "serving_sampling": {"temperature": 1.0, "top_p": 0.95},
     }
     config = load_config(data=data)
     store = open_store(config.storage)
@@ -178,6 +179,15 @@ def test_the_vllm_benchmark_records_every_method_with_vllms_figures(run):
     assert record.tau_simulated == round(predicted_tau(run["evaluation"], STEPS, 1), 4)
     assert record.ngram_sweep is not None and record.ngram_sweep.best == "match1-3-steps3"
     assert record.speed_model is None
+    # sampled at the serving temperature too, interleaved on the same engines: vLLM's rejection sampling
+    sampled = record.sampled
+    assert sampled is not None and (sampled.temperature, sampled.top_p) == (1.0, 0.95)
+    assert set(sampled.methods) == {"baseline", "candidate"} and set(sampled.speedups) == {"baseline"}
+    assert (
+        sampled.methods["candidate"].tau_measured is not None
+        and sampled.methods["candidate"].tau_measured > 1
+    )
+    assert sampled.methods["baseline"].tokens > 0 and sampled.methods["baseline"].tau_measured is None
 
 
 def test_engines_one_at_a_time_measure_every_method_in_turn_with_paired_passes(run, prompts, caplog):
@@ -186,6 +196,7 @@ def test_engines_one_at_a_time_measure_every_method_in_turn_with_paired_passes(r
     data = run["config"].model_dump(mode="json")
     data["benchmark"].update({"max_new_tokens": 16, "repeats": 3})
     data["benchmark"]["vllm"]["engines_at_once"] = False
+    data["benchmark"]["serving_sampling"] = {"temperature": 1.0, "top_p": 0.95}
     config = load_config(data=data)
     with caplog.at_level("INFO", logger="pipeline.engines.vllm_bench"):
         record = vllm_record(
@@ -194,7 +205,17 @@ def test_engines_one_at_a_time_measure_every_method_in_turn_with_paired_passes(r
     passes = [
         m.getMessage().split(": ")[1].split(" pass ")[0] for m in caplog.records if " pass " in m.getMessage()
     ]
-    assert passes == ["baseline"] * 3 + ["ngram"] * 3 + ["candidate"] * 3
+    # each engine's greedy passes, then (the baseline and the drafter) its sampled ones, before the next
+    greedy, sampled = " greedy", " at temperature 1.0"
+    assert passes == (
+        ["baseline" + greedy] * 3
+        + ["baseline" + sampled] * 3
+        + ["ngram" + greedy] * 3
+        + ["candidate" + greedy] * 3
+        + ["candidate" + sampled] * 3
+    ), passes
+    assert record.sampled is not None and set(record.sampled.methods) == {"baseline", "candidate"}
+    assert set(record.sampled.speedups) == {"baseline"} and record.sampled.speedups["baseline"].rounds == 3
     assert {len(result.round_tok_s) for result in record.methods.present().values()} == {3}
     assert set(record.speedups) == {"baseline", "ngram"}
     assert all(s.rounds == 3 and s.ci_low <= s.ratio <= s.ci_high for s in record.speedups.values())

@@ -1,9 +1,11 @@
-"""A small reference speculative decoder over a transformers target (batch size 1, greedy).
+"""A small reference speculative decoder over a transformers target (batch size 1).
 
 It exists to measure, on a CPU, what SGLang measures on GPUs: tokens per second and acceptance
-length of plain greedy decoding, n-gram (prompt-lookup) speculation and an EAGLE-3 drafter, all on
-the same target forward code. Every method verifies drafts in ONE target forward over the KV cache
-and keeps only tokens equal to the target's own greedy choice, so outputs equal plain greedy decoding.
+length of plain decoding, n-gram (prompt-lookup) speculation and an EAGLE-3 drafter, all on the same
+target forward code. Every method verifies drafts in ONE target forward over the KV cache. Greedy (no
+`sampling`), it keeps only tokens equal to the target's own greedy choice, so outputs equal plain greedy
+decoding; at temperature > 0 it verifies by SGLang's target-only rule (pipeline.decoding.sampling), so
+outputs are draws from the target's own sampling distribution.
 
 Acceptance length counts the bonus token: per verify cycle, accepted drafts + 1.
 """
@@ -16,6 +18,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from pipeline.decoding import sampling as sampled
+from pipeline.decoding.sampling import Sampling
 from pipeline.drafter.model import DraftCache, Eagle3Drafter
 
 if TYPE_CHECKING:
@@ -45,6 +49,13 @@ class TargetRunner:
         self._cache_cls = DynamicCache
         self.hidden_indices = [k + 1 for k in aux_layer_ids] if aux_layer_ids else None
         self.cache: DynamicCache | None = None
+        self.last_logits: torch.Tensor | None = None  # [T, V] of the last forward
+
+    def distributions(self, sampling: Sampling) -> torch.Tensor:
+        """The target's sampling distribution after each position of the last forward [T, V]."""
+        if self.last_logits is None:
+            raise RuntimeError("the target runner has not run a forward yet")
+        return sampled.target_distribution(self.last_logits, sampling)
 
     @property
     def length(self) -> int:
@@ -63,6 +74,7 @@ class TargetRunner:
         ids = torch.tensor([token_ids], dtype=torch.long)
         kwargs = {"output_hidden_states": self.hidden_indices} if self.hidden_indices else {}
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=0, **kwargs)
+        self.last_logits = out.logits[0]
         next_tokens = out.logits[0].argmax(-1)
         aux = None
         if self.hidden_indices:
@@ -98,6 +110,7 @@ class TargetRunner:
         aux = None
         if self.hidden_indices:
             aux = torch.cat([out.hidden_states[i][0] for i in self.hidden_indices], dim=-1)
+        self.last_logits = out.logits[0]
         return out.logits[0].argmax(-1), aux
 
     def keep(self, prefix: int, rows: list[int]) -> None:
@@ -297,50 +310,97 @@ def tree_speculative_decode(
     steps: int,
     topk: int,
     draft_tokens: int,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> DecodeResult:
-    """Speculative decoding with a draft tree verified in one target forward (tree attention mask)."""
+    """Speculative decoding with a draft tree verified in one target forward (tree attention mask);
+    greedy, or sampled with `sampling` (draws from `generator`)."""
 
     def verify(context: list[int], produced: int):
         tree = proposer.propose_tree(context, steps, topk, draft_tokens - 1)
         prefix = target.length
         predicted, aux = target.forward_tree(tree, context[-1])
-        path = tree.accepted_path(predicted)
+        if sampling is None:
+            path = tree.accepted_path(predicted)
+            following = int(predicted[path[-1] + 1 if path else 0])  # the target's choice after the path
+        else:
+            path, following = sampled.verify_tree(
+                tree.tokens, tree.parents, target.distributions(sampling), _generator(generator)
+            )
         rows = [0] + [node + 1 for node in path]
         target.keep(prefix, rows)
-        new_tokens = [tree.tokens[node] for node in path] + [int(predicted[rows[-1]])]
+        new_tokens = [tree.tokens[node] for node in path] + [following]
         return new_tokens, len(path), aux[rows] if aux is not None else None
 
-    return _decode_cycles(target, proposer, prompt, max_new_tokens, eos_id, steps, verify)
+    return _decode_cycles(
+        target, proposer, prompt, max_new_tokens, eos_id, steps, verify, sampling, generator
+    )
+
+
+def _generator(generator: torch.Generator | None) -> torch.Generator:
+    if generator is None:
+        raise ValueError("sampled decoding needs a torch.Generator for its draws")
+    return generator
+
+
+def _first_token(target: TargetRunner, sampling: Sampling | None, generator: torch.Generator | None) -> int:
+    """The token after the prompt, from the prefill's last row."""
+    assert target.last_logits is not None
+    if sampling is None:
+        return int(target.last_logits[-1].argmax())
+    return sampled.draw(target.distributions(sampling)[-1], _generator(generator))
 
 
 def greedy_decode(
-    target: TargetRunner, prompt: list[int], max_new_tokens: int, eos_id: int | None
+    target: TargetRunner,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_id: int | None,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> DecodeResult:
+    """Plain decoding, one target forward per token: greedy, or sampled with `sampling`."""
     started = time.perf_counter()
     target.reset()
-    next_tokens, _ = target.forward(prompt)
-    tokens = [int(next_tokens[-1])]
+    target.forward(prompt)
+    tokens = [_first_token(target, sampling, generator)]
     while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
-        next_tokens, _ = target.forward(tokens[-1:])
-        tokens.append(int(next_tokens[-1]))
+        target.forward(tokens[-1:])
+        tokens.append(_first_token(target, sampling, generator))
     return DecodeResult(tokens, time.perf_counter() - started)
 
 
 def speculative_decode(
-    target: TargetRunner, proposer, prompt: list[int], max_new_tokens: int, eos_id: int | None, steps: int
+    target: TargetRunner,
+    proposer,
+    prompt: list[int],
+    max_new_tokens: int,
+    eos_id: int | None,
+    steps: int,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> DecodeResult:
-    """Speculative decoding with a chain of drafts verified in one target forward."""
+    """Speculative decoding with a chain of drafts verified in one target forward; greedy, or sampled
+    with `sampling` (draws from `generator`)."""
 
     def verify(context: list[int], produced: int):
         drafts = proposer.propose(context, min(steps, max_new_tokens - produced))
         verified, aux = target.forward([context[-1]] + drafts)
-        accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == int(verified[accepted]):
-            accepted += 1
+        if sampling is None:
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == int(verified[accepted]):
+                accepted += 1
+            following = int(verified[accepted])
+        else:
+            accepted, following = sampled.verify_chain(
+                drafts, target.distributions(sampling), _generator(generator)
+            )
         target.crop(len(context) + accepted)
-        return drafts[:accepted] + [int(verified[accepted])], accepted, aux
+        return drafts[:accepted] + [following], accepted, aux
 
-    return _decode_cycles(target, proposer, prompt, max_new_tokens, eos_id, steps, verify)
+    return _decode_cycles(
+        target, proposer, prompt, max_new_tokens, eos_id, steps, verify, sampling, generator
+    )
 
 
 def _decode_cycles(
@@ -351,13 +411,15 @@ def _decode_cycles(
     eos_id: int | None,
     steps: int,
     verify,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
 ) -> DecodeResult:
     """Prefill, then draft-and-verify cycles; `verify(context, produced)` returns the cycle's new
     tokens, how many drafts were accepted and the target's aux hidden states for the proposer."""
     started = time.perf_counter()
     target.reset()
-    next_tokens, aux = target.forward(prompt)
-    context = list(prompt) + [int(next_tokens[-1])]
+    _, aux = target.forward(prompt)
+    context = list(prompt) + [_first_token(target, sampling, generator)]
     proposer.start(context, aux)
     result = DecodeResult([], 0.0, accepted_histogram=[0] * (steps + 1))
     produced = 1

@@ -49,6 +49,7 @@ import yaml
 
 from pipeline.config import PROJECT_ROOT, TinyTargetRecipe
 from pipeline.dev.cluster import LocalCluster, LocalImage, LocalNode, LocalPod, use_local_cluster
+from pipeline.dev.json_http import free_port
 from pipeline.retrying import await_health
 
 log = logging.getLogger("drafter.rehearsal")
@@ -74,7 +75,6 @@ TARGET_RECIPE = TinyTargetRecipe(
     max_corpus_modules=60,
 )
 # a plain server the rehearsal itself compares the serving pod's output with (not part of the cluster)
-REFERENCE_PORT = 30101
 FLEETS = {"generate": "sglang-generate", "capture": "sglang-capture-aux"}
 # the first training run: 2 nodes x 1 rank, the Indexed Job of infra/k8s/trainer-workers.yaml (sized: one
 # rank per node), from the run-config volume where the train pod reads it
@@ -510,6 +510,7 @@ def start_reference_server(model_dir: Path, workspace: Path, processes: list[sub
     """A plain (non-speculative) server of the target on this machine: what the serving pod's greedy
     output is compared with. The rehearsal's own instrument, not part of the deployment."""
     log_file = open(workspace / "reference-server.log", "w")
+    port = free_port()
     process = subprocess.Popen(
         [
             sys.executable,
@@ -518,7 +519,7 @@ def start_reference_server(model_dir: Path, workspace: Path, processes: list[sub
             "--model-path",
             str(model_dir),
             "--port",
-            str(REFERENCE_PORT),
+            str(port),
             "--trust-remote-code",
         ],
         stdout=log_file,
@@ -526,7 +527,7 @@ def start_reference_server(model_dir: Path, workspace: Path, processes: list[sub
         cwd=PROJECT_ROOT,
     )
     processes.append(process)
-    url = f"http://127.0.0.1:{REFERENCE_PORT}"
+    url = f"http://127.0.0.1:{port}"
     _await_health(url, _exited(process), 300)
     return url
 

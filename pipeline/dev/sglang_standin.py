@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import torch
 
+from pipeline.decoding.sampling import Sampling
 from pipeline.dev.json_http import send_json
 from pipeline.engines.layer_ids import captured_layer_outputs, model_family_of
 from pipeline.sglang_ngram_rules import NgramLaunch, launch_from_args, refusals
@@ -168,27 +169,34 @@ class StandinBackend:
         return meta
 
     def _decode(
-        self, ids: list[int], max_new_tokens: int, ignore_eos: bool
+        self, ids: list[int], max_new_tokens: int, ignore_eos: bool, sampling: Sampling | None = None
     ) -> tuple[list[int], dict[str, Any]]:
+        """Greedy, or sampled (`sampling`) with drafts verified by SGLang's target-only rule."""
         from pipeline.decoding import reference_decoder as decoder
 
         eos = None if ignore_eos else self.tokenizer.eos_token_id
         plain = decoder.TargetRunner(self.model, None)
+        draws = (sampling, torch.Generator().manual_seed(int(torch.randint(2**62, ()))))
         if self.algorithm is None:
-            return decoder.greedy_decode(plain, ids, max_new_tokens, eos).tokens, {}
+            return decoder.greedy_decode(plain, ids, max_new_tokens, eos, *draws).tokens, {}
         if self.algorithm == "NGRAM":
             ngram = decoder.NgramProposer(max_match=self.ngram_max_match)
-            result = decoder.speculative_decode(plain, ngram, ids, max_new_tokens, eos, self.draft_tokens - 1)
+            steps = self.draft_tokens - 1
+            result = decoder.speculative_decode(plain, ngram, ids, max_new_tokens, eos, steps, *draws)
         elif self.drafter is None:  # only EAGLE3, which loads one, is served besides NGRAM
             raise ValueError(f"speculative algorithm {self.algorithm} has no draft model")
         else:
             target = decoder.TargetRunner(self.model, self.draft_layers)
             eagle = decoder.EagleProposer(self.drafter)
             if self.topk == 1:
-                result = decoder.speculative_decode(target, eagle, ids, max_new_tokens, eos, self.num_steps)
+                result = decoder.speculative_decode(
+                    target, eagle, ids, max_new_tokens, eos, self.num_steps, *draws
+                )
             else:
                 tree = (self.num_steps, self.topk, self.draft_tokens)
-                result = decoder.tree_speculative_decode(target, eagle, ids, max_new_tokens, eos, *tree)
+                result = decoder.tree_speculative_decode(
+                    target, eagle, ids, max_new_tokens, eos, *tree, *draws
+                )
         verify = max(1, result.verify_forwards)
         accept_length = len(result.tokens) / verify
         self.accept_lengths.append(accept_length)
@@ -207,8 +215,13 @@ class StandinBackend:
         sampling = request.get("sampling_params") or {}
         max_new = int(sampling.get("max_new_tokens", 128))
         top_k = int(request.get("top_logprobs_num") or 0) if request.get("return_logprob") else 0
+        truncated = _truncated_sampling(sampling)
         plain = not (
-            top_k or request.get("return_hidden_states") or self.algorithm or sampling.get("ignore_eos")
+            top_k
+            or request.get("return_hidden_states")
+            or self.algorithm
+            or sampling.get("ignore_eos")
+            or truncated
         )
         spec: dict[str, Any] = {}
         extra: dict[str, Any] = {}
@@ -217,7 +230,9 @@ class StandinBackend:
             output = self.batcher.generate(ids, params).output_ids
         else:
             with self.lock, torch.inference_mode():
-                output, spec = self._decode(ids, max_new, bool(sampling.get("ignore_eos")))
+                output, spec = self._decode(
+                    ids, max_new, bool(sampling.get("ignore_eos")), truncated or _sampled(sampling)
+                )
                 extra = (
                     self._prompt_forward(ids, output, bool(request.get("return_hidden_states")), top_k)
                     if request.get("return_hidden_states") or top_k
@@ -322,6 +337,22 @@ def ngram_launch(argv: list[str]) -> NgramLaunch:
     if problems:
         raise SystemExit("SGLang 0.5.23 would not start this NGRAM server:\n  - " + "\n  - ".join(problems))
     return launch
+
+
+def _sampled(params: dict[str, Any]) -> Sampling | None:
+    """A request's sampling: None when greedy (temperature 0), as SGLang treats it."""
+    temperature = float(params.get("temperature", 1.0))
+    if temperature <= 0:
+        return None
+    top_k = int(params.get("top_k", -1))
+    return Sampling(temperature, float(params.get("top_p", 1.0)), top_k if top_k > 0 else 0)
+
+
+def _truncated_sampling(params: dict[str, Any]) -> Sampling | None:
+    """The request's sampling when it truncates the distribution (top_p < 1 or top_k > 0), which the plain
+    batcher does not do."""
+    sampling = _sampled(params)
+    return sampling if sampling is not None and (sampling.top_p < 1 or sampling.top_k) else None
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import NgramServerSetting, SGLangBenchConfig, SGLangClientConfig
+from pipeline.config import NgramServerSetting, ServingSampling, SGLangBenchConfig, SGLangClientConfig
 from pipeline.engines import EngineError
 from pipeline.ops.registry import sglang_flags
 from pipeline.retrying import await_health
@@ -137,18 +137,34 @@ def batches(items: list[Any], rounds: int) -> list[list[Any]]:
     return [items[bounds[i] : bounds[i + 1]] for i in range(rounds)]
 
 
+def sampling_params(max_new_tokens: int, serving: ServingSampling | None) -> dict[str, Any]:
+    """/generate's sampling_params: greedy, or the serving temperature/top_p/top_k (SGLang's top_k -1:
+    every token)."""
+    if serving is None:
+        return {"max_new_tokens": max_new_tokens, "temperature": 0.0}
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": serving.temperature,
+        "top_p": serving.top_p,
+        "top_k": serving.top_k or -1,
+    }
+
+
 def measure(
-    url: str, prompts: list[list[int]], max_new_tokens: int, concurrency: int, rounds: int
+    url: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    concurrency: int,
+    rounds: int,
+    serving: ServingSampling | None = None,
 ) -> dict[str, Any]:
-    """The prompts sent in `rounds` batches after a warm-up request; each batch's tokens/s is one sample
-    of the speed (`round_tok_s`), paired across methods by batch."""
+    """The prompts sent in `rounds` batches after a warm-up request, greedy or sampled at `serving`; each
+    batch's tokens/s is one sample of the speed (`round_tok_s`), paired across methods by batch."""
     from pipeline.engines.sglang import SGLangClient
 
     client = SGLangClient(SGLangClientConfig(urls=[url], concurrency=concurrency, retries=0, timeout_s=900))
-    payloads = [
-        {"input_ids": p, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
-        for p in prompts
-    ]
+    params = sampling_params(max_new_tokens, serving)
+    payloads = [{"input_ids": p, "sampling_params": params} for p in prompts]
     responses, round_tok_s, seconds = [], [], 0.0
     try:
         client.map("/generate", payloads[:1])  # warm-up
@@ -166,18 +182,27 @@ def measure(
 
 
 def run_methods(
-    settings: SGLangBenchConfig, prompts: list[list[int]], max_new_tokens: int, drafters: dict[str, Path]
-) -> dict[str, Any]:
+    settings: SGLangBenchConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    drafters: dict[str, Path],
+    serving: ServingSampling | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every method on the same prompts, one server at a time: the baseline, one NGRAM server per n-gram
-    setting (named by ngram_method_name), then each drafter."""
+    setting (named by ngram_method_name), then each drafter; greedy, and (with `serving`) the baseline and
+    the drafters again, sampled at the serving temperature, while their servers are up."""
     commands = {"baseline": launch_command(settings, "baseline")}
     for setting in settings.ngram_settings:
         commands[ngram_method_name(setting)] = launch_command(settings, "ngram", ngram=setting)
     for name, drafter_dir in drafters.items():
         commands[name] = launch_command(settings, name, drafter_dir)
-    methods = {}
+    greedy, sampled = {}, {}
     for method, command in commands.items():
         log.info("benchmark %s: %s", method, " ".join(command))
         with running_server(command, settings) as url:
-            methods[method] = measure(url, prompts, max_new_tokens, settings.concurrency, settings.rounds)
-    return methods
+            greedy[method] = measure(url, prompts, max_new_tokens, settings.concurrency, settings.rounds)
+            if serving is not None and (method == "baseline" or method in drafters):
+                sampled[method] = measure(
+                    url, prompts, max_new_tokens, settings.concurrency, settings.rounds, serving
+                )
+    return greedy, sampled

@@ -220,16 +220,21 @@ class VllmEngine:
         one_at_a_time: bool = False,
         timeout_s: float = 3600.0,
         top_logprobs: int = 0,
+        top_p: float = 1.0,
+        top_k: int = 0,
     ) -> VllmGeneration:
         """Token ids of every prompt's completion; one_at_a_time: one request per prompt (batch size 1),
         each timed, as a latency benchmark decodes; top_logprobs > 0: also the top-k log-probs behind every
-        generated token (the engine's max_logprobs must allow k)."""
+        generated token (the engine's max_logprobs must allow k); top_p/top_k truncate a sampled
+        distribution (top_k 0: every token)."""
         self._send(
             {
                 "op": "generate",
                 "prompts": prompts,
                 "max_tokens": max_new_tokens,
                 "temperature": temperature,
+                "top_p": top_p,
+                "top_k": top_k,
                 "seed": seed,
                 "one_at_a_time": one_at_a_time,
                 "logprobs": top_logprobs,

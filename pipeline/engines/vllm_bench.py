@@ -23,13 +23,13 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BenchmarkConfig, NgramLocalSetting, VllmEngineConfig
+from pipeline.config import BenchmarkConfig, NgramLocalSetting, ServingSampling, VllmEngineConfig
 from pipeline.engines.vllm import (
     SpecCounters,
     VllmEngine,
@@ -72,9 +72,20 @@ def running_engines(
         yield engines
 
 
-def decode_pass(engine: VllmEngine, prompts: list[list[int]], max_new_tokens: int) -> VllmGeneration:
-    """One pass over the prompts, one request at a time (batch size 1), greedy."""
-    return engine.generate(prompts, max_new_tokens, temperature=0.0, one_at_a_time=True)
+def decode_pass(
+    engine: VllmEngine, prompts: list[list[int]], max_new_tokens: int, serving: ServingSampling | None = None
+) -> VllmGeneration:
+    """One pass over the prompts, one request at a time (batch size 1): greedy, or sampled at `serving`."""
+    if serving is None:
+        return engine.generate(prompts, max_new_tokens, temperature=0.0, one_at_a_time=True)
+    return engine.generate(
+        prompts,
+        max_new_tokens,
+        temperature=serving.temperature,
+        top_p=serving.top_p,
+        top_k=serving.top_k,
+        one_at_a_time=True,
+    )
 
 
 def pass_tok_s(generation: VllmGeneration) -> float:
@@ -158,16 +169,18 @@ def measure_engines(
     prompts: list[list[int]],
     bench: BenchmarkConfig,
     ratios: list[tuple[str, str]],
+    serving: ServingSampling | None = None,
 ) -> tuple[dict[str, list[VllmGeneration]], Measurement]:
     """Every engine decodes every prompt once per round, interleaved (pipeline.spread.measure: a warm-up
     round, then at least max(3, repeats) measured rounds, and more until every ratio's interval is
-    ci_rel_width narrow or budget_s is spent). The measured passes per engine, and the measurement."""
+    ci_rel_width narrow or budget_s is spent); greedy, or sampled at `serving`. The measured passes per
+    engine, and the measurement."""
     passes: dict[str, list[VllmGeneration]] = {name: [] for name in engines}
     rounds = RoundLog(len(engines))
 
     def side(name: str) -> Callable[[], float]:
         def decode_all() -> float:
-            passes[name].append(decode_pass(engines[name], prompts, bench.max_new_tokens))
+            passes[name].append(decode_pass(engines[name], prompts, bench.max_new_tokens, serving))
             tok_s = pass_tok_s(passes[name][-1])
             rounds.record(name, tok_s)
             return tok_s
@@ -194,33 +207,71 @@ def measure_engines_in_turn(
     trust_remote_code: bool,
     prompts: list[list[int]],
     bench: BenchmarkConfig,
-) -> tuple[dict[str, list[VllmGeneration]], Measurement, str]:
+    sampled_too: Collection[str] = (),
+) -> tuple[dict[str, list[VllmGeneration]], Measurement, str, InTurn | None]:
     """benchmark.vllm.engines_at_once false: one engine alive at a time, as a GPU node holds one Kimi-K2.5
     engine. Each decodes a warm-up pass, then max(3, benchmark.repeats) timed passes over the prompts; the
     speedups pair the passes by index (stopped by "max_rounds": their number is fixed beforehand). A drift of
-    the machine from one engine to the next is not cancelled as interleaved rounds cancel it. The timed passes
-    per engine, the measurement, and vLLM's version."""
+    the machine from one engine to the next is not cancelled as interleaved rounds cancel it. The engines
+    named in `sampled_too` then do the same sampled at benchmark.serving_sampling while they are up. The
+    timed passes per engine, the measurement, vLLM's version, and the sampled passes and measurement."""
     rounds = max(3, bench.repeats)
     passes: dict[str, list[VllmGeneration]] = {}
+    sampled: dict[str, list[VllmGeneration]] = {}
     version = ""
     start = time.perf_counter()
     for name, spec in specs.items():
         with running_engine(name, settings, spec.model_dir, spec.speculation, trust_remote_code) as engine:
             version = engine.vllm_version
-            decode_pass(engine, prompts, bench.max_new_tokens)
-            passes[name] = []
-            for index in range(rounds):
-                passes[name].append(decode_pass(engine, prompts, bench.max_new_tokens))
-                log.info(
-                    "benchmark (vllm): %s pass %d of %d: %.1f tok/s",
-                    name,
-                    index + 1,
-                    rounds,
-                    pass_tok_s(passes[name][-1]),
-                )
-    samples = {name: tuple(pass_tok_s(g) for g in runs) for name, runs in passes.items()}
+            passes[name] = _timed_passes(engine, name, prompts, bench, rounds, None)
+            if name in sampled_too and bench.serving_sampling is not None:
+                sampled[name] = _timed_passes(engine, name, prompts, bench, rounds, bench.serving_sampling)
     elapsed = time.perf_counter() - start
-    return passes, Measurement(samples, rounds, "max_rounds", bench.confidence, elapsed), version
+    measured = _paired_by_index(passes, rounds, bench.confidence, elapsed)
+    in_turn = (
+        InTurn(sampled, _paired_by_index(sampled, rounds, bench.confidence, elapsed)) if sampled else None
+    )
+    return passes, measured, version, in_turn
+
+
+@dataclass(frozen=True)
+class InTurn:
+    """Passes of engines run one at a time, and their measurement (speedups paired by pass index)."""
+
+    passes: dict[str, list[VllmGeneration]]
+    measured: Measurement
+
+
+def _timed_passes(
+    engine: VllmEngine,
+    name: str,
+    prompts: list[list[int]],
+    bench: BenchmarkConfig,
+    rounds: int,
+    serving: ServingSampling | None,
+) -> list[VllmGeneration]:
+    """A warm-up pass, then `rounds` timed passes over the prompts, greedy or sampled at `serving`."""
+    how = "greedy" if serving is None else f"at temperature {serving.temperature}"
+    decode_pass(engine, prompts, bench.max_new_tokens, serving)
+    timed = []
+    for index in range(rounds):
+        timed.append(decode_pass(engine, prompts, bench.max_new_tokens, serving))
+        log.info(
+            "benchmark (vllm): %s %s pass %d of %d: %.1f tok/s",
+            name,
+            how,
+            index + 1,
+            rounds,
+            pass_tok_s(timed[-1]),
+        )
+    return timed
+
+
+def _paired_by_index(
+    passes: Mapping[str, list[VllmGeneration]], rounds: int, confidence: float, elapsed: float
+) -> Measurement:
+    samples = {name: tuple(pass_tok_s(g) for g in runs) for name, runs in passes.items()}
+    return Measurement(samples, rounds, "max_rounds", confidence, elapsed)
 
 
 class RoundLog:

@@ -12,8 +12,8 @@ written to file descriptor N (vLLM's own logging keeps stdout and stderr). This 
 standard library and vLLM: the pipeline's package is not installed in vLLM's virtualenv.
 
 Requests:
-    {"op": "generate", "prompts": [[token ids], ...], "max_tokens": n, "temperature": t, "seed": s,
-     "one_at_a_time": bool}
+    {"op": "generate", "prompts": [[token ids], ...], "max_tokens": n, "temperature": t, "top_p": p,
+     "top_k": k (0: every token), "seed": s, "one_at_a_time": bool}
         -> {"outputs": [[token ids], ...], "seconds": [per call], "spec": counters or null,
             "finish_reasons": ["stop" | "length", ...]}
     A request with "logprobs": k also gets "top_logprobs": per output, per generated token, its top-k
@@ -71,11 +71,15 @@ def generate(llm, request: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt  # type: ignore[import-not-found]
 
     top_k = int(request.get("logprobs") or 0)
+    truncation = {"top_p": float(request.get("top_p") or 1.0)}
+    if request.get("top_k"):
+        truncation["top_k"] = int(request["top_k"])
     sampling = SamplingParams(
         temperature=float(request.get("temperature", 0.0)),
         max_tokens=int(request["max_tokens"]),
         seed=request.get("seed"),
         logprobs=top_k or None,  # raw log-probs (ModelConfig.logprobs_mode "raw_logprobs")
+        **truncation,
     )
     prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in request["prompts"]]
     batches = [[p] for p in prompts] if request.get("one_at_a_time") else [prompts]

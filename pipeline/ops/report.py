@@ -25,6 +25,7 @@ from pipeline.ops import registry
 from pipeline.records import (
     AcceptanceMetrics,
     AliasRecord,
+    BenchMethods,
     BenchRecord,
     EvalRecord,
     GateRecord,
@@ -347,7 +348,54 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
             (f"speedup vs {other} ({speedup.confidence:.0%} interval)", _interval(speedup))
             for other, speedup in (bench.speedups.items() if bench else [])
         ],
+        *(bench_domain_rows(bench) if bench else []),
+        *(sampled_rows(bench) if bench else []),
         ("promoted version", promote.version if promote and promote.promoted else None),
+    ]
+
+
+def _measured(methods: BenchMethods) -> str:
+    """Each speculative method's measured tau, candidate first."""
+    order = ("candidate", "incumbent", "ngram")
+    present = methods.present()
+    return ", ".join(
+        f"{name} {present[name].tau_measured:.3f}"
+        for name in order
+        if name in present and present[name].tau_measured is not None
+    )
+
+
+def bench_domain_rows(bench: BenchRecord) -> list[tuple[str, Any]]:
+    """Per benchmarked domain: measured tau of the candidate beside the incumbent's and n-gram's, and the
+    candidate's per-position acceptance."""
+    rows = []
+    for domain, methods in sorted(bench.domains.items()):
+        candidate = methods.candidate
+        rows.append(
+            (
+                f"domain {domain} (bench)",
+                f"tau measured {_measured(methods)}; candidate per position "
+                f"{_cell(candidate.acceptance_per_position)}",
+            )
+        )
+    return rows
+
+
+def sampled_rows(bench: BenchRecord) -> list[tuple[str, Any]]:
+    """The benchmark at the serving temperature: measured tau and speedups."""
+    sampled = bench.sampled
+    if sampled is None:
+        return []
+    how = f"temperature {sampled.temperature:g}, top_p {sampled.top_p:g}" + (
+        f", top_k {sampled.top_k}" if sampled.top_k else ""
+    )
+    taus = ", ".join(
+        f"{name} {result.tau_measured:.3f}"
+        for name, result in sampled.methods.items()
+        if result.tau_measured is not None
+    )
+    return [(f"tau measured ({how})", taus)] + [
+        (f"speedup vs {other} ({how})", _interval(speedup)) for other, speedup in sampled.speedups.items()
     ]
 
 
@@ -486,4 +534,13 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
             f"  {run.run_id[:43]:<44}{(run.created_at or '-'):<22}{gate:<10}"
             f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}  {run.outcome}"
         )
+    latest = next((run for run in runs if run.eval is not None or run.bench is not None), None)
+    if latest is not None:
+        lines += ["", f"latest evaluated run {latest.run_id}, per domain and sampled:"]
+        detail = (_domain_rows(latest.eval) if latest.eval else []) + (
+            bench_domain_rows(latest.bench) + sampled_rows(latest.bench) if latest.bench else []
+        )
+        lines += [f"  {name}: {_cell(value)}" for name, value in detail] or [
+            "  (no domains or sampled figures)"
+        ]
     return "\n".join(lines)

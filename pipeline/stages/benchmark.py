@@ -30,6 +30,7 @@ from pipeline.config import (
     NgramLocalSetting,
     NgramServerSetting,
     RunConfig,
+    ServingSampling,
     VllmBenchConfig,
 )
 from pipeline.data.conversations import prompt_ids
@@ -44,6 +45,7 @@ from pipeline.decoding.reference_decoder import (
     speculative_decode,
     tree_speculative_decode,
 )
+from pipeline.decoding.sampling import Sampling
 from pipeline.decoding.speedup import StepCosts, candidate_settings, predicted_tau, rank_settings
 from pipeline.drafter.export import (
     CONFIG_NAME,
@@ -74,11 +76,12 @@ from pipeline.records import (
     PredictedVsMeasured,
     RatioInterval,
     RealEngineFigures,
+    SampledBench,
     SpeedModel,
     publish_record,
     read_record,
 )
-from pipeline.spread import RatioEstimate, measure, ratio_from_samples
+from pipeline.spread import Measurement, RatioEstimate, measure, ratio_from_samples
 from pipeline.stages import StageInputs, StageOutput
 from pipeline.stages.evaluate import local_drafter_dir
 from pipeline.storage import ObjectStore
@@ -291,10 +294,19 @@ def choose_setting(
     return shortlist[best], ranked, costs, calibration
 
 
-def eagle_method(runner: TargetRunner, drafter, setting: DraftSetting, max_new_tokens: int, eos: int | None):
+def eagle_method(
+    runner: TargetRunner,
+    drafter,
+    setting: DraftSetting,
+    max_new_tokens: int,
+    eos: int | None,
+    sampling: Sampling | None = None,
+    generator: torch.Generator | None = None,
+):
+    """The drafter's chain or tree, greedy or sampled (`sampling`, drawing from `generator`)."""
     if setting.topk == 1:
         return lambda p: speculative_decode(
-            runner, EagleProposer(drafter), p, max_new_tokens, eos, setting.steps
+            runner, EagleProposer(drafter), p, max_new_tokens, eos, setting.steps, sampling, generator
         )
     return lambda p: tree_speculative_decode(
         runner,
@@ -305,6 +317,8 @@ def eagle_method(runner: TargetRunner, drafter, setting: DraftSetting, max_new_t
         setting.steps,
         setting.topk,
         setting.draft_tokens,
+        sampling,
+        generator,
     )
 
 
@@ -367,36 +381,26 @@ def _side(
     return decode_all
 
 
-def compare_methods(
-    model,
-    tokenizer,
+class Passes(dict[str, list[list[DecodeResult]]]):
+    """Each method's measured passes (rounds) over the prompts, and the measurement that ran them."""
+
+    measured: Measurement
+
+
+def interleaved_passes(
+    methods: dict[str, Callable[[list[int]], DecodeResult]],
     prompts: list[list[int]],
-    drafters: dict[str, Eagle3Drafter],
-    aux_layer_ids: list[int],
     settings: BenchmarkConfig,
-    setting: DraftSetting,
-    ngram: NgramLocalSetting,
-    domains: list[str] | None = None,
-) -> tuple[BenchMethods, dict[str, RatioInterval], dict[str, BenchMethods]]:
-    """Every method on the same prompts, interleaved pass by pass (pipeline.spread.measure; a round is one
-    pass of each method over every prompt): at least `repeats` (and 3) measured passes, then more until
-    every speedup's interval is `ci_rel_width` narrow or `budget_s` is spent. n-gram runs with `ngram`
-    (the sweep's fastest setting). Outputs are checked against greedy decoding. Also returns the figures
-    per domain (`domains`: each prompt's; default: all in DEFAULT_DOMAIN)."""
-    plain = TargetRunner(model, None)
-    with_aux = TargetRunner(model, aux_layer_ids)
-    eos = tokenizer.eos_token_id
-    methods = {
-        "baseline": lambda p: greedy_decode(plain, p, settings.max_new_tokens, eos),
-        "ngram": ngram_method(plain, ngram, settings.max_new_tokens, eos),
-    }
-    for name, drafter in drafters.items():
-        methods[name] = eagle_method(with_aux, drafter, setting, settings.max_new_tokens, eos)
-    passes: dict[str, list[list[DecodeResult]]] = {name: [] for name in methods}
+    what: str,
+) -> Passes:
+    """The methods on the same prompts, interleaved pass by pass (pipeline.spread.measure; a round is one
+    pass of each method over every prompt): at least `repeats` (and 3) measured passes, then more until the
+    candidate's speedup over every other method is `ci_rel_width` narrow or `budget_s` is spent. The
+    warm-up round is dropped."""
+    passes = Passes({name: [] for name in methods})
     sides = {name: _side(method, prompts, passes[name]) for name, method in methods.items()}
-    others = [name for name in methods if name != "candidate"]
     min_rounds = max(3, settings.repeats)
-    progress = Progress(desc="benchmark", unit="round")  # how many rounds the interval needs is not known
+    progress = Progress(desc=what, unit="round")  # how many rounds the interval needs is not known
     decode_baseline = sides["baseline"]
 
     def baseline_with_progress() -> float:
@@ -408,7 +412,7 @@ def compare_methods(
     with torch.inference_mode():
         measured = measure(
             sides,
-            [("candidate", other) for other in others],
+            [("candidate", other) for other in methods if other != "candidate"],
             confidence=settings.confidence,
             rel_width=settings.ci_rel_width,
             budget_s=settings.budget_s,
@@ -416,9 +420,78 @@ def compare_methods(
             max_rounds=max(min_rounds, 10_000),
         )
     progress.close()
-    log.info("benchmark: %d rounds, stopped by %s", measured.rounds, measured.stopped_by)
+    log.info("%s: %d rounds, stopped by %s", what, measured.rounds, measured.stopped_by)
     for name in passes:
-        del passes[name][: len(passes[name]) - measured.rounds]  # the warm-up round is not measured
+        del passes[name][: len(passes[name]) - measured.rounds]
+    passes.measured = measured
+    return passes
+
+
+def compare_sampled(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    drafters: dict[str, Eagle3Drafter],
+    aux_layer_ids: list[int],
+    settings: BenchmarkConfig,
+    setting: DraftSetting,
+    serving: ServingSampling,
+) -> SampledBench:
+    """Baseline and the drafters sampled at the serving temperature, interleaved as compare_methods runs
+    them, each method drawing from a generator of its own (seeded: a rerun draws the same)."""
+    sampling = Sampling(serving.temperature, serving.top_p, serving.top_k)
+    plain = TargetRunner(model, None)
+    with_aux = TargetRunner(model, aux_layer_ids)
+    eos = tokenizer.eos_token_id
+    draws = {name: torch.Generator().manual_seed(seed) for seed, name in enumerate(["baseline", *drafters])}
+    methods = {
+        "baseline": lambda p: greedy_decode(
+            plain, p, settings.max_new_tokens, eos, sampling, draws["baseline"]
+        )
+    }
+    for name, drafter in drafters.items():
+        methods[name] = eagle_method(
+            with_aux, drafter, setting, settings.max_new_tokens, eos, sampling, draws[name]
+        )
+    passes = interleaved_passes(methods, prompts, settings, f"benchmark at temperature {serving.temperature}")
+    return SampledBench(
+        temperature=serving.temperature,
+        top_p=serving.top_p,
+        top_k=serving.top_k,
+        methods={name: _summary(runs) for name, runs in passes.items()},
+        speedups={
+            other: interval(passes.measured.ratio("candidate", other))
+            for other in methods
+            if other != "candidate"
+        },
+    )
+
+
+def compare_methods(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    drafters: dict[str, Eagle3Drafter],
+    aux_layer_ids: list[int],
+    settings: BenchmarkConfig,
+    setting: DraftSetting,
+    ngram: NgramLocalSetting,
+    domains: list[str] | None = None,
+) -> tuple[BenchMethods, dict[str, RatioInterval], dict[str, BenchMethods]]:
+    """Every method greedy on the same prompts, interleaved (interleaved_passes); n-gram runs with `ngram`
+    (the sweep's fastest setting). Outputs are checked against greedy decoding. Also returns the figures
+    per domain (`domains`: each prompt's; default: all in DEFAULT_DOMAIN)."""
+    plain = TargetRunner(model, None)
+    with_aux = TargetRunner(model, aux_layer_ids)
+    eos = tokenizer.eos_token_id
+    methods = {
+        "baseline": lambda p: greedy_decode(plain, p, settings.max_new_tokens, eos),
+        "ngram": ngram_method(plain, ngram, settings.max_new_tokens, eos),
+    }
+    for name, drafter in drafters.items():
+        methods[name] = eagle_method(with_aux, drafter, setting, settings.max_new_tokens, eos)
+    passes = interleaved_passes(methods, prompts, settings, "benchmark")
+    others = [name for name in methods if name != "candidate"]
     greedy = [r.tokens for one_pass in passes["baseline"] for r in one_pass]
     mismatches = {
         name: sum(r.tokens != tokens for r, tokens in zip((r for p in runs for r in p), greedy, strict=True))
@@ -427,7 +500,7 @@ def compare_methods(
     bad = {name: n for name, n in mismatches.items() if n}
     if bad:
         raise BenchmarkFailed(f"speculative outputs differ from greedy decoding on some prompts: {bad}")
-    speedups = {other: interval(measured.ratio("candidate", other)) for other in others}
+    speedups = {other: interval(passes.measured.ratio("candidate", other)) for other in others}
     per_domain = domain_summaries(passes, domains or [DEFAULT_DOMAIN] * len(prompts))
     return (
         BenchMethods.model_validate({name: _summary(p) for name, p in passes.items()}),
@@ -546,6 +619,10 @@ def local_record(
         speed_model,
     )
     record.domains = per_domain
+    if settings.serving_sampling is not None:
+        record.sampled = compare_sampled(
+            model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen, settings.serving_sampling
+        )
     if settings.vllm_beside_reference:
         record.real_engine = served_beside_reference(
             config,
@@ -640,12 +717,37 @@ def sglang_record(
     settings = config.benchmark.sglang
     if settings is None:
         raise BenchmarkFailed("benchmark.engine 'sglang' needs benchmark.sglang")
-    measured = run_methods(settings, prompts, config.benchmark.max_new_tokens, drafter_dirs)
+    serving = config.benchmark.serving_sampling
+    measured, sampled = run_methods(settings, prompts, config.benchmark.max_new_tokens, drafter_dirs, serving)
     methods, ngram_sweep = sglang_methods(measured, settings.ngram_settings)
     speedups = paired_speedups(methods, config.benchmark.confidence)
     setting = (settings.steps, settings.topk, settings.draft_tokens)
     tau = round(predicted_tau(evaluation, settings.steps, settings.topk), 4)
-    return bench_record(config, run_id, len(prompts), "sglang", setting, tau, methods, speedups, ngram_sweep)
+    record = bench_record(
+        config, run_id, len(prompts), "sglang", setting, tau, methods, speedups, ngram_sweep
+    )
+    if serving is not None:
+        record.sampled = sampled_from_servers(sampled, serving, config.benchmark.confidence)
+    return record
+
+
+def sampled_from_servers(
+    measured: dict[str, dict], serving: ServingSampling, confidence: float
+) -> SampledBench:
+    """The servers' sampled figures (one server at a time: rounds are paired batches of the same prompts)."""
+    methods = {name: MethodResult.model_validate(figures) for name, figures in measured.items()}
+    candidate = methods["candidate"].round_tok_s
+    return SampledBench(
+        temperature=serving.temperature,
+        top_p=serving.top_p,
+        top_k=serving.top_k,
+        methods=methods,
+        speedups={
+            other: interval(ratio_from_samples(candidate, result.round_tok_s, confidence))
+            for other, result in methods.items()
+            if other != "candidate"
+        },
+    )
 
 
 def vllm_record(
@@ -665,6 +767,7 @@ def vllm_record(
     from pipeline.engines.vllm import eagle3_speculation, vllm_python
     from pipeline.engines.vllm_bench import (
         EngineSpec,
+        InTurn,
         measure_engines,
         measure_engines_in_turn,
         method_result,
@@ -696,12 +799,20 @@ def vllm_record(
         },
     }
     others = [name for name in specs if name != "candidate"]
+    sampled_too = ["baseline", *drafter_dirs]  # at the serving temperature, with benchmark.serving_sampling
+    sampled: InTurn | None = None
     if settings.engines_at_once:
         with running_engines(specs, settings, trust) as engines:
             version = engines["baseline"].vllm_version
             passes, measured = measure_engines(engines, prompts, bench, [("candidate", o) for o in others])
+            if bench.serving_sampling is not None:
+                chosen = {name: engines[name] for name in sampled_too}
+                ratios = [("candidate", o) for o in sampled_too if o != "candidate"]
+                sampled = InTurn(*measure_engines(chosen, prompts, bench, ratios, bench.serving_sampling))
     else:
-        passes, measured, version = measure_engines_in_turn(specs, settings, trust, prompts, bench)
+        passes, measured, version, sampled = measure_engines_in_turn(
+            specs, settings, trust, prompts, bench, sampled_too
+        )
     require_greedy_outputs(passes, swept)
     methods = BenchMethods.model_validate({name: method_result(runs) for name, runs in passes.items()})
     sweep = vllm_ngram_sweep(bench, {label: method_result([g]) for label, g in swept.items()}, methods.ngram)
@@ -711,6 +822,19 @@ def vllm_record(
         config, run_id, len(prompts), "vllm", (steps, 1, steps + 1), tau, methods, speedups, sweep
     )
     record.engine_version = version
+    if sampled is not None and bench.serving_sampling is not None:
+        serving = bench.serving_sampling
+        record.sampled = SampledBench(
+            temperature=serving.temperature,
+            top_p=serving.top_p,
+            top_k=serving.top_k,
+            methods={name: method_result(runs) for name, runs in sampled.passes.items()},
+            speedups={
+                other: interval(sampled.measured.ratio("candidate", other))
+                for other in sampled.passes
+                if other != "candidate"
+            },
+        )
     return record
 
 
