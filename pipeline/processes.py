@@ -49,6 +49,22 @@ def stop_process_group(process: subprocess.Popen, grace_s: float) -> None:
         process.wait()
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat from its third field (the state) on, or None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """Linux: when the process started (clock ticks after boot), or None when it is gone. With the PID it
+    tells a process from a later one that was given the same PID."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None else None
+
+
 def session_members(session_id: int) -> list[int]:
     """Linux: the live (not zombie) processes of a session, from /proc. A process started with
     start_new_session leads a session that holds whatever it starts in process groups of their own."""
@@ -56,10 +72,8 @@ def session_members(session_id: int) -> list[int]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError, IndexError):
+        fields = _stat_fields(int(entry.name))
+        if fields is None:
             continue  # gone while /proc was read
         state, session = fields[0], int(fields[3])
         if session == session_id and state != "Z":

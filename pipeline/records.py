@@ -378,7 +378,7 @@ class BenchRecord(BenchSummary, StageRecord):
     ngram_sweep: NgramSweep | None = None  # None in records written before n-gram settings were swept
     # per held-out domain, every method's figures on that domain's prompts (the local engine; {} elsewhere)
     domains: dict[str, BenchMethods] = Field(default_factory=dict)
-    sampled: SampledBench | None = None  # at the serving temperature (the local engine; None: not measured)
+    sampled: SampledBench | None = None  # at the serving temperature (None: not measured)
 
     def summary(self) -> BenchSummary:
         return BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))

@@ -189,8 +189,12 @@ def test_the_nucleus_and_top_k_are_renormalised():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     probs = target_distribution(logits, Sampling(temperature=1.0, top_p=0.8))
     full = torch.softmax(logits, -1)[0]
-    assert probs[0, 3] == 0 and probs[0, 2] == 0 and float(full[0] + full[1]) >= 0.8  # the nucleus
-    assert torch.allclose(probs.sum(-1), torch.ones(1))
+    # the nucleus: the most probable tokens up to the first whose running sum reaches top_p, renormalised
+    assert float(full[0]) < 0.8 <= float(full[0] + full[1])
+    assert torch.allclose(probs[0], torch.cat([full[:2] / full[:2].sum(), torch.zeros(2)]))
     assert target_distribution(logits, Sampling(temperature=1.0, top_k=1))[0].tolist() == [1.0, 0, 0, 0]
+    top3 = target_distribution(logits, Sampling(temperature=2.0, top_k=3))[0]
+    warm = torch.softmax(logits[0] / 2.0, -1)
+    assert torch.allclose(top3, torch.cat([warm[:3] / warm[:3].sum(), torch.zeros(1)]))
     with pytest.raises(ValueError, match="temperature > 0"):
         Sampling(temperature=0.0)

@@ -17,6 +17,7 @@ from pipeline.data.standard_sets import as_conversation
 from pipeline.dev.shipped_sets import SHIPPED, shipped_path
 from pipeline.manifest import read_listed
 from pipeline.stages import run_stage
+from pipeline.stages.prompts import PromptSourceError
 from tests.conftest import published, tiny_config_dict
 
 # records as the sets publish them (MT-Bench: FastChat's data/mt_bench/question.jsonl; GSM8K: openai/
@@ -197,3 +198,24 @@ def test_prompt_only_conversations_alternate_no_other_way():
         normalize_conversation({"messages": mixed})
     with pytest.raises(BadRecord, match="missing_field"):
         as_conversation("humaneval", {"task_id": "HumanEval/0"})
+
+
+def test_capped_training_sources_stop_the_reading_before_num_samples(store, storage, tmp_path):
+    """A source whose end is unreadable: taking 10 of its first records, the stage never reaches it."""
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x): return x + {i}"}]})
+        for i in range(300)
+    ]
+    source = tmp_path / "capped.jsonl.gz"
+    source.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()) + b"not gzip: cut off here")
+    data = tiny_config_dict(storage)
+    data["prompts"].update(
+        sources=[{"kind": "jsonl", "path": str(source), "max_samples": 10}],
+        num_samples=1000,
+        near_dedup=False,
+    )
+    manifest = published(store, run_stage("prompts", load_config(data=data), "capped", store))
+    assert manifest["counts"]["kept"] == 10
+    data["prompts"]["sources"][0]["max_samples"] = 290  # past the first batch read: the bad end is reached
+    with pytest.raises(PromptSourceError, match="capped.jsonl.gz"):
+        run_stage("prompts", load_config(data=data), "uncapped", store)

@@ -348,7 +348,8 @@ def _first_token(target: TargetRunner, sampling: Sampling | None, generator: tor
     assert target.last_logits is not None
     if sampling is None:
         return int(target.last_logits[-1].argmax())
-    return sampled.draw(target.distributions(sampling)[-1], _generator(generator))
+    last = sampled.target_distribution(target.last_logits[-1:], sampling)[0]
+    return sampled.draw(last, _generator(generator))
 
 
 def greedy_decode(

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from pipeline.config import PROJECT_ROOT
-from pipeline.processes import session_members
+from pipeline.processes import session_members, start_time
 from pipeline.retrying import poll_until
 
 COMPONENTS = {
@@ -117,7 +117,8 @@ def up(
             cwd=PROJECT_ROOT,
             start_new_session=True,
         ).pid
-    (home / "pids.json").write_text(json.dumps({"port": port, "pids": pids}))
+    started = {name: start_time(pid) for name, pid in pids.items()}
+    (home / "pids.json").write_text(json.dumps({"port": port, "pids": pids, "started": started}))
     try:
         wait_healthy(port, timeout_s)
     except RuntimeError:
@@ -133,7 +134,9 @@ def down(home: Path, grace_s: float = 20.0) -> None:
     pid_file = home.resolve() / "pids.json"
     if not pid_file.exists():
         return
-    sessions = list(json.loads(pid_file.read_text())["pids"].values())
+    recorded = json.loads(pid_file.read_text())
+    started = recorded.get("started") or {}
+    sessions = [pid for name, pid in recorded["pids"].items() if _ours(pid, started.get(name))]
     _signal_sessions(sessions, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and _left(sessions):
@@ -141,6 +144,14 @@ def down(home: Path, grace_s: float = 20.0) -> None:
     _signal_sessions(sessions, signal.SIGKILL)
     _left(sessions)
     pid_file.unlink()
+
+
+def _ours(pid: int, recorded_start: int | None) -> bool:
+    """Whether the session `pid` leads is still this Airflow's: not when a process started at another time
+    holds the PID (pids.json outlived a reboot or a crash). A leader that is gone leaves its session's
+    processes to stop."""
+    now = start_time(pid)
+    return now is None or recorded_start is None or now == recorded_start
 
 
 def _signal_sessions(sessions: list[int], sig: int) -> None:

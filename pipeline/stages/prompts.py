@@ -7,6 +7,7 @@ import hashlib
 import logging
 import tempfile
 import uuid
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ def _hash_order(record: dict[str, Any]) -> str:
 
 
 SOURCE_SUFFIXES = {
-    "jsonl": (".jsonl", ".json", ".gz"),  # .jsonl.gz: gzip-compressed JSON lines (HumanEval ships so)
+    "jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),  # gzip-compressed JSON lines (HumanEval ships so)
     "json": (".json", ".jsonl"),
     "parquet": (".parquet",),
     "arrow": (".arrow",),
@@ -166,7 +167,7 @@ def _s3_source_files(uri: str, kind: str, storage: StorageConfig) -> list[Source
 def _local_source_files(path: str, kind: str) -> list[SourceFile]:
     local = Path(path[len("file://") :] if path.startswith("file://") else path)
     if local.is_dir():
-        files = sorted(p for p in local.rglob("*") if p.suffix in SOURCE_SUFFIXES[kind])
+        files = sorted(p for p in local.rglob("*") if p.name.endswith(SOURCE_SUFFIXES[kind]))
     elif any(ch in local.name for ch in "*?["):
         files = sorted(local.parent.glob(local.name))
     else:
@@ -202,7 +203,7 @@ def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
                     yield SourceRecord(where, orjson.loads(line))
                 except orjson.JSONDecodeError as err:
                     yield SourceRecord(where, BadRecord("malformed_json", f"{err.msg} at column {err.colno}"))
-    except (OSError, EOFError) as err:  # EOFError: a gzip file cut short
+    except (OSError, EOFError, zlib.error) as err:  # EOFError, zlib.error: a gzip file cut short or corrupt
         raise PromptSourceError(f"cannot read prompt file {file.name}: {err}") from err
 
 
@@ -288,6 +289,16 @@ def source_records(sources: list[PromptSource], storage: StorageConfig) -> Itera
     mixed = [index for index, source in enumerate(sources) if source.split != "eval"]
     for position, item in mix_sources([sources[index] for index in mixed], storage):
         yield mixed[position], item
+
+
+def all_capped(sources: list[PromptSource], kept_per_source: Counter) -> bool:
+    """Whether every source that prompts.num_samples shares out (split auto) has kept its max_samples
+    (False when there is none: eval sources alone are read to their end)."""
+    mixed = [(index, source) for index, source in enumerate(sources) if source.split != "eval"]
+    return bool(mixed) and all(
+        source.max_samples is not None and kept_per_source[index] >= source.max_samples
+        for index, source in mixed
+    )
 
 
 def split_of(sample_id: str, eval_fraction: float) -> str:
@@ -503,6 +514,8 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
                 if source.split != "eval" and kept_mixed >= settings.num_samples:
                     break
                 if source.max_samples is not None and kept_per_source[source_index] >= source.max_samples:
+                    if source.split != "eval" and all_capped(settings.sources, kept_per_source):
+                        break  # every source num_samples shares out has given what it may
                     continue
                 counts["read"] += 1
                 if isinstance(verdict, BadRecord):
@@ -530,7 +543,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
                 if source.split != "eval":
                     kept_mixed += 1
                     progress.update(1)
-            if kept_mixed >= settings.num_samples:
+            if kept_mixed >= settings.num_samples or all_capped(settings.sources, kept_per_source):
                 break
         progress.close()
         _check_malformed_share(counts, rejected_examples, settings.max_bad_fraction)
