@@ -192,7 +192,13 @@ def test_a_record_without_what_its_set_has_is_counted_and_skipped(store, storage
 
 def test_prompt_only_conversations_alternate_no_other_way():
     assert as_conversation("mt_bench", MT_BENCH[0])["source"] == "mt_bench:81"
-    assert len(normalize_conversation({"messages": [{"role": "user", "content": "a"}] * 3})) == 3
+    asked = [{"role": "user", "content": q} for q in ("a", "b", "c")]
+    assert (
+        len(normalize_conversation(as_conversation("mt_bench", {"question_id": 1, "turns": list("abc")})))
+        == 3
+    )
+    with pytest.raises(BadRecord, match="roles_not_alternating"):  # a conversation export that lost answers
+        normalize_conversation({"messages": asked})
     mixed = [{"role": r, "content": "x"} for r in ("user", "assistant", "user", "user")]
     with pytest.raises(BadRecord, match="roles_not_alternating"):
         normalize_conversation({"messages": mixed})

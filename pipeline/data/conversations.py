@@ -1,8 +1,10 @@
 """Conversations: normalizing common formats, and rendering them with the target's chat template.
 
 A normalized conversation is a list of {"role": "system"|"user"|"assistant", "content": str} that
-starts (after an optional system message) with a user turn and alternates user/assistant, or holds user
-turns only (prompts that the target answers in turn, as MT-Bench's two).
+starts (after an optional system message) with a user turn and alternates user/assistant, or, in a
+record marked PROMPTS_IN_TURN (a standard set's, pipeline/data/standard_sets.py), holds user turns only:
+prompts that the target answers in turn, as MT-Bench's two. Elsewhere two user turns in a row are a bad
+record (an export that lost an answer).
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ ROLE_ALIASES = {
     "bot": "assistant",
     "system": "system",
 }
+
+
+PROMPTS_IN_TURN = "prompts_in_turn"
 
 
 class BadRecord(ValueError):
@@ -67,7 +72,8 @@ def normalize_conversation(record: Any) -> list[dict[str, str]]:
         raise BadRecord("system_not_first")
     if not body or body[0]["role"] != "user":
         raise BadRecord("no_user_turn_first")
-    prompts_only = all(m["role"] == "user" for m in body)  # asked in turn, each after the last answer
+    # a standard set's prompts asked in turn (as_conversation marks them): several user turns, no answers
+    prompts_only = record.get(PROMPTS_IN_TURN) is True and all(m["role"] == "user" for m in body)
     for index, message in enumerate(body):
         expected = "user" if prompts_only or index % 2 == 0 else "assistant"
         if message["role"] != expected:

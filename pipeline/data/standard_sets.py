@@ -21,7 +21,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.data.conversations import BadRecord
+from pipeline.data.conversations import PROMPTS_IN_TURN, BadRecord
 
 HUMANEVAL_ASK = "Complete the following Python function. Reply with the whole function in a code block.\n\n"
 BFCL_TOOLS = (
@@ -99,7 +99,11 @@ def as_conversation(set_name: str, record: Any) -> dict[str, Any]:
     if not isinstance(record, dict):
         raise BadRecord("not_a_mapping")
     record_id, messages = ADAPTERS[set_name](record)
-    converted: dict[str, Any] = {"messages": messages, "source": f"{set_name}:{record_id}"}
+    converted: dict[str, Any] = {
+        "messages": messages,
+        "source": f"{set_name}:{record_id}",
+        PROMPTS_IN_TURN: True,
+    }
     if "domain" in record:
         converted["domain"] = record["domain"]
     return converted
