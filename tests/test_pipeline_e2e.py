@@ -183,15 +183,18 @@ def test_plan_takes_rates_measured_by_the_finished_run(e2e):
     assert report["stages"]["capture"]["gpu_hours"] > 0 and report["stages"]["train"]["wall_hours"] > 0
 
 
-def _report_html(e2e) -> str:
+def _run_object(e2e, key: str) -> bytes:
+    """An object of the e2e run's S3 store, by its key under the store's prefix."""
     import boto3
 
     config = yaml.safe_load(e2e["config"].read_text())
     bucket, prefix = config["storage"]["root"][len("s3://") :].split("/", 1)
     s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
-    return (
-        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/report/report.html")["Body"].read().decode()
-    )
+    return s3.get_object(Bucket=bucket, Key=f"{prefix}/{key}")["Body"].read()
+
+
+def _report_html(e2e) -> str:
+    return _run_object(e2e, "runs/e2e-run/report/report.html").decode()
 
 
 def test_run_renders_a_self_contained_report(e2e):
@@ -286,14 +289,7 @@ def test_report_opens_in_a_real_browser(e2e, tmp_path):
 
 
 def test_the_benchmark_reports_every_method_per_domain_beside_the_pooled_figures(e2e):
-    import boto3
-
-    config = yaml.safe_load(e2e["config"].read_text())
-    bucket, prefix = config["storage"]["root"][len("s3://") :].split("/", 1)
-    s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
-    record = json.loads(
-        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/bench/bench.json")["Body"].read()
-    )
+    record = json.loads(_run_object(e2e, "runs/e2e-run/bench/bench.json"))
     domains = record["domains"]
     assert set(domains) == {
         "data-formats",
@@ -310,14 +306,7 @@ def test_the_benchmark_reports_every_method_per_domain_beside_the_pooled_figures
 
 
 def test_the_benchmark_also_measures_at_the_serving_temperature(e2e):
-    import boto3
-
-    config = yaml.safe_load(e2e["config"].read_text())
-    bucket, prefix = config["storage"]["root"][len("s3://") :].split("/", 1)
-    s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
-    record = json.loads(
-        s3.get_object(Bucket=bucket, Key=f"{prefix}/runs/e2e-run/bench/bench.json")["Body"].read()
-    )
+    record = json.loads(_run_object(e2e, "runs/e2e-run/bench/bench.json"))
     sampled = record["sampled"]
     assert (sampled["temperature"], sampled["top_p"]) == (1.0, 0.95)
     assert set(sampled["methods"]) == {"baseline", "candidate"} and set(sampled["speedups"]) == {"baseline"}

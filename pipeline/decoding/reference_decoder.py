@@ -343,8 +343,8 @@ def _generator(generator: torch.Generator | None) -> torch.Generator:
     return generator
 
 
-def _first_token(target: TargetRunner, sampling: Sampling | None, generator: torch.Generator | None) -> int:
-    """The token after the prompt, from the prefill's last row."""
+def _next_token(target: TargetRunner, sampling: Sampling | None, generator: torch.Generator | None) -> int:
+    """The token after the last forward's last row: greedy, or drawn with `sampling`."""
     assert target.last_logits is not None
     if sampling is None:
         return int(target.last_logits[-1].argmax())
@@ -364,10 +364,10 @@ def greedy_decode(
     started = time.perf_counter()
     target.reset()
     target.forward(prompt)
-    tokens = [_first_token(target, sampling, generator)]
+    tokens = [_next_token(target, sampling, generator)]
     while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
         target.forward(tokens[-1:])
-        tokens.append(_first_token(target, sampling, generator))
+        tokens.append(_next_token(target, sampling, generator))
     return DecodeResult(tokens, time.perf_counter() - started)
 
 
@@ -420,7 +420,7 @@ def _decode_cycles(
     started = time.perf_counter()
     target.reset()
     _, aux = target.forward(prompt)
-    context = list(prompt) + [_first_token(target, sampling, generator)]
+    context = list(prompt) + [_next_token(target, sampling, generator)]
     proposer.start(context, aux)
     result = DecodeResult([], 0.0, accepted_histogram=[0] * (steps + 1))
     produced = 1

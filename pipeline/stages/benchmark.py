@@ -16,7 +16,7 @@ import logging
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -454,16 +454,21 @@ def compare_sampled(
             with_aux, drafter, setting, settings.max_new_tokens, eos, sampling, draws[name]
         )
     passes = interleaved_passes(methods, prompts, settings, f"benchmark at temperature {serving.temperature}")
+    summaries = {name: _summary(runs) for name, runs in passes.items()}
+    return sampled_bench(serving, summaries, lambda other: passes.measured.ratio("candidate", other))
+
+
+def sampled_bench(
+    serving: ServingSampling, methods: dict[str, MethodResult], ratio: Callable[[str], RatioEstimate]
+) -> SampledBench:
+    """The record of a measurement at the serving temperature: each method's figures, and the candidate's
+    speedup over every other method (`ratio(other)`: the candidate's tokens/s over other's)."""
     return SampledBench(
         temperature=serving.temperature,
         top_p=serving.top_p,
         top_k=serving.top_k,
-        methods={name: _summary(runs) for name, runs in passes.items()},
-        speedups={
-            other: interval(passes.measured.ratio("candidate", other))
-            for other in methods
-            if other != "candidate"
-        },
+        methods=methods,
+        speedups={other: interval(ratio(other)) for other in methods if other != "candidate"},
     )
 
 
@@ -727,27 +732,11 @@ def sglang_record(
         config, run_id, len(prompts), "sglang", setting, tau, methods, speedups, ngram_sweep
     )
     if serving is not None:
-        record.sampled = sampled_from_servers(sampled, serving, config.benchmark.confidence)
+        results = {name: MethodResult.model_validate(figures) for name, figures in sampled.items()}
+        record.sampled = sampled_bench(
+            serving, results, paired_ratio(results["candidate"], results, config.benchmark.confidence)
+        )
     return record
-
-
-def sampled_from_servers(
-    measured: dict[str, dict], serving: ServingSampling, confidence: float
-) -> SampledBench:
-    """The servers' sampled figures (one server at a time: rounds are paired batches of the same prompts)."""
-    methods = {name: MethodResult.model_validate(figures) for name, figures in measured.items()}
-    candidate = methods["candidate"].round_tok_s
-    return SampledBench(
-        temperature=serving.temperature,
-        top_p=serving.top_p,
-        top_k=serving.top_k,
-        methods=methods,
-        speedups={
-            other: interval(ratio_from_samples(candidate, result.round_tok_s, confidence))
-            for other, result in methods.items()
-            if other != "candidate"
-        },
-    )
 
 
 def vllm_record(
@@ -824,16 +813,10 @@ def vllm_record(
     record.engine_version = version
     if sampled is not None and bench.serving_sampling is not None:
         serving = bench.serving_sampling
-        record.sampled = SampledBench(
-            temperature=serving.temperature,
-            top_p=serving.top_p,
-            top_k=serving.top_k,
-            methods={name: method_result(runs) for name, runs in sampled.passes.items()},
-            speedups={
-                other: interval(sampled.measured.ratio("candidate", other))
-                for other in sampled.passes
-                if other != "candidate"
-            },
+        results = {name: method_result(runs) for name, runs in sampled.passes.items()}
+        measured_sampled = sampled.measured
+        record.sampled = sampled_bench(
+            serving, results, lambda other: measured_sampled.ratio("candidate", other)
         )
     return record
 
@@ -917,12 +900,16 @@ def sglang_methods(
 def paired_speedups(methods: BenchMethods, confidence: float) -> dict[str, RatioInterval]:
     """The candidate over every other method, from their paired per-round tokens/s (one server at a time:
     rounds are paired batches of the same prompts, not interleaved); n-gram is its fastest setting."""
-    candidate = methods.candidate.round_tok_s
-    return {
-        other: interval(ratio_from_samples(candidate, result.round_tok_s, confidence))
-        for other, result in methods.present().items()
-        if other != "candidate"
-    }
+    present = methods.present()
+    ratio = paired_ratio(methods.candidate, present, confidence)
+    return {other: interval(ratio(other)) for other in present if other != "candidate"}
+
+
+def paired_ratio(
+    candidate: MethodResult, methods: Mapping[str, MethodResult], confidence: float
+) -> Callable[[str], RatioEstimate]:
+    """The candidate's tokens/s over a method's, from their per-round figures paired round by round."""
+    return lambda other: ratio_from_samples(candidate.round_tok_s, methods[other].round_tok_s, confidence)
 
 
 class Inputs(StageInputs):
