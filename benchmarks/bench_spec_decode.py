@@ -2,7 +2,7 @@
 prompts, in one run of the local reference decoder (the pipeline's benchmark stage).
 
     python benchmarks/bench_spec_decode.py [--prompts 24] [--max-new-tokens 96] [--budget-s 150]
-        [--rel-width 0.1]
+        [--rel-width 0.1] [--batch-sizes 1,8]
 
 It builds what it needs on a scratch store with configs/local.yaml: prompts, the target's own answers,
 captures, a drafter trained as `make demo` trains it, and its held-out evaluation, then runs the
@@ -13,8 +13,10 @@ decodes every prompt once per round, in alternating order, until the 95% interva
 are narrower than --rel-width or --budget-s runs out; every output must equal greedy decoding.
 Headline lines: tau_simulated=, tau_measured= (goal: within 10%), tau_measured_t0= and
 tau_measured_sampled= (greedy, and at configs/local.yaml's serving temperature, with speedup_sampled=),
-one tau_measured_<domain>= per held-out domain, speedup_vs_ngram= (with its interval), and last
-speedup_vs_baseline= (goal >= 1.5), after its _ci_low= and _ci_high= lines.
+one tau_measured_<domain>= per held-out domain, speedup_bs<N>= per batch size (the stage's interleaved
+measurement: batch 1 as in the stage's headline, the larger sizes with the reference decoder's batched
+decoding, each with its interval and the speed model's predicted_speedup_bs<N>=), speedup_vs_ngram= (with
+its interval), and last speedup_vs_baseline= (goal >= 1.5), after its _ci_low= and _ci_high= lines.
 """
 
 from __future__ import annotations
@@ -72,16 +74,41 @@ def method_sides(config, store, train_uri: str, prompts_uri: str, record: dict, 
     return {name: side(name) for name in methods}
 
 
+def report_batches(record: dict) -> None:
+    """speedup_bs<N>= per measured batch size, with its interval, and the speed model's prediction."""
+    speedups = {record["batch_size"]: (record["speedups"]["baseline"], record["speed_model"]["chosen"])}
+    for batch in record["batches"]:
+        speedups[batch["batch_size"]] = (
+            batch["speedups"]["baseline"],
+            {"speedup": batch["predicted_speedup"], "steps": batch["draft_steps"]},
+        )
+    for size, (speedup, predicted) in sorted(speedups.items()):
+        report(
+            **{
+                f"draft_steps_bs{size}": predicted["steps"],
+                f"predicted_speedup_bs{size}": predicted["speedup"],
+                f"speedup_bs{size}_ci_low": speedup["ci_low"],
+                f"speedup_bs{size}_ci_high": speedup["ci_high"],
+                f"speedup_bs{size}": speedup["ratio"],
+            }
+        )
+
+
 def main() -> None:
     parser = spread_parser(budget_s=150.0)
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument(
+        "--batch-sizes", default="1,8", help="comma-separated batch sizes the stage measures (1 always)"
+    )
     args = parser.parse_args()
+    batch_sizes = sorted({1, *(int(size) for size in args.batch_sizes.split(","))})
     config = scratch_config(
         [
             f"benchmark.num_prompts={args.prompts}",
             f"benchmark.max_new_tokens={args.max_new_tokens}",
             "capture.parity.samples=0",
+            f"benchmark.batch_sizes={batch_sizes}",
         ]
     )
     from pipeline.spread import measure
@@ -138,6 +165,7 @@ def main() -> None:
             for domain, figures in sorted(record["domains"].items())
         }
     )
+    report_batches(record)
     report_measurement(measurement)
     # the same tokens on every side, so a ratio of tok/s is the inverse ratio of seconds
     report_ratio("speedup_vs_ngram", measurement.ratio("ngram", "candidate"))

@@ -759,6 +759,19 @@ class BenchmarkConfig(Strict):
         "top_p/top_k, on every engine (the reference decoder verifies drafts by SGLang's rule); recorded "
         "beside the greedy figures, not gated (None: greedy only)",
     )
+    batch_sizes: list[PositiveInt] | None = Field(
+        None,
+        description="batch sizes measured beside the headline's (local and vLLM: batch 1; SGLang: "
+        "benchmark.sglang.concurrency). Local engine: batches of that many held-out prompts decoded "
+        "together by the reference decoder (one target forward verifies every row; the drafter drafts the "
+        "speed model's best chain at that size); SGLang: that many requests in flight; vLLM: none "
+        "(None: the headline's only)",
+    )
+    promote_at_batch_sizes: list[PositiveInt] | None = Field(
+        None,
+        description="the measured batch sizes at which every speedup's lower bound must clear its "
+        "min_speedup_* for the candidate to be promotable (None: the headline's)",
+    )
     sglang: SGLangBenchConfig | None = None
     vllm: VllmBenchConfig | None = Field(
         None, description="engine 'vllm': its engines' settings (default: vLLM's CPU build, `make vllm-venv`)"
@@ -790,7 +803,32 @@ class BenchmarkConfig(Strict):
             raise ValueError(
                 "benchmark.engine 'sglang' needs benchmark.sglang (launch command, model path, ...)"
             )
+        self._valid_batch_sizes()
         return self
+
+    def _valid_batch_sizes(self) -> None:
+        if self.batch_sizes is not None and len(set(self.batch_sizes)) != len(self.batch_sizes):
+            raise ValueError(f"benchmark.batch_sizes lists a size twice: {self.batch_sizes}")
+        if self.engine == "vllm" and self.measured_batch_sizes() != [1]:
+            raise ValueError(
+                f"benchmark.engine 'vllm' measures batch 1 only, not benchmark.batch_sizes {self.batch_sizes}"
+            )
+        unmeasured = sorted(set(self.gated_batch_sizes()) - set(self.measured_batch_sizes()))
+        if unmeasured:
+            raise ValueError(
+                f"benchmark.promote_at_batch_sizes {unmeasured} are not measured: add them to "
+                f"benchmark.batch_sizes (measured: {self.measured_batch_sizes()})"
+            )
+
+    def headline_batch_size(self) -> int:
+        """The batch size of the headline figures: requests in flight on SGLang, 1 elsewhere."""
+        return self.sglang.concurrency if self.engine == "sglang" and self.sglang is not None else 1
+
+    def measured_batch_sizes(self) -> list[int]:
+        return sorted({self.headline_batch_size(), *(self.batch_sizes or [])})
+
+    def gated_batch_sizes(self) -> list[int]:
+        return sorted(set(self.promote_at_batch_sizes or [self.headline_batch_size()]))
 
 
 class RegistryConfig(Strict):

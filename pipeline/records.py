@@ -347,6 +347,30 @@ class RealEngineFigures(Record):
     speedup_vs_baseline: RatioInterval
 
 
+class BatchFigures(Record):
+    """The candidate's speedups at one batch size beside the headline's (benchmark.batch_sizes): local, the
+    reference decoder's batched decoding of that many held-out prompts at once, with the speed model's chain
+    for this size and its prediction; SGLang, that many requests in flight."""
+
+    batch_size: int
+    draft_steps: int
+    topk: int
+    draft_tokens: int
+    speedups: dict[str, RatioInterval]
+    tau_measured: float | None = None
+    predicted_tau: float | None = None  # the speed model's (local)
+    predicted_speedup: float | None = None  # the speed model's, from costs measured at this batch size
+
+
+class BatchBench(BatchFigures):
+    """BatchFigures with every method's figures at that batch size and (local) the step costs measured
+    at it and the chains it ranked."""
+
+    methods: BenchMethods
+    costs: MeasuredCosts | None = None
+    ranked: list[DraftSetting] = Field(default_factory=list)
+
+
 class BenchSummary(Record):
     """The headline of a benchmark: in the bench manifest and in a promoted version's lineage.
     `speedup_vs_*` are the point estimates of `speedups` (the candidate over baseline, ngram, incumbent)."""
@@ -364,6 +388,8 @@ class BenchSummary(Record):
     speedup_vs_ngram: float
     speedups: dict[str, RatioInterval]
     real_engine: RealEngineFigures | None = None  # the local engine with benchmark.vllm_beside_reference
+    batch_size: int = 1  # of the figures above: requests in flight on SGLang
+    batch_figures: list[BatchFigures] = Field(default_factory=list)  # at the other measured batch sizes
 
 
 class BenchRecord(BenchSummary, StageRecord):
@@ -379,9 +405,21 @@ class BenchRecord(BenchSummary, StageRecord):
     # per held-out domain, every method's figures on that domain's prompts (the local engine; {} elsewhere)
     domains: dict[str, BenchMethods] = Field(default_factory=dict)
     sampled: SampledBench | None = None  # at the serving temperature (None: not measured)
+    batches: list[BatchBench] = Field(default_factory=list)  # the batch sizes beside the headline's
 
     def summary(self) -> BenchSummary:
-        return BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))
+        summary = BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))
+        summary.batch_figures = [
+            BatchFigures.model_validate(batch.model_dump(include=set(BatchFigures.model_fields)))
+            for batch in self.batches
+        ]
+        return summary
+
+    def speedups_at(self, batch_size: int) -> dict[str, RatioInterval] | None:
+        """The candidate's speedups at a batch size (None: not measured at it)."""
+        if batch_size == self.batch_size:
+            return self.speedups
+        return next((b.speedups for b in self.batches if b.batch_size == batch_size), None)
 
 
 # ---------------------------------------------------------------- promote

@@ -87,3 +87,49 @@ def test_the_candidate_is_compared_with_ngram_at_its_fastest_setting():
     assert any(
         reason.startswith("candidate/ngram") and "< required 1.0" in reason for reason in decision.reasons
     )
+
+
+def test_the_rule_names_the_batch_sizes_it_must_win_at():
+    settings = BenchmarkConfig(batch_sizes=[1, 4, 8], promote_at_batch_sizes=[1, 4])
+    fast = {"baseline": speedup(1.5, 1.4, 1.6), "ngram": speedup(1.2, 1.1, 1.3)}
+    slower_at_4 = {"baseline": speedup(1.05, 0.97, 1.12), "ngram": speedup(0.9, 0.85, 0.95)}
+    decision = promotion_decision(fast, settings, {4: slower_at_4, 8: slower_at_4})
+    # faster at batch 1 but not clearly at batch 4: refused, and the reason names batch 4
+    assert not decision.promotable
+    assert (
+        "candidate/baseline speed at batch 4 1.050 (95% interval 0.970-1.120, 12 rounds): lower bound < "
+        "required 1.0" in decision.reasons
+    )
+    # batch 8 is measured and reported but not gated
+    assert not any("batch 8" in reason for reason in decision.reasons)
+    assert promotion_decision(fast, settings, {4: fast, 8: slower_at_4}).promotable
+
+
+def test_a_batch_size_the_rule_needs_but_nothing_measured_refuses():
+    settings = BenchmarkConfig(batch_sizes=[4], promote_at_batch_sizes=[1, 4])
+    fast = {"baseline": speedup(1.5, 1.4, 1.6)}
+    decision = promotion_decision(fast, settings, {})
+    assert not decision.promotable
+    assert "candidate speed at batch 4: not measured, and benchmark.promote_at_batch_sizes needs it" in (
+        decision.reasons
+    )
+
+
+def test_the_sglang_headline_is_at_its_concurrency_and_the_levels_beside_it():
+    settings = BenchmarkConfig.model_validate(
+        {
+            "engine": "sglang",
+            "batch_sizes": [1, 16],
+            "promote_at_batch_sizes": [1, 8],
+            "sglang": {"launch": ["x"], "model_path": "/m", "concurrency": 8},
+        }
+    )
+    assert settings.headline_batch_size() == 8 and settings.measured_batch_sizes() == [1, 8, 16]
+    fast = {"baseline": speedup(1.5, 1.4, 1.6)}
+    slow = {"baseline": speedup(0.9, 0.8, 1.0)}
+    decision = promotion_decision(fast, settings, {1: slow, 16: slow})
+    assert not decision.promotable
+    assert [r.split(" (")[0] for r in decision.reasons] == [
+        "candidate/baseline speed at batch 1 0.900",
+        "candidate/baseline speed at batch 8 1.500",
+    ]

@@ -33,6 +33,20 @@ def test_kimi_config_describes_the_production_target():
     assert config.target.tensor_parallel == 8
     assert config.drafter.draft_vocab_size == 32000
     assert config.generate.engine == "sglang" and config.generate.sglang.urls
+    # measured at batch 1, 8 (the headline: 8 requests in flight) and 16; promoted only if it wins at 1 and 8
+    assert config.benchmark.measured_batch_sizes() == [1, 8, 16]
+    assert config.benchmark.gated_batch_sizes() == [1, 8]
+
+
+def test_batch_sizes_are_checked():
+    for overrides, message in [
+        (["benchmark.batch_sizes=[4, 4]"], "lists a size twice"),
+        (["benchmark.promote_at_batch_sizes=[8]"], r"\[8\] are not measured"),
+        (["benchmark.engine=vllm", "benchmark.batch_sizes=[1, 4]"], "measures batch 1 only"),
+        (["benchmark.batch_sizes=[0]"], "greater than 0"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(CONFIGS / "local.yaml", overrides)
 
 
 def test_unknown_keys_are_rejected(tmp_path):

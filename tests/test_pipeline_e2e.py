@@ -29,6 +29,7 @@ def e2e(tmp_path_factory, s3_endpoint, tiny_target_dir):
     config_path = tmp / "config.yaml"
     data = tiny_config_dict(storage_config("s3", tmp, s3_endpoint))
     data["benchmark"]["serving_sampling"] = {"temperature": 1.0, "top_p": 0.95}
+    data["benchmark"].update(batch_sizes=[1, 2], promote_at_batch_sizes=[1, 2])
     config_path.write_text(yaml.safe_dump(data))
     env = dict(os.environ, DS_ACCELERATOR="cpu")
     result = drafter("run", "--config", str(config_path), "--run-id", "e2e-run", env=env)
@@ -221,6 +222,8 @@ def test_run_renders_a_self_contained_report(e2e):
         "domain runtime (eval, ",
         "tau measured (temperature 1, top_p 0.95)",  # and at the serving temperature
         "speedup vs baseline (temperature 1, top_p 0.95)",
+        "batch sizes (bench)",  # and at batch 2 beside batch 1
+        "batch 2 (bench)",
     ):
         assert text in page, text
     # the gate table shows each check with its threshold
@@ -260,6 +263,10 @@ def test_status_lists_aliases_and_recent_runs(e2e):
     # the newest evaluated run in detail: its acceptance on each held-out domain
     detail = out[out.index("latest evaluated run") :]
     assert "domain data-formats (eval" in detail and "domain runtime (eval" in detail
+    # the newest benchmarked run (the other runs here stop at the gate): each batch size, beside n-gram
+    benchmarked = out[out.index("latest benchmarked run e2e-run, per domain, batch size and sampled:") :]
+    batch_line = next(line for line in benchmarked.splitlines() if line.strip().startswith("batch 2 (bench)"))
+    assert "chain of " in batch_line and "vs baseline " in batch_line and "vs ngram " in batch_line
     missing = drafter("report", "--config", str(e2e["config"]), "--run-id", "no-such-run", env=e2e["env"])
     assert missing.returncode == 2 and "has published nothing" in missing.stderr
 
@@ -313,3 +320,23 @@ def test_the_benchmark_also_measures_at_the_serving_temperature(e2e):
     candidate = sampled["methods"]["candidate"]
     assert candidate["tau_measured"] >= 1 and candidate["tokens"] > 0
     assert sampled["speedups"]["baseline"]["rounds"] >= 3
+
+
+def test_the_benchmark_measures_every_batch_size_and_gates_at_those_named(e2e):
+    record = json.loads(_run_object(e2e, "runs/e2e-run/bench/bench.json"))
+    assert record["batch_size"] == 1
+    [batch] = record["batches"]
+    assert batch["batch_size"] == 2 and batch["topk"] == 1
+    assert batch["draft_tokens"] == batch["draft_steps"] + 1  # the speed model's chain at batch 2
+    assert set(batch["speedups"]) == {"baseline", "ngram"} and batch["speedups"]["baseline"]["rounds"] >= 3
+    assert batch["predicted_speedup"] > 0 and batch["ranked"][0]["steps"] == batch["draft_steps"]
+    assert set(batch["costs"]["verify_chain"]) == {str(s["draft_tokens"]) for s in batch["ranked"]}
+    # two batches of 2 prompts decode to what each prompt decodes alone, for every method
+    assert batch["methods"]["baseline"]["outputs_sha256"] == record["methods"]["baseline"]["outputs_sha256"]
+    assert batch["methods"]["candidate"]["outputs_sha256"] == record["methods"]["baseline"]["outputs_sha256"]
+    assert batch["tau_measured"] >= 1
+    assert any(
+        reason.startswith("candidate/baseline speed at batch 2 ") for reason in record["decision"]["reasons"]
+    )
+    summary = json.loads(_run_object(e2e, "runs/e2e-run/bench/manifest.json"))["summary"]
+    assert [figures["batch_size"] for figures in summary["batch_figures"]] == [2]

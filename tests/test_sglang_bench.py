@@ -249,7 +249,8 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
         for i in range(3)
     ]
     serving = ServingSampling(temperature=1.0, top_p=0.95)
-    methods, sampled = run_methods(config, prompts, 12, {"candidate": drafter_dir}, serving)
+    figures = run_methods(config, prompts, 12, {"candidate": drafter_dir}, serving, [1, 2])
+    methods, sampled = figures.greedy, figures.sampled
     ngrams = [ngram_method_name(setting) for setting in config.ngram_settings]  # one server per setting
     assert set(methods) == {"baseline", *ngrams, "candidate"} and len(ngrams) == 2
     assert all(m["requests"] == 3 and m["tok_s"] > 0 for m in methods.values())
@@ -262,6 +263,12 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
     assert set(sampled) == {"baseline", "candidate"}
     assert all(m["requests"] == 3 and len(m["round_tok_s"]) == 3 for m in sampled.values())
     assert sampled["candidate"]["tau_measured"] >= 1 and "tau_measured" not in sampled["baseline"]
+    # greedy with 1 request in flight too (2, the configured concurrency, is the headline): every server
+    assert set(figures.at_concurrency) == {1}
+    one_at_a_time = figures.at_concurrency[1]
+    assert set(one_at_a_time) == set(methods)
+    assert all(m["requests"] == 3 and len(m["round_tok_s"]) == 3 for m in one_at_a_time.values())
+    assert one_at_a_time["candidate"]["tau_measured"] >= 1
 
 
 def test_a_server_that_dies_or_never_answers_fails_the_benchmark():

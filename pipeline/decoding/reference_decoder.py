@@ -33,6 +33,7 @@ class DecodeResult:
     verify_forwards: int = 0
     cycle_tokens: int = 0  # tokens produced by verify cycles, before truncation at the end
     accepted_histogram: list[int] = field(default_factory=list)  # cycles that accepted 0..K drafts
+    rows: list[list[int]] = field(default_factory=list)  # a batch's outputs, one per sequence (batched.py)
 
     @property
     def acceptance_length(self) -> float:

@@ -157,7 +157,8 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """q [B, h, T, d], k and v [B, h, T, d] (kv heads repeated), RoPE applied at positions [T]."""
+        """q [B, h, T, d], k and v [B, h, T, d] (kv heads repeated), RoPE applied at positions [T], or [B, T]
+        when every row has its own."""
         a = self.arch
         batch, length, _ = x.shape
         q = self.q_proj(x).view(batch, length, a.num_heads, a.head_dim).transpose(1, 2)
@@ -166,6 +167,8 @@ class DrafterAttention(nn.Module):
         cos, sin = rope_cos_sin(
             positions, a.head_dim, a.rope_theta, q.dtype, a.rope_scaling, a.max_position_embeddings
         )
+        if positions.dim() == 2:  # [B, T, d] -> [B, 1, T, d], one position per row and token
+            cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         repeat = a.num_heads // a.num_kv_heads
         if repeat > 1:
@@ -286,6 +289,28 @@ class Eagle3Drafter(nn.Module):
         mask = torch.ones(length, k_all.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
         attended = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
         return self.midlayer.finish(hidden, attn.out(attended))
+
+    def decode_rows(
+        self,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`decode` for a batch whose rows hold different lengths: positions [B, T] per row, an additive
+        mask [B, 1, T, L + T] over the past's L columns and the new ones. Returns h_out [B, T, H] and the
+        new positions' keys and values [B, h, T, d]; the caller keeps the cache
+        (pipeline.decoding.batched)."""
+        if hidden.shape[-1] != self.arch.hidden_size:
+            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        attn = self.midlayer.self_attn
+        x = self.midlayer.attention_input(self.embed(token_ids), hidden)
+        q, k, v = attn.project(x, positions)
+        k_all = k if past is None else torch.cat([past[0], k], dim=2)
+        v_all = v if past is None else torch.cat([past[1], v], dim=2)
+        attended = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask.to(q.dtype))
+        return self.midlayer.finish(hidden, attn.out(attended)), k, v
 
 
 class DraftCache:

@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -181,28 +182,58 @@ def measure(
     return {**summarize_responses(responses, seconds), "round_tok_s": round_tok_s}
 
 
+@dataclass
+class ServerFigures:
+    """What run_methods measured, per method name: greedy at the configured concurrency, sampled at the
+    serving temperature (baseline and drafters), and greedy at every other concurrency level."""
+
+    greedy: dict[str, Any]
+    sampled: dict[str, Any] = field(default_factory=dict)
+    at_concurrency: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+def rounds_at(settings: SGLangBenchConfig, prompts: int, concurrency: int) -> int:
+    """Rounds at a concurrency level: as configured, fewer when that would leave fewer prompts per round
+    than requests in flight (2 at least: one tokens/s sample each, paired across methods)."""
+    if prompts < 2 * concurrency:
+        log.warning(
+            "benchmark: %d prompts cannot keep %d requests in flight for 2 rounds; the level measures less",
+            prompts,
+            concurrency,
+        )
+    return max(2, min(settings.rounds, prompts // concurrency))
+
+
 def run_methods(
     settings: SGLangBenchConfig,
     prompts: list[list[int]],
     max_new_tokens: int,
     drafters: dict[str, Path],
     serving: ServingSampling | None = None,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    concurrency_levels: list[int] | None = None,
+) -> ServerFigures:
     """Every method on the same prompts, one server at a time: the baseline, one NGRAM server per n-gram
-    setting (named by ngram_method_name), then each drafter; greedy, and (with `serving`) the baseline and
-    the drafters again, sampled at the serving temperature, while their servers are up."""
+    setting (named by ngram_method_name), then each drafter; greedy at benchmark.sglang.concurrency, and
+    while each server is up: greedy at every other of `concurrency_levels` (that many requests in flight),
+    and (with `serving`) the baseline and the drafters sampled at the serving temperature."""
     commands = {"baseline": launch_command(settings, "baseline")}
     for setting in settings.ngram_settings:
         commands[ngram_method_name(setting)] = launch_command(settings, "ngram", ngram=setting)
     for name, drafter_dir in drafters.items():
         commands[name] = launch_command(settings, name, drafter_dir)
-    greedy, sampled = {}, {}
+    levels = [level for level in concurrency_levels or [] if level != settings.concurrency]
+    figures = ServerFigures(greedy={}, at_concurrency={level: {} for level in levels})
     for method, command in commands.items():
         log.info("benchmark %s: %s", method, " ".join(command))
         with running_server(command, settings) as url:
-            greedy[method] = measure(url, prompts, max_new_tokens, settings.concurrency, settings.rounds)
+            figures.greedy[method] = measure(
+                url, prompts, max_new_tokens, settings.concurrency, settings.rounds
+            )
+            for level in levels:
+                rounds = rounds_at(settings, len(prompts), level)
+                figures.at_concurrency[level][method] = measure(url, prompts, max_new_tokens, level, rounds)
             if serving is not None and (method == "baseline" or method in drafters):
-                sampled[method] = measure(
+                figures.sampled[method] = measure(
                     url, prompts, max_new_tokens, settings.concurrency, settings.rounds, serving
                 )
-    return greedy, sampled
+    return figures

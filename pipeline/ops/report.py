@@ -349,6 +349,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
             for other, speedup in (bench.speedups.items() if bench else [])
         ],
         *(bench_domain_rows(bench) if bench else []),
+        *(batch_rows(bench) if bench else []),
         *(sampled_rows(bench) if bench else []),
         ("promoted version", promote.version if promote and promote.promoted else None),
     ]
@@ -376,6 +377,38 @@ def bench_domain_rows(bench: BenchRecord) -> list[tuple[str, Any]]:
                 f"domain {domain} (bench)",
                 f"tau measured {_measured(methods)}; candidate per position "
                 f"{_cell(candidate.acceptance_per_position)}",
+            )
+        )
+    return rows
+
+
+def batch_rows(bench: BenchRecord) -> list[tuple[str, Any]]:
+    """Per batch size measured beside the headline's: the drafts it ran, measured tau of the candidate,
+    incumbent and n-gram, tokens/s, the candidate's speedups and the speed model's prediction."""
+    if not bench.batches:
+        return []
+    headline = f"batch {bench.batch_size}: " + "; ".join(
+        f"vs {other} {_interval(speedup)}" for other, speedup in bench.speedups.items()
+    )
+    rows: list[tuple[str, Any]] = [("batch sizes (bench)", f"headline at {headline}")]
+    for batch in bench.batches:
+        drafts = (
+            f"chain of {batch.draft_steps}"
+            if batch.topk == 1
+            else f"steps {batch.draft_steps}, topk {batch.topk}, {batch.draft_tokens} draft tokens"
+        )
+        predicted = (
+            f"; predicted speedup {batch.predicted_speedup:.3f}"
+            if batch.predicted_speedup is not None
+            else ""
+        )
+        speedups = "; ".join(f"vs {other} {_interval(speedup)}" for other, speedup in batch.speedups.items())
+        rows.append(
+            (
+                f"batch {batch.batch_size} (bench)",
+                f"{drafts}; candidate {batch.methods.candidate.tok_s:.1f} tok/s, baseline "
+                f"{batch.methods.baseline.tok_s:.1f}; tau measured {_measured(batch.methods)}; "
+                f"speedup {speedups}{predicted}",
             )
         )
     return rows
@@ -534,13 +567,18 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
             f"  {run.run_id[:43]:<44}{(run.created_at or '-'):<22}{gate:<10}"
             f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}  {run.outcome}"
         )
-    latest = next((run for run in runs if run.eval is not None or run.bench is not None), None)
-    if latest is not None:
-        lines += ["", f"latest evaluated run {latest.run_id}, per domain and sampled:"]
-        detail = (_domain_rows(latest.eval) if latest.eval else []) + (
-            bench_domain_rows(latest.bench) + sampled_rows(latest.bench) if latest.bench else []
-        )
+    evaluated = next((run for run in runs if run.eval is not None), None)
+    if evaluated is not None and evaluated.eval is not None:
+        lines += ["", f"latest evaluated run {evaluated.run_id}, per domain:"]
+        lines += [f"  {name}: {_cell(value)}" for name, value in _domain_rows(evaluated.eval)] or [
+            "  (no domains)"
+        ]
+    benchmarked = next((run for run in runs if run.bench is not None), None)
+    if benchmarked is not None and benchmarked.bench is not None:
+        bench = benchmarked.bench
+        lines += ["", f"latest benchmarked run {benchmarked.run_id}, per domain, batch size and sampled:"]
+        detail = bench_domain_rows(bench) + batch_rows(bench) + sampled_rows(bench)
         lines += [f"  {name}: {_cell(value)}" for name, value in detail] or [
-            "  (no domains or sampled figures)"
+            "  (no domains, batch sizes or sampled figures)"
         ]
     return "\n".join(lines)

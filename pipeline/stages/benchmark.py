@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import torch
 
@@ -31,10 +31,12 @@ from pipeline.config import (
     NgramServerSetting,
     RunConfig,
     ServingSampling,
+    SGLangBenchConfig,
     VllmBenchConfig,
 )
 from pipeline.data.conversations import prompt_ids
 from pipeline.data.jsonl import decode_jsonl
+from pipeline.decoding.batched import BatchedTarget, EagleRows, NgramRows, batched_speculative_decode
 from pipeline.decoding.reference_decoder import (
     DecodeResult,
     DraftTree,
@@ -63,6 +65,7 @@ from pipeline.manifest import read_listed, read_manifest
 from pipeline.ops import registry
 from pipeline.progress import Progress
 from pipeline.records import (
+    BatchBench,
     BenchDecision,
     BenchMethods,
     BenchRecord,
@@ -90,6 +93,8 @@ if TYPE_CHECKING:
     from pipeline.engines.vllm import VllmGeneration
 
 log = logging.getLogger(__name__)
+
+Unit = TypeVar("Unit")  # what a method decodes in one call: a prompt, or a batch of prompts
 
 
 class BenchmarkFailed(RuntimeError):
@@ -160,8 +165,13 @@ def _summary(passes: list[list[DecodeResult]]) -> MethodResult:
         summary.acceptance_per_position = [
             round(sum(histogram[i + 1 :]) / forwards, 4) for i in range(len(histogram) - 1)
         ]
-    summary.outputs_sha256 = outputs_sha256([r.tokens for r in passes[0]])
+    summary.outputs_sha256 = outputs_sha256(outputs_of(passes[0]))
     return summary
+
+
+def outputs_of(one_pass: list[DecodeResult]) -> list[list[int]]:
+    """Every sequence's output in a pass, in order (a batch's rows each count as one)."""
+    return [row for result in one_pass for row in (result.rows or [result.tokens])]
 
 
 def domain_summaries(
@@ -369,7 +379,7 @@ def sweep_ngram(
 
 
 def _side(
-    method: Callable[[list[int]], DecodeResult], prompts: list[list[int]], passes: list[list[DecodeResult]]
+    method: Callable[[Unit], DecodeResult], prompts: list[Unit], passes: list[list[DecodeResult]]
 ) -> Callable[[], float]:
     """One method as a side of pipeline.spread.measure: each call is one pass over every prompt and
     returns its tokens/s (all tokens over all seconds, the figure the record reports)."""
@@ -388,15 +398,15 @@ class Passes(dict[str, list[list[DecodeResult]]]):
 
 
 def interleaved_passes(
-    methods: dict[str, Callable[[list[int]], DecodeResult]],
-    prompts: list[list[int]],
+    methods: dict[str, Callable[[Unit], DecodeResult]],
+    prompts: list[Unit],
     settings: BenchmarkConfig,
     what: str,
 ) -> Passes:
-    """The methods on the same prompts, interleaved pass by pass (pipeline.spread.measure; a round is one
-    pass of each method over every prompt): at least `repeats` (and 3) measured passes, then more until the
-    candidate's speedup over every other method is `ci_rel_width` narrow or `budget_s` is spent. The
-    warm-up round is dropped."""
+    """The methods on the same prompts (or batches of prompts), interleaved pass by pass
+    (pipeline.spread.measure; a round is one pass of each method over every prompt): at least `repeats` (and
+    3) measured passes, then more until the candidate's speedup over every other method is `ci_rel_width`
+    narrow or `budget_s` is spent. The warm-up round is dropped."""
     passes = Passes({name: [] for name in methods})
     sides = {name: _side(method, prompts, passes[name]) for name, method in methods.items()}
     min_rounds = max(3, settings.repeats)
@@ -518,24 +528,47 @@ def interval(estimate: RatioEstimate) -> RatioInterval:
     return RatioInterval.model_validate(estimate.as_dict())
 
 
-def promotion_decision(speedups: dict[str, RatioInterval], settings: BenchmarkConfig) -> BenchDecision:
-    """Promotable when the LOWER bound of every speedup's interval clears its threshold: a candidate is
-    faster only when the noise of the measurement cannot explain it."""
+def promotion_decision(
+    speedups: dict[str, RatioInterval],
+    settings: BenchmarkConfig,
+    batches: Mapping[int, dict[str, RatioInterval]] | None = None,
+) -> BenchDecision:
+    """Promotable when the LOWER bound of every speedup's interval clears its threshold, at every batch size
+    benchmark.promote_at_batch_sizes names: a candidate is faster only when the noise of the measurement
+    cannot explain it. `speedups` are the headline batch size's, `batches` the other measured sizes'."""
     required = {
         "baseline": settings.min_speedup_vs_baseline,
         "ngram": settings.min_speedup_vs_ngram,
         "incumbent": settings.min_speedup_vs_incumbent,
     }
+    measured = {settings.headline_batch_size(): speedups, **(batches or {})}
+    gated = settings.gated_batch_sizes()
+    named = gated != [settings.headline_batch_size()]
     reasons, passed = [], True
-    for other, speedup in speedups.items():
-        ok = speedup.ci_low >= required[other]
-        passed &= ok
-        reasons.append(
-            f"candidate/{other} speed {speedup.ratio:.3f} ({speedup.confidence:.0%} interval "
-            f"{speedup.ci_low:.3f}-{speedup.ci_high:.3f}, {speedup.rounds} rounds): lower bound "
-            f"{'>=' if ok else '<'} required {required[other]}"
-        )
+    for batch in gated:
+        at = f" at batch {batch}" if named else ""
+        if batch not in measured:
+            passed = False
+            reasons.append(
+                f"candidate speed{at}: not measured, and benchmark.promote_at_batch_sizes needs it"
+            )
+            continue
+        for other, speedup in measured[batch].items():
+            ok = speedup.ci_low >= required[other]
+            passed &= ok
+            reasons.append(
+                f"candidate/{other} speed{at} {speedup.ratio:.3f} ({speedup.confidence:.0%} interval "
+                f"{speedup.ci_low:.3f}-{speedup.ci_high:.3f}, {speedup.rounds} rounds): lower bound "
+                f"{'>=' if ok else '<'} required {required[other]}"
+            )
     return BenchDecision(promotable=passed, reasons=reasons)
+
+
+def record_decision(record: BenchRecord, settings: BenchmarkConfig) -> BenchDecision:
+    """The promotion decision over everything the record measured, every batch size included."""
+    return promotion_decision(
+        record.speedups, settings, {batch.batch_size: batch.speedups for batch in record.batches}
+    )
 
 
 def bench_record(
@@ -628,6 +661,13 @@ def local_record(
         record.sampled = compare_sampled(
             model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen, settings.serving_sampling
         )
+    record.batches = [
+        batch_bench(
+            model, tokenizer, prompts, drafters, aux_layer_ids, settings, evaluation, ngram, size, methods
+        )
+        for size in settings.measured_batch_sizes()
+        if size != 1
+    ]
     if settings.vllm_beside_reference:
         record.real_engine = served_beside_reference(
             config,
@@ -640,6 +680,136 @@ def local_record(
             run_id,
         )
     return record
+
+
+def batches_of(prompts: list[list[int]], size: int) -> list[list[list[int]]]:
+    """Every prompt, in order, in batches of `size`; the last batch filled up from the first prompts, so every
+    batch measures that batch size."""
+    count = -(-len(prompts) // size)
+    return [[prompts[(i * size + j) % len(prompts)] for j in range(size)] for i in range(count)]
+
+
+def measure_batch_costs(
+    model, drafter, prompt: list[int], aux_layer_ids: list[int], batch: int, chain_tokens: set[int]
+) -> StepCosts:
+    """StepCosts of chains at a batch size: seconds per target forward of n tokens in every row, and per
+    drafter forward of one token in every row, on caches already holding `batch` copies of the prompt."""
+    target = BatchedTarget(model, aux_layer_ids)
+    drafting = EagleRows(drafter)
+    contexts = [list(prompt) + [prompt[-1]]] * batch
+
+    def verify(tokens: int) -> None:
+        target.forward([[prompt[-1]] * tokens] * batch)
+        target.drop_last_block()
+
+    with torch.inference_mode():
+        target.reset(batch)
+        _, aux, counts = target.forward([prompt] * batch)
+        target.commit(torch.ones(batch, len(prompt), dtype=torch.bool))
+        drafting.start(contexts, aux, counts)
+        return StepCosts(
+            target_step=_median_seconds(lambda: verify(1)),
+            verify_chain={n: _median_seconds(lambda n=n: verify(n)) for n in sorted(chain_tokens)},
+            verify_tree={},
+            draft={1: _median_seconds(lambda: drafting.propose(contexts, [2] * batch))},
+        )
+
+
+def batch_bench(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    drafters: dict[str, Eagle3Drafter],
+    aux_layer_ids: list[int],
+    settings: BenchmarkConfig,
+    evaluation: EvalRecord,
+    ngram: NgramLocalSetting,
+    batch: int,
+    at_batch_1: BenchMethods,
+) -> BatchBench:
+    """Every method decoding the prompts `batch` at a time with the reference decoder's batched decoding,
+    interleaved batch pass by pass: the drafters draft the chain the speed model ranks fastest from costs
+    measured at this batch size, n-gram its fastest setting at batch 1. Every output must equal the
+    baseline's at batch 1 (`at_batch_1`), or the stage fails."""
+    chains = [
+        (steps, 1, steps + 1)
+        for steps in range(1, min(settings.max_draft_steps, len(evaluation.full_acc)) + 1)
+    ]
+    costs = measure_batch_costs(
+        model, drafters["candidate"], prompts[0], aux_layer_ids, batch, {n for _, _, n in chains}
+    )
+    ranked = rank_settings(evaluation, costs, chains)
+    if not ranked:
+        raise BenchmarkFailed(f"no chain at batch {batch} can be predicted from this evaluation")
+    chosen = ranked[0]
+    eos, new_tokens = tokenizer.eos_token_id, settings.max_new_tokens
+    plain, with_aux = BatchedTarget(model, None), BatchedTarget(model, aux_layer_ids)
+    lookup = NgramProposer(ngram.max_match, ngram.min_match)
+    methods: dict[str, Callable[[list[list[int]]], DecodeResult]] = {
+        "baseline": lambda rows: batched_speculative_decode(plain, None, rows, new_tokens, eos, 1),
+        "ngram": lambda rows: batched_speculative_decode(
+            plain, NgramRows(lookup), rows, new_tokens, eos, ngram.steps
+        ),
+    }
+    for name, drafter in drafters.items():
+        methods[name] = _batched_eagle(with_aux, drafter, new_tokens, eos, chosen.steps)
+    passes = interleaved_passes(methods, batches_of(prompts, batch), settings, f"benchmark at batch {batch}")
+    require_batch_outputs(passes, len(prompts), at_batch_1, batch)
+    figures = BenchMethods.model_validate({name: _summary(runs) for name, runs in passes.items()})
+    speedups = {
+        other: interval(passes.measured.ratio("candidate", other))
+        for other in methods
+        if other != "candidate"
+    }
+    log.info(
+        "benchmark at batch %d: chain of %d, speedup %.3f [%.3f, %.3f] (predicted %.3f)",
+        batch,
+        chosen.steps,
+        speedups["baseline"].ratio,
+        speedups["baseline"].ci_low,
+        speedups["baseline"].ci_high,
+        chosen.speedup,
+    )
+    return BatchBench(
+        batch_size=batch,
+        draft_steps=chosen.steps,
+        topk=1,
+        draft_tokens=chosen.draft_tokens,
+        speedups=speedups,
+        tau_measured=figures.candidate.tau_measured,
+        predicted_tau=chosen.tau,
+        predicted_speedup=chosen.speedup,
+        methods=figures,
+        costs=MeasuredCosts.model_validate(costs.as_dict()),
+        ranked=ranked,
+    )
+
+
+def _batched_eagle(
+    target: BatchedTarget, drafter: Eagle3Drafter, max_new_tokens: int, eos: int | None, steps: int
+) -> Callable[[list[list[int]]], DecodeResult]:
+    return lambda rows: batched_speculative_decode(
+        target, EagleRows(drafter), rows, max_new_tokens, eos, steps
+    )
+
+
+def require_batch_outputs(
+    passes: dict[str, list[list[DecodeResult]]], prompts: int, at_batch_1: BenchMethods, batch: int
+) -> None:
+    """BenchmarkFailed unless every method's batched outputs equal the batched baseline's, and those equal
+    the baseline's at batch 1 (each sequence's own greedy decoding)."""
+    greedy = outputs_of(passes["baseline"][0])
+    bad = {
+        name: sum(outputs_of(one_pass) != greedy for one_pass in runs)
+        for name, runs in passes.items()
+        if any(outputs_of(one_pass) != greedy for one_pass in runs)
+    }
+    if bad:
+        raise BenchmarkFailed(f"outputs at batch {batch} differ from batched greedy decoding (passes): {bad}")
+    if outputs_sha256(greedy[:prompts]) != at_batch_1.baseline.outputs_sha256:
+        raise BenchmarkFailed(
+            f"batched greedy decoding at batch {batch} differs from decoding each prompt alone"
+        )
 
 
 def served_beside_reference(
@@ -722,21 +892,55 @@ def sglang_record(
     settings = config.benchmark.sglang
     if settings is None:
         raise BenchmarkFailed("benchmark.engine 'sglang' needs benchmark.sglang")
-    serving = config.benchmark.serving_sampling
-    measured, sampled = run_methods(settings, prompts, config.benchmark.max_new_tokens, drafter_dirs, serving)
-    methods, ngram_sweep = sglang_methods(measured, settings.ngram_settings)
-    speedups = paired_speedups(methods, config.benchmark.confidence)
+    bench = config.benchmark
+    serving = bench.serving_sampling
+    measured = run_methods(
+        settings, prompts, bench.max_new_tokens, drafter_dirs, serving, bench.measured_batch_sizes()
+    )
+    methods, ngram_sweep = sglang_methods(measured.greedy, settings.ngram_settings)
+    speedups = paired_speedups(methods, bench.confidence)
     setting = (settings.steps, settings.topk, settings.draft_tokens)
     tau = round(predicted_tau(evaluation, settings.steps, settings.topk), 4)
     record = bench_record(
         config, run_id, len(prompts), "sglang", setting, tau, methods, speedups, ngram_sweep
     )
+    record.batch_size = settings.concurrency
+    fastest_ngram_server = next(s for s in settings.ngram_settings if s.label == ngram_sweep.best)
+    record.batches = [
+        sglang_batch(level, figures, settings, fastest_ngram_server, bench.confidence)
+        for level, figures in sorted(measured.at_concurrency.items())
+    ]
     if serving is not None:
-        results = {name: MethodResult.model_validate(figures) for name, figures in sampled.items()}
+        results = {name: MethodResult.model_validate(figures) for name, figures in measured.sampled.items()}
         record.sampled = sampled_bench(
-            serving, results, paired_ratio(results["candidate"], results, config.benchmark.confidence)
+            serving, results, paired_ratio(results["candidate"], results, bench.confidence)
         )
     return record
+
+
+def sglang_batch(
+    level: int,
+    figures: dict[str, dict],
+    settings: SGLangBenchConfig,
+    ngram: NgramServerSetting,
+    confidence: float,
+) -> BatchBench:
+    """The SGLang servers' figures with `level` requests in flight; n-gram is the setting fastest at the
+    headline concurrency."""
+    from pipeline.engines.sglang_bench import ngram_method_name
+
+    ngram_names = {ngram_method_name(setting) for setting in settings.ngram_settings}
+    plain = {name: result for name, result in figures.items() if name not in ngram_names}
+    methods = BenchMethods.model_validate({**plain, "ngram": figures[ngram_method_name(ngram)]})
+    return BatchBench(
+        batch_size=level,
+        draft_steps=settings.steps,
+        topk=settings.topk,
+        draft_tokens=settings.draft_tokens,
+        speedups=paired_speedups(methods, confidence),
+        tau_measured=methods.candidate.tau_measured,
+        methods=methods,
+    )
 
 
 def vllm_record(
@@ -963,6 +1167,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         record = local_record(
             config, target, tokenizer, drafter_dirs, prompts, evaluation, aux_layer_ids, run_id, domains
         )
+    record.decision = record_decision(record, settings)
     prefix = layout.run_stage_prefix(run_id, "bench")
     summary = {
         **record.summary().model_dump(mode="json"),
