@@ -224,6 +224,17 @@ class MethodResult(Record):
     outputs_sha256: str | None = None
 
 
+class MeasuredAcceptance(Record):
+    """One method's acceptance on part of the benchmark prompts, without a speed of its own (SGLang: from
+    each request's meta_info, the prompts of every domain sent in the same rounds)."""
+
+    requests: int
+    tokens: int
+    tau_measured: float | None = None
+    accepted_histogram: list[int] | None = None
+    acceptance_per_position: list[float] | None = None
+
+
 class NgramSettingResult(Record):
     """One n-gram setting of the benchmark's sweep and what it measured."""
 
@@ -406,6 +417,8 @@ class BenchRecord(BenchSummary, StageRecord):
     domains: dict[str, BenchMethods] = Field(default_factory=dict)
     sampled: SampledBench | None = None  # at the serving temperature (None: not measured)
     batches: list[BatchBench] = Field(default_factory=list)  # the batch sizes beside the headline's
+    # per held-out domain, each method's measured acceptance (the SGLang engine, whose rounds mix domains)
+    domain_acceptance: dict[str, dict[str, MeasuredAcceptance]] = Field(default_factory=dict)
 
     def summary(self) -> BenchSummary:
         summary = BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))

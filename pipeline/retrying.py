@@ -28,7 +28,8 @@ def retrying(
     `retry_on`; any other error, and the last one once attempts or time run out, is raised as it is.
 
     The pause doubles from `first_pause_s` up to `max_pause_s`, never reaches past `deadline` (a
-    time.monotonic() value; no attempt starts after it) and, with `jitter`, is scaled by 0.5 to 1.5 so that
+    time.monotonic() value; no attempt is scheduled after it, though a pause may overshoot by the OS's
+    timer slack) and, with `jitter`, is scaled by 0.5 to 1.5 so that
     clients failing together do not retry together. `note(error, retry_number, pause_s)` runs before each
     pause (for the log line)."""
 

@@ -212,6 +212,30 @@ def test_the_standin_refuses_ngram_flags_sglang_refuses():
         assert "would not start this NGRAM server" in out.stderr
 
 
+def test_each_domain_gets_the_acceptance_of_its_own_requests_with_ngram_at_its_fastest():
+    from pipeline.engines.sglang_bench import acceptance_of, per_domain
+    from pipeline.stages.benchmark import domain_acceptance
+
+    by_request = per_domain(RECORDED + RECORDED[:1], ["math", "code", "math"])
+    assert by_request["math"]["tokens"] == 12 and by_request["math"]["tau_measured"] == 3.0  # a, a
+    assert by_request["code"]["tokens"] == 4 and by_request["code"]["accepted_histogram"] == [2, 1]  # b
+    pooled = acceptance_of(RECORDED)
+    # per position: the share of verify steps that accepted more than i drafts, from the summed histogram
+    assert pooled["acceptance_per_position"] == [round(3 / 5, 4), round(2 / 5, 4), round(1 / 5, 4)]
+    chosen = {"tokens": 10, "requests": 2, "tau_measured": 2.0}
+    record = domain_acceptance(
+        {
+            "baseline": {"math": {"tokens": 10, "requests": 2}},
+            "ngram:fast": {"math": chosen},
+            "ngram:slow": {"math": {"tokens": 10, "requests": 2, "tau_measured": 9.0}},
+            "candidate": {"math": {**chosen, "tau_measured": 3.0}},
+        },
+        "ngram:fast",
+    )
+    assert set(record["math"]) == {"baseline", "ngram", "candidate"}
+    assert record["math"]["ngram"].tau_measured == 2.0 and record["math"]["candidate"].tau_measured == 3.0
+
+
 def test_recorded_responses_give_throughput_and_acceptance():
     summary = summarize_responses(RECORDED, seconds=2.0)
     assert summary["tokens"] == 10 and summary["tok_s"] == 5.0
@@ -249,7 +273,8 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
         for i in range(3)
     ]
     serving = ServingSampling(temperature=1.0, top_p=0.95)
-    figures = run_methods(config, prompts, 12, {"candidate": drafter_dir}, serving, [1, 2])
+    domains = ["code", "chat", "code"]
+    figures = run_methods(config, prompts, 12, {"candidate": drafter_dir}, serving, [1, 2], domains)
     methods, sampled = figures.greedy, figures.sampled
     ngrams = [ngram_method_name(setting) for setting in config.ngram_settings]  # one server per setting
     assert set(methods) == {"baseline", *ngrams, "candidate"} and len(ngrams) == 2
@@ -263,6 +288,15 @@ def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, ti
     assert set(sampled) == {"baseline", "candidate"}
     assert all(m["requests"] == 3 and len(m["round_tok_s"]) == 3 for m in sampled.values())
     assert sampled["candidate"]["tau_measured"] >= 1 and "tau_measured" not in sampled["baseline"]
+    # each domain's acceptance from its own requests' meta_info, on every speculative server
+    code, chat = methods["candidate"]["domains"]["code"], methods["candidate"]["domains"]["chat"]
+    assert (code["requests"], chat["requests"]) == (2, 1)
+    assert code["tokens"] + chat["tokens"] == methods["candidate"]["tokens"]
+    assert sum(code["accepted_histogram"]) + sum(chat["accepted_histogram"]) == sum(
+        methods["candidate"]["accepted_histogram"]
+    )
+    assert all(0 <= p <= 1 for p in code["acceptance_per_position"])
+    assert "tau_measured" not in methods["baseline"]["domains"]["code"]
     # greedy with 1 request in flight too (2, the configured concurrency, is the headline): every server
     assert set(figures.at_concurrency) == {1}
     one_at_a_time = figures.at_concurrency[1]

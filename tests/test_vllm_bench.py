@@ -69,6 +69,7 @@ def run(tmp_path_factory, tiny_target_dir, vllm_python):
         "ngram_settings": [{"min_match": 1, "max_match": 3, "steps": STEPS}],
         "vllm": {"python": str(vllm_python), "max_model_len": 256},
         "serving_sampling": {"temperature": 1.0, "top_p": 0.95},
+        "batch_sizes": [1, 2],
     }
     config = load_config(data=data)
     store = open_store(config.storage)
@@ -188,6 +189,12 @@ def test_the_vllm_benchmark_records_every_method_with_vllms_figures(run):
         and sampled.methods["candidate"].tau_measured > 1
     )
     assert sampled.methods["baseline"].tokens > 0 and sampled.methods["baseline"].tau_measured is None
+    # greedy at batch 2 too (two prompts per generate call), every output still the baseline's greedy one
+    [batch] = record.batches
+    assert batch.batch_size == 2 and set(batch.methods.present()) == {"baseline", "ngram", "candidate"}
+    assert batch.methods.candidate.outputs_sha256 == batch.methods.baseline.outputs_sha256
+    assert batch.tau_measured is not None and batch.tau_measured > 1
+    assert all(s.rounds >= 3 for s in batch.speedups.values())
 
 
 def test_engines_one_at_a_time_measure_every_method_in_turn_with_paired_passes(run, prompts, caplog):
@@ -205,15 +212,22 @@ def test_engines_one_at_a_time_measure_every_method_in_turn_with_paired_passes(r
     passes = [
         m.getMessage().split(": ")[1].split(" pass ")[0] for m in caplog.records if " pass " in m.getMessage()
     ]
-    # each engine's greedy passes, then (the baseline and the drafter) its sampled ones, before the next
-    greedy, sampled = " greedy", " at temperature 1.0"
+    # each engine's greedy passes, at batch 1 and 2, then (the baseline and the drafter) its sampled ones,
+    # before the next engine starts
+    greedy, batched, sampled = " greedy", " greedy at batch 2", " at temperature 1.0"
     assert passes == (
         ["baseline" + greedy] * 3
+        + ["baseline" + batched] * 3
         + ["baseline" + sampled] * 3
         + ["ngram" + greedy] * 3
+        + ["ngram" + batched] * 3
         + ["candidate" + greedy] * 3
+        + ["candidate" + batched] * 3
         + ["candidate" + sampled] * 3
     ), passes
+    [batch] = record.batches
+    assert batch.batch_size == 2 and set(batch.speedups) == {"baseline", "ngram"}
+    assert batch.speedups["baseline"].rounds == 3 and batch.draft_steps == record.draft_steps
     assert record.sampled is not None and set(record.sampled.methods) == {"baseline", "candidate"}
     assert set(record.sampled.speedups) == {"baseline"} and record.sampled.speedups["baseline"].rounds == 3
     assert {len(result.round_tok_s) for result in record.methods.present().values()} == {3}

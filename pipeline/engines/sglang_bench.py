@@ -36,9 +36,12 @@ class SGLangBenchmarkFailed(RuntimeError):
     pass
 
 
+NGRAM_PREFIX = "ngram:"
+
+
 def ngram_method_name(setting: NgramServerSetting) -> str:
     """How run_methods names the NGRAM server of one setting."""
-    return f"ngram:{setting.label}"
+    return f"{NGRAM_PREFIX}{setting.label}"
 
 
 def launch_command(
@@ -108,26 +111,40 @@ def _stop(process: subprocess.Popen) -> None:
 
 def summarize_responses(responses: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     """Throughput and speculative acceptance from /generate responses (SGLang 0.5.23 meta_info)."""
+    summary = acceptance_of(responses)
+    summary.pop("acceptance_per_position", None)
+    return {**summary, "seconds": round(seconds, 4), "tok_s": round(summary["tokens"] / seconds, 2)}
+
+
+def acceptance_of(responses: list[dict[str, Any]]) -> dict[str, Any]:
+    """Requests, completion tokens and, for a speculative server, acceptance from responses' meta_info:
+    tau (tokens over verify steps), the correct-drafts histogram summed, and from it the per-position
+    acceptance (the share of verify steps that accepted more than i drafts)."""
     metas = [r["meta_info"] for r in responses]
     tokens = sum(int(m["completion_tokens"]) for m in metas)
-    summary: dict[str, Any] = {
-        "requests": len(metas),
-        "tokens": tokens,
-        "seconds": round(seconds, 4),
-        "tok_s": round(tokens / seconds, 2),
-    }
+    summary: dict[str, Any] = {"requests": len(metas), "tokens": tokens}
     verify = sum(int(m.get("spec_verify_ct", 0)) for m in metas)
-    if verify:
-        summary["tau_measured"] = round(tokens / verify, 4)
-        histograms = [
-            m["spec_correct_drafts_histogram"] for m in metas if m.get("spec_correct_drafts_histogram")
+    if not verify:
+        return summary
+    summary["tau_measured"] = round(tokens / verify, 4)
+    histograms = [m["spec_correct_drafts_histogram"] for m in metas if m.get("spec_correct_drafts_histogram")]
+    if histograms:
+        width = max(len(h) for h in histograms)
+        summed = [sum(h[i] for h in histograms if i < len(h)) for i in range(width)]
+        summary["accepted_histogram"] = summed
+        steps = sum(summed)
+        summary["acceptance_per_position"] = [
+            round(sum(summed[i + 1 :]) / steps, 4) for i in range(width - 1)
         ]
-        if histograms:
-            width = max(len(h) for h in histograms)
-            summary["accepted_histogram"] = [
-                sum(h[i] for h in histograms if i < len(h)) for i in range(width)
-            ]
     return summary
+
+
+def per_domain(responses: list[dict[str, Any]], domains: list[str]) -> dict[str, dict[str, Any]]:
+    """acceptance_of each domain's responses (`domains`: each response's, in order)."""
+    return {
+        domain: acceptance_of([r for r, d in zip(responses, domains, strict=True) if d == domain])
+        for domain in sorted(set(domains))
+    }
 
 
 def batches(items: list[Any], rounds: int) -> list[list[Any]]:
@@ -158,9 +175,12 @@ def measure(
     concurrency: int,
     rounds: int,
     serving: ServingSampling | None = None,
+    domains: list[str] | None = None,
 ) -> dict[str, Any]:
     """The prompts sent in `rounds` batches after a warm-up request, greedy or sampled at `serving`; each
-    batch's tokens/s is one sample of the speed (`round_tok_s`), paired across methods by batch."""
+    batch's tokens/s is one sample of the speed (`round_tok_s`), paired across methods by batch. With
+    `domains` (each prompt's), also the acceptance per domain (`domains`: acceptance_of each one's
+    responses; speed is not split, the rounds mixing domains)."""
     from pipeline.engines.sglang import SGLangClient
 
     client = SGLangClient(SGLangClientConfig(urls=[url], concurrency=concurrency, retries=0, timeout_s=900))
@@ -179,7 +199,10 @@ def measure(
             seconds += elapsed
     except EngineError as err:
         raise SGLangBenchmarkFailed(f"benchmark request to {url} failed: {err}") from err
-    return {**summarize_responses(responses, seconds), "round_tok_s": round_tok_s}
+    summary = {**summarize_responses(responses, seconds), "round_tok_s": round_tok_s}
+    if domains is not None:
+        summary["domains"] = per_domain(responses, domains)
+    return summary
 
 
 @dataclass
@@ -211,9 +234,11 @@ def run_methods(
     drafters: dict[str, Path],
     serving: ServingSampling | None = None,
     concurrency_levels: list[int] | None = None,
+    domains: list[str] | None = None,
 ) -> ServerFigures:
     """Every method on the same prompts, one server at a time: the baseline, one NGRAM server per n-gram
-    setting (named by ngram_method_name), then each drafter; greedy at benchmark.sglang.concurrency, and
+    setting (named by ngram_method_name), then each drafter; greedy at benchmark.sglang.concurrency (with
+    each domain's acceptance, given `domains`: each prompt's), and
     while each server is up: greedy at every other of `concurrency_levels` (that many requests in flight),
     and (with `serving`) the baseline and the drafters sampled at the serving temperature."""
     commands = {"baseline": launch_command(settings, "baseline")}
@@ -227,7 +252,7 @@ def run_methods(
         log.info("benchmark %s: %s", method, " ".join(command))
         with running_server(command, settings) as url:
             figures.greedy[method] = measure(
-                url, prompts, max_new_tokens, settings.concurrency, settings.rounds
+                url, prompts, max_new_tokens, settings.concurrency, settings.rounds, domains=domains
             )
             for level in levels:
                 rounds = rounds_at(settings, len(prompts), level)

@@ -91,7 +91,7 @@ class SpecCounters:
 @dataclass(frozen=True)
 class VllmGeneration:
     outputs: list[list[int]]
-    seconds: list[float]  # per generate call: per prompt when one_at_a_time
+    seconds: list[float]  # per generate call: per batch of batch_size prompts
     spec: SpecCounters | None
     finish_reasons: list[str] | None = None  # per output: "stop" (a stop token, kept in outputs) | "length"
     # per output, per generated token: its top-k [token id, log-prob] (raw logits), when asked for
@@ -217,16 +217,16 @@ class VllmEngine:
         max_new_tokens: int,
         temperature: float = 0.0,
         seed: int | None = None,
-        one_at_a_time: bool = False,
+        batch_size: int = 0,
         timeout_s: float = 3600.0,
         top_logprobs: int = 0,
         top_p: float = 1.0,
         top_k: int = 0,
     ) -> VllmGeneration:
-        """Token ids of every prompt's completion; one_at_a_time: one request per prompt (batch size 1),
-        each timed, as a latency benchmark decodes; top_logprobs > 0: also the top-k log-probs behind every
-        generated token (the engine's max_logprobs must allow k); top_p/top_k truncate a sampled
-        distribution (top_k 0: every token)."""
+        """Token ids of every prompt's completion; batch_size n > 0: the prompts n at a time, each batch
+        timed (1: one request per prompt, as a latency benchmark decodes; 0: all at once); top_logprobs > 0:
+        also the top-k log-probs behind every generated token (the engine's max_logprobs must allow k);
+        top_p/top_k truncate a sampled distribution (top_k 0: every token)."""
         self._send(
             {
                 "op": "generate",
@@ -236,7 +236,7 @@ class VllmEngine:
                 "top_p": top_p,
                 "top_k": top_k,
                 "seed": seed,
-                "one_at_a_time": one_at_a_time,
+                "batch_size": batch_size,
                 "logprobs": top_logprobs,
             }
         )

@@ -73,18 +73,23 @@ def running_engines(
 
 
 def decode_pass(
-    engine: VllmEngine, prompts: list[list[int]], max_new_tokens: int, serving: ServingSampling | None = None
+    engine: VllmEngine,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    serving: ServingSampling | None = None,
+    batch_size: int = 1,
 ) -> VllmGeneration:
-    """One pass over the prompts, one request at a time (batch size 1): greedy, or sampled at `serving`."""
+    """One pass over the prompts, `batch_size` requests at a time (default one): greedy, or sampled at
+    `serving`."""
     if serving is None:
-        return engine.generate(prompts, max_new_tokens, temperature=0.0, one_at_a_time=True)
+        return engine.generate(prompts, max_new_tokens, temperature=0.0, batch_size=batch_size)
     return engine.generate(
         prompts,
         max_new_tokens,
         temperature=serving.temperature,
         top_p=serving.top_p,
         top_k=serving.top_k,
-        one_at_a_time=True,
+        batch_size=batch_size,
     )
 
 
@@ -170,17 +175,20 @@ def measure_engines(
     bench: BenchmarkConfig,
     ratios: list[tuple[str, str]],
     serving: ServingSampling | None = None,
+    batch_size: int = 1,
 ) -> tuple[dict[str, list[VllmGeneration]], Measurement]:
-    """Every engine decodes every prompt once per round, interleaved (pipeline.spread.measure: a warm-up
-    round, then at least max(3, repeats) measured rounds, and more until every ratio's interval is
-    ci_rel_width narrow or budget_s is spent); greedy, or sampled at `serving`. The measured passes per
-    engine, and the measurement."""
+    """Every engine decodes every prompt once per round, `batch_size` at a time, interleaved
+    (pipeline.spread.measure: a warm-up round, then at least max(3, repeats) measured rounds, and more until
+    every ratio's interval is ci_rel_width narrow or budget_s is spent); greedy, or sampled at `serving`. The
+    measured passes per engine, and the measurement."""
     passes: dict[str, list[VllmGeneration]] = {name: [] for name in engines}
     rounds = RoundLog(len(engines))
 
     def side(name: str) -> Callable[[], float]:
         def decode_all() -> float:
-            passes[name].append(decode_pass(engines[name], prompts, bench.max_new_tokens, serving))
+            passes[name].append(
+                decode_pass(engines[name], prompts, bench.max_new_tokens, serving, batch_size)
+            )
             tok_s = pass_tok_s(passes[name][-1])
             rounds.record(name, tok_s)
             return tok_s
@@ -208,30 +216,39 @@ def measure_engines_in_turn(
     prompts: list[list[int]],
     bench: BenchmarkConfig,
     sampled_too: Collection[str] = (),
-) -> tuple[dict[str, list[VllmGeneration]], Measurement, str, InTurn | None]:
+) -> InTurnRuns:
     """benchmark.vllm.engines_at_once false: one engine alive at a time, as a GPU node holds one Kimi-K2.5
     engine. Each decodes a warm-up pass, then max(3, benchmark.repeats) timed passes over the prompts; the
     speedups pair the passes by index (stopped by "max_rounds": their number is fixed beforehand). A drift of
-    the machine from one engine to the next is not cancelled as interleaved rounds cancel it. The engines
-    named in `sampled_too` then do the same sampled at benchmark.serving_sampling while they are up. The
-    timed passes per engine, the measurement, vLLM's version, and the sampled passes and measurement."""
+    the machine from one engine to the next is not cancelled as interleaved rounds cancel it. While each
+    engine is up it also decodes greedy at every other of benchmark.batch_sizes, and (the engines named in
+    `sampled_too`) sampled at benchmark.serving_sampling."""
     rounds = max(3, bench.repeats)
+    levels = [size for size in bench.measured_batch_sizes() if size != 1]
     passes: dict[str, list[VllmGeneration]] = {}
     sampled: dict[str, list[VllmGeneration]] = {}
+    at_batch: dict[int, dict[str, list[VllmGeneration]]] = {size: {} for size in levels}
     version = ""
     start = time.perf_counter()
     for name, spec in specs.items():
         with running_engine(name, settings, spec.model_dir, spec.speculation, trust_remote_code) as engine:
             version = engine.vllm_version
             passes[name] = _timed_passes(engine, name, prompts, bench, rounds, None)
+            for size in levels:
+                at_batch[size][name] = _timed_passes(engine, name, prompts, bench, rounds, None, size)
             if name in sampled_too and bench.serving_sampling is not None:
                 sampled[name] = _timed_passes(engine, name, prompts, bench, rounds, bench.serving_sampling)
     elapsed = time.perf_counter() - start
-    measured = _paired_by_index(passes, rounds, bench.confidence, elapsed)
-    in_turn = (
-        InTurn(sampled, _paired_by_index(sampled, rounds, bench.confidence, elapsed)) if sampled else None
+
+    def paired(runs: dict[str, list[VllmGeneration]]) -> InTurn:
+        return InTurn(runs, _paired_by_index(runs, rounds, bench.confidence, elapsed))
+
+    return InTurnRuns(
+        greedy=paired(passes),
+        version=version,
+        sampled=paired(sampled) if sampled else None,
+        at_batch={size: paired(runs) for size, runs in at_batch.items()},
     )
-    return passes, measured, version, in_turn
 
 
 @dataclass(frozen=True)
@@ -242,6 +259,17 @@ class InTurn:
     measured: Measurement
 
 
+@dataclass(frozen=True)
+class InTurnRuns:
+    """What measure_engines_in_turn measured: greedy one request at a time, vLLM's version, sampled at the
+    serving temperature (None: not asked), and greedy at each other batch size."""
+
+    greedy: InTurn
+    version: str
+    sampled: InTurn | None
+    at_batch: dict[int, InTurn]
+
+
 def _timed_passes(
     engine: VllmEngine,
     name: str,
@@ -249,13 +277,16 @@ def _timed_passes(
     bench: BenchmarkConfig,
     rounds: int,
     serving: ServingSampling | None,
+    batch_size: int = 1,
 ) -> list[VllmGeneration]:
-    """A warm-up pass, then `rounds` timed passes over the prompts, greedy or sampled at `serving`."""
+    """A warm-up pass, then `rounds` timed passes over the prompts `batch_size` at a time, greedy or sampled
+    at `serving`."""
     how = "greedy" if serving is None else f"at temperature {serving.temperature}"
-    decode_pass(engine, prompts, bench.max_new_tokens, serving)
+    how += f" at batch {batch_size}" if batch_size != 1 else ""
+    decode_pass(engine, prompts, bench.max_new_tokens, serving, batch_size)
     timed = []
     for index in range(rounds):
-        timed.append(decode_pass(engine, prompts, bench.max_new_tokens, serving))
+        timed.append(decode_pass(engine, prompts, bench.max_new_tokens, serving, batch_size))
         log.info(
             "benchmark (vllm): %s %s pass %d of %d: %.1f tok/s",
             name,

@@ -13,7 +13,7 @@ standard library and vLLM: the pipeline's package is not installed in vLLM's vir
 
 Requests:
     {"op": "generate", "prompts": [[token ids], ...], "max_tokens": n, "temperature": t, "top_p": p,
-     "top_k": k (0: every token), "seed": s, "one_at_a_time": bool}
+     "top_k": k (0: every token), "seed": s, "batch_size": n (0: every prompt in one batch)}
         -> {"outputs": [[token ids], ...], "seconds": [per call], "spec": counters or null,
             "finish_reasons": ["stop" | "length", ...]}
     A request with "logprobs": k also gets "top_logprobs": per output, per generated token, its top-k
@@ -82,7 +82,8 @@ def generate(llm, request: dict[str, Any]) -> dict[str, Any]:
         **truncation,
     )
     prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in ids]) for ids in request["prompts"]]
-    batches = [[p] for p in prompts] if request.get("one_at_a_time") else [prompts]
+    size = int(request.get("batch_size") or 0) or len(prompts) or 1
+    batches = [prompts[start : start + size] for start in range(0, len(prompts), size)]
     before = spec_counters(llm)
     outputs, seconds, finish_reasons, top_logprobs = [], [], [], []
     for batch in batches:

@@ -12,6 +12,7 @@ import functools
 import json
 import logging
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ from pipeline.records import (
     EvalRecord,
     GateRecord,
     IncumbentEval,
+    MeasuredAcceptance,
     MethodResult,
     PromoteRecord,
     RatioInterval,
@@ -355,10 +357,10 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
     ]
 
 
-def _measured(methods: BenchMethods) -> str:
+def _measured(methods: BenchMethods | Mapping[str, MeasuredAcceptance]) -> str:
     """Each speculative method's measured tau, candidate first."""
     order = ("candidate", "incumbent", "ngram")
-    present = methods.present()
+    present = methods.present() if isinstance(methods, BenchMethods) else methods
     return ", ".join(
         f"{name} {present[name].tau_measured:.3f}"
         for name in order
@@ -377,6 +379,15 @@ def bench_domain_rows(bench: BenchRecord) -> list[tuple[str, Any]]:
                 f"domain {domain} (bench)",
                 f"tau measured {_measured(methods)}; candidate per position "
                 f"{_cell(candidate.acceptance_per_position)}",
+            )
+        )
+    for domain, measured in sorted(bench.domain_acceptance.items()):
+        theirs = measured.get("candidate")
+        rows.append(
+            (
+                f"domain {domain} (bench)",
+                f"tau measured {_measured(measured)}; candidate per position "
+                f"{_cell(theirs.acceptance_per_position if theirs else None)}",
             )
         )
     return rows

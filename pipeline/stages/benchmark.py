@@ -72,6 +72,7 @@ from pipeline.records import (
     Calibration,
     DraftSetting,
     EvalRecord,
+    MeasuredAcceptance,
     MeasuredCosts,
     MethodResult,
     NgramSettingResult,
@@ -91,6 +92,7 @@ from pipeline.storage import ObjectStore
 
 if TYPE_CHECKING:
     from pipeline.engines.vllm import VllmGeneration
+    from pipeline.engines.vllm_bench import InTurn
 
 log = logging.getLogger(__name__)
 
@@ -885,9 +887,11 @@ def sglang_record(
     prompts: list[list[int]],
     evaluation: EvalRecord,
     run_id: str,
+    domains: list[str] | None = None,
 ) -> BenchRecord:
-    """SGLang servers started one method at a time (production); the setting comes from the config."""
-    from pipeline.engines.sglang_bench import run_methods
+    """SGLang servers started one method at a time (production); the setting comes from the config. With
+    `domains` (each prompt's), each method's acceptance per domain too."""
+    from pipeline.engines.sglang_bench import ngram_method_name, run_methods
 
     settings = config.benchmark.sglang
     if settings is None:
@@ -895,8 +899,9 @@ def sglang_record(
     bench = config.benchmark
     serving = bench.serving_sampling
     measured = run_methods(
-        settings, prompts, bench.max_new_tokens, drafter_dirs, serving, bench.measured_batch_sizes()
+        settings, prompts, bench.max_new_tokens, drafter_dirs, serving, bench.measured_batch_sizes(), domains
     )
+    by_domain = {name: figures.pop("domains", {}) for name, figures in measured.greedy.items()}
     methods, ngram_sweep = sglang_methods(measured.greedy, settings.ngram_settings)
     speedups = paired_speedups(methods, bench.confidence)
     setting = (settings.steps, settings.topk, settings.draft_tokens)
@@ -906,6 +911,7 @@ def sglang_record(
     )
     record.batch_size = settings.concurrency
     fastest_ngram_server = next(s for s in settings.ngram_settings if s.label == ngram_sweep.best)
+    record.domain_acceptance = domain_acceptance(by_domain, ngram_method_name(fastest_ngram_server))
     record.batches = [
         sglang_batch(level, figures, settings, fastest_ngram_server, bench.confidence)
         for level, figures in sorted(measured.at_concurrency.items())
@@ -916,6 +922,29 @@ def sglang_record(
             serving, results, paired_ratio(results["candidate"], results, bench.confidence)
         )
     return record
+
+
+def domain_acceptance(
+    by_domain: dict[str, dict[str, dict]], fastest_ngram: str
+) -> dict[str, dict[str, MeasuredAcceptance]]:
+    """Each server's per-domain acceptance (`by_domain`: server name -> domain -> figures) as domain ->
+    method; n-gram is its fastest setting's server, the other n-gram servers are left out."""
+    from pipeline.engines.sglang_bench import NGRAM_PREFIX
+
+    names = {
+        name: ("ngram" if name == fastest_ngram else name)
+        for name in by_domain
+        if name == fastest_ngram or not name.startswith(NGRAM_PREFIX)
+    }
+    domains = sorted({domain for figures in by_domain.values() for domain in figures})
+    return {
+        domain: {
+            method: MeasuredAcceptance.model_validate(by_domain[name][domain])
+            for name, method in names.items()
+            if domain in by_domain[name]
+        }
+        for domain in domains
+    }
 
 
 def sglang_batch(
@@ -994,19 +1023,26 @@ def vllm_record(
     others = [name for name in specs if name != "candidate"]
     sampled_too = ["baseline", *drafter_dirs]  # at the serving temperature, with benchmark.serving_sampling
     sampled: InTurn | None = None
+    at_batch: dict[int, InTurn] = {}
     if settings.engines_at_once:
         with running_engines(specs, settings, trust) as engines:
             version = engines["baseline"].vllm_version
-            passes, measured = measure_engines(engines, prompts, bench, [("candidate", o) for o in others])
+            against = [("candidate", o) for o in others]
+            passes, measured = measure_engines(engines, prompts, bench, against)
+            for size in bench.measured_batch_sizes():
+                if size != 1:
+                    at_batch[size] = InTurn(*measure_engines(engines, prompts, bench, against, None, size))
             if bench.serving_sampling is not None:
                 chosen = {name: engines[name] for name in sampled_too}
                 ratios = [("candidate", o) for o in sampled_too if o != "candidate"]
                 sampled = InTurn(*measure_engines(chosen, prompts, bench, ratios, bench.serving_sampling))
     else:
-        passes, measured, version, sampled = measure_engines_in_turn(
-            specs, settings, trust, prompts, bench, sampled_too
-        )
+        runs = measure_engines_in_turn(specs, settings, trust, prompts, bench, sampled_too)
+        passes, measured, version = runs.greedy.passes, runs.greedy.measured, runs.version
+        sampled, at_batch = runs.sampled, runs.at_batch
     require_greedy_outputs(passes, swept)
+    for size, level in at_batch.items():
+        require_greedy_outputs(level.passes, {}, f" at batch {size}")
     methods = BenchMethods.model_validate({name: method_result(runs) for name, runs in passes.items()})
     sweep = vllm_ngram_sweep(bench, {label: method_result([g]) for label, g in swept.items()}, methods.ngram)
     speedups = {other: interval(measured.ratio("candidate", other)) for other in others}
@@ -1015,6 +1051,7 @@ def vllm_record(
         config, run_id, len(prompts), "vllm", (steps, 1, steps + 1), tau, methods, speedups, sweep
     )
     record.engine_version = version
+    record.batches = [vllm_batch(size, level, steps, others) for size, level in sorted(at_batch.items())]
     if sampled is not None and bench.serving_sampling is not None:
         serving = bench.serving_sampling
         results = {name: method_result(runs) for name, runs in sampled.passes.items()}
@@ -1043,17 +1080,36 @@ def vllm_loadable(name: str, drafter_dir: Path, workdir: Path) -> Path:
     return copy_with_layer_ids(drafter_dir, copy, "vllm", ids)
 
 
-def require_greedy_outputs(passes: dict[str, list[VllmGeneration]], swept: dict[str, VllmGeneration]) -> None:
+def require_greedy_outputs(
+    passes: dict[str, list[VllmGeneration]], swept: dict[str, VllmGeneration], where: str = ""
+) -> None:
     """BenchmarkFailed unless every output of every method (each n-gram setting's calibration pass too) equals
-    the vLLM baseline's greedy output of the same prompt, token for token."""
+    the vLLM baseline's greedy output of the same prompt, token for token (`where`: at which batch size)."""
     from pipeline.engines.vllm_bench import greedy_mismatches
 
     greedy = passes["baseline"][0].outputs
     bad = greedy_mismatches({**passes, **{f"ngram {label}": [g] for label, g in swept.items()}}, greedy)
     if bad:
         raise BenchmarkFailed(
-            f"vLLM's speculative outputs differ from its greedy decoding (outputs, per method): {bad}"
+            f"vLLM's speculative outputs{where} differ from its greedy decoding (outputs, per method): {bad}"
         )
+
+
+def vllm_batch(size: int, level: InTurn, steps: int, others: list[str]) -> BatchBench:
+    """vLLM's engines decoding the prompts `size` at a time: every method's figures and the candidate's
+    speedups (its chain of `steps`, as at batch 1)."""
+    from pipeline.engines.vllm_bench import method_result
+
+    methods = BenchMethods.model_validate({name: method_result(runs) for name, runs in level.passes.items()})
+    return BatchBench(
+        batch_size=size,
+        draft_steps=steps,
+        topk=1,
+        draft_tokens=steps + 1,
+        speedups={other: interval(level.measured.ratio("candidate", other)) for other in others},
+        tau_measured=methods.candidate.tau_measured,
+        methods=methods,
+    )
 
 
 def vllm_ngram_sweep(
@@ -1160,7 +1216,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             )
     prompts, domains = heldout_set(store, prompts_uri, tokenizer, settings.num_prompts)
     if settings.engine == "sglang":
-        record = sglang_record(config, drafter_dirs, prompts, evaluation, run_id)
+        record = sglang_record(config, drafter_dirs, prompts, evaluation, run_id, domains)
     elif settings.engine == "vllm":
         record = vllm_record(config, Path(target.model_dir), drafter_dirs, prompts, evaluation, run_id)
     else:
