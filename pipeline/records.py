@@ -361,7 +361,8 @@ class RealEngineFigures(Record):
 class BatchFigures(Record):
     """The candidate's speedups at one batch size beside the headline's (benchmark.batch_sizes): local, the
     reference decoder's batched decoding of that many held-out prompts at once, with the speed model's chain
-    for this size and its prediction; SGLang, that many requests in flight."""
+    for this size and its prediction; SGLang, that many requests in flight; vLLM, that many prompts per
+    generate call."""
 
     batch_size: int
     draft_steps: int
@@ -427,12 +428,6 @@ class BenchRecord(BenchSummary, StageRecord):
             for batch in self.batches
         ]
         return summary
-
-    def speedups_at(self, batch_size: int) -> dict[str, RatioInterval] | None:
-        """The candidate's speedups at a batch size (None: not measured at it)."""
-        if batch_size == self.batch_size:
-            return self.speedups
-        return next((b.speedups for b in self.batches if b.batch_size == batch_size), None)
 
 
 # ---------------------------------------------------------------- promote

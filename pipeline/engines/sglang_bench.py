@@ -133,9 +133,9 @@ def acceptance_of(responses: list[dict[str, Any]]) -> dict[str, Any]:
         summed = [sum(h[i] for h in histograms if i < len(h)) for i in range(width)]
         summary["accepted_histogram"] = summed
         steps = sum(summed)
-        summary["acceptance_per_position"] = [
-            round(sum(summed[i + 1 :]) / steps, 4) for i in range(width - 1)
-        ]
+        summary["acceptance_per_position"] = (
+            [] if not steps else [round(sum(summed[i + 1 :]) / steps, 4) for i in range(width - 1)]
+        )
     return summary
 
 

@@ -1,6 +1,6 @@
 """The benchmark on vLLM (benchmark.engine 'vllm'): every method in its own vLLM engine
-(pipeline.engines.vllm), prompts decoded one at a time (batch size 1, greedy), acceptance from vLLM's own
-speculative-decoding counters.
+(pipeline.engines.vllm), prompts decoded one at a time (batch size 1, greedy; benchmark.batch_sizes adds
+passes that many prompts per generate call), acceptance from vLLM's own speculative-decoding counters.
 
 The methods measured against each other are alive at once and decoded interleaved, one pass over every
 prompt per method per round (pipeline.spread.measure), so machine noise falls on all of them alike; where
