@@ -21,7 +21,8 @@ def kimi_shape_bytes_per_token(
 ) -> float:
     import torch
 
-    from pipeline.data.capture_shards import CaptureSample, write_shard
+    from pipeline.data.capture_shards import CaptureSample
+    from pipeline.data.shard_writer import write_shard
 
     logprobs = torch.log_softmax(torch.randn(tokens, 1000), -1).topk(teacher_topk, -1)
     sample = CaptureSample(

@@ -1,7 +1,7 @@
 """What moving aux hidden states through SGLang's HTTP JSON costs per token, at a given width.
 
     python benchmarks/bench_capture_transport.py [--width 21504] [--tiny-target] [--tokens 512]
-        [--repeats 7]
+        [--repeats 7] [--json FILE]
 
 The default width is Kimi-K2.5's aux capture: 3 layers x 7168. --tiny-target takes the width of
 configs/local.yaml's tiny target instead (3 x its hidden size).
@@ -28,8 +28,11 @@ Each step runs in one process per server, the three in a pipeline, so a server m
 tokens per second as its slowest step: capture_tok_s_ceiling_per_server. Nothing else of the server (the
 GPU forward, other requests) is included, so the ceiling is an upper bound.
 
-The client side is the project's own parser (pipeline.engines.sglang.split_hidden_states and
+The client side is the project's own parser (pipeline.sglang_transport.split_hidden_states and
 prompt_states) on the JSON bytes step 3 wrote, in one process: client_tok_s_per_core.
+
+After either path, every token is encoded into a capture shard (fp8, as configs/kimi-k2.5.yaml stores it):
+shard_encode_tok_s_per_core, the CPU work the in-process capture engine still pays.
 
 Each step is timed --repeats times on the same request (after one warm-up); every figure prints as its
 median with the fastest and slowest beside it (_min=, _max=). Headline (last line):
@@ -39,10 +42,12 @@ capture_tok_s_ceiling_per_server=.
 from __future__ import annotations
 
 import argparse
+import json
 import pickle
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from support import report
 
@@ -81,11 +86,15 @@ def main() -> None:
     parser.add_argument("--tiny-target", action="store_true", help="the tiny target's width instead")
     parser.add_argument("--tokens", type=int, default=512, help="prompt tokens of the captured request")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--json", type=Path, help="also write the figures here, for `drafter plan --transport FILE`"
+    )
     args = parser.parse_args()
     import orjson
     import torch
 
-    from pipeline.engines.sglang import prompt_states, split_hidden_states
+    from pipeline.engines.sglang import prompt_states
+    from pipeline.sglang_transport import split_hidden_states
 
     width = tiny_target_width() if args.tiny_target else args.width
     tokens = args.tokens
@@ -134,8 +143,43 @@ def main() -> None:
         slowest_server_step=slowest,
         server_tok_s_per_process=rates[slowest],
     )
-    report_rate("client_tok_s_per_core", tokens, timed(client_parse, args.repeats))
-    report(json_bytes_per_token=len(body) / tokens, capture_tok_s_ceiling_per_server=rates[slowest])
+    client = report_rate("client_tok_s_per_core", tokens, timed(client_parse, args.repeats))
+    torch.set_num_threads(1)  # per core, as the client's parse is
+    encode = report_rate(
+        "shard_encode_tok_s_per_core", tokens, timed(lambda: encode_shard(parsed), args.repeats)
+    )
+    figures = {
+        "width": width,
+        "server_tok_s_per_process": rates[slowest],
+        "slowest_server_step": slowest,
+        "client_tok_s_per_core": client,
+        "shard_encode_tok_s_per_core": encode,
+        "json_bytes_per_token": len(body) / tokens,
+        "capture_tok_s_ceiling_per_server": rates[slowest],
+    }
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": "bench_capture_transport.py", **figures}, indent=2))
+    report(
+        json_bytes_per_token=figures["json_bytes_per_token"], capture_tok_s_ceiling_per_server=rates[slowest]
+    )
+
+
+def encode_shard(aux) -> None:
+    """What every captured token costs after it arrives, on either capture path: ShardWriter's checks-free
+    fp8 encoding (with the bf16 fall-back spool and error sums of configs/kimi-k2.5.yaml's bound) of the
+    aux rows and a top-16 teacher, written to a local shard."""
+    import tempfile
+
+    import torch
+
+    from pipeline.data.shard_writer import PendingSample, ShardWriter
+
+    tokens = aux.shape[0]
+    teacher = torch.log_softmax(torch.randn(tokens, 64), -1).topk(16, -1)
+    with tempfile.TemporaryDirectory() as tmp, ShardWriter("fp8", 128, 0.05, spool_dir=Path(tmp)) as writer:
+        ids = torch.arange(tokens)
+        writer.add(PendingSample("s", ids, torch.ones(tokens), aux, None, teacher.indices, teacher.values))
+        writer.finish(Path(tmp) / "s.safetensors")
 
 
 if __name__ == "__main__":

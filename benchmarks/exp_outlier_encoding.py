@@ -99,7 +99,7 @@ def published_manifest(store, uri: str) -> dict:
 
 def publish_capture(store, source: dict, shards: dict, prefix: str, encoding: str, block: int) -> str:
     """The shards written with `encoding` (no bf16 fallback) as a capture beside the source capture."""
-    from pipeline.data.capture_shards import write_checked_shard
+    from pipeline.data.shard_writer import write_checked_shard
     from pipeline.manifest import publish
 
     objects, entries = [], []

@@ -136,6 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_ID",
         help="take token counts and rates measured by this finished run (a pilot) over the config's",
     )
+    p.add_argument(
+        "--transport",
+        metavar="FILE",
+        help="transport and client rates measured by benchmarks/bench_capture_transport.py --json FILE",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. plan.gpu_hour_usd=3.2")
     p = sub.add_parser("train-worker", help=argparse.SUPPRESS)
@@ -249,11 +254,24 @@ def _pull(args, config, store, target: str) -> int:
 
 
 def _plan(args, config) -> int:
-    from pipeline.ops.capacity import format_plan, measured_rates, plan
+    from pipeline.ops.capacity import PlanError, format_plan, measured_rates, plan, transport_rates
 
     measured = measured_rates(config, args.measured_from) if args.measured_from else None
+    transport = None
+    if args.transport:
+        try:
+            figures = json.loads(Path(args.transport).read_text())
+        except (OSError, ValueError) as err:
+            raise PlanError(f"cannot read the transport figures {args.transport}: {err}") from err
+        transport = transport_rates(figures, config, args.transport)
     report = plan(
-        config, args.samples, args.generate_servers, args.capture_servers, args.train_nodes, measured
+        config,
+        args.samples,
+        args.generate_servers,
+        args.capture_servers,
+        args.train_nodes,
+        measured,
+        transport,
     )
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     return 0

@@ -234,7 +234,11 @@ class SGLangClientConfig(Strict):
     last_hidden_urls: list[str] | None = Field(
         None, description="capture only: servers returning the last hidden state"
     )
-    concurrency: PositiveInt = 8
+    concurrency: PositiveInt = Field(
+        8,
+        description="requests in flight; capture posts each from a worker process of its own, which parses "
+        "the response's hidden states as it streams in (pipeline.sglang_transport)",
+    )
     timeout_s: float = Field(600.0, gt=0)
     retries: int = Field(3, ge=0)
 
@@ -367,6 +371,12 @@ class CaptureConfig(Strict):
     teacher_topk: int = Field(16, ge=1, le=128)
     max_length: int = Field(2048, ge=8)
     batch_size: PositiveInt = 8
+    part_max_mib: float = Field(
+        2048,
+        gt=0,
+        description="a response shard's capture is stored as parts of about this many MiB of encoded rows: "
+        "each part is uploaded while the next one is captured, and local disk holds at most two",
+    )
     parity: ParityConfig = Field(default_factory=lambda: ParityConfig())
     sglang: SGLangClientConfig | None = None
 
@@ -843,10 +853,24 @@ NonNegative = Annotated[float, Field(ge=0)]
 
 
 class PlanAssumptions(Strict):
-    """What `drafter plan` assumes where no pilot run measured it (replace with measured figures)."""
+    """What `drafter plan` assumes where no pilot run or benchmark measured it (replace with measured figures:
+    `drafter plan --measured-from RUN_ID`, `--transport FILE` from benchmarks/bench_capture_transport.py)."""
 
     prompt_tokens_mean: Positive = Field(600, description="prompt tokens per conversation (all user turns)")
-    response_tokens_mean: Positive = Field(900, description="assistant tokens per conversation")
+    response_tokens_mean: Positive | None = Field(
+        None,
+        description="assistant tokens per conversation; unset: the thinking/non-thinking mix below "
+        "(a pilot run measures it)",
+    )
+    response_tokens_thinking: Positive = Field(
+        3000, description="assistant tokens per conversation when the target thinks (reasoning + answer)"
+    )
+    response_tokens_non_thinking: Positive = Field(
+        700, description="assistant tokens per conversation without thinking"
+    )
+    thinking_fraction: float = Field(
+        1.0, ge=0, le=1, description="share of conversations generated with thinking on"
+    )
     assistant_turns: Positive = Field(
         1.5,
         description="assistant turns per conversation (caps responses at generate.max_new_tokens per turn)",
@@ -854,9 +878,39 @@ class PlanAssumptions(Strict):
     generate_tok_s_per_server: Positive = Field(
         1500, description="output tok/s of one generation server at generate.sglang.concurrency"
     )
-    capture_tok_s_per_server: Positive = Field(
-        1000, description="captured tok/s of one capture server, hidden-state transfer and parsing included"
+    capture_tok_s_per_server: Positive | None = Field(
+        None,
+        description="captured tok/s of one capture server end to end, as a pilot run measures it; unset: "
+        "modelled from the GPU, transport, client and S3 rates below, whichever binds",
     )
+    capture_gpu_tok_s_per_server: Positive = Field(
+        20000,
+        description="prompt tok/s one capture server's GPUs prefill with aux states: capture's rate when "
+        "nothing else binds",
+    )
+    transport_tok_s_per_server: Positive = Field(
+        343,
+        description="HTTP capture: tok/s one SGLang server's JSON path moves (its slowest process; "
+        "benchmarks/bench_capture_transport.py at Kimi-K2.5's width)",
+    )
+    client_parse_tok_s_per_core: Positive = Field(
+        600, description="HTTP capture: tok/s one client core parses out of the JSON (same benchmark)"
+    )
+    shard_encode_tok_s_per_core: Positive = Field(
+        300,
+        description="tok/s one core checks and encodes into capture shards, on either path (same benchmark)",
+    )
+    capture_clients: PositiveInt | None = Field(
+        None,
+        description="HTTP capture: capture task pods running at once; unset: as many as keep the servers "
+        "the bottleneck",
+    )
+    capture_client_cores: PositiveInt = Field(16, description="cores of one capture task's pod")
+    capture_node_spare_cores: PositiveInt = Field(
+        64, description="in-process capture: cores of a capture node left to encode shards beside the engine"
+    )
+    s3_write_mb_s: Positive = Field(500, description="MB/s one capture process uploads to the object store")
+    s3_read_mb_s_per_node: Positive = Field(1000, description="MB/s one training node reads captures")
     train_tok_s_per_gpu: Positive = Field(2500, description="trained tok/s per GPU, all TTT steps included")
     train_nodes: PositiveInt = Field(1, description="nodes planned for when train.nodes is 1")
     server_load_minutes: NonNegative = Field(
@@ -870,6 +924,15 @@ class PlanAssumptions(Strict):
     s3_put_per_1000_usd: NonNegative = 0.005
     s3_get_per_1000_usd: NonNegative = 0.0004
     retention_months: Positive = Field(1.0, description="how long captures are kept in S3 Standard")
+
+    def response_tokens(self) -> float:
+        """Assistant tokens per conversation: measured or set, else the thinking/non-thinking mix."""
+        if self.response_tokens_mean is not None:
+            return self.response_tokens_mean
+        return (
+            self.thinking_fraction * self.response_tokens_thinking
+            + (1 - self.thinking_fraction) * self.response_tokens_non_thinking
+        )
 
 
 class RunConfig(Strict):

@@ -59,16 +59,17 @@ def test_kimi_200k_plan_is_consistent(kimi, kimi_plan):
     assert total["usd"] >= total["gpu_usd"] + total["s3_usd"]["storage_usd"] - 1
 
 
-def test_fleets_cost_their_stage_plus_loading_and_would_idle_left_up(kimi_plan):
-    fleets, stages = kimi_plan["fleets"], kimi_plan["stages"]
-    load_hours = kimi_plan["assumptions"]["server_load_minutes"] / 60
+def test_fleets_cost_their_stage_plus_loading_and_would_idle_left_up(kimi):
+    small = plan(kimi, 5_000)  # a run whose fleets are up for less than a week
+    fleets, stages = small["fleets"], small["stages"]
+    load_hours = small["assumptions"]["server_load_minutes"] / 60
     for name in ("generate", "capture"):
         row = fleets["servers"][name]
         assert row["gpus"] == stages[name]["gpus"]
         assert row["up_hours"] == pytest.approx(stages[name]["wall_hours"] + load_hours, abs=0.1)
     assert fleets["always_on_gpus"] == 48 and fleets["always_on_gpu_hours_per_week"] == 48 * 168
     up = sum(row["gpus"] * row["up_hours"] for row in fleets["servers"].values())
-    assert fleets["idle_gpu_hours_per_week"] == pytest.approx(48 * 168 - up, abs=0.5)
+    assert 0 < fleets["idle_gpu_hours_per_week"] == pytest.approx(48 * 168 - up, abs=0.5)
 
 
 def test_replicas_trade_wall_time_not_gpu_hours(kimi, kimi_plan):
@@ -134,6 +135,9 @@ def test_cli_prints_the_plan_table():
         "GPU-hours",
         "S3:",
         "(configured)",
+        "bound by transport",
+        "in-process engine:",
+        "beside TorchSpec's published Kimi-K2.5 drafter",
     ):
         assert text in result.stdout, text
     bad = subprocess.run(
@@ -144,3 +148,82 @@ def test_cli_prints_the_plan_table():
         timeout=300,
     )
     assert bad.returncode == 2 and "--samples must be at least 1" in bad.stderr
+
+
+def with_plan(config, **values):
+    return config.model_copy(update={"plan": config.plan.model_copy(update=values)})
+
+
+def test_each_stage_names_what_binds_it(kimi, kimi_plan):
+    stages, paths = kimi_plan["stages"], kimi_plan["capture_paths"]
+    assert (
+        stages["generate"]["bottleneck"] == "GPU (decoding)" and stages["train"]["bottleneck"] == "training"
+    )
+    # over SGLang's JSON each server moves far fewer tokens than its GPUs prefill: no client fleet fixes that
+    http = paths["http"]
+    assert http["bottleneck"] == "transport" and not http["gpu_bound"]
+    assert http["tok_s_per_server"] == kimi.plan.transport_tok_s_per_server == stages["capture"]["tok_s"] / 2
+    assert http["clients_needed"] >= 1 and http["gpu_utilization"] < 0.05
+    assert paths["in_process"]["gpu_bound"] and paths["in_process"]["gpu_hours"] < http["gpu_hours"] / 10
+    few_clients = plan(with_plan(kimi, capture_clients=1, capture_client_cores=1), 1000)["capture_paths"][
+        "http"
+    ]
+    assert few_clients["bottleneck"] == "client parse" and few_clients["clients_needed"] > 1
+    slow_s3 = plan(with_plan(kimi, s3_write_mb_s=1.0, capture_clients=1), 1000)["capture_paths"]["http"]
+    assert slow_s3["bottleneck"] == "S3 bandwidth"
+    slow_read = plan(with_plan(kimi, s3_read_mb_s_per_node=1.0), 1000)["stages"]["train"]
+    assert slow_read["bottleneck"] == "S3 bandwidth"
+    encode_bound = plan(with_plan(kimi, shard_encode_tok_s_per_core=10.0), 1000)["capture_paths"][
+        "in_process"
+    ]
+    assert encode_bound["bottleneck"] == "shard encoding" and not encode_bound["gpu_bound"]
+
+
+def test_response_lengths_follow_thinking_and_a_measured_mean_wins(kimi):
+    thinking = plan(kimi, 1000)["tokens"]["response_mean"]
+    instant = plan(with_plan(kimi, thinking_fraction=0.0), 1000)["tokens"]["response_mean"]
+    half = plan(with_plan(kimi, thinking_fraction=0.5), 1000)["tokens"]["response_mean"]
+    assert (
+        thinking == kimi.plan.response_tokens_thinking and instant == kimi.plan.response_tokens_non_thinking
+    )
+    assert half == pytest.approx((thinking + instant) / 2)
+    assert plan(with_plan(kimi, response_tokens_mean=1234.0), 1000)["tokens"]["response_mean"] == 1234.0
+
+
+def test_benchmarked_transport_replaces_the_assumptions_at_the_targets_width(kimi, tmp_path):
+    from pipeline.ops.capacity import transport_rates
+
+    figures = {
+        "width": 3 * 7168,
+        "capture_tok_s_ceiling_per_server": 500.0,
+        "client_tok_s_per_core": 700.0,
+        "shard_encode_tok_s_per_core": 400.0,
+    }
+    measured = plan(kimi, 1000, transport=transport_rates(figures, kimi, "t.json"))
+    assert measured["capture_paths"]["http"]["tok_s_per_server"] == 500.0
+    assert measured["rates_source"]["transport_tok_s_per_server"] == "benchmarked"
+    assert measured["assumptions"]["shard_encode_tok_s_per_core"] == 400.0
+    with pytest.raises(PlanError, match="--width 21504"):
+        transport_rates({**figures, "width": 192}, kimi, "t.json")
+    with pytest.raises(PlanError, match="not bench_capture_transport"):
+        transport_rates({"width": 21504}, kimi, "t.json")
+    (tmp_path / "t.json").write_text(__import__("json").dumps(figures))
+    result = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "plan", "--config", str(KIMI), "--samples", "37000"]
+        + ["--transport", str(tmp_path / "t.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "transport_tok_s_per_server 500.0 (benchmarked)" in result.stdout
+    assert f"transport benchmarked in {tmp_path / 't.json'}" in result.stdout
+
+
+def test_the_plan_stands_beside_torchspecs_published_run(kimi, kimi_plan):
+    comparison = kimi_plan["torchspec"]
+    assert comparison["published"]["h200_gpu_hours"] == 1500 and comparison["published"]["samples"] == 600_000
+    at_600k = plan(kimi, 600_000, compare=False)
+    assert comparison["this_plan"]["gpu_hours"] == at_600k["total"]["gpu_hours"]
+    assert comparison["this_plan"]["tokens"] == at_600k["tokens"]["captured"]

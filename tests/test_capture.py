@@ -67,3 +67,58 @@ def test_sample_validation_names_the_problem():
         sample_problem(Capture(good.aux, good.last_hidden, topk.indices, -topk.values), 4, 2, both)
         == "invalid_topk"
     )
+
+
+def test_a_shard_is_stored_as_parts_each_uploaded_while_capture_goes_on(tmp_path, monkeypatch):
+    """capture.part_max_mib cuts a response shard's capture into parts; a part's upload runs (in its own
+    thread) while later samples are still being captured, and the parts hold exactly the samples one
+    part would."""
+    import threading
+    import time
+
+    from pipeline import layout
+    from pipeline.config import load_config
+    from pipeline.data.capture_shards import ShardReader, store_range_reader
+    from pipeline.manifest import read_manifest
+    from pipeline.stages import run_stage
+    from pipeline.storage import open_store
+    from tests.conftest import storage_config, tiny_config_dict
+    from tests.test_resume import response_ids
+
+    base = ["prompts.num_samples=16", "prompts.eval_fraction=0", "prompts.shard_size=16"]
+    base += ["capture.parity.samples=0", "capture.batch_size=2"]
+    config = load_config(data=tiny_config_dict(storage_config("file", tmp_path, None)), overrides=base)
+    store = open_store(config.storage)
+    for name in ("prompts", "generate"):
+        run_stage(name, config, "snap", store)
+    events: list[tuple[str, float, str]] = []
+    real_capture, real_put = HFEngine.capture, type(store).put_file
+
+    def capture(self, *args, **kwargs):
+        events.append(("capture", time.monotonic(), threading.current_thread().name))
+        return real_capture(self, *args, **kwargs)
+
+    def put_file(self, key, path):
+        if key.endswith(".safetensors"):
+            events.append(("upload", time.monotonic(), threading.current_thread().name))
+        return real_put(self, key, path)
+
+    monkeypatch.setattr(HFEngine, "capture", capture)
+    monkeypatch.setattr(type(store), "put_file", put_file)
+    storage = storage_config("file", tmp_path, None)
+    parts_config = load_config(data=tiny_config_dict(storage), overrides=[*base, "capture.part_max_mib=0.05"])
+    manifest = read_manifest(store, store.key_for(run_stage("capture", parts_config, "snap", store).uri))
+    names = [s["name"] for s in manifest["shards"]]
+    assert len(names) >= 3 and names[1].endswith("-part001.safetensors")
+    uploads = [(t, thread) for kind, t, thread in events if kind == "upload"]
+    last_capture = max(t for kind, t, _ in events if kind == "capture")
+    assert uploads[0][0] < last_capture and all(thread.startswith("capture-upload") for _, thread in uploads)
+
+    prefix = layout.captures_prefix(config.target.name, "snap")
+    stored = []
+    for name in names:
+        stored += ShardReader(store_range_reader(store, f"{prefix}/{name}")).sample_ids
+    responses = response_ids(store, manifest["responses"])
+    refused = sum(n for reason, n in manifest["counts"].items() if reason.startswith("quarantined."))
+    assert len(stored) == len(set(stored)) == manifest["totals"]["samples"] == len(responses) - refused > 0
+    assert set(stored) <= set(responses)

@@ -16,10 +16,10 @@ from pipeline.data.capture_shards import (
     fp8_rel_error,
     quantize_fp8,
     store_range_reader,
-    write_checked_shard,
     write_safetensors,
-    write_shard,
 )
+from pipeline.data.shard_writer import PendingSample, ShardWriter, write_checked_shard, write_shard
+from pipeline.data.spilled_rows import SpilledRows
 
 
 def make_samples(hidden=8, k=4, last_hidden=True, topk=True):
@@ -282,3 +282,40 @@ def test_shards_captured_before_the_measurements_are_counted_as_unmeasured():
     assert first["amax_over_median"] == 400.0 and first["median_channel_amax"] == 2.0
     assert [s["name"] for s in fields["encoding"]["shards"]] == ["a"]
     assert fields["encoding"]["fell_back_to_bf16"] == []
+
+
+@pytest.mark.parametrize("encoding,bound", [("fp8", 0.05), ("fp8", None), ("bf16", None)])
+def test_a_shard_written_a_few_rows_at_a_time_has_the_same_bytes(tmp_path, encoding, bound):
+    samples = make_samples(hidden=32)
+    whole, whole_report = write_checked_shard(samples, tmp_path / "whole.safetensors", encoding, 16, bound)
+    spilled = []
+    for index, sample in enumerate(samples):  # aux from local files, read back 2 rows at a time
+        path = tmp_path / f"aux{index}.f32"
+        sample.aux.float().numpy().tofile(path)
+        spilled.append(PendingSample(**{**sample.__dict__, "aux": SpilledRows(path, *sample.aux.shape)}))
+    with ShardWriter(encoding, 16, bound, chunk_bytes=2 * 4 * 96) as writer:
+        for sample in spilled:
+            writer.add(sample)
+        chunked, chunked_report = writer.finish(tmp_path / "chunked.safetensors")
+    assert (tmp_path / "whole.safetensors").read_bytes() == (tmp_path / "chunked.safetensors").read_bytes()
+    assert chunked == whole and chunked_report.stored == whole_report.stored
+    for name, errors in whole_report.fp8_rel_error.items():
+        assert chunked_report.fp8_rel_error[name] == pytest.approx(errors, rel=1e-5)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("shard-spool-")] == []
+
+
+def test_the_fall_back_to_bf16_is_decided_on_the_whole_shard_not_a_chunk(tmp_path):
+    samples = massive_samples(1e6)
+    with ShardWriter("fp8", 32, 0.05, chunk_bytes=4 * 96) as writer:  # one row per chunk
+        for sample in samples:
+            writer.add(sample)
+        stats, report = writer.finish(tmp_path / "m.safetensors")
+    assert stats["encoding"] == "bf16" and report.fell_back
+    assert ShardReader.from_file(tmp_path / "m.safetensors").encoding == "bf16"
+
+
+def test_samples_with_different_teachers_are_refused_in_one_shard(tmp_path):
+    with ShardWriter("bf16") as writer:
+        writer.add(make_samples()[0])
+        with pytest.raises(ShardFormatError, match="teachers"):
+            writer.add(make_samples(last_hidden=False)[1])

@@ -145,7 +145,17 @@ def test_a_deliberately_weak_drafter_fails_the_gate_that_the_trained_one_passes(
     assert refused.returncode == 1 and "the gate did not pass" in refused.stderr
 
 
-def test_plan_takes_rates_measured_by_the_finished_run(e2e):
+def test_plan_takes_rates_measured_by_the_finished_run_and_the_transport_benchmark(e2e, tmp_path):
+    width = 3 * yaml.safe_load(e2e["config"].read_text())["target"]["tiny"]["hidden_size"]
+    bench = subprocess.run(
+        [sys.executable, "benchmarks/bench_capture_transport.py", "--width", str(width), "--tokens", "64"]
+        + ["--repeats", "1", "--json", str(tmp_path / "transport.json")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert bench.returncode == 0, bench.stderr[-3000:]
     result = drafter(
         "plan",
         "--config",
@@ -154,12 +164,22 @@ def test_plan_takes_rates_measured_by_the_finished_run(e2e):
         "200000",
         "--measured-from",
         "e2e-run",
+        "--transport",
+        str(tmp_path / "transport.json"),
         "--json",
         env=e2e["env"],
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
-    assert set(report["rates_source"].values()) == {"measured"}, report["rates_source"]
+    sources = report["rates_source"]
+    pilot = ["prompt_tokens_mean", "response_tokens_mean", "generate_tok_s_per_server"]
+    pilot += ["capture_tok_s_per_server", "train_tok_s_per_gpu"]
+    assert {sources.pop(key) for key in pilot} == {"measured"}, report["rates_source"]
+    assert set(sources.values()) == {"benchmarked"}, sources  # transport, client parse, shard encoding
+    transport = json.loads((tmp_path / "transport.json").read_text())
+    assert report["capture_paths"]["http"]["limits_tok_s_per_server"]["transport"] == pytest.approx(
+        transport["capture_tok_s_ceiling_per_server"], rel=1e-3
+    )
     assert (
         report["measured_from"]["run_id"] == "e2e-run"
         and report["measured_from"]["capture_shards_timed"] >= 2

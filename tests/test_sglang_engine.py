@@ -9,7 +9,8 @@ from pipeline.config import SGLangClientConfig
 from pipeline.dev.sglang_standin import StandinBackend, serve
 from pipeline.engines import EngineError, SamplingParams, TeacherRequest
 from pipeline.engines.hf import HFEngine
-from pipeline.engines.sglang import SGLangEngine, parse_generation, prompt_states, split_hidden_states
+from pipeline.engines.sglang import SGLangEngine, parse_generation, prompt_states
+from pipeline.sglang_transport import split_hidden_states
 from pipeline.stages import run_stage
 from tests.conftest import published
 
@@ -63,7 +64,7 @@ def test_capture_over_http_matches_the_local_engine(servers, tiny_target_dir):
     )
     sequences = [[3, 10, 11, 12, 4, 20], [3, 30, 4]]
     teacher = TeacherRequest(("last_hidden", "topk"), 6)
-    remote = engine.capture(sequences, [1, 2, 3], teacher)
+    remote = [c.materialized() for c in engine.capture(sequences, [1, 2, 3], teacher)]
     local = HFEngine(tiny_target_dir).capture(sequences, [1, 2, 3], teacher)
     for remote_cap, local_cap in zip(remote, local, strict=True):
         torch.testing.assert_close(remote_cap.aux, local_cap.aux, rtol=1e-5, atol=1e-5)
@@ -76,6 +77,7 @@ def test_one_aux_server_is_enough_with_a_topk_teacher(servers, tiny_target_dir):
     engine = SGLangEngine(SGLangClientConfig(urls=[servers[0]], retries=0), hidden_size=64)
     capture = engine.capture([[3, 10, 11, 4]], [1, 2, 3], TeacherRequest(("topk",), 3))[0]
     assert capture.aux.shape == (4, 192) and capture.topk_ids.shape == (4, 3) and capture.last_hidden is None
+    capture.discard()
     with pytest.raises(EngineError, match="last_hidden_urls"):
         engine.capture([[3, 10]], [1, 2, 3], TeacherRequest(("last_hidden",), 3))
 
@@ -160,7 +162,7 @@ GOOD = orjson.dumps({"output_ids": [7, 1], "meta_info": {"finish_reason": {"type
 
 
 def test_retries_with_backoff_on_5xx_and_truncated_json_then_succeeds():
-    from pipeline.engines.sglang import SGLangClient
+    from pipeline.sglang_transport import SGLangClient
 
     server = Flaky([(503, b"busy"), (200, GOOD[:-5]), (200, GOOD)])
     try:
@@ -174,7 +176,7 @@ def test_retries_with_backoff_on_5xx_and_truncated_json_then_succeeds():
 def test_client_errors_are_not_retried_and_deadlines_hold():
     import time
 
-    from pipeline.engines.sglang import SGLangClient
+    from pipeline.sglang_transport import SGLangClient
 
     server = Flaky([(400, b'{"error": {"message": "input too long"}}'), ("sleep", 3.0)])
     try:
@@ -235,3 +237,54 @@ def test_the_generate_stage_regenerates_multi_turn_conversations_turn_by_turn(
         second = local.generate([prompt_ids(tiny_tokenizer, messages[:3])], SamplingParams(12))[0]
         assert record["generation"]["last_output_ids"] == second.output_ids
         assert len(record["generation"]["finish_reasons"]) == 2
+
+
+def test_hidden_states_streamed_in_any_pieces_parse_exactly_as_the_whole_body():
+    from pipeline.sglang_transport import HiddenStateStream
+
+    rows = (np.random.default_rng(1).standard_normal((97, 13)) * 3).astype(np.float32)
+    for extra in ([], [[0.5] * 13, [0.25] * 13]):  # with and without decode-step rows after the block
+        raw = orjson.dumps(
+            {"meta_info": {"id": "r", "hidden_states": [rows.tolist(), *extra], "n": 97}, "text": "]],["}
+        )
+        for piece in (1, 7, 4096):
+            parts: list[np.ndarray] = []
+            stream = HiddenStateStream(parts.append, chunk_bytes=200)  # several parses per row block
+            for start in range(0, len(raw), piece):
+                stream.feed(raw[start : start + piece])
+            rest, count = stream.finish()
+            assert count == rows.size and len(parts) > 3
+            assert np.array_equal(np.concatenate(parts), rows.ravel())
+            assert orjson.loads(rest) == {
+                "meta_info": {"id": "r", "hidden_states": None, "n": 97},
+                "text": "]],[",
+            }
+
+
+def test_a_body_cut_inside_its_hidden_states_is_truncated_and_null_reads_as_nan():
+    from pipeline.sglang_transport import HiddenStateStream, TruncatedResponse, parse_rows
+
+    raw = orjson.dumps({"meta_info": {"hidden_states": [[[1.0, 2.0], [3.0, 4.0]]]}})
+    stream = HiddenStateStream(lambda values: None)
+    stream.feed(raw[: raw.index(b"3.0")])
+    with pytest.raises(TruncatedResponse):
+        stream.finish()
+    assert np.isnan(parse_rows(b"[1.5,null],[2,3]")).tolist() == [False, True, False, False]
+    with pytest.raises(EngineError, match="not JSON numbers"):
+        parse_rows(b'[1.5,"x"]')
+
+
+def test_capture_states_come_back_spilled_to_disk_and_are_removed_once_read(servers, tmp_path):
+    engine = SGLangEngine(
+        SGLangClientConfig(urls=[servers[0]], retries=0), hidden_size=64, spill_dir=tmp_path
+    )
+    try:
+        captures = engine.capture([[3, 10, 11, 4], [3, 12, 4]], [1, 2, 3], TeacherRequest(("topk",), 3))
+        assert [c.aux.shape for c in captures] == [(4, 192), (3, 192)]
+        assert len(list(tmp_path.glob("sglang-capture-*.f32"))) == 2 and engine.received_bytes > 0
+        loaded = captures[0].materialized()
+        assert loaded.aux.shape == (4, 192) and len(list(tmp_path.glob("*.f32"))) == 1
+        captures[1].discard()
+        assert list(tmp_path.glob("*.f32")) == []
+    finally:
+        engine.close()

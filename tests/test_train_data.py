@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from pipeline.data.capture_shards import CaptureSample, write_shard
+from pipeline.data.capture_shards import CaptureSample
+from pipeline.data.shard_writer import write_shard
 from pipeline.training.stream import (
     SampleRef,
     ShardCache,

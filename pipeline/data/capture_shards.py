@@ -166,35 +166,6 @@ class EncodingReport:
         }
 
 
-def _encode_fp8(name: str, packed: torch.Tensor, groups: int, block: int) -> tuple[dict, list[float]]:
-    quantized, scale = quantize_fp8(packed, groups, block)
-    error = fp8_rel_error(packed, dequantize_fp8(quantized, scale, groups, block), groups)
-    return {name: quantized, f"{name}_scale": scale}, error
-
-
-def encode_hidden(
-    features: dict[str, tuple[torch.Tensor, int]],
-    encoding: str,
-    fp8_block: int,
-    max_rel_error: float | None,
-) -> tuple[dict[str, torch.Tensor], EncodingReport]:
-    """The stored tensors of {name: (packed [T, G*D], groups)}: fp8 block-scaled, unless encoding is bf16
-    or some layer's measured fp8 error exceeds max_rel_error, when all of them are stored bf16."""
-    tensors: dict[str, torch.Tensor] = {}
-    errors: dict[str, list[float]] = {}
-    if encoding == "fp8":
-        for name, (packed, groups) in features.items():
-            encoded, errors[name] = _encode_fp8(name, packed, groups, fp8_block)
-            tensors.update(encoded)
-    report = EncodingReport(
-        encoding, encoding, fp8_block if encoding == "fp8" else None, errors, max_rel_error
-    )
-    if encoding == "fp8" and (max_rel_error is None or report.worst <= max_rel_error):
-        return tensors, report
-    bf16 = {name: packed.to(torch.bfloat16) for name, (packed, _) in features.items()}
-    return bf16, EncodingReport(encoding, "bf16", report.fp8_block, errors, max_rel_error)
-
-
 _SAFETENSORS_DTYPES = {
     torch.int32: "I32",
     torch.uint8: "U8",
@@ -206,102 +177,35 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+def safetensors_header(tensors: list[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]) -> bytes:
+    """The length-prefixed header of a safetensors file holding these tensors (name, dtype, shape) in the
+    order given, buffers back to back: sorted header keys, padded to 8 bytes."""
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
+    offset = 0
+    for name, dtype, shape in tensors:
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
 def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """A safetensors file with a byte-for-byte deterministic layout (sorted names, sorted header keys).
 
     The same samples always give the same bytes, hence the same sha256: shard identities (and the
     data order derived from them) do not change from one capture run to the next.
     """
-    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))}
-    offset = 0
     ordered = sorted(tensors.items())
-    for name, tensor in ordered:
-        size = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    encoded += b" " * (-len(encoded) % 8)
     with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(encoded)))
-        handle.write(encoded)
+        handle.write(safetensors_header([(n, t.dtype, list(t.shape)) for n, t in ordered], metadata))
         for _, tensor in ordered:
             handle.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-
-
-def _all_present(values: list[torch.Tensor | None]) -> list[torch.Tensor] | None:
-    """The per-sample tensors, or None unless every sample has one."""
-    present = [v for v in values if v is not None]
-    return present if len(present) == len(values) else None
-
-
-def write_shard(
-    samples: list[CaptureSample],
-    path: str | Path,
-    encoding: str = "bf16",
-    fp8_block: int = DEFAULT_FP8_BLOCK,
-    fp8_max_rel_error: float | None = None,
-) -> dict:
-    """Write samples to one shard file; returns counts for the manifest (`encoding`: what is stored)."""
-    return write_checked_shard(samples, path, encoding, fp8_block, fp8_max_rel_error)[0]
-
-
-def write_checked_shard(
-    samples: list[CaptureSample],
-    path: str | Path,
-    encoding: str,
-    fp8_block: int = DEFAULT_FP8_BLOCK,
-    fp8_max_rel_error: float | None = None,
-) -> tuple[dict, EncodingReport]:
-    """write_shard, with the encoding report: a shard whose fp8 round-trip error exceeds
-    fp8_max_rel_error (None: no bound) in any layer is stored bf16 instead."""
-    if encoding not in ENCODINGS:
-        raise ShardFormatError(f"unsupported aux encoding {encoding!r}; use one of {ENCODINGS}")
-    if not samples:
-        raise ShardFormatError("refusing to write an empty shard")
-    last_hidden = _all_present([s.last_hidden for s in samples])
-    topk_ids = _all_present([s.topk_ids for s in samples])
-    present = {"last_hidden": last_hidden, "topk": topk_ids}
-    teachers = [t for t in TEACHERS if present[t] is not None]
-    if not teachers:
-        raise ShardFormatError("samples carry no teacher signal (last_hidden or top-k log-probs)")
-    lengths = [s.length for s in samples]
-    features = {"aux": (torch.cat([s.aux for s in samples]), 3)}
-    if last_hidden is not None:
-        features["last_hidden"] = (torch.cat(last_hidden), 1)
-    hidden, report = encode_hidden(features, encoding, fp8_block, fp8_max_rel_error)
-    tensors = {
-        "input_ids": torch.cat([s.input_ids.to(torch.int32) for s in samples]),
-        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]),
-        "offsets": torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int64),
-        **hidden,
-    }
-    if topk_ids is not None:
-        topk_logprobs = _all_present([s.topk_logprobs for s in samples])
-        if topk_logprobs is None:
-            raise ShardFormatError("samples carry top-k ids without their log-probabilities")
-        tensors["topk_ids"] = torch.cat([t.to(torch.int32) for t in topk_ids])
-        tensors["topk_logprobs"] = torch.cat([t.to(torch.float16) for t in topk_logprobs])
-    metadata = {
-        "format": FORMAT,
-        "encoding": report.stored,
-        "teacher": ",".join(teachers),
-        "sample_ids": json.dumps([s.sample_id for s in samples]),
-    }
-    if report.stored == "fp8":
-        metadata["fp8_block"] = str(fp8_block)
-    write_safetensors(path, tensors, metadata)
-    stats = {
-        "samples": len(samples),
-        "tokens": int(tensors["offsets"][-1]),
-        "assistant_tokens": int(tensors["loss_mask"].sum()),
-        "teacher": teachers,
-        "encoding": report.stored,
-    }
-    return stats, report
 
 
 class ShardReader:
@@ -371,7 +275,9 @@ class ShardReader:
         tensor = torch.from_numpy(array.copy())
         return tensor.view(torch_dtype) if tensor.dtype != torch_dtype else tensor
 
-    def _decoded(self, name: str, groups: int, start: int, end: int) -> torch.Tensor:
+    def decoded_rows(self, name: str, groups: int, start: int, end: int) -> torch.Tensor:
+        """Rows start:end (shard token positions) of a hidden-state tensor ("aux": 3 groups, "last_hidden":
+        1) as float32, whatever their encoding; only those rows are read."""
         values = self._rows(name, start, end)
         if self.encoding != "fp8":
             return values.float()
@@ -385,8 +291,8 @@ class ShardReader:
             sample_id=self.sample_ids[index],
             input_ids=self._rows("input_ids", start, end).to(torch.long),
             loss_mask=self._rows("loss_mask", start, end),
-            aux=self._decoded("aux", 3, start, end),
-            last_hidden=self._decoded("last_hidden", 1, start, end)
+            aux=self.decoded_rows("aux", 3, start, end),
+            last_hidden=self.decoded_rows("last_hidden", 1, start, end)
             if "last_hidden" in self.teachers
             else None,
             topk_ids=self._rows("topk_ids", start, end).to(torch.long) if has_topk else None,

@@ -4,6 +4,7 @@ where one that this machine starts may listen."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler
 
 
@@ -22,3 +23,16 @@ def send_json(handler: BaseHTTPRequestHandler, status: int, body: bytes) -> None
     handler.send_header("Content-Length", str(len(body)))
     handler.end_headers()
     handler.wfile.write(body)
+
+
+def send_json_chunks(handler: BaseHTTPRequestHandler, status: int, pieces: Iterable[bytes]) -> None:
+    """Answer with a JSON document sent as it is produced, piece by piece (chunked transfer encoding), so
+    a body of gigabytes is never held whole."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Transfer-Encoding", "chunked")
+    handler.end_headers()
+    for piece in pieces:
+        if piece:
+            handler.wfile.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+    handler.wfile.write(b"0\r\n\r\n")

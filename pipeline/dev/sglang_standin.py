@@ -12,6 +12,7 @@ spec_* meta_info fields.
     python -m pipeline.dev.sglang_standin --model-path DIR --port 30000 [--trust-remote-code]
         [--aux-layer-ids 1 3 4]
         [--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 3 ...]
+        [--synthetic-hidden-size 7168]   capture responses of that width from synthetic weights
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import orjson
 import torch
 
 from pipeline.decoding.sampling import Sampling
-from pipeline.dev.json_http import send_json
+from pipeline.dev.json_http import send_json, send_json_chunks
+from pipeline.dev.synthetic_states import SyntheticStates
 from pipeline.engines.layer_ids import captured_layer_outputs, model_family_of
 from pipeline.sglang_ngram_rules import NgramLaunch, launch_from_args, refusals
 
@@ -102,6 +104,7 @@ class StandinBackend:
         draft_tokens: int | None = None,
         trust_remote_code: bool = False,
         ngram_max_match: int = NgramLaunch().max_trie_depth - 1,
+        synthetic_hidden_size: int | None = None,
     ):
         from pipeline.engines.hf import HFEngine
 
@@ -116,6 +119,12 @@ class StandinBackend:
             )
         self.engine = HFEngine(model_dir, trust_remote_code=trust_remote_code)
         self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+        # capture requests answered from synthetic weights of this width (pipeline.dev.synthetic_states)
+        self.synthetic = (
+            SyntheticStates(int(self.model.config.vocab_size), synthetic_hidden_size)
+            if synthetic_hidden_size
+            else None
+        )
         self.family = model_family_of(model_dir)
         # --return-aux-hidden-state-layer-ids are read as SGLang reads them for this target's model family
         self.aux_layer_ids = aux_layer_ids
@@ -300,7 +309,10 @@ def make_handler(backend: StandinBackend):
                 ids = request.get("input_ids")
                 if ids is None and "text" in request:
                     ids = backend.tokenizer(request["text"], add_special_tokens=False)["input_ids"]
-                if ids and isinstance(ids[0], list):
+                if backend.synthetic is not None and request.get("return_hidden_states"):
+                    eos = int(backend.tokenizer.eos_token_id)
+                    send_json_chunks(self, 200, backend.synthetic.response(request, ids, eos))
+                elif ids and isinstance(ids[0], list):
                     self._send(200, [backend.generate_one(request, i) for i in ids])
                 else:
                     self._send(200, backend.generate_one(request, ids))
@@ -379,6 +391,11 @@ def main() -> None:
         action="store_true",
         help="a capture server: with EAGLE3 and no draft path, SGLang 0.5.23 returns aux states",
     )
+    parser.add_argument(
+        "--synthetic-hidden-size",
+        type=int,
+        help="capture requests get synthetic states of this hidden size (pipeline.dev.synthetic_states)",
+    )
     args, _ = parser.parse_known_args()
     algorithm = args.speculative_algorithm
     if args.enable_return_aux_hidden_states:
@@ -414,6 +431,7 @@ def main() -> None:
             ngram.draft_tokens if algorithm == "NGRAM" else args.speculative_num_draft_tokens,
             args.trust_remote_code,
             ngram_max_match=ngram.max_trie_depth - 1,
+            synthetic_hidden_size=args.synthetic_hidden_size,
         )
     except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
         raise SystemExit(str(refused)) from None

@@ -8,74 +8,20 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import torch
 
-from pipeline.retrying import retrying
+from pipeline.data.spilled_rows import Rows, SpilledRows, loaded
 
-log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-class EngineError(RuntimeError):
-    """An engine that could not produce what was asked (server down, bad response, ...)."""
-
-
-class EngineUnavailable(EngineError):
-    """The servers stayed unreachable, overloaded or broken through every retry: the stage stops (what
-    it finished is kept) instead of counting the conversations in flight as failed."""
-
-
-class TransientRequestError(Exception):
-    """A request failure worth retrying (timeout, dropped connection, 408/429/5xx, cut-off body)."""
-
-
-def retried_request(engine: str, attempt: Callable[[int], T], attempts: int, deadline: float) -> T:
-    """attempt(i) for i = 0, 1, ...: retried with backoff on TransientRequestError, within `attempts` and the
-    monotonic `deadline`; EngineUnavailable (naming the engine, the tries and the last error) after that."""
-    tried = 0
-
-    def once() -> T:
-        nonlocal tried
-        tried += 1
-        return attempt(tried - 1)
-
-    def note(error: BaseException, retry: int, pause: float) -> None:
-        log.warning("%s request failed (%s); retry %d in %.1fs", engine, error, retry, pause)
-
-    try:
-        return retrying(
-            attempts,
-            TransientRequestError,
-            first_pause_s=0.5,
-            max_pause_s=30.0,
-            jitter=True,
-            deadline=deadline,
-            note=note,
-        )(once)
-    except TransientRequestError as err:
-        cut_short = "; the request's deadline passed" if tried < attempts else ""
-        raise EngineUnavailable(f"{engine} request failed after {tried} attempts: {err}{cut_short}") from err
-
-
-# what a server answers while it is loading, overloaded or restarting: worth another try
-RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-
-
-def pooled_session(servers: int, concurrency: int):
-    """A requests.Session for a client of `servers` servers: a connection pool per server, holding up to
-    max(4, concurrency) connections each."""
-    import requests
-
-    session = requests.Session()
-    adapter = requests.adapters.HTTPAdapter(pool_connections=servers, pool_maxsize=max(4, concurrency))
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
+# the engines' errors and request retries live where worker processes can import them without torch
+from pipeline.engine_requests import RETRYABLE_STATUS as RETRYABLE_STATUS
+from pipeline.engine_requests import EngineError as EngineError
+from pipeline.engine_requests import EngineUnavailable as EngineUnavailable
+from pipeline.engine_requests import TransientRequestError as TransientRequestError
+from pipeline.engine_requests import pooled_session as pooled_session
+from pipeline.engine_requests import retried_request as retried_request
 
 
 def engine_servers(section) -> int:
@@ -116,10 +62,29 @@ DEFAULT_TEACHER = TeacherRequest()  # the engines' default (frozen, so one share
 
 @dataclass
 class Capture:
-    aux: torch.Tensor  # [L, 3H], ascending layer order
-    last_hidden: torch.Tensor | None = None  # [L, H], post final norm
+    """One sequence's capture. Hidden states come as tensors, or (from engines whose samples may not fit
+    in memory) as SpilledRows: local files the capture stage reads a chunk at a time and then discards."""
+
+    aux: Rows  # [L, 3H], ascending layer order
+    last_hidden: Rows | None = None  # [L, H], post final norm
     topk_ids: torch.Tensor | None = None  # [L, K]: the target's top-K next tokens after each position
     topk_logprobs: torch.Tensor | None = None  # [L, K]: their full-vocabulary log-probabilities
+
+    def materialized(self) -> Capture:
+        """This capture with its hidden states in memory (spill files read and removed): for checks on a
+        few short samples, never for a stage's bulk."""
+        return Capture(
+            loaded(self.aux),
+            None if self.last_hidden is None else loaded(self.last_hidden),
+            self.topk_ids,
+            self.topk_logprobs,
+        )
+
+    def discard(self) -> None:
+        """Remove the spill files this capture holds (nothing for tensors)."""
+        for rows in (self.aux, self.last_hidden):
+            if isinstance(rows, SpilledRows):
+                rows.discard()
 
 
 class GenerationEngine(Protocol):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pipeline.data.spilled_rows import Rows, loaded
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest
 from pipeline.engines.layer_ids import hf_hidden_states_indices
 
@@ -85,11 +86,11 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value - reference).abs().max() / reference.abs().max().clamp(min=1e-12))
 
 
-def _asked_for(value: torch.Tensor | None, name: str) -> torch.Tensor:
-    """A teacher tensor the request asked for; a capture that leaves it out fails parity."""
+def _asked_for(value: Rows | None, name: str) -> torch.Tensor:
+    """A teacher tensor the request asked for (in memory); a capture that leaves it out fails parity."""
     if value is None:
         raise ParityFailed(f"the capture has no {name}, though the teacher request asked for it")
-    return value
+    return loaded(value)
 
 
 def check_parity(
@@ -100,15 +101,16 @@ def check_parity(
     teacher: TeacherRequest,
     tolerance: float,
 ) -> ParityReport:
-    captured = engine.capture(sequences, aux_layer_ids, teacher)
+    captured = [c.materialized() for c in engine.capture(sequences, aux_layer_ids, teacher)]
     aux_errors = [0.0] * len(aux_layer_ids)
     last_error, agree, total = (0.0 if "last_hidden" in teacher.kinds else None), 0, 0
     for sequence, got in zip(sequences, captured, strict=True):
         want = reference_capture(reference_model, sequence, aux_layer_ids, teacher)
-        width = want.aux.shape[-1] // len(aux_layer_ids)
+        want_aux, got_aux = _asked_for(want.aux, "aux"), _asked_for(got.aux, "aux")
+        width = want_aux.shape[-1] // len(aux_layer_ids)
         for i in range(len(aux_layer_ids)):
             block = slice(i * width, (i + 1) * width)
-            aux_errors[i] = max(aux_errors[i], _relative_error(got.aux[:, block], want.aux[:, block]))
+            aux_errors[i] = max(aux_errors[i], _relative_error(got_aux[:, block], want_aux[:, block]))
         if last_error is not None:
             got_last = _asked_for(got.last_hidden, "last_hidden")
             want_last = _asked_for(want.last_hidden, "last_hidden")

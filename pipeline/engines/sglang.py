@@ -16,10 +16,9 @@ entries, the first null; prompt log-probs are a temperature-1 log-softmax of the
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import ThreadPoolExecutor
-from itertools import cycle
-from threading import Lock
+import tempfile
+import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,17 +26,14 @@ import orjson
 import torch
 
 from pipeline.config import SGLangClientConfig
+from pipeline.data.spilled_rows import SpilledRows
 from pipeline.engines import (
     DEFAULT_TEACHER,
-    RETRYABLE_STATUS,
     Capture,
     EngineError,
     Generation,
     SamplingParams,
     TeacherRequest,
-    TransientRequestError,
-    pooled_session,
-    retried_request,
 )
 from pipeline.engines.layer_ids import (
     LayerIdsInexpressible,
@@ -45,92 +41,12 @@ from pipeline.engines.layer_ids import (
     captured_layer_outputs,
     draft_config_ids,
 )
+from pipeline.sglang_transport import CaptureWorkers, SGLangClient, SpilledResponse
 
 log = logging.getLogger(__name__)
 # The one SGLang version captures and serving run on (layer-id semantics changed between releases);
 # docker/sglang.Dockerfile installs exactly this one.
 SGLANG_VERSION = "0.5.23"
-
-
-class SGLangClient:
-    """Posts JSON to several servers with bounded concurrency, retries with backoff and a deadline."""
-
-    def __init__(self, settings: SGLangClientConfig, urls: list[str] | None = None):
-        self.settings = settings
-        self.urls = [u.rstrip("/") for u in (urls or settings.urls)]
-        self._next_url = cycle(self.urls)
-        self._lock = Lock()
-        self.session = pooled_session(len(self.urls), settings.concurrency)
-
-    def _url(self) -> str:
-        with self._lock:
-            return next(self._next_url)
-
-    def post(self, path: str, payload: dict[str, Any]) -> Any:
-        return orjson.loads(self.post_raw(path, payload))
-
-    def post_raw(self, path: str, payload: dict[str, Any]) -> bytes:
-        """The response body of a successful POST, retried on timeouts, connection errors, 5xx and
-        truncated bodies (with backoff, within the request's deadline); other errors are not retried."""
-        body = orjson.dumps(payload)
-        attempts = self.settings.retries + 1
-        deadline = time.monotonic() + (self.settings.deadline_s or self.settings.timeout_s * attempts)
-        return retried_request("SGLang", lambda _: self._post_once(path, body, deadline), attempts, deadline)
-
-    def _post_once(self, path: str, body: bytes, deadline: float) -> bytes:
-        import requests
-
-        url = self._url() + path
-        try:
-            response = self.session.post(
-                url,
-                data=body,
-                headers={"Content-Type": "application/json"},
-                timeout=min(self.settings.timeout_s, max(deadline - time.monotonic(), 0.01)),
-            )
-        except (requests.ConnectionError, requests.Timeout) as err:
-            raise TransientRequestError(f"{type(err).__name__} from {url}") from err
-        if response.status_code == 200:
-            if _complete_json(response.content):
-                return response.content
-            raise TransientRequestError(f"truncated or invalid JSON from {url}")
-        if response.status_code in RETRYABLE_STATUS:
-            raise TransientRequestError(f"HTTP {response.status_code} from {url}")
-        raise EngineError(
-            f"SGLang rejected the request at {url}: HTTP {response.status_code} {_error_message(response)}"
-        )
-
-    def get(self, path: str) -> Any:
-        return self.get_from(self._url(), path)
-
-    def get_from(self, url: str, path: str) -> Any:
-        response = self.session.get(url.rstrip("/") + path, timeout=self.settings.timeout_s)
-        response.raise_for_status()
-        return orjson.loads(response.content)
-
-    def map(self, path: str, payloads: list[dict[str, Any]], raw: bool = False) -> list[Any]:
-        send = self.post_raw if raw else self.post
-        with ThreadPoolExecutor(max_workers=self.settings.concurrency) as pool:
-            return list(pool.map(lambda p: send(path, p), payloads))
-
-
-def _complete_json(body: bytes) -> bool:
-    """A cheap completeness check for large bodies: a JSON object or list that is closed."""
-    stripped = body.strip()
-    if len(stripped) < (1 << 20):
-        try:
-            orjson.loads(stripped)
-            return True
-        except orjson.JSONDecodeError:
-            return False
-    return stripped[:1] in (b"{", b"[") and stripped[-1:] in (b"}", b"]")
-
-
-def _error_message(response) -> str:
-    try:
-        return str(orjson.loads(response.content).get("error", {}).get("message", ""))[:300]
-    except (orjson.JSONDecodeError, AttributeError):
-        return response.text[:300]
 
 
 def parse_generation(payload: dict[str, Any]) -> Generation:
@@ -152,58 +68,32 @@ def parse_generation(payload: dict[str, Any]) -> Generation:
     return Generation(output_ids, "stop" if kind == "stop" else "length", top)
 
 
-_CHUNK_BYTES = 8 << 20
-
-
-def _parse_rows(rows: bytes) -> np.ndarray:
-    """b"[a,b],[c,d],..." -> flat float32, a few MB of JSON at a time (bounded transient memory)."""
-    parts, begin = [], 0
-    while begin < len(rows):
-        cut = rows.find(b"],[", begin + _CHUNK_BYTES)
-        stop = len(rows) if cut < 0 else cut + 1
-        parts.append(np.asarray(orjson.loads(b"[" + rows[begin:stop] + b"]"), dtype=np.float32).ravel())
-        begin = stop + 1
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
-
-
-def split_hidden_states(raw: bytes) -> tuple[bytes, np.ndarray | None]:
-    """Cut meta_info["hidden_states"] out of a raw response; parse its prompt block to numpy.
-
-    The block is [P][width] JSON floats (~21,504 per token for Kimi-K2.5): it is parsed in slices so a
-    request never holds all its numbers as Python floats at once, and the rest of the response (now
-    small) is parsed as usual. Returns the response with hidden_states set to null, and the prompt
-    block as a flat float32 array (None when the response has no hidden states).
-    """
-    key = raw.find(b'"hidden_states":')
-    if key < 0:
-        return raw, None
-    start = key + len(b'"hidden_states":')
-    while raw[start : start + 1] in (b" ", b"\n"):
-        start += 1
-    if raw[start : start + 1] != b"[":
-        return raw, None
-    block_end = raw.find(b"]]", start) + 2  # the prompt block "[[..],..,[..]]" closes with the first "]]"
-    if block_end < 2:
-        raise EngineError("truncated hidden_states in the SGLang response")
-    # decode-step rows, if any, follow as ",[..]" and the list closes with the next "]]"
-    value_end = block_end if raw[block_end : block_end + 1] == b"]" else raw.find(b"]]", block_end) + 1
-    values = _parse_rows(raw[start + 2 : block_end - 1])
-    return raw[:start] + b"null" + raw[value_end + 1 :], values
+def _missing_rows(values: int | None, length: int, width: int) -> str | None:
+    if values is None:
+        return "response has no hidden_states; start the server with --enable-return-hidden-states"
+    if values != length * width:
+        return (
+            f"hidden state block has {values} numbers, expected {length} x {width}: prompt rows "
+            "go missing with radix-cache hits or chunked prefill (use --disable-radix-cache "
+            "--chunked-prefill-size -1)"
+        )
+    return None
 
 
 def prompt_states(values: np.ndarray | None, length: int, width: int) -> torch.Tensor:
     """The prompt block as a [length, width] float32 tensor, refusing blocks with missing rows."""
-    if values is None:
-        raise EngineError(
-            "response has no hidden_states; start the server with --enable-return-hidden-states"
-        )
-    if values.size != length * width:
-        raise EngineError(
-            f"hidden state block has {values.size} numbers, expected {length} x {width}: prompt rows "
-            "go missing with radix-cache hits or chunked prefill (use --disable-radix-cache "
-            "--chunked-prefill-size -1)"
-        )
+    if problem := _missing_rows(None if values is None else values.size, length, width):
+        raise EngineError(problem)
+    assert values is not None
     return torch.from_numpy(values.reshape(length, width))
+
+
+def spilled_states(reply: SpilledResponse, spill_path: Path, length: int, width: int) -> SpilledRows:
+    """The prompt block a capture worker wrote to spill_path; one with missing rows is refused and removed."""
+    if problem := _missing_rows(reply.values, length, width):
+        spill_path.unlink(missing_ok=True)
+        raise EngineError(problem)
+    return SpilledRows(spill_path, length, width)
 
 
 def parse_topk(meta: dict[str, Any], length: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,14 +188,26 @@ class SGLangEngine:
 
     name = "sglang"
 
-    def __init__(self, settings: SGLangClientConfig, hidden_size: int | None = None):
+    def __init__(
+        self, settings: SGLangClientConfig, hidden_size: int | None = None, spill_dir: Path | None = None
+    ):
         self.settings = settings
         self.client = SGLangClient(settings)
         self.teacher_client = (
             SGLangClient(settings, settings.last_hidden_urls) if settings.last_hidden_urls else None
         )
         self.hidden_size = hidden_size
+        self.spill_dir = Path(spill_dir or tempfile.gettempdir())
+        self._workers: CaptureWorkers | None = None
+        self.received_bytes = 0  # response bodies of capture requests, hidden states included
+        self.worker_peak_rss_mib = 0.0  # the largest capture worker's peak resident memory
         self.version = self._server_version()
+
+    def close(self) -> None:
+        """Stop the capture worker processes, if any were started."""
+        if self._workers is not None:
+            self._workers.close()
+            self._workers = None
 
     def _server_version(self) -> str:
         return f"sglang-{self._server_info(self.client, self.client.urls[0]).get('version', 'unknown')}"
@@ -358,33 +260,54 @@ class SGLangEngine:
     ) -> list[Capture]:
         """Aux states (and top-K log-probs) from the aux-state servers; last hidden from the teacher servers.
 
-        The aux layers are fixed when the aux servers start (--return-aux-hidden-state-layer-ids, SGLang's
-        ids, which verify_capture_servers reads with the target family's rule); the capture contract records
-        the layer outputs this pipeline asked for, and the parity check verifies them.
+        Each request runs in a capture worker process that streams its response's hidden states to a spill
+        file (pipeline.sglang_transport), so the states come back as SpilledRows, which the caller reads
+        a chunk at a time and discards. The aux layers are fixed when the aux servers start
+        (--return-aux-hidden-state-layer-ids, SGLang's ids, which verify_capture_servers reads with the
+        target family's rule); the capture contract records the layer outputs this pipeline asked for, and
+        the parity check verifies them.
         """
         if self.hidden_size is None:
             raise EngineError("SGLang capture needs the target's hidden size")
         teacher_client = self._last_hidden_client(teacher)
         payloads = [self._capture_payload(s, teacher) for s in sequences]
-        aux_responses = self.client.map("/generate", payloads, raw=True)
-        captures = []
-        for raw, sequence in zip(aux_responses, sequences, strict=True):
-            rest, values = split_hidden_states(raw)
-            capture = Capture(prompt_states(values, len(sequence), 3 * self.hidden_size))
-            if "topk" in teacher.kinds:
-                capture.topk_ids, capture.topk_logprobs = parse_topk(
-                    orjson.loads(rest)["meta_info"], len(sequence), teacher.topk
-                )
-            captures.append(capture)
-        if teacher_client is not None:
-            plain = [{**p, "return_logprob": False} for p in payloads]
-            for capture, raw, sequence in zip(
-                captures, teacher_client.map("/generate", plain, raw=True), sequences, strict=True
-            ):
-                capture.last_hidden = prompt_states(
-                    split_hidden_states(raw)[1], len(sequence), self.hidden_size
-                )
+        captures: list[Capture] = []
+        try:
+            for reply, path, sequence in self._spilled(self.client, payloads):
+                capture = Capture(spilled_states(reply, path, len(sequence), 3 * self.hidden_size))
+                captures.append(capture)
+                if "topk" in teacher.kinds:
+                    capture.topk_ids, capture.topk_logprobs = parse_topk(
+                        orjson.loads(reply.rest)["meta_info"], len(sequence), teacher.topk
+                    )
+            if teacher_client is not None:
+                plain = [{**p, "return_logprob": False} for p in payloads]
+                for capture, (reply, path, sequence) in zip(
+                    captures, self._spilled(teacher_client, plain), strict=True
+                ):
+                    capture.last_hidden = spilled_states(reply, path, len(sequence), self.hidden_size)
+        except BaseException:
+            for capture in captures:
+                capture.discard()
+            raise
         return captures
+
+    def _spilled(
+        self, client: SGLangClient, payloads: list[dict[str, Any]]
+    ) -> list[tuple[SpilledResponse, Path, list[int]]]:
+        """Post every payload through the capture workers; each reply with its spill file and sequence."""
+        if self._workers is None:
+            self._workers = CaptureWorkers(self.settings, self.settings.concurrency)
+        paths = [self.spill_dir / f"sglang-capture-{uuid.uuid4().hex}.f32" for _ in payloads]
+        try:
+            replies = self._workers.capture(client.urls, payloads, [str(p) for p in paths])
+        except BaseException:
+            for path in paths:
+                path.unlink(missing_ok=True)
+            raise
+        self.received_bytes += sum(r.received_bytes for r in replies)
+        self.worker_peak_rss_mib = max([self.worker_peak_rss_mib, *(r.worker_peak_rss_mib for r in replies)])
+        return [(r, p, payload["input_ids"]) for r, p, payload in zip(replies, paths, payloads, strict=True)]
 
     def _last_hidden_client(self, teacher: TeacherRequest) -> SGLangClient | None:
         """The servers that return the last hidden state, when the teacher asks for it (else None)."""

@@ -181,7 +181,7 @@ def measure(
     batch's tokens/s is one sample of the speed (`round_tok_s`), paired across methods by batch. With
     `domains` (each prompt's), also the acceptance per domain (`domains`: acceptance_of each one's
     responses; speed is not split, the rounds mixing domains)."""
-    from pipeline.engines.sglang import SGLangClient
+    from pipeline.sglang_transport import SGLangClient
 
     client = SGLangClient(SGLangClientConfig(urls=[url], concurrency=concurrency, retries=0, timeout_s=900))
     params = sampling_params(max_new_tokens, serving)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import statistics
 import tempfile
 from dataclasses import dataclass
@@ -54,7 +55,8 @@ def shard_bytes_per_token(
     by the real shard writer; the slope is the per-token cost (per-sample headers cancel out)."""
     import torch
 
-    from pipeline.data.capture_shards import CaptureSample, write_shard
+    from pipeline.data.capture_shards import CaptureSample
+    from pipeline.data.shard_writer import write_shard
 
     def size(tokens: int) -> int:
         generator = torch.Generator().manual_seed(tokens)
@@ -83,7 +85,7 @@ def measured_rates(config: RunConfig, run_id: str) -> dict[str, Any]:
     from pipeline import layout
     from pipeline.manifest import read_listed, read_manifest
     from pipeline.records import read_dataset
-    from pipeline.stages.capture import finished_marker
+    from pipeline.stages.capture import finished_marker, marker_parts
     from pipeline.stages.generate import finished_shard
     from pipeline.storage import open_store
 
@@ -102,21 +104,20 @@ def measured_rates(config: RunConfig, run_id: str) -> dict[str, Any]:
         "prompt_tokens_mean": (totals.tokens - totals.assistant_tokens) / totals.samples,
         "response_tokens_mean": totals.assistant_tokens / totals.samples,
     }
-    captured = {
-        shard.name.replace(".safetensors", ".jsonl"): shard
-        for shard in dataset.train_shards + dataset.eval_shards
-    }
     generate_rates, capture_rates = [], []
     for shard in responses["shards"]:
-        stats = captured.get(shard["name"])
+        marker = finished_marker(store, capture_prefix, shard, capture["contract"]) or {}
+        parts = [part["shard"] for part in marker_parts(marker)] if marker else []
+        tokens, assistant_tokens = (
+            sum(part[key] for part in parts) for key in ("tokens", "assistant_tokens")
+        )
         generated = finished_shard(store, responses_prefix, shard["name"]) or {}
         timing = generated.get("timing")
-        if stats and timing and timing["seconds"] > 0 and not generated["counts"].get("skipped"):
-            generate_rates.append(stats.assistant_tokens / timing["seconds"] / timing["servers"])
-        marker = finished_marker(store, capture_prefix, shard, capture["contract"]) or {}
+        if parts and timing and timing["seconds"] > 0 and not generated["counts"].get("skipped"):
+            generate_rates.append(assistant_tokens / timing["seconds"] / timing["servers"])
         timing = marker.get("timing")
-        if stats and timing and timing["seconds"] > 0:
-            capture_rates.append(stats.tokens / timing["seconds"] / timing["servers"])
+        if parts and timing and timing["seconds"] > 0:
+            capture_rates.append(tokens / timing["seconds"] / timing["servers"])
     if generate_rates:
         rates["generate_tok_s_per_server"] = statistics.median(generate_rates)
     if capture_rates:
@@ -144,12 +145,18 @@ def plan(
     capture_servers: int | None = None,
     train_nodes: int | None = None,
     measured: dict[str, Any] | None = None,
+    transport: dict[str, Any] | None = None,
+    compare: bool = True,
 ) -> dict[str, Any]:
-    """The capacity plan as a dict (numbers rounded for reading)."""
+    """The capacity plan as a dict (numbers rounded for reading).
+
+    measured: measured_rates() of a pilot run; transport: transport_rates() of a benchmark's figures.
+    Both replace the config's assumptions where they measured something."""
     if samples < 1:
         raise PlanError("--samples must be at least 1")
-    assumptions = config.plan.model_copy(update=(measured or {}).get("rates", {}))
     shape = target_shape(config)
+    measured_rates_ = {**(measured or {}).get("rates", {}), **(transport or {}).get("rates", {})}
+    assumptions = config.plan.model_copy(update=measured_rates_)
     servers = {
         "generate": generate_servers or engine_servers(config.generate),
         "capture": capture_servers or engine_servers(config.capture),
@@ -158,7 +165,7 @@ def plan(
     train_gpus = nodes * config.train.nproc
 
     response_tokens = min(
-        assumptions.response_tokens_mean, config.generate.max_new_tokens * assumptions.assistant_turns
+        assumptions.response_tokens(), config.generate.max_new_tokens * assumptions.assistant_turns
     )
     tokens_per_sample = min(assumptions.prompt_tokens_mean + response_tokens, config.capture.max_length)
     captured_tokens = samples * tokens_per_sample
@@ -166,30 +173,46 @@ def plan(
     generated_tokens = samples * response_tokens
 
     storage = _storage(config, shape, captured_tokens, assumptions)
+    stored_bytes_per_token = storage["encodings"][storage["chosen"]]["bytes_per_token"]
+    paths = capture_paths(assumptions, servers["capture"], stored_bytes_per_token)
+    for path in paths.values():  # the capture stage's cost on each path, with the plan's servers
+        wall_hours = captured_tokens / (path["tok_s_per_server"] * servers["capture"]) / 3600
+        path["wall_hours"] = round(wall_hours, 1)
+        path["gpu_hours"] = round(wall_hours * servers["capture"] * shape.gpus_per_server, 1)
+    capture_path = paths["http"] if config.capture.engine == "sglang" else paths["in_process"]
+    capture_rate, capture_bound = capture_path["tok_s_per_server"], capture_path["bottleneck"]
+    if assumptions.capture_tok_s_per_server is not None:  # an end-to-end rate, measured or set
+        capture_rate = assumptions.capture_tok_s_per_server
+        capture_bound = f"its end-to-end rate ({_source('capture_tok_s_per_server', measured, transport)})"
+    train_bound = _train_bottleneck(assumptions, train_gpus, nodes, stored_bytes_per_token)
     stages = {
         "generate": _gpu_stage(
             generated_tokens,
             assumptions.generate_tok_s_per_server * servers["generate"],
             servers["generate"] * shape.gpus_per_server,
             f"{servers['generate']} SGLang servers",
+            "GPU (decoding)",
         ),
         "capture": _gpu_stage(
             captured_tokens,
-            assumptions.capture_tok_s_per_server * servers["capture"],
+            capture_rate * servers["capture"],
             servers["capture"] * shape.gpus_per_server,
-            f"{servers['capture']} SGLang servers",
+            f"{servers['capture']} SGLang servers, {capture_path['name']}",
+            capture_bound,
         ),
         "train": _gpu_stage(
             train_tokens * config.train.epochs,
-            assumptions.train_tok_s_per_gpu * train_gpus,
+            train_bound["tok_s"],
             train_gpus,
             f"{nodes} node(s) x {config.train.nproc} GPUs, {config.train.epochs} epochs",
+            train_bound["bottleneck"],
         ),
     }
     gpu_hours = sum(stage["gpu_hours"] for stage in stages.values())
     fleets = _fleets(stages, servers, shape.gpus_per_server, assumptions)
     chosen = storage["encodings"][storage["chosen"]]
     s3 = _s3_cost(chosen["bytes"], storage["text_bytes"], config, assumptions, samples)
+    rate_keys = ("generate_tok_s_per_server", "capture_tok_s_per_server", "train_tok_s_per_gpu")
     return {
         "target": config.target.name,
         "samples": samples,
@@ -202,20 +225,17 @@ def plan(
             "trained_per_epoch": round(train_tokens),
         },
         "rates": {
-            key: round(getattr(assumptions, key), 2)
-            for key in ("generate_tok_s_per_server", "capture_tok_s_per_server", "train_tok_s_per_gpu")
+            "generate_tok_s_per_server": round(assumptions.generate_tok_s_per_server, 2),
+            "capture_tok_s_per_server": round(capture_rate, 2),
+            "train_tok_s_per_gpu": round(assumptions.train_tok_s_per_gpu, 2),
         },
         "rates_source": {
-            key: ("measured" if key in (measured or {}).get("rates", {}) else "configured")
-            for key in (
-                "prompt_tokens_mean",
-                "response_tokens_mean",
-                "generate_tok_s_per_server",
-                "capture_tok_s_per_server",
-                "train_tok_s_per_gpu",
-            )
+            key: _source(key, measured, transport, config)
+            for key in ("prompt_tokens_mean", "response_tokens_mean", *rate_keys, *TRANSPORT_KEYS)
         },
         "measured_from": (measured or {}).get("source"),
+        "transport_from": (transport or {}).get("source"),
+        "capture_paths": paths,
         "storage": storage,
         "stages": stages,
         "fleets": fleets,
@@ -227,7 +247,171 @@ def plan(
             "usd": round(gpu_hours * assumptions.gpu_hour_usd + s3["total_usd"]),
         },
         "assumptions": assumptions.model_dump(),
+        "torchspec": (
+            _torchspec_line(config, servers, train_nodes, measured, transport) if compare else None
+        ),
     }
+
+
+def _torchspec_line(
+    config: RunConfig,
+    servers: dict[str, int],
+    train_nodes: int | None,
+    measured: dict[str, Any] | None,
+    transport: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """This plan at TorchSpec's published Kimi-K2.5 scale (600K samples), beside their figures."""
+    same = plan(
+        config,
+        TORCHSPEC_KIMI["samples"],
+        servers["generate"],
+        servers["capture"],
+        train_nodes,
+        measured,
+        transport,
+        compare=False,
+    )
+    return {
+        "published": TORCHSPEC_KIMI,
+        "this_plan": {
+            "tokens": same["tokens"]["captured"],
+            "gpu_hours": same["total"]["gpu_hours"],
+            "train_gpu_hours": same["stages"]["train"]["gpu_hours"],
+            "train_tok_s_per_gpu": same["rates"]["train_tok_s_per_gpu"],
+        },
+    }
+
+
+def _source(
+    key: str,
+    measured: dict[str, Any] | None,
+    transport: dict[str, Any] | None,
+    config: RunConfig | None = None,
+) -> str:
+    if key in (measured or {}).get("rates", {}):
+        return "measured"
+    if key in (transport or {}).get("rates", {}):
+        return "benchmarked"
+    if (
+        key == "capture_tok_s_per_server"
+        and config is not None
+        and config.plan.capture_tok_s_per_server is None
+    ):
+        return "modelled"
+    return "configured"
+
+
+# TorchSpec's published Kimi-K2.5 EAGLE-3 drafter, the public anchor for what a run of this size costs
+TORCHSPEC_KIMI: dict[str, int] = {"samples": 600_000, "tokens": 6_000_000_000, "h200_gpu_hours": 1500}
+TRANSPORT_KEYS = (
+    "transport_tok_s_per_server",
+    "client_parse_tok_s_per_core",
+    "shard_encode_tok_s_per_core",
+)
+
+
+def transport_rates(figures: dict[str, Any], config: RunConfig, source: str) -> dict[str, Any]:
+    """bench_capture_transport.py's figures (its --json file) as PlanAssumptions fields; refused when
+    they were measured at a width other than the target's aux width (3 x hidden)."""
+    width = 3 * target_shape(config).hidden_size
+    missing = [
+        k for k in ("width", "capture_tok_s_ceiling_per_server", "client_tok_s_per_core") if k not in figures
+    ]
+    if missing:
+        raise PlanError(f"{source} is not bench_capture_transport.py's --json output: no {missing}")
+    if int(figures["width"]) != width:
+        raise PlanError(
+            f"{source} measured a width of {figures['width']} floats per token; {config.target.name}'s aux "
+            f"states are {width} wide: rerun the benchmark with --width {width}"
+        )
+    rates = {
+        "transport_tok_s_per_server": float(figures["capture_tok_s_ceiling_per_server"]),
+        "client_parse_tok_s_per_core": float(figures["client_tok_s_per_core"]),
+    }
+    if "shard_encode_tok_s_per_core" in figures:
+        rates["shard_encode_tok_s_per_core"] = float(figures["shard_encode_tok_s_per_core"])
+    return {"rates": rates, "source": {"file": source, "width": width}}
+
+
+def capture_paths(
+    assumptions: PlanAssumptions, servers: int, stored_bytes_per_token: float
+) -> dict[str, Any]:
+    """Both ways to capture, per server: over SGLang's HTTP JSON (capture.engine sglang) and in-process
+    (the engine on the capture node writes shards itself). Each names what binds it and the fleet that
+    keeps the servers, not the clients, the limit."""
+    return {
+        "http": _http_path(assumptions, servers, stored_bytes_per_token),
+        "in_process": _in_process_path(assumptions, stored_bytes_per_token),
+    }
+
+
+def _per_core(*rates: float) -> float:
+    """Tokens/s one core does when each token takes every one of these steps in turn."""
+    return 1 / sum(1 / rate for rate in rates)
+
+
+def _http_path(assumptions: PlanAssumptions, servers: int, stored_bytes_per_token: float) -> dict[str, Any]:
+    a = assumptions
+    per_server = min(a.capture_gpu_tok_s_per_server, a.transport_tok_s_per_server)
+    client_core = _per_core(a.client_parse_tok_s_per_core, a.shard_encode_tok_s_per_core)
+    cores_per_server = per_server / client_core
+    s3_per_client = a.s3_write_mb_s * 1e6 / stored_bytes_per_token
+    needed_clients = max(
+        math.ceil(servers * cores_per_server / a.capture_client_cores),
+        math.ceil(servers * per_server / s3_per_client),
+    )
+    clients = a.capture_clients or needed_clients
+    limits = {
+        "GPU": a.capture_gpu_tok_s_per_server,
+        "transport": a.transport_tok_s_per_server,
+        "client parse": clients * a.capture_client_cores * client_core / servers,
+        "S3 bandwidth": clients * s3_per_client / servers,
+    }
+    bottleneck = min(limits, key=lambda name: limits[name])
+    return {
+        "name": "HTTP JSON",
+        "tok_s_per_server": round(limits[bottleneck], 1),
+        "bottleneck": bottleneck,
+        "limits_tok_s_per_server": {k: round(v, 1) for k, v in limits.items()},
+        "client_cores_per_server": round(cores_per_server, 2),
+        "clients": clients,
+        "clients_needed": needed_clients,
+        "gpu_bound": bottleneck == "GPU",
+        "gpu_utilization": round(limits[bottleneck] / a.capture_gpu_tok_s_per_server, 4),
+    }
+
+
+def _in_process_path(assumptions: PlanAssumptions, stored_bytes_per_token: float) -> dict[str, Any]:
+    a = assumptions
+    limits = {
+        "GPU": a.capture_gpu_tok_s_per_server,
+        "shard encoding": a.capture_node_spare_cores * a.shard_encode_tok_s_per_core,
+        "S3 bandwidth": a.s3_write_mb_s * 1e6 / stored_bytes_per_token,
+    }
+    bottleneck = min(limits, key=lambda name: limits[name])
+    return {
+        "name": "in-process engine",
+        "tok_s_per_server": round(limits[bottleneck], 1),
+        "bottleneck": bottleneck,
+        "limits_tok_s_per_server": {k: round(v, 1) for k, v in limits.items()},
+        "encode_cores_for_gpu_rate": math.ceil(
+            a.capture_gpu_tok_s_per_server / a.shard_encode_tok_s_per_core
+        ),
+        "gpu_bound": bottleneck == "GPU",
+        "gpu_utilization": round(limits[bottleneck] / a.capture_gpu_tok_s_per_server, 4),
+    }
+
+
+def _train_bottleneck(
+    assumptions: PlanAssumptions, gpus: int, nodes: int, stored_bytes_per_token: float
+) -> dict[str, Any]:
+    """Training's rate: its GPUs', unless reading the captures from the object store is slower."""
+    limits = {
+        "training": assumptions.train_tok_s_per_gpu * gpus,
+        "S3 bandwidth": nodes * assumptions.s3_read_mb_s_per_node * 1e6 / stored_bytes_per_token,
+    }
+    bottleneck = min(limits, key=lambda name: limits[name])
+    return {"tok_s": limits[bottleneck], "bottleneck": bottleneck}
 
 
 WEEK_HOURS = 7 * 24
@@ -260,13 +444,16 @@ def _fleets(
     }
 
 
-def _gpu_stage(tokens: float, tokens_per_second: float, gpus: int, layout: str) -> dict[str, Any]:
+def _gpu_stage(
+    tokens: float, tokens_per_second: float, gpus: int, layout: str, bottleneck: str
+) -> dict[str, Any]:
     wall_hours = tokens / tokens_per_second / 3600
     return {
         "tokens": round(tokens),
         "tok_s": round(tokens_per_second, 1),
         "gpus": gpus,
         "layout": layout,
+        "bottleneck": bottleneck,
         "wall_hours": round(wall_hours, 2),
         "gpu_hours": round(wall_hours * gpus, 1),
     }
@@ -341,6 +528,47 @@ def _fleet_line(fleets: dict[str, Any], gpu_hour_usd: float) -> str:
     )
 
 
+def _limits_text(path: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {rate:,.0f}" for name, rate in path["limits_tok_s_per_server"].items())
+
+
+def _capture_path_lines(paths: dict[str, Any]) -> list[str]:
+    http, local = paths["http"], paths["in_process"]
+    configured = "" if http["clients"] == http["clients_needed"] else f" (configured: {http['clients']})"
+    gpu_bound = (
+        "yes"
+        if http["gpu_bound"]
+        else "no fleet of clients makes it so; each server's own JSON path caps it (the in-process "
+        "engine below does not)"
+    )
+    return [
+        "capture paths, tok/s per server (what binds each):",
+        f"  HTTP JSON (capture.engine sglang): {http['tok_s_per_server']:,.0f}, bound by "
+        f"{http['bottleneck']} ({_limits_text(http)}); GPUs busy {http['gpu_utilization']:.1%}; "
+        f"this capture {http['wall_hours']:,} h wall, {http['gpu_hours']:,} GPU-hours",
+        f"    clients: {http['client_cores_per_server']:,} cores per server keep up with it: "
+        f"{http['clients_needed']} capture task pod(s) of the plan's size{configured}",
+        f"    GPU-bound: {gpu_bound}",
+        f"  in-process engine: {local['tok_s_per_server']:,.0f}, bound by {local['bottleneck']} "
+        f"({_limits_text(local)}); GPUs busy {local['gpu_utilization']:.1%}; this capture "
+        f"{local['wall_hours']:,} h wall, {local['gpu_hours']:,} GPU-hours",
+        f"    {local['encode_cores_for_gpu_rate']} cores per server encode at the GPUs' rate; this path is "
+        "not built yet (docs/CAPACITY.md)",
+    ]
+
+
+def _torchspec_text(comparison: dict[str, Any]) -> str:
+    published, ours = comparison["published"], comparison["this_plan"]
+    return (
+        f"beside TorchSpec's published Kimi-K2.5 drafter: {published['samples']:,} samples, "
+        f"{published['tokens'] / 1e9:.1f}B tokens, {published['h200_gpu_hours']:,} H200 GPU-hours for the "
+        f"whole job ({published['tokens'] / published['h200_gpu_hours'] / 3600:,.0f} tokens per GPU-second); "
+        f"this plan at {published['samples']:,} "
+        f"samples: {ours['tokens'] / 1e9:.1f}B tokens, {ours['gpu_hours']:,} GPU-hours "
+        f"({ours['train_gpu_hours']:,} of them training at {ours['train_tok_s_per_gpu']:,} tok/s per GPU)"
+    )
+
+
 def format_plan(report: dict[str, Any]) -> str:
     """The plan as a readable text table."""
     lines = [
@@ -371,7 +599,8 @@ def format_plan(report: dict[str, Any]) -> str:
     for name, stage in report["stages"].items():
         lines.append(
             f"  {name:<10}{stage['tokens']:>16,}{stage['tok_s']:>12,.0f}{stage['gpus']:>6}"
-            f"{stage['wall_hours']:>9,.1f}{stage['gpu_hours']:>10,.1f}  {stage['layout']}"
+            f"{stage['wall_hours']:>9,.1f}{stage['gpu_hours']:>10,.1f}  {stage['layout']}; bound by "
+            f"{stage['bottleneck']}"
         )
     total, s3 = report["total"], report["total"]["s3_usd"]
     lines += [
@@ -382,10 +611,22 @@ def format_plan(report: dict[str, Any]) -> str:
         f"${s3['requests_usd']:,} requests "
         f"({s3['put_requests']:,} PUT, {s3['get_requests']:,} GET); all in: ${total['usd']:,}",
         _fleet_line(report["fleets"], report["assumptions"]["gpu_hour_usd"]),
-        "rates: " + ", ".join(f"{k} {v:,} ({report['rates_source'][k]})" for k, v in report["rates"].items()),
+        "",
+        *_capture_path_lines(report["capture_paths"]),
+        "",
+        "rates: "
+        + ", ".join(f"{k} {v:,} ({report['rates_source'][k]})" for k, v in report["rates"].items())
+        + "; "
+        + ", ".join(
+            f"{k} {report['assumptions'][k]:,.1f} ({report['rates_source'][k]})" for k in TRANSPORT_KEYS
+        ),
     ]
     if report["measured_from"]:
         lines.append(
             f"measured from run {report['measured_from']['run_id']} ({report['measured_from']['dataset']})"
         )
+    if report["transport_from"]:
+        lines.append(f"transport benchmarked in {report['transport_from']['file']}")
+    if report.get("torchspec"):
+        lines.append(_torchspec_text(report["torchspec"]))
     return "\n".join(lines)

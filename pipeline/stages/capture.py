@@ -13,6 +13,10 @@ import logging
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +24,13 @@ import torch
 
 from pipeline import layout
 from pipeline.config import DEFAULT_DOMAIN, RunConfig, default_aux_layer_ids
-from pipeline.data.activation_outliers import channel_amax, merge_channel_amax, outlier_summary
+from pipeline.data.activation_outliers import merge_channel_amax, outlier_summary
 from pipeline.data.capture_contract import CaptureContract, build_contract, require_same_contract
-from pipeline.data.capture_shards import CaptureSample, EncodingReport, write_checked_shard
+from pipeline.data.capture_shards import EncodingReport
 from pipeline.data.conversations import capture_sequence
 from pipeline.data.jsonl import decode_jsonl
+from pipeline.data.shard_writer import PendingSample, ShardWriter
+from pipeline.data.spilled_rows import Rows, row_chunks
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest, engine_servers
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.layer_ids import model_family_of, refuse_unservable_capture
@@ -53,13 +59,31 @@ def aux_layer_ids(config: RunConfig, num_layers: int) -> list[int]:
     return config.capture.aux_layer_ids or default_aux_layer_ids(num_layers)
 
 
-def make_engine(config: RunConfig, target: TargetInfo) -> CaptureEngine:
+@contextmanager
+def opened_engine(config: RunConfig, target: TargetInfo, spill_dir: Path) -> Iterator[CaptureEngine]:
+    """The capture engine of this config, closed (its worker processes stopped) when the block ends.
+    SGLang's hidden states are spilled to files under spill_dir while they wait to be stored."""
     if config.capture.engine == "hf":
-        return HFEngine(target.model_dir, trust_remote_code=config.target.trust_remote_code)
+        yield HFEngine(target.model_dir, trust_remote_code=config.target.trust_remote_code)
+        return
     from pipeline.engines.sglang import SGLangEngine
 
     assert config.capture.sglang is not None
-    return SGLangEngine(config.capture.sglang, hidden_size=target.hidden_size)
+    engine = SGLangEngine(config.capture.sglang, hidden_size=target.hidden_size, spill_dir=spill_dir)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+@contextmanager
+def workspace(config: RunConfig, target: TargetInfo) -> Iterator[tuple[CaptureEngine, Path]]:
+    """The capture engine and a local directory for what waits to be stored (spilled states, parts)."""
+    with (
+        tempfile.TemporaryDirectory(prefix="capture-") as tmp,
+        opened_engine(config, target, Path(tmp)) as engine,
+    ):
+        yield engine, Path(tmp)
 
 
 def contract_for(config: RunConfig, target: TargetInfo, engine: CaptureEngine | None) -> CaptureContract:
@@ -88,7 +112,7 @@ def teacher_request(config: RunConfig) -> TeacherRequest:
     return TeacherRequest(tuple(config.capture.teacher), config.capture.teacher_topk)
 
 
-ExpectedShapes = dict[str, tuple[torch.Tensor | None, tuple[int, int]]]
+ExpectedShapes = dict[str, tuple[Rows | None, tuple[int, int]]]
 
 
 def _expected_shapes(
@@ -108,29 +132,44 @@ def sample_problem(capture: Capture, length: int, hidden_size: int, teacher: Tea
 
     Refused: missing or mis-shaped tensors (also a length that disagrees with the token ids), NaN/inf,
     and hidden-state rows that are all zero or constant in any layer block (junk that still "trains").
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    for name, (tensor, shape) in _expected_shapes(capture, length, hidden_size, teacher).items():
-        if tensor is None:
+    Hidden states are read a chunk of rows at a time (they may be spilled to disk)."""
+    shapes = _expected_shapes(capture, length, hidden_size, teacher)
+    for name, (rows, shape) in shapes.items():
+        if rows is None:
             return f"missing_{name}"
-        if tuple(tensor.shape) != shape:
+        if tuple(rows.shape) != shape:
             return f"wrong_shape_{name}"
-        tensors[name] = tensor
-    for name in ("aux", "last_hidden", "topk_logprobs"):
-        if name in tensors and not torch.isfinite(tensors[name]).all():
-            return f"non_finite_{name}"
-    for name, groups in (("aux", 3), ("last_hidden", 1)):
-        if name in tensors:
-            blocks = tensors[name].float().reshape(length, groups, -1)
-            if (blocks.abs().amax(-1) == 0).any():
-                return f"zero_row_{name}"
-            if (blocks.amax(-1) == blocks.amin(-1)).any():
-                return f"constant_row_{name}"
-    if "topk" in teacher.kinds and (
-        (tensors["topk_logprobs"] > 1e-3).any() or (tensors["topk_ids"] < 0).any()
-    ):
-        return "invalid_topk"
+    flags = {
+        name: _row_flags(shapes[name][0], groups)
+        for name, groups in (("aux", 3), ("last_hidden", 1))
+        if name in shapes
+    }
+    topk_ids, topk_logprobs = capture.topk_ids, capture.topk_logprobs
+    if topk_ids is not None and topk_logprobs is not None and "topk" in teacher.kinds:
+        flags["topk_logprobs"] = set() if torch.isfinite(topk_logprobs).all() else {"non_finite"}
+    for flag in ("non_finite", "zero_row", "constant_row"):
+        for name, raised in flags.items():
+            if flag in raised:
+                return f"{flag}_{name}"
+    if topk_ids is not None and topk_logprobs is not None and "topk" in teacher.kinds:
+        if bool((topk_logprobs > 1e-3).any()) or bool((topk_ids < 0).any()):
+            return "invalid_topk"
     return None
+
+
+def _row_flags(rows: Rows | None, groups: int) -> set[str]:
+    """Which of non_finite, zero_row (a layer block all zero) and constant_row hold anywhere in rows."""
+    assert rows is not None  # sample_problem checked its presence
+    flags: set[str] = set()
+    for chunk in row_chunks(rows):
+        if not torch.isfinite(chunk).all():
+            return {"non_finite"}
+        blocks = chunk.float().reshape(chunk.shape[0], groups, -1)
+        if (blocks.abs().amax(-1) == 0).any():
+            flags.add("zero_row")
+        if (blocks.amax(-1) == blocks.amin(-1)).any():
+            flags.add("constant_row")
+    return flags
 
 
 def capture_records(
@@ -140,45 +179,141 @@ def capture_records(
     config: RunConfig,
     target: TargetInfo,
     layer_ids: list[int],
-    counts: Counter,
-    progress: Progress,
-    quarantine: list[dict[str, str]],
-) -> list[CaptureSample]:
+    tally: CaptureTally,
+    parts: ShardParts,
+) -> None:
+    """Capture every record into `parts`, a batch at a time; refused samples are counted in `tally`."""
     prepared = []
     for record in records:
         last_ids = (record.get("generation") or {}).get("last_output_ids")
         ids, mask = capture_sequence(tokenizer, record["messages"], last_ids, config.capture.max_length)
         if sum(mask) == 0:
-            counts["quarantined.no_assistant_tokens"] += 1
-            quarantine.append({"id": record["id"], "reason": "no_assistant_tokens"})
+            tally.refuse(record["id"], "no_assistant_tokens")
             continue
         prepared.append((record["id"], ids, mask))
     prepared.sort(key=lambda item: len(item[1]))
-    samples = []
     teacher = teacher_request(config)
     for start in range(0, len(prepared), config.capture.batch_size):
         batch = prepared[start : start + config.capture.batch_size]
         captures = engine.capture([ids for _, ids, _ in batch], layer_ids, teacher)
-        for (sample_id, ids, mask), capture in zip(batch, captures, strict=True):
-            problem = sample_problem(capture, len(ids), target.hidden_size, teacher)
-            if problem:
-                counts[f"quarantined.{problem}"] += 1
-                quarantine.append({"id": sample_id, "reason": problem})
-                continue
-            samples.append(
-                CaptureSample(
-                    sample_id,
-                    torch.tensor(ids),
-                    torch.tensor(mask, dtype=torch.uint8),
-                    capture.aux,
-                    capture.last_hidden,
-                    capture.topk_ids,
-                    capture.topk_logprobs,
+        try:
+            for (sample_id, ids, mask), capture in zip(batch, captures, strict=True):
+                if problem := sample_problem(capture, len(ids), target.hidden_size, teacher):
+                    tally.refuse(sample_id, problem)
+                    continue
+                parts.add(
+                    PendingSample(
+                        sample_id,
+                        torch.tensor(ids),
+                        torch.tensor(mask, dtype=torch.uint8),
+                        capture.aux,
+                        capture.last_hidden,
+                        capture.topk_ids,
+                        capture.topk_logprobs,
+                    )
                 )
+                tally.counts["captured"] += 1
+        finally:
+            for capture in captures:
+                capture.discard()
+        tally.progress.update(len(batch))
+
+
+@dataclass
+class CaptureTally:
+    """What became of a response shard's records: counts by outcome, and the refused ones with why."""
+
+    progress: Progress
+    counts: Counter = field(default_factory=Counter)
+    quarantine: list[dict[str, str]] = field(default_factory=list)
+
+    def refuse(self, sample_id: str, reason: str) -> None:
+        self.counts[f"quarantined.{reason}"] += 1
+        self.quarantine.append({"id": sample_id, "reason": reason})
+
+
+def part_name(response_shard: str, index: int) -> str:
+    """The capture shard holding part `index` of a response shard: the first keeps the shard's own name."""
+    stem = response_shard.removesuffix(".jsonl")
+    return f"{stem}.safetensors" if index == 0 else f"{stem}-part{index:03d}.safetensors"
+
+
+class ShardParts:
+    """A response shard's capture shards ("parts"), written as samples arrive and uploaded in the
+    background while capture goes on.
+
+    A part is closed once its encoded rows reach capture.part_max_mib; it is then written to local disk
+    and uploaded by a background thread while the next part fills. At most one upload is in flight, so a
+    capture holds at most two parts on local disk and a chunk of rows in memory (ShardWriter)."""
+
+    def __init__(self, job: ShardJob, config: RunConfig, layer_ids: list[int], tmp: Path):
+        self.job, self.config, self.layer_ids, self.tmp = job, config, layer_ids, tmp
+        self.max_bytes = int(config.capture.part_max_mib * (1 << 20))
+        self.parts: list[dict[str, Any]] = []
+        self.writer: ShardWriter | None = None
+        self.uploads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-upload")
+        self.upload: Future | None = None
+
+    def add(self, sample: PendingSample) -> None:
+        if self.writer is None:
+            settings = self.config.capture
+            self.writer = ShardWriter(
+                settings.encoding, settings.fp8_block, settings.fp8_max_rel_error, spool_dir=self.tmp
             )
-            counts["captured"] += 1
-        progress.update(len(batch))
-    return samples
+        self.writer.add(sample)
+        if self.writer.spooled_bytes >= self.max_bytes:
+            self._close_part()
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Close the last part and wait for every upload; the parts' records for the shard's marker."""
+        try:
+            if self.writer is not None:
+                self._close_part()
+            self._wait()
+        finally:
+            self.close()
+        return self.parts
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        self.uploads.shutdown(wait=True, cancel_futures=True)
+
+    def _close_part(self) -> None:
+        assert self.writer is not None
+        writer, self.writer = self.writer, None
+        name = part_name(self.job.shard["name"], len(self.parts))
+        path = self.tmp / name
+        stats, encoding = writer.finish(path)
+        if encoding.fell_back:
+            _warn_fell_back(name, encoding)
+        amax = writer.aux_channel_amax
+        part: dict[str, Any] = {
+            "shard": {
+                "name": name,
+                "split": self.job.shard["split"],
+                "domain": self.job.shard.get("domain", DEFAULT_DOMAIN),
+                **stats,
+            },
+            "encoding": encoding.as_dict(),
+            "aux_channel_amax": [[float(f"{v:.4g}") for v in row] for row in amax.tolist()],
+            "outliers": outlier_summary(amax, self.layer_ids, top=3),
+        }
+        self.parts.append(part)
+        self._wait()
+        self.upload = self.uploads.submit(self._upload, path, part)
+
+    def _upload(self, path: Path, part: dict[str, Any]) -> None:
+        info = self.job.store.put_file(f"{self.job.prefix}/{part['shard']['name']}", path)
+        path.unlink()
+        part.update({"bytes": info.bytes, "sha256": info.sha256})
+        log.info("capture: uploaded %s (%d bytes)", part["shard"]["name"], info.bytes)
+
+    def _wait(self) -> None:
+        if self.upload is not None:
+            self.upload.result()
+            self.upload = None
 
 
 def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
@@ -190,35 +325,32 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     responses = read_manifest(store, in_prefix, kind="responses")
     target = describe_target(config)
     tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
-    engine = make_engine(config, target)
-    contract = contract_for(config, target, engine).model_dump(mode="json")
-    unfinished = [s for s in responses["shards"] if finished_marker(store, prefix, s, contract) is None]
-    parity = (
-        verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
-        if unfinished
-        else {"skipped": "every shard was already captured (the engine was checked before that)"}
-    )
     counts: Counter = Counter()
     objects: list[ObjectInfo] = []
-    shards, quarantine, stored_markers = [], [], []
+    shards, quarantine, stored_parts = [], [], []
     progress = Progress(total=sum(s["samples"] for s in responses["shards"]), desc="capture", unit="sample")
-    with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
+    with workspace(config, target) as (engine, tmp):
+        contract = contract_for(config, target, engine).model_dump(mode="json")
+        unfinished = [s for s in responses["shards"] if finished_marker(store, prefix, s, contract) is None]
+        parity = (
+            verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
+            if unfinished
+            else {"skipped": "every shard was already captured (the engine was checked before that)"}
+        )
         for shard in responses["shards"]:
             marker = finished_marker(store, prefix, shard, contract)
             if marker is None:
                 records = decode_jsonl(read_listed(store, in_prefix, responses, shard["name"]))
                 job = ShardJob(store, prefix, shard, records, progress)
-                marker = _capture_shard(job, engine, tokenizer, config, target, contract, Path(tmp))
+                marker = _capture_shard(job, engine, tokenizer, config, target, contract, tmp)
             else:
                 progress.update(shard["samples"])
             counts.update(marker["counts"])
             quarantine += marker["quarantine"]
-            if marker["shard"] is not None:
-                objects.append(
-                    ObjectInfo(f"{prefix}/{marker['shard']['name']}", marker["bytes"], marker["sha256"])
-                )
-                shards.append(marker["shard"])
-                stored_markers.append(marker)
+            for part in marker_parts(marker):
+                objects.append(ObjectInfo(f"{prefix}/{part['shard']['name']}", part["bytes"], part["sha256"]))
+                shards.append(part["shard"])
+                stored_parts.append(part)
     progress.close()
     if not shards:
         raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
@@ -237,18 +369,19 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             "counts": dict(counts),
             "shards": shards,
             "totals": {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")},
-            **feature_measurements(stored_markers, contract["aux_layer_ids"]),
+            **feature_measurements(stored_parts, contract["aux_layer_ids"]),
         },
     )
     log.info("capture: %s", dict(counts))
     return Output(uri=store.uri(prefix), kind=manifest["kind"])
 
 
-def feature_measurements(markers: list[dict[str, Any]], layer_ids: list[int]) -> dict[str, Any]:
+def feature_measurements(parts: list[dict[str, Any]], layer_ids: list[int]) -> dict[str, Any]:
     """The capture manifest's `outliers` (per aux layer, channel amax over its median, over every shard)
     and `encoding` (per shard: what was stored and the fp8 round-trip error measured on it).
 
     Shards captured before these measurements existed are counted as unmeasured."""
+    markers = parts
     measured = [m for m in markers if "aux_channel_amax" in m]
     amaxes = [torch.tensor(m["aux_channel_amax"]) for m in measured]
     per_shard = [
@@ -291,7 +424,7 @@ def verify_engine(
     if config.capture.engine == "sglang":
         from pipeline.engines.sglang import SGLangEngine
 
-        assert isinstance(engine, SGLangEngine)  # make_engine builds one for capture.engine "sglang"
+        assert isinstance(engine, SGLangEngine)  # opened_engine opens one for capture.engine "sglang"
         engine.verify_capture_servers(
             contract["aux_layer_ids"],
             target.num_layers,
@@ -342,13 +475,12 @@ def run_shard(
     store = store or open_store(config.storage)
     in_prefix, responses, shard = listed_shard(store, responses_uri, "responses", shard_name)
     target = describe_target(config)
-    engine = make_engine(config, target)
-    contract = contract_for(config, target, engine).model_dump(mode="json")
     prefix = layout.captures_prefix(config.target.name, snapshot)
-    marker = finished_marker(store, prefix, shard, contract)
-    if marker is None:
-        progress = Progress(total=shard["samples"], desc=f"capture {shard_name}", unit="sample")
-        with tempfile.TemporaryDirectory(prefix="capture-") as tmp:
+    with workspace(config, target) as (engine, tmp):
+        contract = contract_for(config, target, engine).model_dump(mode="json")
+        marker = finished_marker(store, prefix, shard, contract)
+        if marker is None:
+            progress = Progress(total=shard["samples"], desc=f"capture {shard_name}", unit="sample")
             records = decode_jsonl(read_listed(store, in_prefix, responses, shard_name))
             marker = _capture_shard(
                 ShardJob(store, prefix, shard, records, progress),
@@ -357,9 +489,9 @@ def run_shard(
                 config,
                 target,
                 contract,
-                Path(tmp),
+                tmp,
             )
-        progress.close()
+            progress.close()
     return {"shard": shard_name, "counts": marker["counts"]}
 
 
@@ -371,10 +503,18 @@ def finished_marker(
     if not store.exists(key):
         return None
     marker = json.loads(store.get_bytes(key))
-    if marker["shard"] is not None and not store.exists(f"{prefix}/{marker['shard']['name']}"):
+    if any(not store.exists(f"{prefix}/{part['shard']['name']}") for part in marker_parts(marker)):
         return None
     require_same_contract(marker["contract"], contract, f"resuming capture of {response_shard['name']}")
     return marker
+
+
+def marker_parts(marker: dict[str, Any]) -> list[dict[str, Any]]:
+    """The capture shards (parts) a response shard's marker lists; a marker written before shards had
+    parts holds its one shard's record at its top level."""
+    if "parts" in marker:
+        return marker["parts"]
+    return [] if marker["shard"] is None else [marker]
 
 
 def _capture_shard(
@@ -386,73 +526,32 @@ def _capture_shard(
     contract: dict[str, Any],
     tmp: Path,
 ) -> dict[str, Any]:
-    """Capture one response shard into one capture shard; the marker is written after the data."""
-    store, prefix, response_shard, records, progress = (
-        job.store,
-        job.prefix,
-        job.shard,
-        job.records,
-        job.progress,
-    )
+    """Capture one response shard into one or more capture shards (parts); the marker is written after
+    every part is stored."""
     started = time.monotonic()
-    counts: Counter = Counter()
-    quarantine: list[dict[str, str]] = []
-    samples = capture_records(
-        records, engine, tokenizer, config, target, contract["aux_layer_ids"], counts, progress, quarantine
-    )
-    marker: dict[str, Any] = {
-        "shard": None,
-        "counts": dict(counts),
-        "quarantine": quarantine,
-        "contract": contract,
-    }
-    if samples:
-        name = response_shard["name"].replace(".jsonl", ".safetensors")
-        path = tmp / name
-        stats, measurements = write_measured_shard(samples, path, config, contract["aux_layer_ids"])
-        marker.update(measurements)
-        info = store.put_file(f"{prefix}/{name}", path)
-        path.unlink()
-        marker.update(
-            {
-                "bytes": info.bytes,
-                "sha256": info.sha256,
-                "shard": {
-                    "name": name,
-                    "split": response_shard["split"],
-                    "domain": response_shard.get("domain", DEFAULT_DOMAIN),
-                    **stats,
-                },
-            }
+    tally = CaptureTally(job.progress)
+    parts = ShardParts(job, config, contract["aux_layer_ids"], tmp)
+    try:
+        capture_records(
+            job.records, engine, tokenizer, config, target, contract["aux_layer_ids"], tally, parts
         )
-    else:
-        log.warning("capture: shard %s produced no valid samples: %s", response_shard["name"], dict(counts))
-    marker["timing"] = {
-        "seconds": round(time.monotonic() - started, 3),
-        "servers": engine_servers(config.capture),
+        stored = parts.finish()
+    finally:
+        parts.close()
+    if not stored:
+        log.warning("capture: shard %s produced no valid samples: %s", job.shard["name"], dict(tally.counts))
+    marker: dict[str, Any] = {
+        "parts": stored,
+        "counts": dict(tally.counts),
+        "quarantine": tally.quarantine,
+        "contract": contract,
+        "timing": {
+            "seconds": round(time.monotonic() - started, 3),
+            "servers": engine_servers(config.capture),
+        },
     }
-    store.put_bytes(layout.shard_marker_key(prefix, response_shard["name"]), json.dumps(marker).encode())
+    job.store.put_bytes(layout.shard_marker_key(job.prefix, job.shard["name"]), json.dumps(marker).encode())
     return marker
-
-
-def write_measured_shard(
-    samples: list[CaptureSample], path: Path, config: RunConfig, layer_ids: list[int]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Write one capture shard; returns its manifest entry and what was measured on it for the marker:
-    the encoding stored (bf16 when fp8's round-trip error exceeds capture.fp8_max_rel_error, with a
-    warning), and every aux channel's amax."""
-    settings = config.capture
-    stats, encoding = write_checked_shard(
-        samples, path, settings.encoding, settings.fp8_block, settings.fp8_max_rel_error
-    )
-    if encoding.fell_back:
-        _warn_fell_back(path.name, encoding)
-    amax = channel_amax([s.aux for s in samples], groups=3)
-    return stats, {
-        "encoding": encoding.as_dict(),
-        "aux_channel_amax": [[float(f"{v:.4g}") for v in row] for row in amax.tolist()],
-        "outliers": outlier_summary(amax, layer_ids, top=3),
-    }
 
 
 def _warn_fell_back(shard_name: str, encoding: EncodingReport) -> None:

@@ -13,7 +13,7 @@ from pipeline.config import RunConfig
 from pipeline.engines.target import describe_target, load_tokenizer
 from pipeline.manifest import read_manifest
 from pipeline.stages import StageInputs, StageOutput
-from pipeline.stages.capture import contract_for, make_engine, verify_engine
+from pipeline.stages.capture import contract_for, verify_engine, workspace
 from pipeline.storage import ObjectStore
 
 
@@ -29,8 +29,8 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     in_prefix = store.key_for(inputs.responses_uri)
     responses = read_manifest(store, in_prefix, kind="responses")
     target = describe_target(config)
-    engine = make_engine(config, target)
-    contract = contract_for(config, target, engine).model_dump(mode="json")
     tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
-    report = verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
+    with workspace(config, target) as (engine, _):
+        contract = contract_for(config, target, engine).model_dump(mode="json")
+        report = verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
     return Output(uri=inputs.responses_uri, kind="parity", parity=report)

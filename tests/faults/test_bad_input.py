@@ -204,7 +204,8 @@ def test_checksum_mismatch_on_pull_keeps_the_served_copy(store, tmp_path, record
 
 
 def _shard(tmp_path):
-    from pipeline.data.capture_shards import CaptureSample, write_shard
+    from pipeline.data.capture_shards import CaptureSample
+    from pipeline.data.shard_writer import write_shard
 
     sample = CaptureSample(
         "s0",
