@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. plan.gpu_hour_usd=3.2")
     p = sub.add_parser("train-worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", required=True)
+    # a rank of an in-process capture job (pipeline.engines.inprocess.launch_rank_job starts them)
+    p = sub.add_parser("capture-rank", help=argparse.SUPPRESS)
+    _common(p)
+    p.add_argument("--responses", required=True)
+    p.add_argument("--snapshot", required=True)
+    p.add_argument("--shard", help="one response shard (a mapped task); default: every shard, then publish")
     return parser
 
 
@@ -172,6 +178,8 @@ def dispatch(args) -> int:
     if args.command == "verify":
         return _verify(args)
     config = _load(args)
+    if args.command == "capture-rank":
+        return _capture_rank(args, config)
     if args.command == "plan":
         return _plan(args, config)
     store = open_store(config.storage)
@@ -250,6 +258,19 @@ def _pull(args, config, store, target: str) -> int:
     if args.flags_file:
         flags = registry.engine_server_flags(args.engine, config.target, str(dest), serving)
         registry.write_serving_flags(args.flags_file, flags)
+    return 0
+
+
+def _capture_rank(args, config) -> int:
+    from pipeline.stages import capture
+    from pipeline.storage import open_store
+
+    store = open_store(config.storage)
+    if args.shard:
+        capture.run_shard(config, args.responses, args.snapshot, args.shard, store)
+    else:
+        inputs = capture.Inputs(responses_uri=args.responses, snapshot=args.snapshot)
+        capture.run(config, inputs, _require_run_id(args), store)
     return 0
 
 

@@ -340,8 +340,32 @@ def _topk_teacher() -> list[TeacherKind]:
     return ["topk"]
 
 
+class InProcessCaptureConfig(Strict):
+    """capture.engine inprocess: the target runs in the capture job's own processes and its hidden states go
+    from the forward into shards as tensors (pipeline.engines.inprocess)."""
+
+    runner: Literal["sglang", "local"] = Field(
+        "sglang",
+        description="sglang: SGLang's ModelRunner, one process per tensor-parallel rank on a capture node "
+        "(needs SGLang 0.5.23 and GPUs); local: a transformers forward (the tiny target, tests)",
+    )
+    tp_size: PositiveInt = Field(8, description="tensor-parallel ranks: processes of the capture job")
+    mem_fraction_static: float = Field(
+        0.8, gt=0, lt=1, description="sglang runner: GPU memory for weights and KV cache (SGLang's flag)"
+    )
+    max_prefill_tokens: PositiveInt = Field(
+        65536, description="sglang runner: tokens of one prefill forward; a longer batch is split"
+    )
+
+    @model_validator(mode="after")
+    def _local_runs_untensored(self) -> InProcessCaptureConfig:
+        if self.runner == "local" and self.tp_size > 2:
+            raise ValueError("the local runner holds the whole target in every rank: use tp_size 1 or 2")
+        return self
+
+
 class CaptureConfig(Strict):
-    engine: Literal["hf", "sglang"] = "hf"
+    engine: Literal["hf", "sglang", "inprocess"] = "hf"
     aux_layer_ids: list[int] | None = Field(
         None, description="0-indexed decoder layers whose OUTPUT is captured; default [1, N//2-1, N-4]"
     )
@@ -379,6 +403,7 @@ class CaptureConfig(Strict):
     )
     parity: ParityConfig = Field(default_factory=lambda: ParityConfig())
     sglang: SGLangClientConfig | None = None
+    inprocess: InProcessCaptureConfig = Field(default_factory=lambda: InProcessCaptureConfig())
 
     @model_validator(mode="after")
     def _sglang_needs_urls(self) -> CaptureConfig:

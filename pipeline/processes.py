@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server or process group started on this machine (a fixed port
+    can be taken by another run of the same thing)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def die_with_parent() -> None:

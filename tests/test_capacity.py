@@ -136,7 +136,7 @@ def test_cli_prints_the_plan_table():
         "S3:",
         "(configured)",
         "bound by transport",
-        "in-process engine:",
+        "in-process (capture.engine inprocess):",
         "beside TorchSpec's published Kimi-K2.5 drafter",
     ):
         assert text in result.stdout, text

@@ -400,7 +400,7 @@ def test_a_stages_engine_images_name_its_engines_and_known_images(tmp_path):
         },
     }
     for stage, entry, message in (
-        ("train", {"engine_images": {"vllm": "vllm"}}, "only generate and benchmark have an engine"),
+        ("train", {"engine_images": {"vllm": "vllm"}}, "only generate, capture, benchmark have an engine"),
         ("benchmark", {"engine_images": {"tgi": "vllm"}}, "unknown engines \\['tgi'\\]"),
         ("benchmark", {"engine_images": {"vllm": "tgi"}}, "engine_images.vllm"),
     ):

@@ -390,7 +390,7 @@ def _in_process_path(assumptions: PlanAssumptions, stored_bytes_per_token: float
     }
     bottleneck = min(limits, key=lambda name: limits[name])
     return {
-        "name": "in-process engine",
+        "name": "in-process",
         "tok_s_per_server": round(limits[bottleneck], 1),
         "bottleneck": bottleneck,
         "limits_tok_s_per_server": {k: round(v, 1) for k, v in limits.items()},
@@ -549,11 +549,11 @@ def _capture_path_lines(paths: dict[str, Any]) -> list[str]:
         f"    clients: {http['client_cores_per_server']:,} cores per server keep up with it: "
         f"{http['clients_needed']} capture task pod(s) of the plan's size{configured}",
         f"    GPU-bound: {gpu_bound}",
-        f"  in-process engine: {local['tok_s_per_server']:,.0f}, bound by {local['bottleneck']} "
-        f"({_limits_text(local)}); GPUs busy {local['gpu_utilization']:.1%}; this capture "
-        f"{local['wall_hours']:,} h wall, {local['gpu_hours']:,} GPU-hours",
-        f"    {local['encode_cores_for_gpu_rate']} cores per server encode at the GPUs' rate; this path is "
-        "not built yet (docs/CAPACITY.md)",
+        f"  in-process (capture.engine inprocess): {local['tok_s_per_server']:,.0f}, bound by "
+        f"{local['bottleneck']} ({_limits_text(local)}); GPUs busy {local['gpu_utilization']:.1%}; "
+        f"this capture {local['wall_hours']:,} h wall, {local['gpu_hours']:,} GPU-hours",
+        f"    {local['encode_cores_for_gpu_rate']} cores per server encode at the GPUs' rate; capture.engine "
+        "inprocess, not yet run on SGLang itself (docs/CAPACITY.md)",
     ]
 
 

@@ -48,6 +48,7 @@ ImageName = Literal["pipeline", "trainer", "sglang", "vllm"]
 # The stages whose run-config section names an engine (`<stage>.engine`), and that section's engines.
 ENGINE_STAGES: dict[str, tuple[str, ...]] = {
     "generate": ("hf", "sglang", "vllm"),
+    "capture": ("hf", "sglang", "inprocess"),
     "benchmark": ("local", "sglang", "vllm"),
 }
 # A pod's image where it follows the run's engine: what the configure step picked (`configure_run`), read
@@ -59,8 +60,8 @@ class StageResources(Strict):
     image: ImageName = "pipeline"
     engine_images: dict[str, ImageName] = Field(
         default_factory=dict,
-        description="generate and benchmark: the image by the run config's engine (<stage>.engine), picked "
-        "when the run is configured; `image` for an engine not listed",
+        description="generate, capture and benchmark: the image by the run config's engine (<stage>.engine), "
+        "picked when the run is configured; `image` for an engine not listed",
     )
     cpu: str = "1"
     memory: str = "4Gi"
@@ -280,7 +281,7 @@ def _image_problems(name: str, stage: StageResources) -> list[str]:
     if not stage.engine_images:
         return []
     if name not in ENGINE_STAGES:
-        return [f"stages.{name}.engine_images: only {' and '.join(ENGINE_STAGES)} have an engine"]
+        return [f"stages.{name}.engine_images: only {', '.join(ENGINE_STAGES)} have an engine"]
     unknown = sorted(set(stage.engine_images) - set(ENGINE_STAGES[name]))
     if unknown:
         return [

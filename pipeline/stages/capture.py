@@ -33,6 +33,7 @@ from pipeline.data.shard_writer import PendingSample, ShardWriter
 from pipeline.data.spilled_rows import Rows, row_chunks
 from pipeline.engines import Capture, CaptureEngine, TeacherRequest, engine_servers
 from pipeline.engines.hf import HFEngine
+from pipeline.engines.inprocess import launch_rank_job, needs_rank_job
 from pipeline.engines.layer_ids import model_family_of, refuse_unservable_capture
 from pipeline.engines.target import TargetInfo, describe_target, load_model, load_tokenizer
 from pipeline.manifest import listed_shard, read_listed, read_manifest
@@ -65,6 +66,16 @@ def opened_engine(config: RunConfig, target: TargetInfo, spill_dir: Path) -> Ite
     SGLang's hidden states are spilled to files under spill_dir while they wait to be stored."""
     if config.capture.engine == "hf":
         yield HFEngine(target.model_dir, trust_remote_code=config.target.trust_remote_code)
+        return
+    if config.capture.engine == "inprocess":
+        from pipeline.engines.inprocess import open_runner
+
+        layer_ids = aux_layer_ids(config, target.num_layers)
+        inprocess = open_runner(config.capture.inprocess, target, layer_ids, config.target.trust_remote_code)
+        try:
+            yield inprocess
+        finally:
+            inprocess.close()
         return
     from pipeline.engines.sglang import SGLangEngine
 
@@ -246,8 +257,11 @@ class ShardParts:
     and uploaded by a background thread while the next part fills. At most one upload is in flight, so a
     capture holds at most two parts on local disk and a chunk of rows in memory (ShardWriter)."""
 
-    def __init__(self, job: ShardJob, config: RunConfig, layer_ids: list[int], tmp: Path):
+    def __init__(
+        self, job: ShardJob, config: RunConfig, layer_ids: list[int], tmp: Path, stores: bool = True
+    ):
         self.job, self.config, self.layer_ids, self.tmp = job, config, layer_ids, tmp
+        self.stores = stores  # False: samples are counted but not kept (a tensor-parallel rank above 0)
         self.max_bytes = int(config.capture.part_max_mib * (1 << 20))
         self.parts: list[dict[str, Any]] = []
         self.writer: ShardWriter | None = None
@@ -255,6 +269,8 @@ class ShardParts:
         self.upload: Future | None = None
 
     def add(self, sample: PendingSample) -> None:
+        if not self.stores:
+            return
         if self.writer is None:
             settings = self.config.capture
             self.writer = ShardWriter(
@@ -321,6 +337,11 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     prefix = layout.captures_prefix(config.target.name, inputs.snapshot)
     if published := already_published(store, prefix, "capture"):
         return published
+    if needs_rank_job(config.capture):  # every rank runs this function; rank 0 publishes
+        launch_rank_job(config.capture.inprocess.tp_size, _rank_args(run_id, inputs), config.dump())
+        if published := already_published(store, prefix, "capture"):
+            return published
+        raise CaptureFailed("the in-process capture job finished without publishing the capture")
     in_prefix = store.key_for(inputs.responses_uri)
     responses = read_manifest(store, in_prefix, kind="responses")
     target = describe_target(config)
@@ -351,7 +372,10 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
                 objects.append(ObjectInfo(f"{prefix}/{part['shard']['name']}", part["bytes"], part["sha256"]))
                 shards.append(part["shard"])
                 stored_parts.append(part)
+        stores = _stores_shards(engine)
     progress.close()
+    if not stores:  # a tensor-parallel rank other than 0: it captured in step, rank 0 stored and publishes
+        return Output(uri=store.uri(prefix), kind="capture")
     if not shards:
         raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
     manifest = publish_with_left_out(
@@ -474,8 +498,15 @@ def run_shard(
     """One response shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
     in_prefix, responses, shard = listed_shard(store, responses_uri, "responses", shard_name)
-    target = describe_target(config)
     prefix = layout.captures_prefix(config.target.name, snapshot)
+    if needs_rank_job(config.capture):
+        args = ["--responses", responses_uri, "--snapshot", snapshot, "--shard", shard_name]
+        launch_rank_job(config.capture.inprocess.tp_size, args, config.dump())
+        markers = [m for m in [store_marker(store, prefix, shard)] if m is not None]
+        if not markers:
+            raise CaptureFailed(f"the in-process capture job left no record of {shard_name}")
+        return {"shard": shard_name, "counts": markers[0]["counts"]}
+    target = describe_target(config)
     with workspace(config, target) as (engine, tmp):
         contract = contract_for(config, target, engine).model_dump(mode="json")
         marker = finished_marker(store, prefix, shard, contract)
@@ -493,6 +524,21 @@ def run_shard(
             )
             progress.close()
     return {"shard": shard_name, "counts": marker["counts"]}
+
+
+def _stores_shards(engine: CaptureEngine) -> bool:
+    """Whether this process stores what it captures: all but the ranks above 0 of an in-process job."""
+    return bool(getattr(engine, "stores_shards", True))
+
+
+def _rank_args(run_id: str, inputs: Inputs) -> list[str]:
+    return ["--run-id", run_id, "--responses", inputs.responses_uri, "--snapshot", inputs.snapshot]
+
+
+def store_marker(store: ObjectStore, prefix: str, response_shard: dict[str, Any]) -> dict[str, Any] | None:
+    """A response shard's marker as stored, unchecked (None when there is none)."""
+    key = layout.shard_marker_key(prefix, response_shard["name"])
+    return json.loads(store.get_bytes(key)) if store.exists(key) else None
 
 
 def finished_marker(
@@ -530,7 +576,8 @@ def _capture_shard(
     every part is stored."""
     started = time.monotonic()
     tally = CaptureTally(job.progress)
-    parts = ShardParts(job, config, contract["aux_layer_ids"], tmp)
+    stores = _stores_shards(engine)
+    parts = ShardParts(job, config, contract["aux_layer_ids"], tmp, stores=stores)
     try:
         capture_records(
             job.records, engine, tokenizer, config, target, contract["aux_layer_ids"], tally, parts
@@ -538,7 +585,7 @@ def _capture_shard(
         stored = parts.finish()
     finally:
         parts.close()
-    if not stored:
+    if stores and not stored:
         log.warning("capture: shard %s produced no valid samples: %s", job.shard["name"], dict(tally.counts))
     marker: dict[str, Any] = {
         "parts": stored,
@@ -550,7 +597,9 @@ def _capture_shard(
             "servers": engine_servers(config.capture),
         },
     }
-    job.store.put_bytes(layout.shard_marker_key(job.prefix, job.shard["name"]), json.dumps(marker).encode())
+    if stores:
+        key = layout.shard_marker_key(job.prefix, job.shard["name"])
+        job.store.put_bytes(key, json.dumps(marker).encode())
     return marker
 
 
