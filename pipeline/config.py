@@ -399,7 +399,7 @@ class CaptureConfig(Strict):
         2048,
         gt=0,
         description="a response shard's capture is stored as parts of about this many MiB of encoded rows: "
-        "each part is uploaded while the next one is captured, and local disk holds at most two",
+        "each part is uploaded while the next one is captured; local disk holds about three",
     )
     parity: ParityConfig = Field(default_factory=lambda: ParityConfig())
     sglang: SGLangClientConfig | None = None

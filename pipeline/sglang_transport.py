@@ -15,13 +15,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import queue
 import resource
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import cycle
-from multiprocessing import get_context
 from pathlib import Path
 from threading import Lock
 from typing import Any, TypeVar
@@ -33,6 +36,7 @@ from pipeline.config import SGLangClientConfig
 from pipeline.engine_requests import (
     RETRYABLE_STATUS,
     EngineError,
+    EngineUnavailable,
     TransientRequestError,
     pooled_session,
     retried_request,
@@ -179,6 +183,7 @@ class HiddenStateStream:
         self.kept: list[bytes] = []
         self.values = 0
         self.received = 0
+        self.found = False  # a prompt block "[[" was seen
 
     def feed(self, piece: bytes) -> None:
         self.received += len(piece)
@@ -188,11 +193,9 @@ class HiddenStateStream:
 
     def finish(self) -> tuple[bytes, int | None]:
         """The rest of the response and how many floats went to the sink (None: no hidden states)."""
-        if self.state == "head":
-            return b"".join(self.kept) + self.pending, None
-        if self.state != "tail":
+        if self.state not in ("head", "tail"):
             raise TruncatedResponse("truncated hidden_states")
-        return b"".join(self.kept) + self.pending, self.values
+        return b"".join(self.kept) + self.pending, self.values if self.found else None
 
     def _advance(self) -> bool:
         """One step of the state machine; False when it needs more bytes."""
@@ -217,7 +220,7 @@ class HiddenStateStream:
             return True
         self.kept.append(self.pending[:start] + b"null")
         self.pending = self.pending[start + 2 :]
-        self.state = "rows"
+        self.state, self.found = "rows", True
         return True
 
     def _in_rows(self) -> bool:
@@ -298,20 +301,17 @@ def spill_response(response, spill_path: str) -> SpilledResponse:
     return SpilledResponse(rest, values, stream.received)
 
 
-_worker_settings: SGLangClientConfig | None = None
-_worker_clients: dict[tuple[str, ...], SGLangClient] = {}
-
-
-def _start_worker(settings: SGLangClientConfig) -> None:
-    global _worker_settings
-    _worker_settings = settings
-
-
-def _capture_in_worker(urls: list[str], payload: dict[str, Any], spill_path: str) -> SpilledResponse:
-    assert _worker_settings is not None, "the worker's initializer did not run"
-    client = _worker_clients.get(tuple(urls))
+def capture_request(
+    clients: dict[tuple[str, ...], SGLangClient],
+    settings: SGLangClientConfig,
+    urls: list[str],
+    payload: dict[str, Any],
+    spill_path: str,
+) -> SpilledResponse:
+    """One capture request, its hidden states streamed to spill_path (what a worker process runs)."""
+    client = clients.get(tuple(urls))
     if client is None:  # each worker starts its round robin at a server of its own
-        client = _worker_clients[tuple(urls)] = SGLangClient(_worker_settings, urls, first_url=os.getpid())
+        client = clients[tuple(urls)] = SGLangClient(settings, urls, first_url=os.getpid())
     reply = client.post_streamed("/generate", payload, lambda r: spill_response(r, spill_path))
     return dataclasses.replace(reply, worker_peak_rss_mib=peak_rss_mib())
 
@@ -328,23 +328,135 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+# A worker process speaks JSON lines: the settings first, then one request per line ({"urls", "payload",
+# "spill"}) answered by one line ({"values", "received_bytes", "worker_peak_rss_mib"} or {"error", "kind"});
+# the response without its hidden states goes to the spill path + ".rest". Workers are plain subprocesses
+# (`python -m pipeline.sglang_transport`), not multiprocessing's: a parent that is itself a script, as
+# Airflow's pod tasks are, would be re-run by a spawned child.
+_ERROR_KINDS = {"unavailable": EngineUnavailable, "engine": EngineError}
+
+
+def worker_main() -> None:
+    protocol = sys.stdout
+    sys.stdout = sys.stderr  # whatever a library prints must not mix with the protocol's lines
+    settings = SGLangClientConfig.model_validate_json(sys.stdin.readline())
+    clients: dict[tuple[str, ...], SGLangClient] = {}
+    for line in sys.stdin:
+        request = orjson.loads(line)
+        answer: dict[str, Any] = {"spill": request["spill"]}
+        try:
+            reply = capture_request(clients, settings, request["urls"], request["payload"], request["spill"])
+            Path(request["spill"] + ".rest").write_bytes(reply.rest)
+            answer.update({k: v for k, v in dataclasses.asdict(reply).items() if k != "rest"})
+        except EngineUnavailable as err:
+            answer.update(error=str(err), kind="unavailable")
+        except EngineError as err:
+            answer.update(error=str(err), kind="engine")
+        except Exception as err:  # anything else ends up in the capture stage's error, with its type
+            answer.update(error=f"{type(err).__name__}: {err}", kind="engine")
+        protocol.write(orjson.dumps(answer).decode() + "\n")
+        protocol.flush()
+
+
+class _Worker:
+    def __init__(self, settings: SGLangClientConfig):
+        self.settings = settings
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pipeline.sglang_transport"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self._send(settings.model_dump_json())
+
+    def _send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def ask(self, urls: list[str], payload: dict[str, Any], spill_path: str) -> SpilledResponse:
+        """The worker's answer to one request; EngineError when the worker broke (it is then unusable)."""
+        try:
+            self._send(orjson.dumps({"urls": urls, "payload": payload, "spill": spill_path}).decode())
+            assert self.process.stdout is not None
+            line = self.process.stdout.readline()
+        except OSError as err:
+            raise WorkerBroke(f"a capture worker stopped answering: {err}") from err
+        if not line:
+            raise WorkerBroke(f"a capture worker exited (code {self.process.poll()}) during a request")
+        answer = orjson.loads(line)
+        if answer.pop("spill", None) != spill_path:
+            raise WorkerBroke(f"a capture worker answered another request than {spill_path}")
+        if "error" in answer:
+            raise _ERROR_KINDS[answer["kind"]](answer["error"])
+        rest_path = Path(spill_path + ".rest")
+        rest = rest_path.read_bytes()
+        rest_path.unlink()
+        return SpilledResponse(rest, **answer)
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            try:
+                self.process.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class WorkerBroke(EngineError):
+    """A capture worker process that died or answered out of turn: it is replaced."""
+
+
 class CaptureWorkers:
     """Worker processes that each post one capture request at a time and stream its response to a spill
-    file: `processes` requests in flight, their parsing on as many cores."""
+    file: `processes` requests in flight, their parsing on as many cores. A worker that breaks is replaced."""
 
     def __init__(self, settings: SGLangClientConfig, processes: int):
-        self.processes = processes
-        self.pool = ProcessPoolExecutor(
-            max_workers=processes,
-            mp_context=get_context("spawn"),
-            initializer=_start_worker,
-            initargs=(settings,),
-        )
+        self.settings = settings
+        self.lock = threading.Lock()
+        self.workers: list[_Worker] = []
+        try:
+            for _ in range(processes):
+                self.workers.append(_Worker(settings))
+        except BaseException:
+            self.close()
+            raise
+        self.idle: queue.Queue[_Worker] = queue.Queue()
+        for worker in self.workers:
+            self.idle.put(worker)
 
     def capture(
         self, urls: list[str], payloads: list[dict[str, Any]], spill_paths: list[str]
     ) -> list[SpilledResponse]:
-        return list(self.pool.map(_capture_in_worker, [urls] * len(payloads), payloads, spill_paths))
+        with ThreadPoolExecutor(max_workers=len(self.workers)) as pool:
+            return list(pool.map(lambda job: self._one(urls, *job), zip(payloads, spill_paths, strict=True)))
+
+    def _one(self, urls: list[str], payload: dict[str, Any], spill_path: str) -> SpilledResponse:
+        worker = self.idle.get()
+        try:
+            return worker.ask(urls, payload, spill_path)
+        except WorkerBroke:
+            worker.process.kill()
+            worker.close()
+            worker = self._replacement(worker)
+            raise
+        finally:
+            self.idle.put(worker)
+
+    def _replacement(self, broken: _Worker) -> _Worker:
+        fresh = _Worker(self.settings)
+        with self.lock:
+            self.workers[self.workers.index(broken)] = fresh
+        return fresh
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        for worker in self.workers:
+            worker.close()
+
+
+if __name__ == "__main__":
+    worker_main()

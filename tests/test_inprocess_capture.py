@@ -129,3 +129,28 @@ def test_a_rank_that_fails_fails_the_job_with_its_exit_code(tmp_path):
     missing = ["--run-id", "r", "--responses", f"file://{tmp_path}/no-such-responses", "--snapshot", "s"]
     with pytest.raises(EngineError, match="job of 2 ranks failed with exit code"):
         launch_rank_job(2, missing, config.dump())
+
+
+def test_the_parity_stage_refuses_a_job_of_ranks(responses):
+    from pipeline.config import ConfigError
+
+    root, store, uri = responses
+    config = stage_config(root, [*INPROCESS[:2], "capture.inprocess.tp_size=2"])
+    with pytest.raises(ConfigError, match="checks parity itself"):
+        run_stage("parity", config, "snap", store, responses_uri=uri)
+
+
+def test_a_pilots_capture_rate_is_used_only_for_the_same_capture_path():
+    from pipeline.config import load_config as load
+    from pipeline.ops.capacity import plan
+
+    kimi = load("configs/kimi-k2.5.yaml")  # capture.engine sglang
+    pilot = {
+        "rates": {"capture_tok_s_per_server": 99.0},
+        "source": {"run_id": "p", "capture_engine": "inprocess"},
+    }
+    other = plan(kimi, 1000, measured=pilot)
+    assert other["rates"]["capture_tok_s_per_server"] != 99.0
+    assert other["measured_from"]["capture_rate_not_used"] == "inprocess"
+    same = plan(kimi, 1000, measured={**pilot, "source": {"run_id": "p", "capture_engine": "sglang"}})
+    assert same["rates"]["capture_tok_s_per_server"] == 99.0

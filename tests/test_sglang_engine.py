@@ -288,3 +288,27 @@ def test_capture_states_come_back_spilled_to_disk_and_are_removed_once_read(serv
         assert list(tmp_path.glob("*.f32")) == []
     finally:
         engine.close()
+
+
+def test_a_null_or_absent_block_is_no_hidden_states_not_an_empty_one():
+    assert split_hidden_states(b'{"meta_info": {"hidden_states": null, "id": 1}}')[1] is None
+    with pytest.raises(EngineError, match="enable-return-hidden-states"):
+        prompt_states(split_hidden_states(b'{"meta_info": {"hidden_states": null}}')[1], 3, 4)
+
+
+def test_a_capture_worker_that_dies_is_replaced(servers, tmp_path):
+    engine = SGLangEngine(
+        SGLangClientConfig(urls=[servers[0]], retries=0, concurrency=1), hidden_size=64, spill_dir=tmp_path
+    )
+    teacher = TeacherRequest(("topk",), 3)
+    try:
+        engine.capture([[3, 10, 4]], [1, 2, 3], teacher)[0].discard()
+        engine._workers.workers[0].process.kill()
+        with pytest.raises(EngineError, match="capture worker"):
+            engine.capture([[3, 10, 4]], [1, 2, 3], teacher)
+        [capture] = engine.capture([[3, 11, 4]], [1, 2, 3], teacher)  # its replacement answers
+        assert capture.aux.shape == (3, 192)
+        capture.discard()
+        assert list(tmp_path.iterdir()) == []  # the failed request's spill file is gone too
+    finally:
+        engine.close()

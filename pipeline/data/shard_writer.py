@@ -113,7 +113,10 @@ class ShardWriter:
 
     @property
     def spooled_bytes(self) -> int:
-        return sum(spool.tell() for spool in self._spools.values())
+        """Bytes the shard will hold if its requested encoding is kept (the bf16 fall-back spool of an fp8
+        shard is not counted)."""
+        dropped = "bf16/" if self.encoding == "fp8" else "fp8/"
+        return sum(spool.tell() for name, spool in self._spools.items() if not name.startswith(dropped))
 
     @property
     def aux_channel_amax(self) -> torch.Tensor:

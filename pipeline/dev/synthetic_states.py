@@ -4,9 +4,10 @@ A transformers forward of a 32K-token sequence at width 7168 does not fit this m
 capture client has to survive is the response, not the model: with --synthetic-hidden-size H the stand-in
 answers return_hidden_states requests from fixed synthetic weights instead of a forward. Every token's
 aux row is its row of a bf16 table [vocab, 3H] (bf16 values, as SGLang's bf16 targets give, so the JSON
-has their length), sent as SGLang 0.5.23 sends it: the float32 tensor's .tolist() through orjson. Top-K
-log-probs come from a fixed rule. The body streams out a few hundred rows at a time, so the server never
-holds it whole, and whoever reads the capture can recompute every value (SyntheticStates.rows).
+has their length), sent as SGLang 0.5.23 sends it: the float32 tensor's .tolist() through orjson (each
+table row serialised once and reused). Top-K log-probs come from a fixed rule. The body streams out a few
+hundred rows at a time, so the server never holds it whole, and whoever reads the capture can recompute
+every value (SyntheticStates.rows).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class SyntheticStates:
         generator = torch.Generator().manual_seed(seed)
         table = torch.randn(self.TABLE_ROWS, 3 * hidden_size, generator=generator) * 2
         self.table = table.to(torch.bfloat16).float().numpy()  # bf16 values, float32 as SGLang sends them
+        self._row_json: list[bytes] | None = None
 
     def rows(self, ids: list[int]) -> np.ndarray:
         """The aux rows [len(ids), 3H] (float32) a capture of these token ids returns."""
@@ -63,7 +65,17 @@ class SyntheticStates:
             orjson.dumps(_MARK)
         )
         yield head + b"[["
+        row_bytes = self.row_json()
         for start in range(0, len(ids), ROWS_PER_PIECE):
-            values = self.rows(ids[start : start + ROWS_PER_PIECE]).astype(np.float64)  # .tolist()'s doubles
-            yield (b"," if start else b"") + orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)[1:-1]
+            piece = b",".join(row_bytes[t % self.TABLE_ROWS] for t in ids[start : start + ROWS_PER_PIECE])
+            yield (b"," if start else b"") + piece
         yield b"]]" + tail
+
+    def row_json(self) -> list[bytes]:
+        """Each table row as SGLang's response writes it: the float32 values as .tolist()'s doubles through
+        orjson (serialised once: the same bytes, without serialising a 7 GB body row by row)."""
+        if self._row_json is None:
+            self._row_json = [
+                orjson.dumps(row.astype(np.float64), option=orjson.OPT_SERIALIZE_NUMPY) for row in self.table
+            ]
+        return self._row_json

@@ -50,10 +50,16 @@ class LocalPrefillRunner:
     name = "local"
 
     def __init__(
-        self, model_dir: Path, sglang_layer_ids: list[int], family: ModelFamily, trust_remote_code: bool
+        self,
+        model_dir: Path,
+        sglang_layer_ids: list[int],
+        family: ModelFamily,
+        trust_remote_code: bool,
+        owns_group: bool = False,
     ):
         from pipeline.engines.hf import HFEngine
 
+        self.owns_group = owns_group  # it started the job's process group, and ends it
         self.engine = HFEngine(model_dir, trust_remote_code=trust_remote_code)
         self.version = f"{self.engine.version}-local-runner"
         self.layer_outputs = captured_layer_outputs(
@@ -64,7 +70,10 @@ class LocalPrefillRunner:
         return self.engine.capture(sequences, self.layer_outputs, teacher)
 
     def close(self) -> None:
-        pass
+        import torch.distributed as dist
+
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def batch_fingerprint(sequences: list[list[int]]) -> int:
@@ -157,12 +166,12 @@ def open_runner(settings, target, aux_layer_ids: list[int], trust_remote_code: b
     ids = sglang_layer_ids(aux_layer_ids, family, target.num_layers)
     runner: PrefillRunner
     if settings.runner == "local":
-        if world > 1:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            if not dist.is_initialized():
-                dist.init_process_group("gloo")
-        runner = LocalPrefillRunner(target.model_dir, ids, family, trust_remote_code)
+        starts_group = world > 1 and not dist.is_initialized()
+        if starts_group:
+            dist.init_process_group("gloo")
+        runner = LocalPrefillRunner(target.model_dir, ids, family, trust_remote_code, owns_group=starts_group)
     else:
         from pipeline.engines.sglang_runner import SGLangPrefillRunner
 

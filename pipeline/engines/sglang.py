@@ -272,8 +272,10 @@ class SGLangEngine:
         teacher_client = self._last_hidden_client(teacher)
         payloads = [self._capture_payload(s, teacher) for s in sequences]
         captures: list[Capture] = []
+        spilled: list[Path] = []  # every spill file of this call, removed if the call fails
         try:
-            for reply, path, sequence in self._spilled(self.client, payloads):
+            replies = self._spilled(self.client, payloads, spilled)
+            for reply, path, sequence in replies:
                 capture = Capture(spilled_states(reply, path, len(sequence), 3 * self.hidden_size))
                 captures.append(capture)
                 if "topk" in teacher.kinds:
@@ -283,28 +285,26 @@ class SGLangEngine:
             if teacher_client is not None:
                 plain = [{**p, "return_logprob": False} for p in payloads]
                 for capture, (reply, path, sequence) in zip(
-                    captures, self._spilled(teacher_client, plain), strict=True
+                    captures, self._spilled(teacher_client, plain, spilled), strict=True
                 ):
                     capture.last_hidden = spilled_states(reply, path, len(sequence), self.hidden_size)
         except BaseException:
-            for capture in captures:
-                capture.discard()
+            for path in spilled:
+                path.unlink(missing_ok=True)
+                Path(f"{path}.rest").unlink(missing_ok=True)
             raise
         return captures
 
     def _spilled(
-        self, client: SGLangClient, payloads: list[dict[str, Any]]
+        self, client: SGLangClient, payloads: list[dict[str, Any]], spilled: list[Path]
     ) -> list[tuple[SpilledResponse, Path, list[int]]]:
-        """Post every payload through the capture workers; each reply with its spill file and sequence."""
+        """Post every payload through the capture workers; each reply with its spill file and sequence.
+        The spill files are added to `spilled` before any is written."""
         if self._workers is None:
             self._workers = CaptureWorkers(self.settings, self.settings.concurrency)
         paths = [self.spill_dir / f"sglang-capture-{uuid.uuid4().hex}.f32" for _ in payloads]
-        try:
-            replies = self._workers.capture(client.urls, payloads, [str(p) for p in paths])
-        except BaseException:
-            for path in paths:
-                path.unlink(missing_ok=True)
-            raise
+        spilled += paths
+        replies = self._workers.capture(client.urls, payloads, [str(p) for p in paths])
         self.received_bytes += sum(r.received_bytes for r in replies)
         self.worker_peak_rss_mib = max([self.worker_peak_rss_mib, *(r.worker_peak_rss_mib for r in replies)])
         return [(r, p, payload["input_ids"]) for r, p, payload in zip(replies, paths, payloads, strict=True)]

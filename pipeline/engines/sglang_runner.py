@@ -88,20 +88,25 @@ class SGLangPrefillRunner:
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 
         batch = _schedule_batch(sequences, self.runner)
-        forward_batch = ForwardBatch.init_new(batch, self.runner, return_hidden_states_before_norm=False)
-        forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
-        output = self.runner.forward(forward_batch).logits_output
-        aux, last = output.hidden_states, output.last_hidden_states
-        total = sum(len(s) for s in sequences)
-        if aux is None or aux.shape[0] != total or last is None or last.shape[0] != total:
-            shapes = [None if t is None else tuple(t.shape) for t in (aux, last)]
-            raise EngineError(f"SGLang returned aux and last hidden states of {shapes} for {total} tokens")
-        topk = None
-        if "topk" in teacher.kinds:
-            topk = self._topk(last, LogitsMetadata.from_forward_batch(forward_batch), teacher.topk)
-        captures = self._split(sequences, aux, last if "last_hidden" in teacher.kinds else None, topk)
-        _free_pools(self.runner)
-        return captures
+        try:
+            forward_batch = ForwardBatch.init_new(batch, self.runner, return_hidden_states_before_norm=False)
+            forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
+            output = self.runner.forward(forward_batch).logits_output
+            aux, last = output.hidden_states, output.last_hidden_states
+            total = sum(len(s) for s in sequences)
+            if aux is None or aux.shape[0] != total or last is None or last.shape[0] != total:
+                shapes = [None if t is None else tuple(t.shape) for t in (aux, last)]
+                raise EngineError(
+                    f"SGLang returned aux and last hidden states of {shapes} for {total} tokens"
+                )
+            topk = None
+            if "topk" in teacher.kinds:  # every rank takes part: the LM head is split over them
+                topk = self._topk(last, LogitsMetadata.from_forward_batch(forward_batch), teacher.topk)
+            if self.rank != 0:  # rank 0 alone stores: the others keep nothing on the host
+                return [Capture(torch.empty(0, 0)) for _ in sequences]
+            return self._split(sequences, aux, last if "last_hidden" in teacher.kinds else None, topk)
+        finally:
+            _free_pools(self.runner)
 
     def _topk(self, last: torch.Tensor, metadata, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k of the full-vocabulary log-softmax at every token, a chunk of tokens at a time."""
@@ -127,10 +132,10 @@ class SGLangPrefillRunner:
         captures, start = [], 0
         for sequence in sequences:
             rows = slice(start, start + len(sequence))
-            captures.append(
+            captures.append(  # in the model's dtype (bf16): the shard writer encodes a chunk at a time
                 Capture(
-                    aux[rows].float().cpu(),
-                    None if last is None else last[rows].float().cpu(),
+                    aux[rows].cpu(),
+                    None if last is None else last[rows].cpu(),
                     None if topk is None else topk[0][rows],
                     None if topk is None else topk[1][rows],
                 )

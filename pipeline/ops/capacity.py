@@ -132,6 +132,7 @@ def measured_rates(config: RunConfig, run_id: str) -> dict[str, Any]:
         "source": {
             "run_id": run_id,
             "dataset": train["dataset"],
+            "capture_engine": capture["contract"]["engine"]["name"],
             "generate_shards_timed": len(generate_rates),
             "capture_shards_timed": len(capture_rates),
         },
@@ -155,6 +156,7 @@ def plan(
     if samples < 1:
         raise PlanError("--samples must be at least 1")
     shape = target_shape(config)
+    measured = _same_capture_path(measured, config)
     measured_rates_ = {**(measured or {}).get("rates", {}), **(transport or {}).get("rates", {})}
     assumptions = config.plan.model_copy(update=measured_rates_)
     servers = {
@@ -174,7 +176,8 @@ def plan(
 
     storage = _storage(config, shape, captured_tokens, assumptions)
     stored_bytes_per_token = storage["encodings"][storage["chosen"]]["bytes_per_token"]
-    paths = capture_paths(assumptions, servers["capture"], stored_bytes_per_token)
+    workers = config.capture.sglang.concurrency if config.capture.sglang else assumptions.capture_client_cores
+    paths = capture_paths(assumptions, servers["capture"], stored_bytes_per_token, workers)
     for path in paths.values():  # the capture stage's cost on each path, with the plan's servers
         wall_hours = captured_tokens / (path["tok_s_per_server"] * servers["capture"]) / 3600
         path["wall_hours"] = round(wall_hours, 1)
@@ -282,6 +285,18 @@ def _torchspec_line(
     }
 
 
+def _same_capture_path(measured: dict[str, Any] | None, config: RunConfig) -> dict[str, Any] | None:
+    """A pilot's rates without its capture rate when the pilot captured another way than this config does
+    (HTTP JSON and in-process capture differ by an order of magnitude)."""
+    if measured is None:
+        return None
+    engine = str(measured.get("source", {}).get("capture_engine", config.capture.engine))
+    if engine.split("-")[0] == config.capture.engine or "capture_tok_s_per_server" not in measured["rates"]:
+        return measured
+    rates = {k: v for k, v in measured["rates"].items() if k != "capture_tok_s_per_server"}
+    return {**measured, "rates": rates, "source": {**measured["source"], "capture_rate_not_used": engine}}
+
+
 def _source(
     key: str,
     measured: dict[str, Any] | None,
@@ -334,13 +349,13 @@ def transport_rates(figures: dict[str, Any], config: RunConfig, source: str) -> 
 
 
 def capture_paths(
-    assumptions: PlanAssumptions, servers: int, stored_bytes_per_token: float
+    assumptions: PlanAssumptions, servers: int, stored_bytes_per_token: float, worker_processes: int
 ) -> dict[str, Any]:
     """Both ways to capture, per server: over SGLang's HTTP JSON (capture.engine sglang) and in-process
     (the engine on the capture node writes shards itself). Each names what binds it and the fleet that
     keeps the servers, not the clients, the limit."""
     return {
-        "http": _http_path(assumptions, servers, stored_bytes_per_token),
+        "http": _http_path(assumptions, servers, stored_bytes_per_token, worker_processes),
         "in_process": _in_process_path(assumptions, stored_bytes_per_token),
     }
 
@@ -350,21 +365,25 @@ def _per_core(*rates: float) -> float:
     return 1 / sum(1 / rate for rate in rates)
 
 
-def _http_path(assumptions: PlanAssumptions, servers: int, stored_bytes_per_token: float) -> dict[str, Any]:
+def _http_path(
+    assumptions: PlanAssumptions, servers: int, stored_bytes_per_token: float, worker_processes: int
+) -> dict[str, Any]:
+    """A capture client (one capture task's pod) parses responses in `worker_processes` processes, at most
+    one per core, and encodes shards beside them; clients are sized so neither binds unless set."""
     a = assumptions
     per_server = min(a.capture_gpu_tok_s_per_server, a.transport_tok_s_per_server)
-    client_core = _per_core(a.client_parse_tok_s_per_core, a.shard_encode_tok_s_per_core)
-    cores_per_server = per_server / client_core
+    parse = a.client_parse_tok_s_per_core * min(a.capture_client_cores, worker_processes)
+    encode = a.shard_encode_tok_s_per_core * a.capture_client_cores
+    per_client = min(parse, encode)
     s3_per_client = a.s3_write_mb_s * 1e6 / stored_bytes_per_token
     needed_clients = max(
-        math.ceil(servers * cores_per_server / a.capture_client_cores),
-        math.ceil(servers * per_server / s3_per_client),
+        math.ceil(servers * per_server / per_client), math.ceil(servers * per_server / s3_per_client)
     )
     clients = a.capture_clients or needed_clients
     limits = {
         "GPU": a.capture_gpu_tok_s_per_server,
         "transport": a.transport_tok_s_per_server,
-        "client parse": clients * a.capture_client_cores * client_core / servers,
+        "client parse": clients * per_client / servers,
         "S3 bandwidth": clients * s3_per_client / servers,
     }
     bottleneck = min(limits, key=lambda name: limits[name])
@@ -373,7 +392,8 @@ def _http_path(assumptions: PlanAssumptions, servers: int, stored_bytes_per_toke
         "tok_s_per_server": round(limits[bottleneck], 1),
         "bottleneck": bottleneck,
         "limits_tok_s_per_server": {k: round(v, 1) for k, v in limits.items()},
-        "client_cores_per_server": round(cores_per_server, 2),
+        "client_tok_s": round(per_client, 1),
+        "client_worker_processes": min(a.capture_client_cores, worker_processes),
         "clients": clients,
         "clients_needed": needed_clients,
         "gpu_bound": bottleneck == "GPU",
@@ -546,8 +566,9 @@ def _capture_path_lines(paths: dict[str, Any]) -> list[str]:
         f"  HTTP JSON (capture.engine sglang): {http['tok_s_per_server']:,.0f}, bound by "
         f"{http['bottleneck']} ({_limits_text(http)}); GPUs busy {http['gpu_utilization']:.1%}; "
         f"this capture {http['wall_hours']:,} h wall, {http['gpu_hours']:,} GPU-hours",
-        f"    clients: {http['client_cores_per_server']:,} cores per server keep up with it: "
-        f"{http['clients_needed']} capture task pod(s) of the plan's size{configured}",
+        f"    clients: a capture task pod parses and encodes {http['client_tok_s']:,.0f} tok/s "
+        f"({http['client_worker_processes']} worker processes): {http['clients_needed']} pod(s) keep up"
+        f"{configured}",
         f"    GPU-bound: {gpu_bound}",
         f"  in-process (capture.engine inprocess): {local['tok_s_per_server']:,.0f}, bound by "
         f"{local['bottleneck']} ({_limits_text(local)}); GPUs busy {local['gpu_utilization']:.1%}; "

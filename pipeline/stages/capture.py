@@ -14,7 +14,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,30 +204,68 @@ def capture_records(
         prepared.append((record["id"], ids, mask))
     prepared.sort(key=lambda item: len(item[1]))
     teacher = teacher_request(config)
-    for start in range(0, len(prepared), config.capture.batch_size):
-        batch = prepared[start : start + config.capture.batch_size]
-        captures = engine.capture([ids for _, ids, _ in batch], layer_ids, teacher)
+    batches = [
+        prepared[i : i + config.capture.batch_size]
+        for i in range(0, len(prepared), config.capture.batch_size)
+    ]
+    # a batch is checked and stored in its own thread while the engine captures the next one, so the GPUs (or
+    # the servers) do not wait for the encoding; at most one batch waits to be stored
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="capture-store") as storing:
+        pending: Future | None = None
+        captures: list[Capture] = []
         try:
-            for (sample_id, ids, mask), capture in zip(batch, captures, strict=True):
-                if problem := sample_problem(capture, len(ids), target.hidden_size, teacher):
-                    tally.refuse(sample_id, problem)
-                    continue
-                parts.add(
-                    PendingSample(
-                        sample_id,
-                        torch.tensor(ids),
-                        torch.tensor(mask, dtype=torch.uint8),
-                        capture.aux,
-                        capture.last_hidden,
-                        capture.topk_ids,
-                        capture.topk_logprobs,
-                    )
+            for batch in batches:
+                captures = engine.capture([ids for _, ids, _ in batch], layer_ids, teacher)
+                if pending is not None:
+                    pending.result()
+                pending = storing.submit(
+                    _store_batch, batch, captures, target.hidden_size, teacher, tally, parts
                 )
-                tally.counts["captured"] += 1
-        finally:
+                captures = []  # the storing thread removes their spill files
+            if pending is not None:
+                pending.result()
+        except BaseException:
             for capture in captures:
                 capture.discard()
-        tally.progress.update(len(batch))
+            if pending is not None:
+                wait(
+                    [pending]
+                )  # the stage's clean-up must not race the storing thread; its error is secondary
+            raise
+
+
+def _store_batch(
+    batch: list[tuple[str, list[int], list[int]]],
+    captures: list[Capture],
+    hidden_size: int,
+    teacher: TeacherRequest,
+    tally: CaptureTally,
+    parts: ShardParts,
+) -> None:
+    """Check a captured batch and add its sound samples to `parts`; its spill files are removed after."""
+    try:
+        for (sample_id, ids, mask), capture in zip(batch, captures, strict=True):
+            if not parts.stores:  # a tensor-parallel rank above 0: rank 0 checks and stores the batch
+                continue
+            if problem := sample_problem(capture, len(ids), hidden_size, teacher):
+                tally.refuse(sample_id, problem)
+                continue
+            parts.add(
+                PendingSample(
+                    sample_id,
+                    torch.tensor(ids),
+                    torch.tensor(mask, dtype=torch.uint8),
+                    capture.aux,
+                    capture.last_hidden,
+                    capture.topk_ids,
+                    capture.topk_logprobs,
+                )
+            )
+            tally.counts["captured"] += 1
+    finally:
+        for capture in captures:
+            capture.discard()
+    tally.progress.update(len(batch))
 
 
 @dataclass
@@ -254,8 +292,9 @@ class ShardParts:
     background while capture goes on.
 
     A part is closed once its encoded rows reach capture.part_max_mib; it is then written to local disk
-    and uploaded by a background thread while the next part fills. At most one upload is in flight, so a
-    capture holds at most two parts on local disk and a chunk of rows in memory (ShardWriter)."""
+    and uploaded by a background thread while the next part fills. At most one upload is in flight, so
+    local disk holds about three parts (the one uploading, the one being written out, the one filling with
+    its bf16 fall-back spool) and memory a chunk of rows (ShardWriter)."""
 
     def __init__(
         self, job: ShardJob, config: RunConfig, layer_ids: list[int], tmp: Path, stores: bool = True
@@ -271,6 +310,8 @@ class ShardParts:
     def add(self, sample: PendingSample) -> None:
         if not self.stores:
             return
+        if self.upload is not None and self.upload.done():
+            self._wait()  # a failed upload stops the capture now, not at the next part
         if self.writer is None:
             settings = self.config.capture
             self.writer = ShardWriter(

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import RunConfig
+from pipeline.config import ConfigError, RunConfig
+from pipeline.engines.inprocess import needs_rank_job
 from pipeline.engines.target import describe_target, load_tokenizer
 from pipeline.manifest import read_manifest
 from pipeline.stages import StageInputs, StageOutput
@@ -30,6 +31,12 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     responses = read_manifest(store, in_prefix, kind="responses")
     target = describe_target(config)
     tokenizer = load_tokenizer(target.model_dir, config.target.trust_remote_code)
+    if needs_rank_job(config.capture):
+        raise ConfigError(
+            f"the parity stage runs in one process, and capture.inprocess.tp_size is "
+            f"{config.capture.inprocess.tp_size}: the capture stage checks parity itself in its job of ranks "
+            "(capture.parity.samples)"
+        )
     with workspace(config, target) as (engine, _):
         contract = contract_for(config, target, engine).model_dump(mode="json")
         report = verify_engine(config, engine, target, contract, tokenizer, store, in_prefix, responses)
