@@ -227,10 +227,9 @@ def capture_records(
         except BaseException:
             for capture in captures:
                 capture.discard()
+            # the stage's clean-up must not race the storing thread; the storing thread's error is secondary
             if pending is not None:
-                wait(
-                    [pending]
-                )  # the stage's clean-up must not race the storing thread; its error is secondary
+                wait([pending])
             raise
 
 
