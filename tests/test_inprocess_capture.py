@@ -154,3 +154,21 @@ def test_a_pilots_capture_rate_is_used_only_for_the_same_capture_path():
     assert other["measured_from"]["capture_rate_not_used"] == "inprocess"
     same = plan(kimi, 1000, measured={**pilot, "source": {"run_id": "p", "capture_engine": "sglang"}})
     assert same["rates"]["capture_tok_s_per_server"] == 99.0
+
+
+def test_a_mapped_capture_task_runs_its_shard_as_a_job_of_two_ranks(responses):
+    """capture.run_shard (one mapped task per response shard) launches its ranks too; rank 0 stores the
+    shard's part and marker once."""
+    from pipeline import layout
+    from pipeline.manifest import read_manifest as manifest_of
+    from pipeline.stages import capture as capture_stage
+
+    root, store, uri = responses
+    config = stage_config(root, [*INPROCESS[:2], "capture.inprocess.tp_size=2"])
+    shard = manifest_of(store, store.key_for(uri))["shards"][0]
+    result = capture_stage.run_shard(config, uri, "mapped", shard["name"], store)
+    prefix = layout.captures_prefix(config.target.name, "mapped")
+    marker = capture_stage.store_marker(store, prefix, shard)
+    assert marker is not None and result == {"shard": shard["name"], "counts": marker["counts"]}
+    [part] = capture_stage.marker_parts(marker)
+    assert store.exists(f"{prefix}/{part['shard']['name']}") and part["shard"]["samples"] > 0
