@@ -5,6 +5,7 @@ that parse SGLang's capture responses (pipeline.sglang_transport)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -69,3 +70,20 @@ def pooled_session(servers: int, concurrency: int):
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     return session
+
+
+def post_json(session, url: str, body: bytes, timeout_s: float, deadline: float, stream: bool = False):
+    """session.post of a JSON body, its timeout cut to what is left of the request's deadline; a timeout or
+    a dropped connection is a TransientRequestError (retried by retried_request)."""
+    import requests
+
+    try:
+        return session.post(
+            url,
+            data=body,
+            headers={"Content-Type": "application/json"},
+            timeout=min(timeout_s, max(deadline - time.monotonic(), 0.01)),
+            stream=stream,
+        )
+    except (requests.ConnectionError, requests.Timeout) as err:
+        raise TransientRequestError(f"{type(err).__name__} from {url}") from err

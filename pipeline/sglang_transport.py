@@ -39,6 +39,7 @@ from pipeline.engine_requests import (
     EngineUnavailable,
     TransientRequestError,
     pooled_session,
+    post_json,
     retried_request,
 )
 
@@ -89,14 +90,8 @@ class SGLangClient:
         import requests
 
         url = self._url() + path
+        response = post_json(self.session, url, body, self.settings.timeout_s, deadline, stream=True)
         try:
-            response = self.session.post(
-                url,
-                data=body,
-                headers={"Content-Type": "application/json"},
-                timeout=min(self.settings.timeout_s, max(deadline - time.monotonic(), 0.01)),
-                stream=True,
-            )
             with response:
                 if response.status_code == 200:
                     return consume(response)

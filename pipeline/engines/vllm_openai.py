@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from pipeline.config import VllmServerClientConfig
+from pipeline.engine_requests import post_json
 from pipeline.engines import (
     RETRYABLE_STATUS,
     EngineError,
@@ -86,17 +87,7 @@ class OpenAIClient:
         return retried_request("vLLM", attempt, attempts, deadline)
 
     def _post_once(self, url: str, body: bytes, deadline: float) -> Any:
-        import requests
-
-        try:
-            response = self.session.post(
-                url,
-                data=body,
-                headers={"Content-Type": "application/json"},
-                timeout=min(self.settings.timeout_s, max(deadline - time.monotonic(), 0.01)),
-            )
-        except (requests.ConnectionError, requests.Timeout) as err:
-            raise TransientRequestError(f"{type(err).__name__} from {url}") from err
+        response = post_json(self.session, url, body, self.settings.timeout_s, deadline)
         if response.status_code in RETRYABLE_STATUS:
             raise TransientRequestError(f"HTTP {response.status_code} from {url}")
         if response.status_code != 200:

@@ -386,18 +386,12 @@ def _http_path(
         "client parse": clients * per_client / servers,
         "S3 bandwidth": clients * s3_per_client / servers,
     }
-    bottleneck = min(limits, key=lambda name: limits[name])
     return {
-        "name": "HTTP JSON",
-        "tok_s_per_server": round(limits[bottleneck], 1),
-        "bottleneck": bottleneck,
-        "limits_tok_s_per_server": {k: round(v, 1) for k, v in limits.items()},
+        **_bound_by("HTTP JSON", limits, a.capture_gpu_tok_s_per_server),
         "client_tok_s": round(per_client, 1),
         "client_worker_processes": min(a.capture_client_cores, worker_processes),
         "clients": clients,
         "clients_needed": needed_clients,
-        "gpu_bound": bottleneck == "GPU",
-        "gpu_utilization": round(limits[bottleneck] / a.capture_gpu_tok_s_per_server, 4),
     }
 
 
@@ -408,17 +402,24 @@ def _in_process_path(assumptions: PlanAssumptions, stored_bytes_per_token: float
         "shard encoding": a.capture_node_spare_cores * a.shard_encode_tok_s_per_core,
         "S3 bandwidth": a.s3_write_mb_s * 1e6 / stored_bytes_per_token,
     }
-    bottleneck = min(limits, key=lambda name: limits[name])
     return {
-        "name": "in-process",
-        "tok_s_per_server": round(limits[bottleneck], 1),
-        "bottleneck": bottleneck,
-        "limits_tok_s_per_server": {k: round(v, 1) for k, v in limits.items()},
+        **_bound_by("in-process", limits, a.capture_gpu_tok_s_per_server),
         "encode_cores_for_gpu_rate": math.ceil(
             a.capture_gpu_tok_s_per_server / a.shard_encode_tok_s_per_core
         ),
+    }
+
+
+def _bound_by(name: str, limits: dict[str, float], gpu_rate: float) -> dict[str, Any]:
+    """A capture path's rate per server: the lowest of its limits, named, and how busy that keeps the GPUs."""
+    bottleneck = min(limits, key=limits.__getitem__)
+    return {
+        "name": name,
+        "tok_s_per_server": round(limits[bottleneck], 1),
+        "bottleneck": bottleneck,
+        "limits_tok_s_per_server": {k: round(v, 1) for k, v in limits.items()},
         "gpu_bound": bottleneck == "GPU",
-        "gpu_utilization": round(limits[bottleneck] / a.capture_gpu_tok_s_per_server, 4),
+        "gpu_utilization": round(limits[bottleneck] / gpu_rate, 4),
     }
 
 
