@@ -67,10 +67,10 @@ def drafter_data():
         return plan_run(params, dag_run.run_id, DEPLOYMENT.run_config)
 
     @stage_task("configure")
-    def configure(request: dict, mount_paths: list | None, engine_images: dict | None) -> dict:
+    def configure(request: dict, mount_paths: list | None) -> dict:
         from pipeline.tasks import configure_run
 
-        return configure_run(request, mount_paths, engine_images)
+        return configure_run(request, mount_paths)
 
     @stage_task("prompts")
     def prompts(run: dict) -> dict:
@@ -132,7 +132,7 @@ def drafter_data():
         outlet_events[DATASET_ASSET].extra = {"dataset_uri": dataset["uri"], **run["source"]}
         return dataset
 
-    run = configure(plan(), pod_mount_paths(), DEPLOYMENT.engine_images())
+    run = configure(plan(), pod_mount_paths())
     shards = shards_of(prompts(run))
     # the generation servers load while the prompts stage runs
     generate_fleet = fleet_up.override(task_id="generate_fleet_up")(

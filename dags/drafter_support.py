@@ -185,6 +185,7 @@ def stage_task(stage: str, **extra):
 
         return task_decorator_factory(
             decorated_operator_class=StagePodOperator,
+            drafter_stage=stage,
             **DEPLOYMENT.pod_options(stage),
             **{**DEPLOYMENT.task_options(stage), **extra},
         )
@@ -209,9 +210,24 @@ if DEPLOYMENT.executor == "kubernetes":
         The provider ships the task function's source into the pod and strips only the decorator named
         here from it: under its own name `@task.kubernetes` it would leave `@stage_task(...)` in the
         shipped script, which fails in the pod with a NameError. A pod that ends with a permanent
-        failure's exit code (pipeline.failures) fails the task at once instead of being retried."""
+        failure's exit code (pipeline.failures) fails the task at once instead of being retried. A stage
+        whose pod follows the run's engine (the deployment's `engines`) is placed, when its pod is
+        created, by the engine the run's configure step found (a vLLM benchmark in the vLLM image,
+        in-process capture on a GPU node)."""
 
         custom_operator_name = "@stage_task"
+
+        def __init__(self, *, drafter_stage: str, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.drafter_stage = drafter_stage
+
+        def execute(self, context):
+            if DEPLOYMENT.follows_engine(self.drafter_stage):
+                engine = context["ti"].xcom_pull(task_ids="configure")["engines"][self.drafter_stage]
+                for field, value in DEPLOYMENT.placed_fields(self.drafter_stage, engine).items():
+                    setattr(self, field, value)
+                self.log.info("%s runs engine %s: its pod runs %s", self.drafter_stage, engine, self.image)
+            return super().execute(context)
 
         def cleanup(self, pod, remote_pod, xcom_result=None, context=None) -> None:
             from pipeline.failures import PERMANENT_EXIT_CODES

@@ -74,10 +74,10 @@ def drafter_train():
         return plan_training(params, dag_run.run_id, extras, DEPLOYMENT.run_config)
 
     @stage_task("configure")
-    def configure(request: dict, mount_paths: list | None, engine_images: dict | None) -> dict:
+    def configure(request: dict, mount_paths: list | None) -> dict:
         from pipeline.tasks import configure_training
 
-        return configure_training(request, mount_paths, engine_images)
+        return configure_training(request, mount_paths)
 
     @stage_task("train")
     def train(run: dict) -> dict:
@@ -127,7 +127,7 @@ def drafter_train():
         run = configured(run)
         return show_report(ti, run_stage("report", run["config"], run["run_id"]))
 
-    run = configure(plan(), pod_mount_paths(), DEPLOYMENT.engine_images())
+    run = configure(plan(), pod_mount_paths())
     trained = train(run)
     evaluation = evaluate(run, trained)
     gated = gate(run, evaluation)

@@ -1,7 +1,7 @@
 # vLLM for the stages whose engine is vLLM: the benchmark stage with benchmark.engine vllm (its engines are
 # started in the benchmark's own pod, one at a time on an 8-GPU node: benchmark.vllm.engines_at_once false)
 # and generation with generate.engine vllm in the pod. configs/deployment/kubernetes.yaml picks this image
-# for those stages by the run config's engine (stages.<stage>.engine_images).
+# for those stages by the run config's engine (stages.<stage>.engines).
 #   docker build -f docker/vllm.Dockerfile -t drafter-vllm:0.1.0 .
 #
 # Two environments that never share packages, as `make vllm-venv` keeps them on a developer's machine:

@@ -149,8 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("capture-rank", help=argparse.SUPPRESS)
     _common(p)
     p.add_argument("--responses", required=True)
-    p.add_argument("--snapshot", required=True)
+    p.add_argument("--snapshot", help="the capture's snapshot (capture)")
     p.add_argument("--shard", help="one response shard (a mapped task); default: every shard, then publish")
+    p.add_argument("--parity-report", help="only check the engine (parity); rank 0 writes the report")
     return parser
 
 
@@ -262,10 +263,19 @@ def _pull(args, config, store, target: str) -> int:
 
 
 def _capture_rank(args, config) -> int:
-    from pipeline.stages import capture
+    from pipeline.stages import capture, parity
     from pipeline.storage import open_store
 
     store = open_store(config.storage)
+    if args.parity_report:
+        from pipeline.engines.inprocess import rank_and_world
+
+        report = parity.check_engine(config, store, args.responses)
+        if rank_and_world()[0] == 0:
+            Path(args.parity_report).write_text(json.dumps(report))
+        return 0
+    if not args.snapshot:
+        raise SystemExit("capture-rank needs --snapshot (or --parity-report)")
     if args.shard:
         capture.run_shard(config, args.responses, args.snapshot, args.shard, store)
     else:

@@ -118,16 +118,14 @@ def plan_run(params: dict[str, Any], scheduler_run_id: str, default_config: str)
     }
 
 
-def configure_run(
-    plan: dict[str, Any],
-    mount_paths: list[str] | None = None,
-    engine_images: dict[str, dict[str, str]] | None = None,
-) -> dict[str, Any]:
+def configure_run(plan: dict[str, Any], mount_paths: list[str] | None = None) -> dict[str, Any]:
     """Load and check the run config once; every later task gets it resolved (`config`, a dict) and
     needs no config file. With `mount_paths` (tasks in pods), a local path the config names outside
-    every mounted volume is refused here, before a stage fails on it mid-run. With `engine_images`
-    (DeploymentConfig.engine_images), `images` holds the image of each stage whose pod runs the run's engine
-    (a vLLM benchmark in the vLLM image): the pod's templated image reads it."""
+    every mounted volume is refused here, before a stage fails on it mid-run. `engines` holds the engine
+    of each stage whose pod is placed by it (a vLLM benchmark in the vLLM image, in-process capture on a
+    GPU node: the deployment's `engines`), read when that pod is created."""
+    from pipeline.ops.deployment import run_engines
+
     overrides = list(plan["overrides"])
     config = load_config(plan["config_path"], overrides)
     if plan.get("num_shards"):  # a shard count is a shard size for this many conversations
@@ -135,16 +133,12 @@ def configure_run(
         config = load_config(plan["config_path"], overrides)
     if mount_paths is not None:
         _require_mounted(config, plan["config_path"], mount_paths)
-    run = {
+    return {
         "run_id": plan["run_id"],
         "config": config.dump(),
         "source": {"config": plan["config_path"], "overrides": overrides},
+        "engines": run_engines(config),
     }
-    if engine_images:
-        from pipeline.ops.deployment import pick_engine_images
-
-        run["images"] = pick_engine_images(config, engine_images)
-    return run
 
 
 def local_paths_read(config: RunConfig) -> list[str]:
@@ -193,13 +187,9 @@ def plan_training(
     return plan
 
 
-def configure_training(
-    plan: dict[str, Any],
-    mount_paths: list[str] | None = None,
-    engine_images: dict[str, dict[str, str]] | None = None,
-) -> dict[str, Any]:
+def configure_training(plan: dict[str, Any], mount_paths: list[str] | None = None) -> dict[str, Any]:
     """`configure_run`, plus the dataset to train on and the prompts its benchmark uses."""
-    run = configure_run(plan, mount_paths, engine_images)
+    run = configure_run(plan, mount_paths)
     run["dataset_uri"] = resolve_dataset(run["config"], None, plan.get("dataset_uri"))
     run["prompts_uri"] = prompts_uri_of(run["config"], None, run["dataset_uri"])
     return run

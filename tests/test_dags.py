@@ -163,9 +163,12 @@ for dag_id, task_id in tasks:
     operator = bag.dags[dag_id].get_task(task_id)
     pods[task_id] = ApiClient().sanitize_for_serialization(operator.build_pod_request_obj())
     pods[task_id]["waits"] = [operator.schedule_timeout_seconds, operator.startup_timeout_seconds]
-# the images of the pods that run the run's engine, as Airflow renders them from the configure step's pick
+# the pods of stages that follow the run's engine, as StagePodOperator places them when it runs: its
+# execute up to the pod the provider would create, for the engines the configure step found
 from drafter_support import DEPLOYMENT
+from airflow.providers.cncf.kubernetes.decorators.kubernetes import _KubernetesDecoratedOperator
 from pipeline.tasks import configure_run, plan_run
+_KubernetesDecoratedOperator.execute = lambda self, context: self.build_pod_request_obj()
 class Configured:
     def __init__(self, run):
         self.run = run
@@ -173,15 +176,23 @@ class Configured:
         assert task_ids == "configure", task_ids
         return self.run
 images = {}
-for engine in ("sglang", "vllm"):
-    overrides = [f"benchmark.engine={engine}", f"generate.engine={engine}"]
-    if engine == "vllm":
-        overrides.append("generate.vllm_server.urls=[http://vllm-generate-0.vllm-generate.vllm.svc:8000]")
+for engine in ("sglang", "vllm", "inprocess"):
+    overrides = {
+        "sglang": ["benchmark.engine=sglang", "generate.engine=sglang"],
+        "vllm": ["benchmark.engine=vllm", "generate.engine=vllm",
+                 "generate.vllm_server.urls=[http://vllm-generate-0.vllm-generate.vllm.svc:8000]"],
+        "inprocess": ["capture.engine=inprocess"],
+    }[engine]
     plan = plan_run({"config": "configs/kimi-k2.5.yaml", "overrides": overrides}, "r1", DEPLOYMENT.run_config)
-    run = configure_run(plan, None, DEPLOYMENT.engine_images())
-    for dag_id, task_id in (("drafter_train", "benchmark"), ("drafter_data", "responses")):
+    run = configure_run(plan, None)
+    tasks = (("drafter_train", "benchmark"), ("drafter_data", "responses"), ("drafter_data", "captures"))
+    for dag_id, task_id in tasks:
         operator = bag.dags[dag_id].get_task(task_id)
-        images[f"{engine} {task_id}"] = operator.render_template(operator.image, {"ti": Configured(run)})
+        pod = operator.execute({"ti": Configured(run)})
+        container = pod.spec.containers[0]
+        images[f"{engine} {task_id}"] = [
+            container.image, container.resources.limits.get("nvidia.com/gpu"), bool(pod.spec.node_selector)
+        ]
 pods["engine_images"] = images
 print(json.dumps(pods))
 """
@@ -237,12 +248,19 @@ def test_kubernetes_deployment_renders_valid_pod_specs(tmp_path):
     assert promote["containers"][0]["image"] == placement["images"]["pipeline"]
     assert "nvidia.com/gpu" not in promote["containers"][0]["resources"]["limits"]
     assert not promote.get("nodeSelector") and not promote.get("tolerations")  # CPU pods go anywhere
-    # the benchmark's and generation's pods run in the image of the run's engine: vLLM's for engine vllm
+    # the benchmark's, generation's and capture's pods run in the image and on the GPUs of the run's engine:
+    # vLLM's image for engine vllm, the SGLang image on a GPU node for in-process capture
+    images = placement["images"]
     assert pods.pop("engine_images") == {
-        "sglang benchmark": placement["images"]["sglang"],
-        "sglang responses": placement["images"]["pipeline"],
-        "vllm benchmark": placement["images"]["vllm"],
-        "vllm responses": placement["images"]["vllm"],
+        "sglang benchmark": [images["sglang"], "8", True],
+        "sglang responses": [images["pipeline"], None, False],
+        "sglang captures": [images["pipeline"], None, False],
+        "vllm benchmark": [images["vllm"], "8", True],
+        "vllm responses": [images["vllm"], None, False],
+        "vllm captures": [images["pipeline"], None, False],
+        "inprocess benchmark": [images["sglang"], "8", True],
+        "inprocess responses": [images["pipeline"], None, False],
+        "inprocess captures": [images["sglang"], "8", True],
     }
     for pod in pods.values():  # each renders back into the Kubernetes model without loss
         pod.pop("waits")
@@ -384,25 +402,24 @@ def _written(path: Path, deployment: dict) -> Path:
     return path
 
 
-def test_a_stages_engine_images_name_its_engines_and_known_images(tmp_path):
+def test_a_stages_engines_name_its_engines_and_known_images(tmp_path):
     from pipeline.config import ConfigError
     from pipeline.ops.deployment import load_deployment
 
     deployment = yaml.safe_load((REPO / "configs/deployment/kubernetes.yaml").read_text())
-    assert load_deployment(REPO / "configs/deployment/kubernetes.yaml").engine_images() == {
-        "generate": {
-            engine: deployment["kubernetes"]["images"][image]
-            for engine, image in (("hf", "pipeline"), ("sglang", "pipeline"), ("vllm", "vllm"))
-        },
-        "benchmark": {
-            engine: deployment["kubernetes"]["images"][image]
-            for engine, image in (("local", "sglang"), ("sglang", "sglang"), ("vllm", "vllm"))
-        },
-    }
+    loaded = load_deployment(REPO / "configs/deployment/kubernetes.yaml")
+    following = {name for name in loaded.stages if loaded.follows_engine(name)}
+    assert following == {"generate", "capture", "benchmark"}
+    capture = loaded.stage("capture")
+    assert capture.for_engine("sglang") == capture and capture.for_engine(None) == capture
+    inprocess = capture.for_engine("inprocess")
+    assert (inprocess.image, inprocess.gpus, inprocess.retries) == ("sglang", 8, capture.retries)
     for stage, entry, message in (
-        ("train", {"engine_images": {"vllm": "vllm"}}, "only generate, capture, benchmark have an engine"),
-        ("benchmark", {"engine_images": {"tgi": "vllm"}}, "unknown engines \\['tgi'\\]"),
-        ("benchmark", {"engine_images": {"vllm": "tgi"}}, "engine_images.vllm"),
+        ("train", {"engines": {"vllm": {"image": "vllm"}}}, "only generate, parity, capture, benchmark"),
+        ("benchmark", {"engines": {"tgi": {"image": "vllm"}}}, "unknown engines \\['tgi'\\]"),
+        ("benchmark", {"engines": {"vllm": {"image": "tgi"}}}, "engines.vllm.image"),
+        ("capture", {"engines": {"inprocess": {"gpus": -1}}}, "engines.inprocess.gpus"),
+        ("capture", {"engines": {"inprocess": {"nodes": 2}}}, "engines.inprocess.nodes"),
     ):
         broken = copy.deepcopy(deployment)
         broken["stages"][stage].update(entry)

@@ -131,13 +131,19 @@ def test_a_rank_that_fails_fails_the_job_with_its_exit_code(tmp_path):
         launch_rank_job(2, missing, config.dump())
 
 
-def test_the_parity_stage_refuses_a_job_of_ranks(responses):
-    from pipeline.config import ConfigError
-
+def test_the_parity_stage_checks_a_job_of_ranks_in_a_job_of_its_ranks(responses, monkeypatch):
     root, store, uri = responses
     config = stage_config(root, [*INPROCESS[:2], "capture.inprocess.tp_size=2"])
-    with pytest.raises(ConfigError, match="checks parity itself"):
-        run_stage("parity", config, "snap", store, responses_uri=uri)
+    report = run_stage("parity", config, "snap", store, responses_uri=uri).parity
+    assert report["passed"] and report["samples"] == config.capture.parity.samples > 0
+    # no samples to compare: an in-process engine has nothing else to check, so no job is started
+    from pipeline.stages import parity
+
+    monkeypatch.setattr(parity, "launch_rank_job", lambda *a: pytest.fail("a rank job was started"))
+    no_samples = [*INPROCESS[:2], "capture.inprocess.tp_size=2", "capture.parity.samples=0"]
+    unchecked = stage_config(root, no_samples)
+    report = run_stage("parity", unchecked, "snap", store, responses_uri=uri).parity
+    assert report["skipped"].startswith("capture.parity.samples is 0")
 
 
 def test_a_pilots_capture_rate_is_used_only_for_the_same_capture_path():

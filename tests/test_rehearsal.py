@@ -199,37 +199,54 @@ class _TaskInstance:
 
 
 class _Run:
-    def __init__(self, dag_id: str, images: dict[str, str]):
-        self.dag_id, self.images = dag_id, images
+    def __init__(self, dag_id: str, run_id: str, engines: dict[str, str]):
+        self.dag_id, self.run_id, self.engines = dag_id, run_id, engines
 
     def get_task_instances(self) -> list[_TaskInstance]:
-        return [_TaskInstance("configure", {"images": self.images})]
+        return [_TaskInstance("configure", {"engines": self.engines})]
 
 
 class _Cluster:
-    def __init__(self, rows: list[tuple[str, str, str]]):
-        self.rows = [{"dag_id": d, "task_id": t, "image": i} for d, t, i in rows]
+    def __init__(self, rows: list[tuple[str, str, str, str, str]]):
+        from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
+
+        self.rows = [
+            {"pod": f"pod-{n}", "dag_id": dag, "run_id": make_safe_label_value(run), "task_id": task}
+            | {"image": image, "node": node}
+            for n, (dag, run, task, image, node) in enumerate(rows)
+        ]
 
     def pods_run(self) -> list[dict]:
         return self.rows
 
 
-def test_the_engine_image_check_compares_each_pod_with_its_runs_pick():
-    from pipeline.dev.rehearsal import RehearsalFailed, check_engine_images
+def test_the_engine_placement_check_compares_each_pod_with_its_runs_engine():
+    from pipeline.dev.rehearsal import RehearsalFailed, check_engine_placement
+    from pipeline.ops.deployment import load_deployment
 
-    picked = {"generate": "pipeline:1", "benchmark": "sglang:1"}
-    runs = [_Run("drafter_data", picked), _Run("drafter_train", picked)]
-    pods = [
-        ("drafter_data", "generate_shard", "pipeline:1"),
-        ("drafter_data", "responses", "pipeline:1"),
-        ("drafter_data", "prompts", "pipeline:1"),
-        ("drafter_train", "benchmark", "sglang:1"),
-        ("drafter_train", "train", "trainer:1"),
+    deployment = load_deployment(REPO / "configs" / "deployment" / "kubernetes.yaml")
+    images = {name: deployment.kubernetes.images[name] for name in ("pipeline", "sglang", "trainer")}
+    http = {"generate": "sglang", "parity": "sglang", "capture": "sglang", "benchmark": "sglang"}
+    runs = [
+        _Run("drafter_data", "manual__1", http),
+        _Run("drafter_data", "manual__2", {**http, "parity": "inprocess", "capture": "inprocess"}),
+        _Run("drafter_train", "manual__3", http),
     ]
-    line = check_engine_images(runs, _Cluster(pods))
-    assert line == "engine images: drafter_data.generate ['pipeline:1'], drafter_train.benchmark ['sglang:1']"
-    wrong = [*pods[:3], ("drafter_train", "benchmark", "vllm:1")]
-    with pytest.raises(RehearsalFailed, match="benchmark"):
-        check_engine_images(runs, _Cluster(wrong))
-    with pytest.raises(RehearsalFailed):  # no benchmark pod ran at all
-        check_engine_images(runs, _Cluster(pods[:3]))
+    stages = {"generate_shard": "generate", "captures": "capture", "benchmark": "benchmark", "train": "train"}
+    pods = [
+        ("drafter_data", "manual__1", "generate_shard", images["pipeline"], "cpu-node"),
+        ("drafter_data", "manual__1", "captures", images["pipeline"], "cpu-node"),
+        ("drafter_data", "manual__2", "captures", images["sglang"], "gpu-node"),
+        ("drafter_train", "manual__3", "benchmark", images["sglang"], "gpu-node"),
+        ("drafter_train", "manual__3", "train", images["trainer"], "gpu-node"),
+        ("drafter_data", "manual__1", "plan", images["pipeline"], "cpu-node"),
+    ]
+    line = check_engine_placement(runs, _Cluster(pods), deployment, lambda dag, task: stages.get(task))
+    assert f"capture inprocess: ['{images['sglang']} on gpu-node']" in line
+    # the in-process run's capture pod in the pipeline image, or on a CPU node: not as its engine places it
+    for wrong in ((images["pipeline"], "gpu-node"), (images["sglang"], "cpu-node")):
+        moved = [*pods[:2], ("drafter_data", "manual__2", "captures", *wrong), *pods[3:]]
+        with pytest.raises(RehearsalFailed, match="as the deployment places that engine"):
+            check_engine_placement(runs, _Cluster(moved), deployment, lambda dag, task: stages.get(task))
+    with pytest.raises(RehearsalFailed, match="for each engine placement"):  # no in-process pod ran at all
+        check_engine_placement(runs, _Cluster(pods[:2] + pods[3:]), deployment, lambda d, t: stages.get(t))

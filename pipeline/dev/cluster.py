@@ -1087,6 +1087,7 @@ class LocalCluster:
                 "pod": pod.name,
                 "task_id": labels.get("task_id"),
                 "dag_id": labels.get("dag_id"),
+                "run_id": labels.get("run_id"),
                 "node": pod.node,
                 "exit_code": base.exit_code if base else None,
                 "exit_codes": {name: run.exit_code for name, run in pod.containers.items()},

@@ -20,8 +20,10 @@ What runs, in the order docs/RUNBOOK.md gives it to a user:
    `@task.kubernetes` task is rendered and run by the cncf provider's own code against the local
    cluster. drafter_data publishes the dataset Asset; drafter_train, given the Asset's dataset, trains,
    gates, benchmarks (the SGLang runner, its servers started in the benchmark's own pod) and promotes
-   into S3; a run with a broken config fails at once without a retry; a cron-scheduled drafter_train
-   run (no trigger form) trains on the newest dataset with the deployment's run config;
+   into S3; a run with a broken config fails at once without a retry; a second drafter_data run captures
+   in-process (IN_PROCESS_CAPTURE: its parity and capture pods placed on the GPU node in the SGLang image
+   by the deployment's engines, each a job of 2 ranks); a cron-scheduled drafter_train run (no trigger
+   form) trains on the newest dataset, that one, with the deployment's run config;
 5. serving: the `kimi-k2-5-eagle3` Deployment's pod, as the manifest states it: its init container runs
    `drafter pull` with the read-only role, and the server starts with exactly the flags the pull wrote.
 The last line printed is `rehearsal=passed`, after the stages and pods that ran.
@@ -87,6 +89,14 @@ MULTI_NODE = [
     f"train.kubernetes_job={TRAINER_MANIFEST}",
 ]
 SERVING_PORT = 30000
+# a second drafter_data run captures in-process (capture.engine inprocess): the target in the capture pod,
+# placed on the GPU node in the SGLang image by the deployment's engines, as a job of 2 tensor-parallel
+# ranks (the local runner over the tiny target: SGLang needs CUDA); the cron run then trains on its dataset
+IN_PROCESS_CAPTURE = [
+    "capture.engine=inprocess",
+    "capture.inprocess.runner=local",
+    "capture.inprocess.tp_size=2",
+]
 
 
 class RehearsalFailed(RuntimeError):
@@ -944,11 +954,15 @@ def check_multi_node_training(run, node_loss: NodeLoss) -> str:
 
 def _train_result(train_uri: str) -> dict[str, Any]:
     """runs/<id>/train/train_result.json, read from S3 as the worker's role."""
+    return _s3_json(train_uri, "train_result.json")
+
+
+def _s3_json(uri: str, name: str) -> dict[str, Any]:
+    """<uri>/<name>, read from S3 as the worker's role."""
     import boto3
 
-    bucket, key = train_uri[len("s3://") :].split("/", 1)
-    body = boto3.client("s3").get_object(Bucket=bucket, Key=f"{key}/train_result.json")["Body"].read()
-    return json.loads(body)
+    bucket, key = uri[len("s3://") :].split("/", 1)
+    return json.loads(boto3.client("s3").get_object(Bucket=bucket, Key=f"{key}/{name}")["Body"].read())
 
 
 def check_fleets_at_rest(cluster: LocalCluster, when: str) -> None:
@@ -986,30 +1000,77 @@ def check_fleets_followed_their_stages(run, cluster: LocalCluster) -> str:
     return "; ".join(summary)
 
 
-# the tasks of the stages whose image follows the run's engine (dags/: generate_shard is mapped over shards)
-ENGINE_STAGE_TASKS = {"generate_shard": "generate", "responses": "generate", "benchmark": "benchmark"}
+def check_engine_placement(runs: list, cluster: LocalCluster, deployment, stage_of) -> str:
+    """Every pod of a stage that follows the run's engine (the deployment's `engines`) ran in the image and
+    on the kind of node that engine places it, as its run's configure step found the engine.
+    `stage_of(dag_id, task_id)` is the stage a task runs (None for a task of no stage)."""
+    from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
 
-
-def check_engine_images(runs: list, cluster: LocalCluster) -> str:
-    """The pods of the stages whose image follows the run's engine (the deployment's engine_images) ran in
-    the image their run's configure step picked: the pod's templated image, rendered by Airflow."""
-    picked: dict[tuple[str, str], set[str]] = {}
+    engines = {}
     for run in runs:
         configure = next(ti for ti in run.get_task_instances() if ti.task_id == "configure")
-        for stage, image in ((configure.xcom_pull(task_ids="configure") or {}).get("images") or {}).items():
-            picked.setdefault((run.dag_id, stage), set()).add(image)
-    ran: dict[tuple[str, str], set[str]] = {}
+        engines[make_safe_label_value(run.run_id)] = configure.xcom_pull(task_ids="configure")["engines"]
+    placed: dict[tuple[str, str], set[str]] = {}
     for row in cluster.pods_run():
-        stage = ENGINE_STAGE_TASKS.get(row["task_id"])
-        if stage and (row["dag_id"], stage) in picked:
-            ran.setdefault((row["dag_id"], stage), set()).add(row["image"])
-    expected = {("drafter_data", "generate"), ("drafter_train", "benchmark")}
+        stage = stage_of(row["dag_id"], row["task_id"])
+        if row["run_id"] not in engines or stage is None or not deployment.follows_engine(stage):
+            continue
+        engine = engines[row["run_id"]][stage]
+        expected = deployment.placed_fields(stage, engine)
+        on_gpus = bool(expected["node_selector"])
+        _check(
+            row["image"] == expected["image"] and (row["node"] == "gpu-node") == on_gpus,
+            f"pod {row['pod']} ({row['dag_id']}.{row['task_id']}, {stage} engine {engine}) ran in the "
+            f"image {row['image']} on {row['node']}, as the deployment places that engine",
+        )
+        placed.setdefault((stage, engine), set()).add(f"{row['image']} on {row['node']}")
+    expected_pairs = {("generate", "sglang"), ("capture", "sglang"), ("capture", "inprocess")}
+    expected_pairs.add(("benchmark", "sglang"))
     _check(
-        set(ran) == expected and all(images == picked.get(key) for key, images in ran.items()),
-        f"the generate and benchmark pods ran in the images picked for the runs' engines: {ran} "
-        f"(picked: {picked})",
+        expected_pairs <= set(placed),
+        f"pods ran for each engine placement the runs needed: {sorted(placed)}",
     )
-    return "engine images: " + ", ".join(f"{d}.{t} {sorted(i)}" for (d, t), i in sorted(ran.items()))
+    return "engine placement: " + ", ".join(f"{s} {e}: {sorted(p)}" for (s, e), p in sorted(placed.items()))
+
+
+def task_stages() -> dict[tuple[str, str], str]:
+    """The stage each pod task of the DAGs runs (StagePodOperator's drafter_stage), by DAG and task id."""
+    stages = {}
+    for dag_id in ("drafter_data", "drafter_train"):
+        for task in parsed_dag(dag_id).tasks:  # a mapped task holds its operator's arguments unapplied
+            unapplied = getattr(task, "partial_kwargs", {})
+            stage = getattr(task, "drafter_stage", None) or unapplied.get("drafter_stage")
+            if stage:
+                stages[(dag_id, task.task_id)] = stage
+    return stages
+
+
+def check_in_process_capture(run) -> str:
+    """The in-process run captured without the capture fleet, as a job of ranks whose parity passed."""
+    scaled = _xcom(run, "capture_fleet_up")
+    _check(scaled.get("scaled") is False, f"{run.run_id}: in-process capture scaled no fleet {scaled}")
+    parity = _xcom(run, "parity")["parity"]
+    _check(
+        bool(parity.get("passed")) and parity.get("samples", 0) > 0,
+        f"{run.run_id}: the parity task checked the 2-rank in-process engine against a reference forward "
+        f"({parity})",
+    )
+    manifest = _s3_json(_xcom(run, "captures")["uri"], "manifest.json")
+    ranks = manifest["config"]["inprocess"]["tp_size"]
+    _check(
+        manifest["contract"]["engine"]["name"] == "inprocess" and ranks == 2 and manifest["shards"],
+        f"{run.run_id}: the capture was made in-process by {ranks} ranks "
+        f"({manifest['contract']['engine']}, {manifest['totals']})",
+    )
+    return (
+        f"in-process capture: {manifest['totals']['samples']} samples by a job of {ranks} ranks, engine "
+        f"{manifest['contract']['engine']['version']}, parity on {parity['samples']} samples, no fleet"
+    )
+
+
+def _xcom(run, task_id: str) -> dict[str, Any]:
+    ti = next(ti for ti in run.get_task_instances() if ti.task_id == task_id and ti.map_index < 0)
+    return ti.xcom_pull(task_ids=task_id) or {}
 
 
 def run_dags(
@@ -1059,6 +1120,15 @@ def run_dags(
         "a config error failed its pod's task at once, without the retries a transient fault gets",
     )
 
+    inprocess = parsed_dag("drafter_data").test(run_conf={"num_shards": 1, "overrides": IN_PROCESS_CAPTURE})
+    lines.append(
+        f"drafter_data {inprocess.run_id} ({' '.join(IN_PROCESS_CAPTURE)}): {inprocess.state} "
+        f"{task_states(inprocess)}"
+    )
+    _check(str(inprocess.state) == "success", "drafter_data with in-process capture succeeded in pods")
+    lines.append(check_in_process_capture(inprocess))
+    inprocess_dataset = dataset_events()[-1]["dataset_uri"]
+
     if DEPLOYMENT.retrain_cron is None:
         raise RehearsalFailed("the deployment config sets no retrain_cron to schedule drafter_train on")
     cron = scheduled_run(parsed_dag("drafter_train"), DEPLOYMENT.retrain_cron)
@@ -1069,10 +1139,20 @@ def run_dags(
         cron.run_id.startswith("scheduled__") and str(cron.state) == "success",
         "the cron-scheduled drafter_train run (no trigger form) trained with the deployment's run config",
     )
+    cron_dataset = _xcom(cron, "configure")["dataset_uri"]
+    _check(
+        cron_dataset == inprocess_dataset,
+        f"the cron run trained on the newest dataset, the in-process capture's ({cron_dataset})",
+    )
     second_version = promoted_version(cron)
     _check(second_version != first_version, f"the cron run promoted a new version {second_version}")
 
-    lines.append(check_engine_images([data, first, cron], cluster))
+    stages = task_stages()
+    lines.append(
+        check_engine_placement(
+            [data, first, inprocess, cron], cluster, DEPLOYMENT, lambda dag, task: stages.get((dag, task))
+        )
+    )
     runbook.run("drafter rollback --config configs/kimi-k2.5.yaml")
     runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
     lines.append(check_serving(serving, first_version, reference_url))

@@ -45,23 +45,37 @@ PLACED_STEPS = ("configure", "fleet", *STAGES)
 
 
 ImageName = Literal["pipeline", "trainer", "sglang", "vllm"]
-# The stages whose run-config section names an engine (`<stage>.engine`), and that section's engines.
-ENGINE_STAGES: dict[str, tuple[str, ...]] = {
-    "generate": ("hf", "sglang", "vllm"),
-    "capture": ("hf", "sglang", "inprocess"),
-    "benchmark": ("local", "sglang", "vllm"),
+# The stages whose pod follows the run's engine: the run-config section naming it (`<section>.engine`) and
+# that section's engines. Parity runs the capture engine.
+ENGINE_STAGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "generate": ("generate", ("hf", "sglang", "vllm")),
+    "parity": ("capture", ("hf", "sglang", "inprocess")),
+    "capture": ("capture", ("hf", "sglang", "inprocess")),
+    "benchmark": ("benchmark", ("local", "sglang", "vllm")),
 }
-# A pod's image where it follows the run's engine: what the configure step picked (`configure_run`), read
-# when Airflow renders the pod's templated fields, just before the pod is created.
-ENGINE_IMAGE_TEMPLATE = "{{{{ ti.xcom_pull(task_ids='configure')['images']['{stage}'] }}}}"
+
+
+def run_engines(config: Any) -> dict[str, str]:
+    """The engine of each stage in ENGINE_STAGES for a run config: what its pod is placed by."""
+    return {stage: getattr(config, section).engine for stage, (section, _) in ENGINE_STAGES.items()}
+
+
+class EnginePlacement(Strict):
+    """A stage's pod for one engine of its section, where it differs from the stage's own placement: a
+    vLLM benchmark in the vLLM image; in-process capture in the SGLang image on a GPU node."""
+
+    image: ImageName | None = None
+    cpu: str | None = None
+    memory: str | None = None
+    gpus: int | None = Field(None, ge=0)
 
 
 class StageResources(Strict):
     image: ImageName = "pipeline"
-    engine_images: dict[str, ImageName] = Field(
+    engines: dict[str, EnginePlacement] = Field(
         default_factory=dict,
-        description="generate, capture and benchmark: the image by the run config's engine (<stage>.engine), "
-        "picked when the run is configured; `image` for an engine not listed",
+        description="generate, parity, capture and benchmark: the pod's image and resources by the run "
+        "config's engine, where they differ from the stage's own; applied when the pod is created",
     )
     cpu: str = "1"
     memory: str = "4Gi"
@@ -71,6 +85,13 @@ class StageResources(Strict):
     use_pool: bool | None = Field(None, description="run in the GPU pool (default: when it asks for GPUs)")
     mounts: list[PodMount] = Field(default_factory=list, description="extra volumes of this stage's pod")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of this stage's pod")
+
+    def for_engine(self, engine: str | None) -> StageResources:
+        """This stage's placement when its pod runs `engine` (its own where `engines` names none)."""
+        placement = self.engines.get(engine) if engine else None
+        if placement is None:
+            return self
+        return self.model_copy(update=placement.model_dump(exclude_none=True))
 
 
 class KubernetesPlacement(Strict):
@@ -160,11 +181,12 @@ class DeploymentConfig(Strict):
         if self.executor == "kubernetes" and self.kubernetes is None:
             raise ValueError("executor 'kubernetes' needs a kubernetes section (images, namespace, volumes)")
         problems = [
-            problem for name, stage in self.stages.items() for problem in _image_problems(name, stage)
+            problem for name, stage in self.stages.items() for problem in _engine_problems(name, stage)
         ]
         if self.kubernetes is not None:
             named = {
-                name: {stage.image, *stage.engine_images.values()} for name, stage in self.stages.items()
+                name: {stage.image, *(p.image for p in stage.engines.values() if p.image)}
+                for name, stage in self.stages.items()
             }
             problems += [
                 f"stages.{name} runs in image {image!r}, which kubernetes.images does not name"
@@ -200,20 +222,9 @@ class DeploymentConfig(Strict):
         fleets = self.kubernetes.fleets if self.kubernetes else {}
         return fleets[stage].model_dump() if stage in fleets else None
 
-    def engine_images(self) -> dict[str, dict[str, str]] | None:
-        """For each stage whose image follows the run's engine (`engine_images`), the image reference per
-        engine of its section (the stage's `image` where engine_images names none); the configure step
-        picks the run's (`pipeline.tasks.configure_run`). None when tasks run in the worker."""
-        if self.kubernetes is None:
-            return None
-        images = self.kubernetes.images
-        return {
-            name: {
-                engine: images[stage.engine_images.get(engine, stage.image)] for engine in ENGINE_STAGES[name]
-            }
-            for name, stage in self.stages.items()
-            if stage.engine_images
-        }
+    def follows_engine(self, name: str) -> bool:
+        """Whether a stage's pod is placed by the run's engine (its `engines` name any)."""
+        return bool(self.stage(name).engines)
 
     def pod_mounts(self, name: str) -> list[PodMount]:
         """Every volume a stage's pod mounts (the common ones, then the stage's own)."""
@@ -222,25 +233,16 @@ class DeploymentConfig(Strict):
         return self.kubernetes.common_mounts() + list(self.stage(name).mounts)
 
     def pod_options(self, name: str) -> dict[str, Any]:
-        """Arguments of a Kubernetes pod for a stage (image, namespace, resources, GPU placement, volumes)."""
-        if self.kubernetes is None:
-            raise ConfigError("the kubernetes executor needs a kubernetes section in the deployment config")
-        from kubernetes.client import models as k8s
-
-        stage, placement = self.stage(name), self.kubernetes
-        limits = {"cpu": stage.cpu, "memory": stage.memory}
-        if stage.gpus:
-            limits["nvidia.com/gpu"] = str(stage.gpus)
+        """Arguments of a Kubernetes pod for a stage (image, namespace, resources, GPU placement, volumes),
+        as placed for no particular engine: `placed_fields` re-places a pod that follows the run's engine."""
+        placement = self._kubernetes()
+        stage = self.stage(name)
         from pipeline.failures import POD_EXIT_CODES_ENV
 
-        options: dict[str, Any] = {
-            "image": ENGINE_IMAGE_TEMPLATE.format(stage=name)
-            if stage.engine_images
-            else placement.images[stage.image],
+        return {
             "namespace": placement.namespace,
             "service_account_name": placement.service_account,
             "image_pull_policy": placement.image_pull_policy,
-            "container_resources": k8s.V1ResourceRequirements(requests=dict(limits), limits=limits),
             "name": f"drafter-{name}",
             # DeepSpeed's accelerator is found in the pod (pipeline.stages.train): a GPU request is not a GPU
             "env_vars": {POD_EXIT_CODES_ENV: "1", **stage.env},
@@ -248,53 +250,65 @@ class DeploymentConfig(Strict):
             "do_xcom_push": True,
             "schedule_timeout_seconds": placement.schedule_timeout_seconds,
             "startup_timeout_seconds": placement.startup_timeout_seconds,
+            **self.placed_fields(name, None),
         }
-        volumes = [_volume(k8s, f"mount-{i}", mount) for i, mount in enumerate(self.pod_mounts(name))]
+
+    def placed_fields(self, name: str, engine: str | None) -> dict[str, Any]:
+        """The pod fields that depend on where a stage runs, for a pod running `engine`: image, resources,
+        GPU node selector, tolerations and shared memory, and the volumes."""
+        from kubernetes.client import models as k8s
+
+        placement = self._kubernetes()
+        stage = self.stage(name).for_engine(engine)
+        limits = {"cpu": stage.cpu, "memory": stage.memory}
+        if stage.gpus:
+            limits["nvidia.com/gpu"] = str(stage.gpus)
+        mounts = self.pod_mounts(name)
+        volumes = [_volume(k8s, f"mount-{i}", mount) for i, mount in enumerate(mounts)]
         volume_mounts = [
             k8s.V1VolumeMount(name=f"mount-{i}", mount_path=mount.path, read_only=mount.read_only)
-            for i, mount in enumerate(self.pod_mounts(name))
+            for i, mount in enumerate(mounts)
         ]
-        if stage.gpus:
-            if placement.node_selector_gpu:
-                options["node_selector"] = placement.node_selector_gpu
-            if placement.gpu_tolerations:
-                options["tolerations"] = [
-                    k8s.V1Toleration(**t.model_dump()) for t in placement.gpu_tolerations
-                ]
-            if placement.gpu_shm_size:
-                volumes.append(
-                    k8s.V1Volume(
-                        name="dshm",
-                        empty_dir=k8s.V1EmptyDirVolumeSource(
-                            medium="Memory", size_limit=placement.gpu_shm_size
-                        ),
-                    )
+        if stage.gpus and placement.gpu_shm_size:
+            volumes.append(
+                k8s.V1Volume(
+                    name="dshm",
+                    empty_dir=k8s.V1EmptyDirVolumeSource(medium="Memory", size_limit=placement.gpu_shm_size),
                 )
-                volume_mounts.append(k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
-        if volumes:
-            options["volumes"], options["volume_mounts"] = volumes, volume_mounts
-        return options
+            )
+            volume_mounts.append(k8s.V1VolumeMount(name="dshm", mount_path="/dev/shm"))
+        on_gpus = stage.gpus > 0
+        return {
+            "image": placement.images[stage.image],
+            "container_resources": k8s.V1ResourceRequirements(requests=dict(limits), limits=limits),
+            "node_selector": dict(placement.node_selector_gpu) if on_gpus else {},
+            "tolerations": [k8s.V1Toleration(**t.model_dump()) for t in placement.gpu_tolerations]
+            if on_gpus
+            else [],
+            "volumes": volumes,
+            "volume_mounts": volume_mounts,
+        }
+
+    def _kubernetes(self) -> KubernetesPlacement:
+        if self.kubernetes is None:
+            raise ConfigError("the kubernetes executor needs a kubernetes section in the deployment config")
+        return self.kubernetes
 
 
-def _image_problems(name: str, stage: StageResources) -> list[str]:
-    """What is wrong with a stage's engine_images: only a stage with an engine has them, by its engines."""
-    if not stage.engine_images:
+def _engine_problems(name: str, stage: StageResources) -> list[str]:
+    """What is wrong with a stage's `engines`: only a stage with an engine has them, naming its engines."""
+    if not stage.engines:
         return []
     if name not in ENGINE_STAGES:
-        return [f"stages.{name}.engine_images: only {', '.join(ENGINE_STAGES)} have an engine"]
-    unknown = sorted(set(stage.engine_images) - set(ENGINE_STAGES[name]))
+        return [f"stages.{name}.engines: only {', '.join(ENGINE_STAGES)} follow an engine"]
+    section, engines = ENGINE_STAGES[name]
+    unknown = sorted(set(stage.engines) - set(engines))
     if unknown:
         return [
-            f"stages.{name}.engine_images names unknown engines {unknown}; {name}.engine is one of "
-            f"{', '.join(ENGINE_STAGES[name])}"
+            f"stages.{name}.engines names unknown engines {unknown}; {section}.engine is one of "
+            f"{', '.join(engines)}"
         ]
     return []
-
-
-def pick_engine_images(config: Any, engine_images: dict[str, dict[str, str]]) -> dict[str, str]:
-    """The image of each stage in `engine_images` (DeploymentConfig.engine_images) for the run config's
-    engine of that stage (`<stage>.engine`)."""
-    return {stage: images[getattr(config, stage).engine] for stage, images in engine_images.items()}
 
 
 def _volume(k8s, name: str, mount: PodMount):
