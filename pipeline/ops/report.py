@@ -501,12 +501,28 @@ def render_html(record: RunRecord, images: dict[str, bytes], flags: tuple[list[s
             rendered=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
             summary=_summary_rows(record),
             plots=plots,
+            curves=training_curves(record),
             flags=flags[0],
             flags_source=flags[1],
             contract_text=json.dumps(contract, indent=2) if contract else "not recorded",
             config_text=yaml.safe_dump(record.config, sort_keys=False) if record.config else "not recorded",
         )
     )
+
+
+def training_curves(record: RunRecord) -> dict[str, str | None]:
+    """Where the run's training curves are (the train manifest's `tracking`), and how to open them."""
+    tracking = (record.train or {}).get("tracking") or {}
+    tensorboard, mlflow = tracking.get("tensorboard"), (tracking.get("mlflow") or {}).get("url")
+    command = None
+    if tensorboard:
+        local = f"./tensorboard/{record.run_id}"
+        command = (
+            f"aws s3 sync {tensorboard} {local} && tensorboard --logdir ./tensorboard"
+            if tensorboard.startswith("s3://")
+            else f"tensorboard --logdir {tensorboard.removeprefix('file://')}"
+        )
+    return {"tensorboard": tensorboard, "tensorboard_command": command, "mlflow": mlflow}
 
 
 def report_link(store: ObjectStore, key: str) -> str:

@@ -32,6 +32,7 @@ from pipeline.stages.capture import contract_for
 from pipeline.storage import ObjectStore
 from pipeline.training.nodes import TrainingFailed, node_launcher
 from pipeline.training.stream import ShardRef, assistant_token_counts
+from pipeline.training.tracking import TENSORBOARD_DIR, TRACKING_FILE, TrackingUnavailable, open_mlflow_run
 from pipeline.training.worker import check_warm_start_contract
 
 log = logging.getLogger(__name__)
@@ -143,6 +144,11 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         config.storage.run_workdir(run_id) / f"train-{training_fingerprint(config, dataset)}"
     ).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    if config.tracking.mlflow_uri:  # an unreachable tracking server fails here, before any node starts
+        try:
+            open_mlflow_run(config.tracking, run_id)
+        except TrackingUnavailable as err:
+            raise TrainingFailed(str(err)) from err
     spec = worker_spec(config, store, dataset, run_id, workdir)
     spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), spec.to_json())
     (workdir / "train_result.json").unlink(missing_ok=True)
@@ -181,6 +187,11 @@ def _publish(
     ]
     objects.append(store.put_file(f"{prefix}/metrics.jsonl", workdir / "metrics.jsonl"))
     objects.append(store.put_file(f"{prefix}/train_result.json", workdir / "train_result.json"))
+    objects += [  # rank 0 copied them while training; listed here as they ended
+        store.put_file(f"{prefix}/{TENSORBOARD_DIR}/{path.name}", path)
+        for path in sorted((workdir / TENSORBOARD_DIR).glob("events.out.tfevents.*"))
+    ]
+    tracking = workdir / TRACKING_FILE
     manifest = publish(
         store,
         prefix,
@@ -188,6 +199,7 @@ def _publish(
         objects,
         {
             **fields,
+            "tracking": json.loads(tracking.read_text()) if tracking.exists() else {},
             "config": config.train.model_dump(mode="json"),
             "drafter_config": config.drafter.model_dump(mode="json"),
             "result": {k: v for k, v in result.items() if k != "history"},

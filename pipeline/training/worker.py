@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pipeline import layout
 from pipeline.config import RunConfig, resolve_project_path
 from pipeline.data.capture_contract import ContractMismatch
 from pipeline.drafter.export import export_drafter, read_drafter_dir
@@ -39,6 +40,7 @@ from pipeline.training.stream import (
     epoch_plan,
     sequential_plan,
 )
+from pipeline.training.tracking import TrainingCurves
 
 log = logging.getLogger(__name__)
 CHECKPOINTS_KEPT = 2
@@ -335,9 +337,8 @@ class Trainer:
         self.workdir = Path(spec.workdir)
         self.ckpt_dir = self.workdir / "checkpoints"
         self.shards = [ShardRef.from_manifest(entry) for entry in spec.train_shards]
-        cache = ShardCache(
-            open_store(self.config.storage), Path(spec.shard_cache), int(settings.cache_gb * (1 << 30))
-        )
+        store = open_store(self.config.storage)
+        cache = ShardCache(store, Path(spec.shard_cache), int(settings.cache_gb * (1 << 30)))
         self.stream = StreamingShards(self.shards, cache, settings.max_length, settings.prefetch_shards)
         frozen = load_frozen_tensors(Path(spec.target_dir))
         self.model = build_model(self.config, spec, frozen)
@@ -368,6 +369,20 @@ class Trainer:
         self.state = _resume(self.engine, self.ckpt_dir)
         self.metrics = MetricsLog(self.workdir / "metrics.jsonl", self.rank == 0)
         self.metrics.truncate_after(self.state["global_step"])
+        self.curves = TrainingCurves(
+            self.config.tracking,
+            self.workdir,
+            store,
+            layout.run_stage_prefix(spec.run_id, "train"),
+            spec.run_id,
+            self.state["global_step"],
+            self.rank == 0,
+        )
+
+    def record(self, entry: dict[str, Any]) -> None:
+        """A metrics record, to metrics.jsonl and the trackers (rank 0 only)."""
+        self.metrics.write(entry)
+        self.curves.write(entry)
 
     def _heldout_set(
         self, spec: WorkerSpec, cache: ShardCache, lm_head: torch.Tensor
@@ -418,6 +433,7 @@ class Trainer:
         epoch = state["epoch"]
         epoch_counts = torch.zeros_like(MetricCounts(settings.ttt_steps).as_tensor())
         interval_counts = torch.zeros_like(epoch_counts)
+        interval_started = time.monotonic()
         if state["epoch_counts"] is not None and self.rank == 0:
             # counts of the part of this epoch done before the checkpoint, summed over ranks
             epoch_counts += torch.tensor(state["epoch_counts"], dtype=epoch_counts.dtype)
@@ -430,16 +446,20 @@ class Trainer:
             progress.update(1)
             if state["global_step"] % settings.log_every == 0:
                 summary = MetricCounts.from_tensor(_all_reduce(interval_counts.clone())).summary()
-                self.metrics.write(
+                seconds = time.monotonic() - interval_started
+                self.record(
                     {
                         "kind": "interval",
                         "epoch": epoch,
                         "global_step": state["global_step"],
                         "lr": self.scheduler.get_lr()[0],
+                        # positions trained at the first TTT step, all ranks, per second of this interval
+                        "tokens_per_s": round(summary["masked_tokens"][0] / seconds, 1) if seconds else None,
                         **summary,
                     }
                 )
                 interval_counts.zero_()
+                interval_started = time.monotonic()
             if (
                 settings.checkpoint_every_steps
                 and state["global_step"] % settings.checkpoint_every_steps == 0
@@ -452,7 +472,7 @@ class Trainer:
         heldout = self.heldout_summary()
         entry = {"epoch": epoch, **summary, **({"heldout": heldout} if heldout else {})}
         state["history"].append(entry)
-        self.metrics.write({"kind": "epoch", "global_step": state["global_step"], **entry})
+        self.record({"kind": "epoch", "global_step": state["global_step"], **entry})
         if heldout is not None:
             best_dir = self.workdir / BEST_EPOCH_DIR if self.rank == 0 else None
             state["best"] = keep_if_best(state["best"], epoch, heldout, self.model, best_dir)
@@ -485,8 +505,13 @@ class Trainer:
         )
         progress.update(state["global_step"])
         started, first_step = time.monotonic(), state["global_step"]
-        while state["epoch"] < settings.epochs and state["stop_reason"] is None:
-            self.run_epoch(progress)
+        try:
+            while state["epoch"] < settings.epochs and state["stop_reason"] is None:
+                self.run_epoch(progress)
+        except BaseException:
+            self.curves.close("FAILED")
+            raise
+        self.curves.close()
         progress.close()
         result = {
             "stop_reason": state["stop_reason"] or "completed",
