@@ -67,16 +67,16 @@ def drafter_data():
         return plan_run(params, dag_run.run_id, DEPLOYMENT.run_config)
 
     @stage_task("configure")
-    def configure(request: dict, mount_paths: list | None) -> dict:
+    def configure(request: dict, mount_paths: list | None, usage_table: dict) -> dict:
         from pipeline.tasks import configure_run
 
-        return configure_run(request, mount_paths)
+        return configure_run(request, mount_paths, usage_table)
 
     @stage_task("prompts")
     def prompts(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("prompts", run["config"], run["run_id"])
+        return run_stage("prompts", run["config"], run["run_id"], rates=run["rates"])
 
     @worker_task()
     def shards_of(prompt_set: dict) -> list:
@@ -86,13 +86,13 @@ def drafter_data():
     def generate_shard(run: dict, shard: str) -> dict:
         from pipeline.tasks import run_shard
 
-        return run_shard("generate", run["config"], run["run_id"], shard)
+        return run_shard("generate", run["config"], run["run_id"], shard, rates=run["rates"])
 
     @stage_task("generate")
     def responses(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("generate", run["config"], run["run_id"])
+        return run_stage("generate", run["config"], run["run_id"], rates=run["rates"])
 
     @stage_task("fleet")
     def fleet_up(run: dict, stage: str, fleet: dict | None) -> dict:
@@ -101,38 +101,42 @@ def drafter_data():
         return scale_fleet_up(run["config"], stage, fleet)
 
     @stage_task("fleet")
-    def fleet_down(stage: str, fleet: dict | None) -> dict:
+    def fleet_down(stage: str, fleet: dict | None, run: dict, scaled: dict) -> dict:
         from pipeline.tasks import scale_fleet_down
 
-        return scale_fleet_down(stage, fleet)
+        return scale_fleet_down(stage, fleet, run, scaled)
 
     @stage_task("parity")
     def parity(run: dict, regenerated: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("parity", run["config"], run["run_id"], responses_uri=regenerated["uri"])
+        return run_stage(
+            "parity", run["config"], run["run_id"], rates=run["rates"], responses_uri=regenerated["uri"]
+        )
 
     @stage_task("capture")
     def capture_shard(run: dict, checked: dict, shard: str) -> dict:
         from pipeline.tasks import run_shard
 
-        return run_shard("capture", run["config"], run["run_id"], shard)
+        return run_shard("capture", run["config"], run["run_id"], shard, rates=run["rates"])
 
     @stage_task("capture")
     def captures(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("capture", run["config"], run["run_id"])
+        return run_stage("capture", run["config"], run["run_id"], rates=run["rates"])
 
     @worker_task("dataset", outlets=[DATASET_ASSET])
     def publish_dataset(run: dict, captured: dict, outlet_events=None) -> dict:
         from pipeline.tasks import run_stage
 
-        dataset = run_stage("dataset", run["config"], run["run_id"], capture_uris=[captured["uri"]])
+        dataset = run_stage(
+            "dataset", run["config"], run["run_id"], rates=run["rates"], capture_uris=[captured["uri"]]
+        )
         outlet_events[DATASET_ASSET].extra = {"dataset_uri": dataset["uri"], **run["source"]}
         return dataset
 
-    run = configure(plan(), pod_mount_paths())
+    run = configure(plan(), pod_mount_paths(), DEPLOYMENT.usage_table())
     shards = shards_of(prompts(run))
     # the generation servers load while the prompts stage runs
     generate_fleet = fleet_up.override(task_id="generate_fleet_up")(
@@ -145,7 +149,7 @@ def drafter_data():
     regenerated = responses(run)
     generated >> regenerated
     regenerated >> fleet_down.override(task_id="generate_fleet_down")(
-        "generate", DEPLOYMENT.fleet("generate")
+        "generate", DEPLOYMENT.fleet("generate"), run, generate_fleet
     ).as_teardown(setups=generate_fleet, on_failure_fail_dagrun=True)
     capture_fleet = fleet_up.override(task_id="capture_fleet_up")(run, "capture", DEPLOYMENT.fleet("capture"))
     regenerated >> capture_fleet
@@ -155,7 +159,7 @@ def drafter_data():
     captured = captures(run)
     captured_shards >> captured
     captured >> fleet_down.override(task_id="capture_fleet_down")(
-        "capture", DEPLOYMENT.fleet("capture")
+        "capture", DEPLOYMENT.fleet("capture"), run, capture_fleet
     ).as_teardown(setups=capture_fleet, on_failure_fail_dagrun=True)
     publish_dataset(run, captured)
 

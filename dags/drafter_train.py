@@ -74,23 +74,30 @@ def drafter_train():
         return plan_training(params, dag_run.run_id, extras, DEPLOYMENT.run_config)
 
     @stage_task("configure")
-    def configure(request: dict, mount_paths: list | None) -> dict:
+    def configure(request: dict, mount_paths: list | None, usage_table: dict) -> dict:
         from pipeline.tasks import configure_training
 
-        return configure_training(request, mount_paths)
+        return configure_training(request, mount_paths, usage_table)
 
     @stage_task("train")
     def train(run: dict) -> dict:
         from pipeline.tasks import run_stage
 
-        return run_stage("train", run["config"], run["run_id"], dataset_uri=run["dataset_uri"])
+        return run_stage(
+            "train", run["config"], run["run_id"], rates=run["rates"], dataset_uri=run["dataset_uri"]
+        )
 
     @stage_task("evaluate")
     def evaluate(run: dict, trained: dict) -> dict:
         from pipeline.tasks import run_stage
 
         return run_stage(
-            "evaluate", run["config"], run["run_id"], dataset_uri=run["dataset_uri"], train_uri=trained["uri"]
+            "evaluate",
+            run["config"],
+            run["run_id"],
+            rates=run["rates"],
+            dataset_uri=run["dataset_uri"],
+            train_uri=trained["uri"],
         )
 
     # skips only its direct downstream (benchmark); promote follows by its trigger rule, report still runs
@@ -98,7 +105,7 @@ def drafter_train():
     def gate(run: dict, evaluation: dict):
         from pipeline.tasks import gate_decision
 
-        decision = gate_decision(run["config"], run["run_id"], eval_uri=evaluation["uri"])
+        decision = gate_decision(run["config"], run["run_id"], rates=run["rates"], eval_uri=evaluation["uri"])
         if not decision["passed"]:
             logging.getLogger("drafter.gate").warning(
                 "%s\nnot promoting: benchmark and promote are skipped", decision["reasons"]
@@ -111,23 +118,32 @@ def drafter_train():
         from pipeline.tasks import run_stage
 
         inputs = {"train_uri": trained["uri"], "eval_uri": evaluation["uri"]}
-        return run_stage("benchmark", run["config"], run["run_id"], prompts_uri=run["prompts_uri"], **inputs)
+        return run_stage(
+            "benchmark",
+            run["config"],
+            run["run_id"],
+            rates=run["rates"],
+            prompts_uri=run["prompts_uri"],
+            **inputs,
+        )
 
     @stage_task("promote")
     def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict) -> dict:
         from pipeline.tasks import run_stage
 
         inputs = {"train_uri": trained["uri"], "eval_uri": evaluation["uri"], "gate_uri": gated["uri"]}
-        return run_stage("promote", run["config"], run["run_id"], bench_uri=bench["uri"], **inputs)
+        return run_stage(
+            "promote", run["config"], run["run_id"], rates=run["rates"], bench_uri=bench["uri"], **inputs
+        )
 
     @worker_task("report")
     def report(run: dict | None, ti=None) -> dict:
         from pipeline.tasks import run_stage
 
         run = configured(run)
-        return show_report(ti, run_stage("report", run["config"], run["run_id"]))
+        return show_report(ti, run_stage("report", run["config"], run["run_id"], rates=run["rates"]))
 
-    run = configure(plan(), pod_mount_paths())
+    run = configure(plan(), pod_mount_paths(), DEPLOYMENT.usage_table())
     trained = train(run)
     evaluation = evaluate(run, trained)
     gated = gate(run, evaluation)

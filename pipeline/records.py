@@ -477,6 +477,24 @@ class PromoteRecord(StageRecord):
 # ---------------------------------------------------------------- run summary
 
 
+class StageCost(Record):
+    """What a run's tasks of one stage held, every attempt counted (pipeline.ops.usage)."""
+
+    stage: str
+    attempts: int
+    seconds: float
+    gpu_hours: float
+    cost_usd: float | None  # None: the deployment states no GPU price
+
+
+class RunCost(Record):
+    stages: list[StageCost]
+    gpu_hours: float
+    cost_usd: float | None
+    # serving 1,000 generated tokens with the drafter costs this much less, on the benchmark's GPUs
+    saved_usd_per_1k_tokens: float | None = None
+
+
 class RunSummary(FileRecord):
     """`drafter run`'s summary.json (written beside the run's artifacts, not under a manifest)."""
 
@@ -507,6 +525,7 @@ class RunSummary(FileRecord):
     registry_uri: str | None = None
     pulled_to: str | None = None
     failure: str | None = None
+    cost: RunCost | None = None  # what the run's tasks held and cost, per stage
 
 
 # ---------------------------------------------------------------- training worker

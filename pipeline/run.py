@@ -10,6 +10,7 @@ from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.manifest import read_manifest
 from pipeline.ops import registry
+from pipeline.ops.usage import Rates, cost_rows, metered, read_usage, run_cost, usage_rates
 from pipeline.records import BenchRecord, EvalRecord, RunSummary, read_dataset, read_record
 from pipeline.stages import TABLE, StageOutput, run_stage
 from pipeline.stages.gate import GateFailed
@@ -39,16 +40,27 @@ def run_stages(
     config: RunConfig, run_id: str, store: ObjectStore
 ) -> tuple[dict[str, StageOutput], GateFailed | PromotionRefused | None]:
     """Every stage of the table that `drafter run` runs, in order, up to the report: their outputs,
-    and the failed gate or refused promotion that stopped the run early, if one did."""
+    and the failed gate or refused promotion that stopped the run early, if one did. What each stage
+    held is recorded (pipeline.ops.usage), as the deployment config places it."""
     outputs: dict[str, StageOutput] = {}
+    rates = local_rates(config)
     for entry in TABLE:
         if not entry.in_run or entry.name == "report":
             continue
         try:
-            outputs[entry.name] = run_stage(entry.name, config, run_id, store)
+            with metered(store, run_id, entry.name, entry.name, rates):
+                outputs[entry.name] = run_stage(entry.name, config, run_id, store)
         except (GateFailed, PromotionRefused) as stopped:
             return outputs, stopped
     return outputs, None
+
+
+def local_rates(config: RunConfig) -> Rates:
+    """What `drafter run`'s stages hold: the deployment config's placement (DRAFTER_DEPLOYMENT, by default
+    configs/deployment/local.yaml, whose stages hold no GPUs) for this run's engines."""
+    from pipeline.ops.deployment import load_deployment
+
+    return usage_rates(load_deployment().usage_table(), config)
 
 
 def _data_summary(store: ObjectStore, run_id: str, config: RunConfig) -> dict[str, Any]:
@@ -133,6 +145,9 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
         summary.update({"outcome": "promotion refused", "failure": str(failure)})
     elif failure is None:
         summary.update(_promotion_summary(config, run_id, store, outputs["promote"]))
+    summary["cost"] = run_cost(
+        read_usage(store, run_id), summary.get("baseline_tok_s"), summary.get("drafter_tok_s")
+    ).model_dump()
     report = run_stage("report", config, run_id, store)
     assert isinstance(report, ReportOutput)
     record = RunSummary.model_validate({**summary, "report": report.link})
@@ -183,6 +198,7 @@ def format_table(summary: RunSummary) -> str:
         ("promoted version", summary.promoted_version),
         ("registry", summary.registry_uri),
         ("pulled to", summary.pulled_to),
+        *(cost_rows(summary.cost) if summary.cost else []),
     ]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {fmt(value)}" for name, value in rows)

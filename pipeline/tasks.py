@@ -24,15 +24,20 @@ def run_stage(
     run_id: str,
     overrides: list[str] | None = None,
     snapshot: str | None = None,
+    rates: dict[str, Any] | None = None,
     **inputs: Any,
 ) -> dict[str, Any]:
     """Run one stage of the stage table (pipeline.stages); its output as a dict. Inputs not given
-    (or None) default to the artifacts of `snapshot` (data, default: the run id) and `run_id`."""
+    (or None) default to the artifacts of `snapshot` (data, default: the run id) and `run_id`. With
+    `rates` (the configure step's), what the task held is recorded (pipeline.ops.usage)."""
     from pipeline import stages
+    from pipeline.ops.usage import Rates, metered
 
     config = _as_config(config, overrides)
+    store = open_store(config.storage)
     given = {name: value for name, value in inputs.items() if value is not None}
-    output = stages.run_stage(stage, config, run_id, open_store(config.storage), snapshot, **given)
+    with metered(store, run_id, stage, stage, Rates.model_validate(rates) if rates else None):
+        output = stages.run_stage(stage, config, run_id, store, snapshot, **given)
     return output.model_dump()
 
 
@@ -58,10 +63,13 @@ def run_shard(
     snapshot: str,
     shard: str,
     overrides: list[str] | None = None,
+    rates: dict[str, Any] | None = None,
     **inputs: str | None,
 ) -> dict[str, Any]:
-    """One shard of generate or capture (a mapped task); the plain stage publishes when all are done."""
+    """One shard of generate or capture (a mapped task); the plain stage publishes when all are done.
+    With `rates`, what the task held is recorded under the data run (`snapshot`)."""
     from pipeline import stages
+    from pipeline.ops.usage import Rates, metered
     from pipeline.stages import capture, generate
 
     if stage not in SHARD_STAGES:
@@ -69,11 +77,14 @@ def run_shard(
     config = _as_config(config, overrides)
     store = open_store(config.storage)
     defaults = stages.default_inputs(config, store, snapshot, snapshot)
-    if stage == "generate":
-        prompts_uri = inputs.get("prompts_uri") or defaults["prompts_uri"]
-        return generate.run_shard(config, prompts_uri, snapshot, shard, store)
-    responses_uri = inputs.get("responses_uri") or defaults["responses_uri"]
-    return capture.run_shard(config, responses_uri, snapshot, shard, store)
+    with metered(
+        store, snapshot, f"{stage}-shard-{shard}", stage, Rates.model_validate(rates) if rates else None
+    ):
+        if stage == "generate":
+            prompts_uri = inputs.get("prompts_uri") or defaults["prompts_uri"]
+            return generate.run_shard(config, prompts_uri, snapshot, shard, store)
+        responses_uri = inputs.get("responses_uri") or defaults["responses_uri"]
+        return capture.run_shard(config, responses_uri, snapshot, shard, store)
 
 
 PARAM_OVERRIDES = {
@@ -118,13 +129,18 @@ def plan_run(params: dict[str, Any], scheduler_run_id: str, default_config: str)
     }
 
 
-def configure_run(plan: dict[str, Any], mount_paths: list[str] | None = None) -> dict[str, Any]:
+def configure_run(
+    plan: dict[str, Any], mount_paths: list[str] | None = None, usage_table: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Load and check the run config once; every later task gets it resolved (`config`, a dict) and
     needs no config file. With `mount_paths` (tasks in pods), a local path the config names outside
     every mounted volume is refused here, before a stage fails on it mid-run. `engines` holds the engine
     of each stage whose pod is placed by it (a vLLM benchmark in the vLLM image, in-process capture on a
-    GPU node: the deployment's `engines`), read when that pod is created."""
+    GPU node: the deployment's `engines`), read when that pod is created. With `usage_table`
+    (DeploymentConfig.usage_table), `rates` holds what each stage's task holds and the GPU price: the
+    tasks record their usage with it (pipeline.ops.usage)."""
     from pipeline.ops.deployment import run_engines
+    from pipeline.ops.usage import usage_rates
 
     overrides = list(plan["overrides"])
     config = load_config(plan["config_path"], overrides)
@@ -138,6 +154,7 @@ def configure_run(plan: dict[str, Any], mount_paths: list[str] | None = None) ->
         "config": config.dump(),
         "source": {"config": plan["config_path"], "overrides": overrides},
         "engines": run_engines(config),
+        "rates": usage_rates(usage_table, config).model_dump() if usage_table else None,
     }
 
 
@@ -187,9 +204,11 @@ def plan_training(
     return plan
 
 
-def configure_training(plan: dict[str, Any], mount_paths: list[str] | None = None) -> dict[str, Any]:
+def configure_training(
+    plan: dict[str, Any], mount_paths: list[str] | None = None, usage_table: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """`configure_run`, plus the dataset to train on and the prompts its benchmark uses."""
-    run = configure_run(plan, mount_paths)
+    run = configure_run(plan, mount_paths, usage_table)
     run["dataset_uri"] = resolve_dataset(run["config"], None, plan.get("dataset_uri"))
     run["prompts_uri"] = prompts_uri_of(run["config"], None, run["dataset_uri"])
     return run
@@ -243,10 +262,23 @@ def scale_fleet_up(
     return scale_up(_as_config(config, None), stage, ServerFleet.model_validate(fleet))
 
 
-def scale_fleet_down(stage: str, fleet: dict[str, Any] | None) -> dict[str, Any]:
-    """After an SGLang stage, however it ended: its server fleet back to 0 replicas."""
+def scale_fleet_down(
+    stage: str,
+    fleet: dict[str, Any] | None,
+    run: dict[str, Any] | None = None,
+    scaled: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """After an SGLang stage, however it ended: its server fleet back to 0 replicas. With the run (its
+    configure step's result) and what the scale-up returned, the servers' GPU time is recorded."""
     from pipeline.ops.fleets import ServerFleet, scale_down
+    from pipeline.ops.usage import Rates, record_fleet
 
     if fleet is None:
         return {"stage": stage, "replicas": 0, "scaled": False}
-    return {"stage": stage, **scale_down(ServerFleet.model_validate(fleet))}
+    down = {"stage": stage, **scale_down(ServerFleet.model_validate(fleet))}
+    if run is not None and run.get("rates") and scaled:
+        config = _as_config(run["config"], None)
+        record_fleet(
+            open_store(config.storage), run["run_id"], stage, scaled, Rates.model_validate(run["rates"])
+        )
+    return down

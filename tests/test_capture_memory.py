@@ -11,7 +11,9 @@ import sys
 from tests.conftest import REPO
 
 TOKENS = 32768
-CLIENT_BOUND_MIB = 1024  # the capture process, Python and torch included
+# the capture process up to the shard written, Python and torch included: 507-572 MiB alone, 1,036 MiB
+# once in CI beside the rehearsal and other tests (docs/BENCHMARKS.md); against 9.4 GB held whole
+CLIENT_BOUND_MIB = 1536
 WORKER_BOUND_MIB = 256  # each worker process that streams and parses a response
 
 

@@ -238,6 +238,9 @@ def test_config_urls_are_the_pods_of_the_fleet_the_dag_scales(section, statefuls
     fleet = ServerFleet.model_validate(deployment.fleet(section))
     assert (fleet.namespace, fleet.statefulset) == (namespace, statefulset)
     assert replicas_for(urls, fleet, section) == len(urls)
+    # a run's usage counts the GPUs each server pod requests
+    [server] = workload["spec"]["template"]["spec"]["containers"]
+    assert fleet.gpus_per_replica == int(server["resources"]["requests"]["nvidia.com/gpu"])
     # the pipeline's pods may scale exactly these StatefulSets
     role, binding = (
         _workload("Role", "drafter-fleet-scaler"),

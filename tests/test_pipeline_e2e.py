@@ -31,7 +31,12 @@ def e2e(tmp_path_factory, s3_endpoint, tiny_target_dir):
     data["benchmark"]["serving_sampling"] = {"temperature": 1.0, "top_p": 0.95}
     data["benchmark"].update(batch_sizes=[1, 2], promote_at_batch_sizes=[1, 2])
     config_path.write_text(yaml.safe_dump(data))
-    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    # placement as a deployment states it: the GPUs training and the benchmark hold, and their price
+    deployment = tmp / "deployment.yaml"
+    deployment.write_text(
+        yaml.safe_dump({"gpu_hour_usd": 4.0, "stages": {"train": {"gpus": 2}, "benchmark": {"gpus": 1}}})
+    )
+    env = dict(os.environ, DS_ACCELERATOR="cpu", DRAFTER_DEPLOYMENT=str(deployment))
     result = drafter("run", "--config", str(config_path), "--run-id", "e2e-run", env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return {"config": config_path, "env": env, "stdout": result.stdout, "tmp": tmp}
@@ -274,6 +279,28 @@ def test_the_run_leaves_tensorboard_curves_that_tensorboards_reader_parses(e2e, 
     assert f"<code id=tensorboard>s3://{bucket}/{prefix}/tensorboard</code>" in page
 
 
+def test_the_summary_and_report_show_what_each_stage_held_and_cost(e2e):
+    from pipeline.ops.usage import saved_per_1k_tokens
+
+    summary = json.loads(_run_object(e2e, "runs/e2e-run/summary.json"))
+    cost = summary["cost"]
+    rows = {row["stage"]: row for row in cost["stages"]}
+    ran = ["prompts", "generate", "capture", "dataset", "train", "evaluate", "gate", "benchmark", "promote"]
+    assert list(rows) == ran  # parity runs inside capture here; the report renders after the summary
+    assert all(row["seconds"] > 0 and row["attempts"] == 1 for row in rows.values())
+    train, prompts = rows["train"], rows["prompts"]
+    assert train["gpu_hours"] == pytest.approx(train["seconds"] / 3600 * 2)
+    assert train["cost_usd"] == pytest.approx(train["gpu_hours"] * 4.0)
+    assert prompts["gpu_hours"] == 0 and prompts["cost_usd"] == 0
+    assert cost["cost_usd"] == pytest.approx(sum(row["cost_usd"] for row in rows.values()))
+    saved = saved_per_1k_tokens(summary["baseline_tok_s"], summary["drafter_tok_s"], 1, 4.0)
+    assert cost["saved_usd_per_1k_tokens"] == pytest.approx(saved)
+    assert "cost: train" in e2e["stdout"] and "cost: total" in e2e["stdout"]
+    page = _report_html(e2e)
+    assert "<table id=cost>" in page and "<th>cost: benchmark</th>" in page
+    assert "serving cost saved per 1K generated tokens" in page
+
+
 def test_report_pngs_are_published_with_the_manifest(e2e):
     import boto3
 
@@ -311,6 +338,7 @@ def test_status_lists_aliases_and_recent_runs(e2e):
     benchmarked = out[out.index("latest benchmarked run e2e-run, per domain, batch size and sampled:") :]
     batch_line = next(line for line in benchmarked.splitlines() if line.strip().startswith("batch 2 (bench)"))
     assert "chain of " in batch_line and "vs baseline " in batch_line and "vs ngram " in batch_line
+    assert "GPU-h" in out and "$" in run_row  # what the run cost
     missing = drafter("report", "--config", str(e2e["config"]), "--run-id", "no-such-run", env=e2e["env"])
     assert missing.returncode == 2 and "has published nothing" in missing.stderr
 

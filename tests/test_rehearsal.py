@@ -208,16 +208,19 @@ class _Run:
 
 class _Cluster:
     def __init__(self, rows: list[tuple[str, str, str, str, str]]):
-        from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
-
         self.rows = [
-            {"pod": f"pod-{n}", "dag_id": dag, "run_id": make_safe_label_value(run), "task_id": task}
+            {"pod": f"pod-{n}", "dag_id": dag, "run_id": f"label-{run}", "task_id": task}
             | {"image": image, "node": node}
             for n, (dag, run, task, image, node) in enumerate(rows)
         ]
 
     def pods_run(self) -> list[dict]:
         return self.rows
+
+
+def pod_run_label(run_id: str) -> str:
+    """A run's pod label, as the cncf provider's make_safe_label_value would make it here."""
+    return f"label-{run_id}"
 
 
 def test_the_engine_placement_check_compares_each_pod_with_its_runs_engine():
@@ -241,12 +244,18 @@ def test_the_engine_placement_check_compares_each_pod_with_its_runs_engine():
         ("drafter_train", "manual__3", "train", images["trainer"], "gpu-node"),
         ("drafter_data", "manual__1", "plan", images["pipeline"], "cpu-node"),
     ]
-    line = check_engine_placement(runs, _Cluster(pods), deployment, lambda dag, task: stages.get(task))
+    line = check_engine_placement(
+        runs, _Cluster(pods), deployment, lambda dag, task: stages.get(task), pod_run_label
+    )
     assert f"capture inprocess: ['{images['sglang']} on gpu-node']" in line
     # the in-process run's capture pod in the pipeline image, or on a CPU node: not as its engine places it
     for wrong in ((images["pipeline"], "gpu-node"), (images["sglang"], "cpu-node")):
         moved = [*pods[:2], ("drafter_data", "manual__2", "captures", *wrong), *pods[3:]]
         with pytest.raises(RehearsalFailed, match="as the deployment places that engine"):
-            check_engine_placement(runs, _Cluster(moved), deployment, lambda dag, task: stages.get(task))
+            check_engine_placement(
+                runs, _Cluster(moved), deployment, lambda dag, task: stages.get(task), pod_run_label
+            )
     with pytest.raises(RehearsalFailed, match="for each engine placement"):  # no in-process pod ran at all
-        check_engine_placement(runs, _Cluster(pods[:2] + pods[3:]), deployment, lambda d, t: stages.get(t))
+        check_engine_placement(
+            runs, _Cluster(pods[:2] + pods[3:]), deployment, lambda d, t: stages.get(t), pod_run_label
+        )

@@ -36,6 +36,7 @@ import datetime as dt
 import gzip
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -1000,16 +1001,15 @@ def check_fleets_followed_their_stages(run, cluster: LocalCluster) -> str:
     return "; ".join(summary)
 
 
-def check_engine_placement(runs: list, cluster: LocalCluster, deployment, stage_of) -> str:
+def check_engine_placement(runs: list, cluster: LocalCluster, deployment, stage_of, run_label) -> str:
     """Every pod of a stage that follows the run's engine (the deployment's `engines`) ran in the image and
     on the kind of node that engine places it, as its run's configure step found the engine.
-    `stage_of(dag_id, task_id)` is the stage a task runs (None for a task of no stage)."""
-    from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
-
+    `stage_of(dag_id, task_id)` is the stage a task runs (None for a task of no stage); `run_label(run_id)`
+    the run's pod label (the cncf provider's make_safe_label_value)."""
     engines = {}
     for run in runs:
         configure = next(ti for ti in run.get_task_instances() if ti.task_id == "configure")
-        engines[make_safe_label_value(run.run_id)] = configure.xcom_pull(task_ids="configure")["engines"]
+        engines[run_label(run.run_id)] = configure.xcom_pull(task_ids="configure")["engines"]
     placed: dict[tuple[str, str], set[str]] = {}
     for row in cluster.pods_run():
         stage = stage_of(row["dag_id"], row["task_id"])
@@ -1068,6 +1068,39 @@ def check_in_process_capture(run) -> str:
     )
 
 
+def check_run_costs(data, trained, deployment) -> str:
+    """The runs' tasks recorded what they held, priced at the deployment's gpu_hour_usd: the data run's
+    fleets by their replicas' GPUs, the 2-node training by both nodes' GPUs and both attempts."""
+    from pipeline.config import load_config
+    from pipeline.ops.usage import read_usage, run_cost
+    from pipeline.storage import open_store
+
+    store = open_store(load_config(REHEARSAL_CONFIG).storage)
+    price = deployment.gpu_hour_usd
+    lines = []
+    for run, expected in ((data, {"generate fleet": 16, "capture fleet": 8}), (trained, {"train": 16})):
+        usage = read_usage(store, _xcom(run, "configure")["run_id"])
+        cost = run_cost(usage)
+        for stage, gpus in expected.items():
+            held = {u.gpus for u in usage if u.stage == stage}
+            _check(held == {gpus}, f"{run.run_id}: {stage} recorded {gpus} GPUs held ({held})")
+        priced = price is not None and cost.cost_usd is not None
+        _check(
+            priced and math.isclose(cost.cost_usd or 0.0, cost.gpu_hours * (price or 0.0), rel_tol=1e-9),
+            f"{run.run_id}: priced at ${price} a GPU-hour ({cost.gpu_hours:.4f} GPU-hours, ${cost.cost_usd})",
+        )
+        lines.append(
+            f"{run.run_id}: "
+            + ", ".join(f"{r.stage} {r.gpu_hours:.4f} GPU-h x{r.attempts}" for r in cost.stages)
+        )
+    usage = read_usage(store, _xcom(trained, "configure")["run_id"])
+    [train] = [row for row in run_cost(usage).stages if row.stage == "train"]
+    _check(
+        train.attempts == 2, f"the lost node's attempt counts in the run's cost ({train.attempts} attempts)"
+    )
+    return "costs: " + "; ".join(lines)
+
+
 def _xcom(run, task_id: str) -> dict[str, Any]:
     ti = next(ti for ti in run.get_task_instances() if ti.task_id == task_id and ti.map_index < 0)
     return ti.xcom_pull(task_ids=task_id) or {}
@@ -1103,6 +1136,7 @@ def run_dags(
         "drafter_train on the published dataset trained, gated, benchmarked and promoted into S3",
     )
     lines.append(check_multi_node_training(first, node_loss))
+    lines.append(check_run_costs(data, first, DEPLOYMENT))
     runbook.run("drafter list --config configs/kimi-k2.5.yaml")
     runbook.run(
         "drafter plan --config configs/kimi-k2.5.yaml --samples 200000 --measured-from <the train run id>",
@@ -1147,12 +1181,15 @@ def run_dags(
     second_version = promoted_version(cron)
     _check(second_version != first_version, f"the cron run promoted a new version {second_version}")
 
+    from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
+
     stages = task_stages()
-    lines.append(
-        check_engine_placement(
-            [data, first, inprocess, cron], cluster, DEPLOYMENT, lambda dag, task: stages.get((dag, task))
-        )
-    )
+
+    def stage_of(dag_id: str, task_id: str) -> str | None:
+        return stages.get((dag_id, task_id))
+
+    runs = [data, first, inprocess, cron]
+    lines.append(check_engine_placement(runs, cluster, DEPLOYMENT, stage_of, make_safe_label_value))
     runbook.run("drafter rollback --config configs/kimi-k2.5.yaml")
     runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
     lines.append(check_serving(serving, first_version, reference_url))

@@ -161,6 +161,11 @@ class DeploymentConfig(Strict):
     aws_conn_id: str | None = Field(
         "aws_default", description="connection holding S3 credentials (local executor)"
     )
+    gpu_hour_usd: float | None = Field(
+        None,
+        ge=0,
+        description="the price of one GPU-hour: each run's cost per stage (summary, report, status)",
+    )
     retrain_cron: str | None = Field(
         "0 4 * * 0",
         description="drafter_train also runs on this cron (UTC); null: only when a dataset is published",
@@ -221,6 +226,22 @@ class DeploymentConfig(Strict):
         managed elsewhere), as plain data for a task's arguments."""
         fleets = self.kubernetes.fleets if self.kubernetes else {}
         return fleets[stage].model_dump() if stage in fleets else None
+
+    def usage_table(self) -> dict[str, Any]:
+        """What a run's tasks hold by stage and engine, and the GPU price, as plain data: the configure step
+        prices the run with it (`pipeline.ops.usage.usage_rates`); tasks in pods have no deployment config."""
+        fleets = self.kubernetes.fleets if self.kubernetes else {}
+        return {
+            "gpu_hour_usd": self.gpu_hour_usd,
+            "stages": {
+                name: {
+                    "gpus": stage.gpus,
+                    "engines": {e: p.gpus for e, p in stage.engines.items() if p.gpus is not None},
+                }
+                for name, stage in self.stages.items()
+            },
+            "fleets": {stage: fleet.gpus_per_replica for stage, fleet in fleets.items()},
+        }
 
     def follows_engine(self, name: str) -> bool:
         """Whether a stage's pod is placed by the run's engine (its `engines` name any)."""

@@ -12,6 +12,7 @@ else the servers the stage calls are not the ones that were scaled: refused befo
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import re
 import time
@@ -43,6 +44,11 @@ class ServerFleet(Strict):
         "many minutes; past this the fleet goes back to 0",
     )
     poll_seconds: float = Field(5.0, gt=0, description="how often the StatefulSet and the servers are asked")
+    gpus_per_replica: int = Field(
+        8,
+        ge=0,
+        description="the GPUs each server pod requests (its StatefulSet's): what a run's usage counts",
+    )
 
 
 class FleetNotReady(RuntimeError):
@@ -92,7 +98,7 @@ def scale_up(
         log.info("%s does not use SGLang servers: fleet %s stays as it is", stage, where)
         return {"stage": stage, "statefulset": where, "replicas": 0, "scaled": False}
     api = api or KubernetesApi.in_cluster()
-    started = time.monotonic()
+    started, scaled_at = time.monotonic(), dt.datetime.now(dt.UTC)
     api.scale_statefulset(fleet.namespace, fleet.statefulset, replicas)
     log.info(
         "fleet %s: scaled to %d replicas for %s; waiting up to %d s for them",
@@ -113,6 +119,7 @@ def scale_up(
         "statefulset": where,
         "replicas": replicas,
         "scaled": True,
+        "scaled_at": scaled_at.isoformat(),
         "ready_seconds": round(seconds, 1),
     }
 

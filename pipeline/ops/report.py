@@ -23,6 +23,7 @@ import yaml
 from pipeline import layout
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.ops import registry
+from pipeline.ops.usage import USAGE_DIR, cost_rows, read_usage, run_cost
 from pipeline.records import (
     AcceptanceMetrics,
     AliasRecord,
@@ -35,6 +36,7 @@ from pipeline.records import (
     MethodResult,
     PromoteRecord,
     RatioInterval,
+    RunCost,
     StageRecord,
     read_record,
 )
@@ -63,6 +65,7 @@ class RunRecord:
     promote: PromoteRecord | None = None
     created_at: str | None = None
     stages: list[str] = field(default_factory=list)
+    cost: RunCost | None = None  # what its tasks held (pipeline.ops.usage), when they recorded it
 
     @property
     def outcome(self) -> str:
@@ -72,6 +75,8 @@ class RunRecord:
             return "gate rejected"
         if self.bench is not None and not self.bench.decision.promotable:
             return "benchmark refused"
+        if not self.stages and self.cost is not None:  # a data run: its stages recorded their usage
+            return f"no training ({', '.join(row.stage for row in self.cost.stages)})"
         return "incomplete" if self.stages else "no artifacts"
 
 
@@ -108,12 +113,22 @@ def load_run(store: ObjectStore, run_id: str) -> RunRecord:
     record.promote = _stage_record(store, record, "promote", PromoteRecord)
     if train_manifest is not None:
         record.stages.insert(0, "train")
+    usage = read_usage(store, run_id)
+    if usage:
+        bench = record.bench
+        throughputs = (bench.baseline_tok_s, bench.drafter_tok_s) if bench else (None, None)
+        record.cost = run_cost(usage, *throughputs)
+        last = max(dt.datetime.fromisoformat(u.started_at) for u in usage)  # a data run has no manifest time
+        record.created_at = record.created_at or last.strftime("%Y-%m-%dT%H:%M:%SZ")
     return record
 
 
 def list_runs(store: ObjectStore, limit: int = 10) -> list[RunRecord]:
-    """The newest runs that trained something, newest first."""
-    run_ids = layout.published_run_ids(store.list(layout.RUNS), "train")
+    """The newest runs that trained something or recorded their tasks' usage (data runs), newest first."""
+    keys = store.list(layout.RUNS)
+    run_ids = layout.published_run_ids(keys, "train") | {
+        key.split("/")[1] for key in keys if key.split("/")[2:3] == [USAGE_DIR]
+    }
     records = [load_run(store, run_id) for run_id in run_ids]
     return sorted(records, key=lambda r: r.created_at or "", reverse=True)[:limit]
 
@@ -502,6 +517,7 @@ def render_html(record: RunRecord, images: dict[str, bytes], flags: tuple[list[s
             summary=_summary_rows(record),
             plots=plots,
             curves=training_curves(record),
+            cost=cost_rows(record.cost) if record.cost else [],
             flags=flags[0],
             flags_source=flags[1],
             contract_text=json.dumps(contract, indent=2) if contract else "not recorded",
@@ -584,15 +600,20 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
     lines += [
         "",
         f"recent runs (newest first, {len(runs)} shown):",
-        f"  {'run':<44}{'finished':<22}{'gate':<10}{'tau':>7}{'speedup':>9}  outcome",
+        f"  {'run':<44}{'finished':<22}{'gate':<10}{'tau':>7}{'speedup':>9}{'GPU-h':>10}{'cost':>12}"
+        "  outcome",
     ]
     for run in runs:
         gate = "-" if run.gate is None else ("passed" if run.gate.passed else "rejected")
         tau = run.eval.tau_simulated if run.eval is not None else None
         speedup = run.bench.speedup_vs_baseline if run.bench is not None else None
+        cost = run.cost
+        gpu_hours = f"{cost.gpu_hours:,.2f}" if cost else "-"
+        dollars = f"${cost.cost_usd:,.2f}" if cost and cost.cost_usd is not None else "-"
         lines.append(
             f"  {run.run_id[:43]:<44}{(run.created_at or '-'):<22}{gate:<10}"
-            f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}  {run.outcome}"
+            f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}"
+            f"{gpu_hours:>10}{dollars:>12}  {run.outcome}"
         )
     evaluated = next((run for run in runs if run.eval is not None), None)
     if evaluated is not None and evaluated.eval is not None:
