@@ -31,12 +31,12 @@ def run_stage(
     (or None) default to the artifacts of `snapshot` (data, default: the run id) and `run_id`. With
     `rates` (the configure step's), what the task held is recorded (pipeline.ops.usage)."""
     from pipeline import stages
-    from pipeline.ops.usage import Rates, metered
+    from pipeline.ops.usage import metered, rates_of
 
     config = _as_config(config, overrides)
     store = open_store(config.storage)
     given = {name: value for name, value in inputs.items() if value is not None}
-    with metered(store, run_id, stage, stage, Rates.model_validate(rates) if rates else None):
+    with metered(store, run_id, stage, stage, rates_of(rates)):
         output = stages.run_stage(stage, config, run_id, store, snapshot, **given)
     return output.model_dump()
 
@@ -69,7 +69,7 @@ def run_shard(
     """One shard of generate or capture (a mapped task); the plain stage publishes when all are done.
     With `rates`, what the task held is recorded under the data run (`snapshot`)."""
     from pipeline import stages
-    from pipeline.ops.usage import Rates, metered
+    from pipeline.ops.usage import metered, rates_of
     from pipeline.stages import capture, generate
 
     if stage not in SHARD_STAGES:
@@ -77,9 +77,7 @@ def run_shard(
     config = _as_config(config, overrides)
     store = open_store(config.storage)
     defaults = stages.default_inputs(config, store, snapshot, snapshot)
-    with metered(
-        store, snapshot, f"{stage}-shard-{shard}", stage, Rates.model_validate(rates) if rates else None
-    ):
+    with metered(store, snapshot, f"{stage}-shard-{shard}", stage, rates_of(rates)):
         if stage == "generate":
             prompts_uri = inputs.get("prompts_uri") or defaults["prompts_uri"]
             return generate.run_shard(config, prompts_uri, snapshot, shard, store)
@@ -271,14 +269,12 @@ def scale_fleet_down(
     """After an SGLang stage, however it ended: its server fleet back to 0 replicas. With the run (its
     configure step's result) and what the scale-up returned, the servers' GPU time is recorded."""
     from pipeline.ops.fleets import ServerFleet, scale_down
-    from pipeline.ops.usage import Rates, record_fleet
+    from pipeline.ops.usage import rates_of, record_fleet
 
     if fleet is None:
         return {"stage": stage, "replicas": 0, "scaled": False}
     down = {"stage": stage, **scale_down(ServerFleet.model_validate(fleet))}
     if run is not None and run.get("rates") and scaled:
         config = _as_config(run["config"], None)
-        record_fleet(
-            open_store(config.storage), run["run_id"], stage, scaled, Rates.model_validate(run["rates"])
-        )
+        record_fleet(open_store(config.storage), run["run_id"], stage, scaled, rates_of(run["rates"]))
     return down

@@ -66,10 +66,9 @@ MLFLOW_PYTHON = REPO / ".venv-mlflow" / "bin" / "python"
 def mlflow_server(tmp_path_factory):
     """MLflow's tracking server (its own virtualenv: `make mlflow-venv`, part of `make test`) on 127.0.0.1,
     its store in a temp dir; stopped by its PID."""
-    import signal
     import subprocess
 
-    from pipeline.processes import free_port
+    from pipeline.processes import free_port, stop_process_group
     from pipeline.retrying import await_health
 
     if not MLFLOW_PYTHON.exists():
@@ -96,12 +95,7 @@ def mlflow_server(tmp_path_factory):
             )
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_process_group(server, 30)
 
 
 def storage_config(kind: str, tmp_path: Path, s3_endpoint: str | None) -> dict:

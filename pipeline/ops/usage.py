@@ -39,6 +39,11 @@ class Rates(Strict):
     gpu_hour_usd: float | None = Field(None, ge=0)
 
 
+def rates_of(data: dict[str, Any] | None) -> Rates | None:
+    """The rates a configure step passed on (None: nothing is recorded)."""
+    return Rates.model_validate(data) if data else None
+
+
 class TaskUsage(Strict):
     task: str
     stage: str
