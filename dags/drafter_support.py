@@ -1,24 +1,30 @@
 """Airflow glue shared by the drafter DAGs: how a pipeline stage becomes a task (in the worker
 process, or a Kubernetes pod, as the deployment config says), S3 credentials from an Airflow
-connection, and a failure callback. No pipeline logic lives here."""
+connection, and alerts through Airflow's notifiers (what they say: pipeline.ops.alerts). No pipeline
+logic lives here."""
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import logging
 import os
 
 import pendulum
+from airflow.providers.common.compat.sdk import task_decorator_factory
+from airflow.providers.standard.decorators.python import _PythonDecoratedOperator
 from airflow.sdk import BaseOperatorLink, Param, dag, task
 
-from pipeline.ops.deployment import load_deployment
+from pipeline.ops.alerts import Alert, deadline_alert, failure_alert
+from pipeline.ops.deployment import NotifierConfig, load_deployment
 
 DEPLOYMENT = load_deployment()
 log = logging.getLogger("drafter.dags")
 
 
 def drafter_dag(dag_id: str, schedule, params: dict[str, Param]):
-    """The @dag decorator both drafter DAGs share: one run at a time, no catch-up, failures reported."""
+    """The @dag decorator both drafter DAGs share: one run at a time, no catch-up, failures reported
+    and alerted, and a deadline alert where the deployment sets the DAG a deadline."""
     return dag(
         dag_id=dag_id,
         schedule=schedule,
@@ -28,6 +34,7 @@ def drafter_dag(dag_id: str, schedule, params: dict[str, Param]):
         tags=["drafter"],
         default_args={"on_failure_callback": report_failure},
         params=params,
+        deadline=deadline_alerts(dag_id),
     )
 
 
@@ -58,14 +65,113 @@ def optional(kind: str, title: str, description: str, **schema) -> Param:
 
 
 def report_failure(context) -> None:
-    """One clear line naming what failed; the exception itself is in the task log."""
+    """One clear line naming what failed (the exception itself is in the task log), and the failure
+    alert to the deployment's notifiers."""
     ti = context.get("task_instance")
+    dag_run = context.get("dag_run")
+    error = context.get("exception")
     log.error(
         "drafter task %s of run %s failed: %s",
         getattr(ti, "task_id", "?"),
-        getattr(context.get("dag_run"), "run_id", "?"),
-        type(context.get("exception")).__name__,
+        getattr(dag_run, "run_id", "?"),
+        type(error).__name__,
     )
+    if DEPLOYMENT.notifiers_for("failure"):
+        alert = failure_alert(
+            getattr(ti, "dag_id", "?"),
+            getattr(dag_run, "run_id", "?"),
+            getattr(ti, "task_id", "?"),
+            getattr(ti, "try_number", None),
+            error if isinstance(error, BaseException) else None,
+            getattr(ti, "log_url", ""),
+        )
+        send_alert(alert, context)
+
+
+def send_alert(alert: Alert | dict, context=None) -> None:
+    """Deliver an alert through every notifier the deployment names for its kind. A notifier that
+    fails is logged by its kind and connection only (an error can hold the address, and a Slack
+    webhook's address is its secret) and does not fail the task."""
+    if isinstance(alert, dict):
+        alert = Alert(**alert)
+    for notifier in DEPLOYMENT.notifiers_for(alert.event):
+        kind, kwargs = _notifier_call(notifier, alert)
+        try:
+            kind(**kwargs).notify(context or {})
+        except Exception as error:
+            log.error(
+                "%s alert through the %s notifier (connection %s) failed: %s",
+                alert.event,
+                notifier.kind,
+                notifier.conn_id,
+                type(error).__name__,
+            )
+        else:
+            log.info(
+                "%s alert sent through the %s notifier (connection %s)",
+                alert.event,
+                notifier.kind,
+                notifier.conn_id,
+            )
+
+
+def notify_promotion(context) -> None:
+    """The promote task's success callback: the promotion alert, from what the task returned."""
+    if not DEPLOYMENT.notifiers_for("promotion"):
+        return
+    from pipeline.tasks import promotion_notice
+
+    ti = context["ti"]
+    alert = promotion_notice(ti.xcom_pull(task_ids="configure"), ti.xcom_pull(task_ids=ti.task_id))
+    if alert is not None:
+        send_alert(alert, context)
+
+
+def deadline_alerts(dag_id: str) -> list:
+    """Airflow deadline alerts for a DAG with a deadline in the deployment: counted from when a run
+    was queued, one per notifier that takes deadline alerts. Airflow's triggerer delivers them,
+    rendering the alert's templates with the late run."""
+    minutes = DEPLOYMENT.deadline_minutes.get(dag_id)
+    if minutes is None:
+        return []
+    from airflow.sdk.definitions.deadline import AsyncCallback, DeadlineAlert, DeadlineReference
+
+    alert = deadline_alert(dag_id, minutes)
+    return [
+        DeadlineAlert(
+            reference=DeadlineReference.DAGRUN_QUEUED_AT,
+            interval=dt.timedelta(minutes=minutes),
+            callback=AsyncCallback(kind, kwargs=kwargs),
+            name=f"{dag_id}-deadline-{notifier.kind}-{notifier.conn_id}",
+        )
+        for notifier in DEPLOYMENT.notifiers_for("deadline")
+        for kind, kwargs in [_notifier_call(notifier, alert)]
+    ]
+
+
+def _notifier_call(notifier: NotifierConfig, alert: Alert) -> tuple[type, dict]:
+    """The provider's notifier class for a notifier config, and its arguments for this alert."""
+    if notifier.kind == "slack":
+        from airflow.providers.slack.notifications.slack_webhook import SlackWebhookNotifier
+
+        return SlackWebhookNotifier, {"slack_webhook_conn_id": notifier.conn_id, "text": alert.text}
+    if notifier.kind == "email":
+        from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+
+        return SmtpNotifier, {
+            "smtp_conn_id": notifier.conn_id,
+            "to": list(notifier.to),
+            "from_email": notifier.from_email,
+            "subject": alert.subject,
+            "html_content": alert.html,
+        }
+    from airflow.providers.http.notifications.http import HttpNotifier
+
+    return HttpNotifier, {
+        "http_conn_id": notifier.conn_id,
+        "endpoint": notifier.endpoint,
+        "json": alert.payload,
+    }
 
 
 def _failing_permanent_errors_at_once(function):
@@ -166,12 +272,46 @@ def retrain_schedule(asset):
     )
 
 
+class StageLineage:
+    """Mixin of the drafter's task operators: what a stage task read and published (the object-store
+    URIs in the stage output it returned: pipeline.ops.lineage), reported as the task's inputs and
+    outputs to Airflow's OpenLineage provider, which calls this when the task succeeds. The provider
+    emits nothing until its transport is configured ([openlineage] transport)."""
+
+    stage_result: object = None
+
+    def execute(self, context):
+        self.stage_result = super().execute(context)
+        return self.stage_result
+
+    def get_openlineage_facets_on_complete(self, task_instance):
+        from airflow.providers.openlineage.extractors import OperatorLineage
+        from openlineage.client.event_v2 import Dataset
+
+        from pipeline.ops.lineage import dataset_name, stage_lineage
+
+        inputs, outputs = stage_lineage(self.stage_result)
+        return OperatorLineage(
+            inputs=[Dataset(*dataset_name(uri)) for uri in inputs],
+            outputs=[Dataset(*dataset_name(uri)) for uri in outputs],
+        )
+
+
+class StagePythonOperator(StageLineage, _PythonDecoratedOperator):
+    """`@task` (a worker task), its lineage reported."""
+
+
+def _stage_python_task(**options):
+    return task_decorator_factory(decorated_operator_class=StagePythonOperator, **options)
+
+
 def worker_task(stage: str | None = None, short_circuit: bool = False, **extra):
     """A task that runs on the Airflow worker itself (light steps: planning, the gate, publishing an
-    Asset), with the stage's retries and timeout and S3 credentials from the connection. A
-    short-circuit task (the gate) skips everything downstream when it returns a false value."""
+    Asset; every stage with the local executor), with the stage's retries and timeout, S3 credentials
+    from the connection and its lineage reported. A short-circuit task (the gate) skips everything
+    downstream when it returns a false value."""
     options = {**(DEPLOYMENT.task_options(stage) if stage else {}), **extra}
-    decorator = task.short_circuit if short_circuit else task
+    decorator = task.short_circuit if short_circuit else _stage_python_task
     return lambda function: decorator(**options)(
         _with_s3_connection(_failing_permanent_errors_at_once(function))
     )
@@ -181,8 +321,6 @@ def stage_task(stage: str, **extra):
     """The decorator for a pipeline stage's task: retries, timeout, pool and placement (the worker, or
     a Kubernetes pod with the stage's image and resources) from the deployment config."""
     if DEPLOYMENT.executor == "kubernetes":
-        from airflow.providers.common.compat.sdk import task_decorator_factory
-
         return task_decorator_factory(
             decorated_operator_class=StagePodOperator,
             drafter_stage=stage,
@@ -204,7 +342,7 @@ if DEPLOYMENT.executor == "kubernetes":
     from airflow.providers.cncf.kubernetes.decorators.kubernetes import _KubernetesDecoratedOperator
     from airflow.sdk.exceptions import AirflowException, AirflowFailException
 
-    class StagePodOperator(_KubernetesDecoratedOperator):
+    class StagePodOperator(StageLineage, _KubernetesDecoratedOperator):
         """`@task.kubernetes`, applied through `stage_task`.
 
         The provider ships the task function's source into the pod and strips only the decorator named
@@ -213,7 +351,8 @@ if DEPLOYMENT.executor == "kubernetes":
         failure's exit code (pipeline.failures) fails the task at once instead of being retried. A stage
         whose pod follows the run's engine (the deployment's `engines`) is placed, when its pod is
         created, by the engine the run's configure step found (a vLLM benchmark in the vLLM image,
-        in-process capture on a GPU node)."""
+        in-process capture on a GPU node). Its lineage is reported as a worker task's is (StageLineage).
+        """
 
         custom_operator_name = "@stage_task"
 
@@ -230,16 +369,20 @@ if DEPLOYMENT.executor == "kubernetes":
             return super().execute(context)
 
         def cleanup(self, pod, remote_pod, xcom_result=None, context=None) -> None:
-            from pipeline.failures import PERMANENT_EXIT_CODES
+            from pipeline.failures import PERMANENT_EXIT_CODES, exit_code_meaning
 
             try:
                 super().cleanup(pod, remote_pod, xcom_result, context)
             except AirflowFailException:
                 raise
             except AirflowException as failure:
-                if _exit_code(remote_pod, self.base_container_name) in PERMANENT_EXIT_CODES:
+                code = _exit_code(remote_pod, self.base_container_name)
+                if code in PERMANENT_EXIT_CODES:
+                    # what it was first (a failure alert shows the start of this), the pod's status after
+                    summary, _, status = str(failure).partition("\n")
                     raise AirflowFailException(
-                        f"{failure}\na permanent failure (config, contract, parity or gate): not retried"
+                        f"{summary} It exited {code}: {exit_code_meaning(code)}; not retried (the pod's "
+                        f"log has the error)\n{status}"
                     ) from failure
                 raise
 

@@ -3,8 +3,10 @@
 Scheduled when drafter_data publishes a dataset (the `drafter_dataset` Asset) OR on the deployment's
 retraining cron (then it trains on the newest dataset of the target); also triggered from the UI.
 A rejected candidate short-circuits at the gate: benchmark and promote are skipped, and the gate's
-log and the stored decision record say why. The report (plots + report.html in runs/<run_id>/report/)
-is rendered however the run went; its address is in the report task's log and its "Run report" link.
+log, its alert and the stored decision record say why. A promotion is alerted by the promote task's
+success callback; failures and overrunning runs by drafter_support (the deployment's `notifiers`).
+The report (plots + report.html in runs/<run_id>/report/) is rendered however the run went; its
+address is in the report task's log and its "Run report" link.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from drafter_support import (
     DEPLOYMENT,
     configured,
     drafter_dag,
+    notify_promotion,
     optional,
     pod_mount_paths,
     retrain_schedule,
+    send_alert,
     show_report,
     stage_task,
     trigger_form,
@@ -103,13 +107,15 @@ def drafter_train():
     # skips only its direct downstream (benchmark); promote follows by its trigger rule, report still runs
     @worker_task("gate", short_circuit=True, ignore_downstream_trigger_rules=False)
     def gate(run: dict, evaluation: dict):
-        from pipeline.tasks import gate_decision
+        from pipeline.tasks import gate_decision, rejection_notice
 
         decision = gate_decision(run["config"], run["run_id"], rates=run["rates"], eval_uri=evaluation["uri"])
         if not decision["passed"]:
             logging.getLogger("drafter.gate").warning(
-                "%s\nnot promoting: benchmark and promote are skipped", decision["reasons"]
+                "gate rejected the candidate:\n  %s\nnot promoting: benchmark and promote are skipped",
+                "\n  ".join(decision["reasons"]),
             )
+            send_alert(rejection_notice(run, decision))
             return None
         return decision
 
@@ -127,7 +133,7 @@ def drafter_train():
             **inputs,
         )
 
-    @stage_task("promote")
+    @stage_task("promote", on_success_callback=notify_promotion)
     def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict) -> dict:
         from pipeline.tasks import run_stage
 

@@ -48,6 +48,15 @@ def exit_code_for(error: BaseException) -> int:
     return EXIT_FAILED
 
 
+def exit_code_meaning(code: int) -> str:
+    """What a task process's exit code says about its failure (for a scheduler's message)."""
+    if code == EXIT_BAD_INPUT:
+        return "bad input (a config, capture contract, id, parity check or target that no retry can fix)"
+    if code == EXIT_GATE:
+        return "a rejected candidate (the gate, or a refused promotion)"
+    return "a failure a retry may fix"
+
+
 def is_permanent(error: BaseException) -> bool:
     return exit_code_for(error) in PERMANENT_EXIT_CODES
 

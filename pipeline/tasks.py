@@ -4,6 +4,7 @@ from its trigger form. No Airflow import here: DAG files call these."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -54,7 +55,49 @@ def gate_decision(
     try:
         return run_stage("gate", config, run_id, overrides, **inputs)
     except GateFailed as failed:
-        return {"passed": False, "reasons": str(failed)}
+        return {"passed": False, "reasons": failed.reasons}
+
+
+def rejection_notice(run: dict[str, Any], decision: dict[str, Any]) -> dict[str, Any]:
+    """The alert for a candidate the gate rejected (pipeline.ops.alerts), as plain data. `run`: the
+    configure step's result; `decision`: `gate_decision`'s."""
+    from pipeline.ops.alerts import rejection_alert
+
+    config = _as_config(run["config"], None)
+    alert = rejection_alert(
+        run["run_id"], config.target.name, decision["reasons"], _report_address(config, run)
+    )
+    return dataclasses.asdict(alert)
+
+
+def promotion_notice(run: dict[str, Any], promoted: dict[str, Any]) -> dict[str, Any] | None:
+    """The alert for a promoted drafter version: its speedups and the command that pulls exactly this
+    version (None when the promote stage promoted nothing). `promoted`: the promote stage's output."""
+    from pipeline.ops.alerts import promotion_alert
+
+    if not promoted.get("promoted"):
+        return None
+    config = _as_config(run["config"], None)
+    target, version = config.target.name, promoted["version"]
+    pull = (
+        f"drafter pull --config {run['source']['config']} --target {target} --alias {version} "
+        f"--dest ./drafters/{target}/{version}"
+    )
+    if promoted.get("bench_engine") in ("sglang", "vllm"):
+        pull += f" --engine {promoted['bench_engine']}"
+    alert = promotion_alert(
+        run["run_id"], target, {**promoted, "pull_command": pull}, _report_address(config, run)
+    )
+    return dataclasses.asdict(alert)
+
+
+def _report_address(config: RunConfig, run: dict[str, Any]) -> str:
+    """Where the run's report opens (the report task writes it at the end of the run)."""
+    from pipeline import layout
+    from pipeline.ops.report import report_link
+
+    key = f"{layout.run_stage_prefix(run['run_id'], 'report')}/report.html"
+    return report_link(open_store(config.storage), key)
 
 
 def run_shard(

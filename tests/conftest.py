@@ -4,7 +4,9 @@ and a small tiny-target variant built once per machine."""
 from __future__ import annotations
 
 import copy
+import json
 import os
+import socket
 import uuid
 from pathlib import Path
 
@@ -256,3 +258,89 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return suite_group(nodeid)
 
     return GroupScheduling(config, log)
+
+
+class AlertSinks:
+    """The HTTP and SMTP sinks the notifiers deliver to (pipeline/dev/alert_sinks.py) and what they got."""
+
+    SMTP_LOGIN, SMTP_PASSWORD = "drafter-alerts", "smtp-secret-5d8e1b"
+
+    def __init__(self, root: Path, http_port: int, smtp_port: int):
+        self.root, self.http_port, self.smtp_port = root, http_port, smtp_port
+
+    def requests(self, path_prefix: str = "/") -> list[dict]:
+        """The HTTP requests received, oldest first, whose path starts with `path_prefix`."""
+        sink = self.root / "http.jsonl"
+        lines = sink.read_text().splitlines() if sink.exists() else []
+        entries = [json.loads(line) for line in lines]
+        return [entry for entry in entries if entry["path"].startswith(path_prefix)]
+
+    def emails(self) -> list[dict]:
+        """The messages received: subject, from, to and the decoded HTML body."""
+        import email
+        from email import policy
+
+        messages = []
+        for path in sorted((self.root / "mail").glob("*.eml"), key=lambda p: int(p.stem)):
+            message = email.message_from_bytes(path.read_bytes(), policy=policy.default)
+            body = message.get_body(preferencelist=("html", "plain"))
+            messages.append(
+                {
+                    "subject": str(message["Subject"]),
+                    "from": str(message["From"]),
+                    "to": str(message["To"]),
+                    "body": body.get_content() if body is not None else "",
+                }
+            )
+        return messages
+
+
+@pytest.fixture(scope="session")
+def alert_sinks(tmp_path_factory):
+    """Both sinks on 127.0.0.1 for the session's tests, stopped by their PIDs."""
+    import subprocess
+    import sys
+
+    from pipeline.processes import free_port as free
+    from pipeline.processes import stop_process_group
+    from pipeline.retrying import poll_until
+
+    root = tmp_path_factory.mktemp("alert-sinks")
+    http_port, smtp_port = free(), free()
+    base = [sys.executable, "-m", "pipeline.dev.alert_sinks"]
+    env = dict(os.environ, DRAFTER_SMTP_SINK_PASSWORD=AlertSinks.SMTP_PASSWORD)
+    servers = []
+    with open(root / "sinks.log", "w") as log:
+        for command in (
+            [*base, "http", "--port", str(http_port), "--out", str(root / "http.jsonl")],
+            [
+                *base,
+                "smtp",
+                "--port",
+                str(smtp_port),
+                "--out",
+                str(root / "mail"),
+                "--login",
+                AlertSinks.SMTP_LOGIN,
+            ],
+        ):
+            servers.append(
+                subprocess.Popen(
+                    command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+    try:
+        for port in (http_port, smtp_port):
+            if not poll_until(lambda port=port: _listening(port), 60, 0.2):
+                pytest.fail(
+                    f"an alert sink did not listen on {port}: {(root / 'sinks.log').read_text()[-2000:]}"
+                )
+        yield AlertSinks(root, http_port, smtp_port)
+    finally:
+        for server in servers:
+            stop_process_group(server, 10)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0

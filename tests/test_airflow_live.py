@@ -6,6 +6,10 @@ way users start it) with the drafter DAGs, S3 on moto's server and credentials o
   Asset-scheduled drafter_train runs and promotes; the registry shows the version.
 - In Debian's chromium driven by playwright: log in, open drafter_train's trigger form, fill params,
   trigger; the run succeeds. The screenshots are kept in test-artifacts/.
+- Alerts through Airflow's notifiers, their secrets only in connections made through the REST API: the
+  promotion (the promote task's callback), the data run past its deadline (the scheduler and the
+  triggerer), a gate rejection and a failed task reach a Slack webhook, a webhook and an SMTP server on
+  127.0.0.1 (tests/conftest.py's sinks); no secret reaches a log.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pytest
 import requests
 import yaml
 
-from tests.conftest import REPO, free_port, storage_config, tiny_config_dict
+from tests.conftest import REPO, AlertSinks, free_port, storage_config, tiny_config_dict
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +40,7 @@ CHROMIUM_ARGS = [
 ]
 # distinctive so the log scan below cannot miss it; moto accepts any credentials
 ACCESS_KEY, SECRET_KEY = "AKIADRAFTERLIVETEST", "drafter-live-secret-7f3a9c"
+SLACK_TOKEN, WEBHOOK_TOKEN = "T0LIVE/B0LIVE/live-slack-token-2b7e", "live-webhook-token-e41c"
 DEPLOYMENT = {
     "executor": "local",
     "aws_conn_id": "aws_default",
@@ -45,7 +50,75 @@ DEPLOYMENT = {
         stage: {"use_pool": True, "retries": 0, "timeout_minutes": 20}
         for stage in ("generate", "parity", "capture", "train", "evaluate", "benchmark")
     },
+    "notifiers": [
+        {"kind": "slack", "conn_id": "drafter_slack"},
+        {
+            "kind": "email",
+            "conn_id": "drafter_smtp",
+            "to": ["ml-infra@example.com"],
+            "from_email": "drafter@example.com",
+        },
+        {"kind": "webhook", "conn_id": "drafter_webhook", "endpoint": "/hooks/drafter"},
+    ],
+    "deadline_minutes": {"drafter_data": 0.1},  # every data run here overruns 6 s: its deadline alert fires
 }
+
+
+def _alert_connections(sinks: AlertSinks) -> list[dict]:
+    return [
+        {
+            "connection_id": "drafter_slack",
+            "conn_type": "slackwebhook",
+            "host": f"http://127.0.0.1:{sinks.http_port}/slack",
+            "password": SLACK_TOKEN,
+        },
+        {
+            "connection_id": "drafter_smtp",
+            "conn_type": "smtp",
+            "host": "127.0.0.1",
+            "port": sinks.smtp_port,
+            "login": AlertSinks.SMTP_LOGIN,
+            "password": AlertSinks.SMTP_PASSWORD,
+            "extra": json.dumps({"disable_tls": True, "disable_ssl": True, "retry_limit": 0}),
+        },
+        {
+            "connection_id": "drafter_webhook",
+            "conn_type": "http",
+            "host": "127.0.0.1",
+            "port": sinks.http_port,
+            "schema": "http",
+            "extra": json.dumps({"Authorization": f"Bearer {WEBHOOK_TOKEN}"}),
+        },
+    ]
+
+
+def _alerts(sinks: AlertSinks, event: str, marker: str, timeout_s: float = 120) -> dict:
+    """The alert of this kind naming `marker`, as each notifier delivered it (waits for all three)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        slack = [
+            json.loads(r["body"])["text"]
+            for r in sinks.requests("/slack/")
+            if marker in r["body"] and r["path"] == f"/slack/{SLACK_TOKEN}"
+        ]
+        webhook = [
+            json.loads(r["body"])
+            for r in sinks.requests("/hooks/drafter")
+            if r["headers"].get("Authorization") == f"Bearer {WEBHOOK_TOKEN}"
+        ]
+        webhook = [hook for hook in webhook if hook["event"] == event and marker in json.dumps(hook)]
+        mail = [m for m in sinks.emails() if marker in m["subject"] + m["body"]]
+        slack = [text for text in slack if text.startswith(f"*{webhook[0]['subject']}*")] if webhook else []
+        if slack and webhook and mail:
+            return {"slack": slack[-1], "webhook": webhook[-1], "email": mail[-1]}
+        assert time.monotonic() < deadline, f"no {event} alert naming {marker} reached every sink"
+        time.sleep(2)
+
+
+def _scan_for_secrets(home: Path) -> None:
+    logs = "\n".join(p.read_text(errors="replace") for p in (home / "logs").rglob("*.log"))
+    for secret in (SECRET_KEY, SLACK_TOKEN, WEBHOOK_TOKEN, AlertSinks.SMTP_PASSWORD):
+        assert secret not in logs  # a connection's secret never reaches a log
 
 
 class AirflowClient:
@@ -111,7 +184,7 @@ def _failure_detail(home: Path, client: AirflowClient, dag_id: str, run_id: str)
 
 
 @pytest.fixture(scope="module")
-def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir):
+def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir, alert_sinks):
     from pipeline.dev import airflow_local
 
     home = tmp_path_factory.mktemp("airflow-live")
@@ -143,8 +216,11 @@ def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir):
             },
         )
         assert response.status_code in (200, 201), response.text
+        for connection in _alert_connections(alert_sinks):
+            response = client.call("POST", "/connections", json=connection)
+            assert response.status_code in (200, 201), response.text
         _wait_for_dags(client)
-        yield {"home": home, "base": base, "client": client, "password": password}
+        yield {"home": home, "base": base, "client": client, "password": password, "sinks": alert_sinks}
     finally:
         airflow_local.down(home, grace_s=5)  # what a test leaves running is killed, not waited for
 
@@ -222,8 +298,23 @@ def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_
         e["extra"].get("dataset_uri", "").startswith(live_config["data"]["storage"]["root"]) for e in events
     )
 
-    logs = "\n".join(p.read_text(errors="replace") for p in (home / "logs").rglob("*.log"))
-    assert SECRET_KEY not in logs  # the connection's secret never reaches a log
+    # alerts: the promotion, from the promote task's callback, and the data run past its deadline
+    sinks = live_airflow["sinks"]
+    promoted = _alerts(sinks, "promotion", safe_id(train_run))
+    assert promoted["webhook"]["version"] == alias["version"] and promoted["webhook"]["alias"] == "production"
+    assert set(promoted["webhook"]["speedups"]) >= {"baseline", "ngram"}
+    assert promoted["webhook"]["report"] == links["Run report"]
+    pull = f"--target tiny-test --alias {alias['version']} --dest ./drafters/tiny-test/{alias['version']}"
+    assert (
+        pull in promoted["webhook"]["pull_command"]
+        and f"pull: {promoted['webhook']['pull_command']}" in promoted["slack"]
+    )
+    assert promoted["email"]["subject"] == f"drafter: tiny-test version {alias['version']} promoted"
+    late = _alerts(sinks, "deadline", data_run)
+    assert late["slack"].startswith(f"*drafter: drafter_data run {data_run} is past its deadline*")
+    assert "deadline: 0.1 minutes after it was queued" in late["slack"] and "queued at 20" in late["slack"]
+    assert late["webhook"]["dag_id"] == "drafter_data" and late["webhook"]["run_id"] == data_run
+    _scan_for_secrets(home)
 
 
 def _param_field(page, title: str):
@@ -279,3 +370,45 @@ def test_browser_login_trigger_form_and_successful_run(live_airflow, live_config
         "version"
     )  # the UI-triggered run's drafter serves now
     assert promoted["version"] in [v["version"] for v in registry.list_versions(store, "tiny-test")]
+
+
+def test_a_rejected_candidate_and_a_failed_task_are_alerted(live_airflow, live_config):
+    client, home, sinks = live_airflow["client"], live_airflow["home"], live_airflow["sinks"]
+    # a candidate the gate rejects
+    response = client.call(
+        "POST",
+        "/dags/drafter_train/dagRuns",
+        json={
+            "logical_date": None,
+            "conf": {"config": str(live_config["path"]), "epochs": 1, "min_tau_simulated": 50},
+        },
+    )
+    assert response.status_code in (200, 201), response.text
+    rejected_run = response.json()["dag_run_id"]
+    run = client.wait_for_run("drafter_train", rejected_run, timeout_s=900)
+    assert run["state"] == "success", _failure_detail(home, client, "drafter_train", rejected_run)
+    assert client.task_states("drafter_train", rejected_run)["promote"] == "skipped"
+    from pipeline.ids import safe_id
+
+    rejected = _alerts(sinks, "rejection", safe_id(rejected_run))
+    reasons = rejected["webhook"]["reasons"]
+    assert any(reason.startswith("tau_simulated") and "< 50" in reason for reason in reasons), reasons
+    assert f"reason: {reasons[0]}" in rejected["slack"] and "production is unchanged" in rejected["slack"]
+    assert "&lt; 50" in rejected["email"]["body"]
+
+    # a run whose config does not exist: configure fails for good, and says so
+    response = client.call(
+        "POST",
+        "/dags/drafter_train/dagRuns",
+        json={"logical_date": None, "conf": {"config": str(live_config["path"]) + ".missing"}},
+    )
+    assert response.status_code in (200, 201), response.text
+    failed_run = response.json()["dag_run_id"]
+    run = client.wait_for_run("drafter_train", failed_run, timeout_s=300)
+    assert run["state"] == "failed"
+    failed = _alerts(sinks, "failure", failed_run)
+    assert failed["webhook"]["task_id"] == "configure" and failed["webhook"]["dag_id"] == "drafter_train"
+    assert "ConfigError" in failed["webhook"]["error"] and ".missing" in failed["webhook"]["error"]
+    assert failed["webhook"]["log_url"].endswith("/tasks/configure?try_number=1")
+    assert failed["email"]["subject"] == "drafter: drafter_train task configure failed"
+    _scan_for_secrets(home)

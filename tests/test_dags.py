@@ -26,6 +26,13 @@ def airflow_home(tmp_path_factory):
             "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
             "DRAFTER_DEPLOYMENT": str(REPO / "configs/deployment/local.yaml"),
+            # lineage through Airflow's OpenLineage provider, to its file transport (one event a line);
+            # emitted from a thread, not a forked process, inside this test process
+            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+                {"type": "file", "log_file_path": str(home / "openlineage.jsonl"), "append": True}
+            ),
+            "AIRFLOW__OPENLINEAGE__NAMESPACE": "drafter-tests",
+            "AIRFLOW__OPENLINEAGE__EXECUTE_IN_THREAD": "True",
         }
     )
     if str(DAGS) not in sys.path:  # what Airflow's dag bundle does for the dags folder
@@ -69,6 +76,65 @@ def test_dags_import_without_a_database(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "['drafter_data', 'drafter_train'] {}"
     assert "missing/dir" not in out.stderr  # nothing tried to open the database
+
+
+ALERTS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from airflow.dag_processing.dagbag import DagBag
+from airflow.serialization.serialized_objects import DagSerialization
+bag = DagBag(dag_folder=sys.argv[1])
+assert not bag.import_errors, bag.import_errors
+for dag_id in ("drafter_data", "drafter_train"):
+    dag = bag.dags[dag_id]
+    DagSerialization.to_dict(dag)  # what the scheduler stores
+    alerts = [(a.interval.total_seconds(), a.callback.path.rsplit(".", 1)[1]) for a in dag.deadline or []]
+    print(dag_id, alerts)
+promote = bag.dags["drafter_train"].get_task("promote")
+print("promote", [f.__name__ for f in promote.on_success_callback])
+"""
+
+
+def test_deadlines_and_alert_callbacks_follow_the_deployments_notifiers(tmp_path):
+    deployment = tmp_path / "deployment.yaml"
+    deployment.write_text(
+        yaml.safe_dump(
+            {
+                "deadline_minutes": {"drafter_train": 90},
+                "notifiers": [
+                    {"kind": "slack", "conn_id": "alerts_slack", "events": ["deadline", "promotion"]},
+                    {"kind": "webhook", "conn_id": "alerts_hook", "events": ["failure"]},
+                    {
+                        "kind": "email",
+                        "conn_id": "alerts_mail",
+                        "to": ["a@example.com"],
+                        "events": ["deadline"],
+                    },
+                ],
+            }
+        )
+    )
+    env = dict(
+        os.environ,
+        AIRFLOW_HOME=str(tmp_path),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        DRAFTER_DEPLOYMENT=str(deployment),
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", ALERTS, str(DAGS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()[-3:]
+    assert lines == [
+        "drafter_data []",  # no deadline for data runs in this deployment
+        "drafter_train [(5400.0, 'SlackWebhookNotifier'), (5400.0, 'SmtpNotifier')]",
+        "promote ['notify_promotion']",
+    ]
 
 
 def test_schedules_mapping_and_asset(dagbag):
@@ -516,6 +582,7 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
     alias_path = store_root / "drafters" / "tiny-test" / "aliases" / "production.json"
     alias = json.loads(alias_path.read_text())
     assert (store_root / "drafters" / "tiny-test" / "versions" / alias["version"] / "manifest.json").exists()
+    _lineage_runs_from_prompts_to_the_drafter_version(migrated_db / "openlineage.jsonl", store_root, alias)
 
     # a candidate the gate rejects: benchmark and promote are skipped, production stays where it was
     run = dagbag.dags["drafter_train"].test(
@@ -540,6 +607,42 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
         "tau_simulated" in r and "< 50" in r for r in decision["reasons"]
     )
     assert json.loads(alias_path.read_text()) == alias
+
+
+def _lineage_runs_from_prompts_to_the_drafter_version(events_file: Path, store_root: Path, alias: dict):
+    """What the OpenLineage provider emitted for the two runs: each stage task's inputs are the outputs
+    of the task before it, from the prompt snapshot to the promoted drafter version."""
+    completed = {}
+    for line in events_file.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("eventType") == "COMPLETE" and "job" in event:
+            completed[event["job"]["name"]] = event
+
+    def names(job: str, side: str) -> set[str]:
+        assert job in completed, sorted(completed)
+        datasets = completed[job][side]
+        assert {d["namespace"] for d in datasets} <= {"file"}, datasets
+        return {d["name"] for d in datasets}
+
+    chain = [
+        "drafter_data.prompts",
+        "drafter_data.responses",
+        "drafter_data.captures",
+        "drafter_data.publish_dataset",
+        "drafter_train.train",
+        "drafter_train.promote",
+    ]
+    for before, after in zip(chain, chain[1:], strict=False):
+        assert names(before, "outputs") & names(after, "inputs"), (before, after)
+    assert {
+        f"{store_root}/prompts",
+        f"{store_root}/responses/tiny-test",
+        f"{store_root}/captures/tiny-test",
+        f"{store_root}/datasets/tiny-test",
+    } == {name.rsplit("/", 1)[0] for job in chain[:4] for name in names(job, "outputs")}
+    assert f"{store_root}/drafters/tiny-test/versions/{alias['version']}" in names(
+        "drafter_train.promote", "outputs"
+    )
 
 
 def test_a_shard_count_becomes_a_shard_size():

@@ -74,6 +74,12 @@ def test_the_production_path_runs_end_to_end_on_a_local_cluster(tmp_path):
     # served twice: the first promotion, then again after the cron run's promotion was rolled back
     served = [line for line in lines if line.startswith("serving ") and "EAGLE3" in line]
     assert len(served) == 2 and served[0].split(":")[0] == served[1].split(":")[0], served
+    # the runbook's notifier connections carried the promotion and the broken run's failure
+    alerts = [line for line in lines if line.startswith("alerts: ")]
+    assert len(alerts) == 1 and "promotion of " in alerts[0] and "configure failure" in alerts[0], alerts
+    # lineage of the pod tasks, through Airflow's OpenLineage provider: the prompts to the promoted version
+    lineage = [line for line in lines if line.startswith("lineage: ")]
+    assert len(lineage) == 1 and "/drafters/kimi-k2.5/versions/" in lineage[0], lineage
     assert not (tmp_path / "ws").exists() or not any((tmp_path / "ws").iterdir())  # the workspace is removed
 
 

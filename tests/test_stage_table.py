@@ -87,7 +87,9 @@ def test_a_new_stage_is_one_module_and_one_entry(config_and_store, monkeypatch):
     entry = Stage("fake", "fake_stage", "a stage for this test", ("eval_uri",))
     monkeypatch.setattr(stages, "TABLE", (*TABLE, entry))
     output = stages.run_stage("fake", config, "r9", store)
-    assert output.model_dump() == {"uri": store.uri("runs/r9/eval"), "kind": "fake", "seen": "r9"}
+    # what it read (its entry's reads) is on its output: its task reports it as lineage
+    evaluation = store.uri("runs/r9/eval")
+    assert output.model_dump() == {"uri": evaluation, "kind": "fake", "seen": "r9", "read": [evaluation]}
 
     def wrong(config, inputs, run_id, store):
         return StageOutput(uri="u", kind="fake")

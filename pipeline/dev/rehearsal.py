@@ -16,7 +16,8 @@ What runs, in the order docs/RUNBOOK.md gives it to a user:
    manifests' flags, the capture servers' aux layers being the tiny target's. drafter_data scales each
    fleet up before its stage and back to 0 after it, from its own task pods;
 4. Airflow with `DRAFTER_DEPLOYMENT=configs/deployment/kubernetes.yaml`, unchanged but for its
-   retry_delay_seconds (REHEARSAL_RETRY_DELAY_S: the retried training task waits seconds, not minutes): every
+   retry_delay_seconds (REHEARSAL_RETRY_DELAY_S: the retried training task waits seconds, not minutes) and
+   its deadlines, which dag.test() cannot run (`rehearsal_deployment`): every
    `@task.kubernetes` task is rendered and run by the cncf provider's own code against the local
    cluster. drafter_data publishes the dataset Asset; drafter_train, given the Asset's dataset, trains,
    gates, benchmarks (the SGLang runner, its servers started in the benchmark's own pod) and promotes
@@ -25,7 +26,11 @@ What runs, in the order docs/RUNBOOK.md gives it to a user:
    by the deployment's engines, each a job of 2 ranks); a cron-scheduled drafter_train run (no trigger
    form) trains on the newest dataset, that one, with the deployment's run config;
 5. serving: the `kimi-k2-5-eagle3` Deployment's pod, as the manifest states it: its init container runs
-   `drafter pull` with the read-only role, and the server starts with exactly the flags the pull wrote.
+   `drafter pull` with the read-only role, and the server starts with exactly the flags the pull wrote;
+6. alerts: the deployment's notifiers deliver to a local HTTP sink (their connections from the
+   environment); the promotion reaches Slack with its pull command, the broken run's failed task reaches
+   Slack and the pager, and no notifier secret is in an Airflow log; the OpenLineage events of the pod
+   tasks link the prompts to the promoted drafter version.
 The last line printed is `rehearsal=passed`, after the stages and pods that ran.
 """
 
@@ -373,6 +378,94 @@ def airflow_command(command: str) -> str:
     return _output([str(Path(sys.executable).with_name("airflow")), *argv[1:]], " ".join(argv), timeout=300)
 
 
+# configs/deployment/kubernetes.yaml's notifiers, pointed at a local HTTP sink (pipeline/dev/alert_sinks.py)
+# that records what Slack and the pager would get. Their connections come from the environment, as a
+# Kubernetes Secret gives them to Airflow's pods: under dag.test() Airflow 3.3.2 answered a task's lookup
+# of a connection made with `airflow connections add` with not-found (seen in this rehearsal, cause not
+# found), while the running Airflow of tests/test_airflow_live.py finds connections made over its REST API.
+SLACK_TOKEN, WEBHOOK_TOKEN = "T0REHEARSE/B0ALERTS/rehearsal-slack-6a1f", "rehearsal-pager-token-93d0"
+
+
+def start_alert_sink(workspace: Path, processes: list[subprocess.Popen]) -> Path:
+    """The HTTP sink the Slack and webhook notifiers deliver to, and their connections to it; where the
+    sink records the requests it gets."""
+    port, requests_file = free_port(), workspace / "alerts.jsonl"
+    command = [sys.executable, "-m", "pipeline.dev.alert_sinks", "http", "--port", str(port)]
+    processes.append(subprocess.Popen([*command, "--out", str(requests_file)], cwd=PROJECT_ROOT))
+    _check(await_health(f"http://127.0.0.1:{port}", 60), "the alert sink listens")
+    connections = {
+        "DRAFTER_SLACK": {
+            "conn_type": "slackwebhook",
+            "host": f"http://127.0.0.1:{port}/slack",
+            "password": SLACK_TOKEN,
+        },
+        "DRAFTER_WEBHOOK": {
+            "conn_type": "http",
+            "host": "127.0.0.1",
+            "port": port,
+            "schema": "http",
+            "extra": {"Authorization": f"Bearer {WEBHOOK_TOKEN}"},
+        },
+    }
+    for name, connection in connections.items():
+        os.environ[f"AIRFLOW_CONN_{name}"] = json.dumps(connection)
+    return requests_file
+
+
+def delivered_alerts(requests_file: Path) -> dict[str, list]:
+    """What the sink got, by notifier: Slack's texts and the pager's JSON bodies (each with its token)."""
+    entries = (
+        [json.loads(line) for line in requests_file.read_text().splitlines()]
+        if requests_file.exists()
+        else []
+    )
+    return {
+        "slack": [json.loads(e["body"])["text"] for e in entries if e["path"] == f"/slack/{SLACK_TOKEN}"],
+        "pager": [
+            json.loads(e["body"])
+            for e in entries
+            if e["path"] == "/v1/alerts/drafter"
+            and e["headers"].get("Authorization") == f"Bearer {WEBHOOK_TOKEN}"
+        ],
+    }
+
+
+def check_alerts(requests_file: Path, promoted_version: str, broken, airflow_home: Path) -> str:
+    """The promotion reached Slack with its pull command; the failed configure task reached Slack and the
+    pager; no notifier secret is in any Airflow log."""
+    alerts = delivered_alerts(requests_file)
+    promotion = [text for text in alerts["slack"] if f"version {promoted_version} is now production" in text]
+    _check(
+        len(promotion) == 1
+        and f"--alias {promoted_version} --dest ./drafters/kimi-k2.5/{promoted_version}" in promotion[0]
+        and "pull: drafter pull --config /etc/drafter/kimi-k2.5.yaml" in promotion[0],
+        f"the promotion of {promoted_version} reached Slack with its pull command",
+    )
+    failed = [
+        hook for hook in alerts["pager"] if hook["event"] == "failure" and hook["run_id"] == broken.run_id
+    ]
+    _check(
+        len(failed) == 1
+        and failed[0]["task_id"] == "configure"
+        and "It exited 2: bad input (a config" in failed[0]["error"],
+        f"the failed configure task of {broken.run_id} reached the pager, with its error",
+    )
+    _check(
+        any("task configure failed" in text and broken.run_id in text for text in alerts["slack"]),
+        "the failed configure task reached Slack",
+    )
+    _check(
+        not any(hook["event"] == "promotion" for hook in alerts["pager"]),
+        "the pager takes only the events it names (failure, deadline)",
+    )
+    logs = "\n".join(path.read_text(errors="replace") for path in airflow_home.rglob("*.log"))
+    _check(SLACK_TOKEN not in logs and WEBHOOK_TOKEN not in logs, "no notifier secret is in an Airflow log")
+    return (
+        f"alerts: {len(alerts['slack'])} to Slack, {len(alerts['pager'])} to the pager "
+        f"(promotion of {promoted_version}; {broken.run_id}'s configure failure)"
+    )
+
+
 def capture_server_info(cluster: LocalCluster):
     """`curl` of a capture server's /server_info, by its pod's DNS name, with the fields the runbook names."""
 
@@ -560,10 +653,17 @@ def _exited(process: subprocess.Popen):
 
 
 def rehearsal_deployment(workspace: Path) -> Path:
-    """configs/deployment/kubernetes.yaml with one change, the wait before a task's retry
-    (REHEARSAL_RETRY_DELAY_S): the rehearsal's lost node is retried at once instead of minutes later."""
+    """configs/deployment/kubernetes.yaml with two changes:
+    - the wait before a task's retry (REHEARSAL_RETRY_DELAY_S): the rehearsal's lost node is retried at
+      once instead of minutes later;
+    - no `deadline_minutes`: Airflow 3.3.2's dag.test() cannot run a DAG with deadline alerts (its
+      DagRun.update_state looks the DAG's alerts up as stored ids: airflow/models/dagrun.py, in
+      update_state, `DeadlineAlertModel.get_by_id(alert_id, ...) for alert_id in dag.deadline`, and gets
+      the DeadlineAlert objects of the unserialized DAG). A scheduler runs them; tests/test_airflow_live.py
+      has a deadline alert delivered by a running scheduler and triggerer."""
     deployment = yaml.safe_load(DEPLOYMENT.read_text())
     deployment["retry_delay_seconds"] = REHEARSAL_RETRY_DELAY_S
+    deployment.pop("deadline_minutes", None)
     path = workspace / "deployment.yaml"
     path.write_text(yaml.safe_dump(deployment, sort_keys=False))
     return path
@@ -582,8 +682,57 @@ def airflow_environment(workspace: Path) -> None:
             "AIRFLOW__CORE__DAGS_FOLDER": str(PROJECT_ROOT / "dags"),
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home / 'airflow.db'}",
             "DRAFTER_DEPLOYMENT": str(rehearsal_deployment(workspace)),
+            # lineage through Airflow's OpenLineage provider, to a file (a lineage server stands in a
+            # cluster: infra/helm/airflow-values.yaml); emitted from a thread of this process
+            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+                {"type": "file", "log_file_path": str(lineage_events(workspace)), "append": True}
+            ),
+            "AIRFLOW__OPENLINEAGE__NAMESPACE": "drafter-rehearsal",
+            "AIRFLOW__OPENLINEAGE__EXECUTE_IN_THREAD": "True",
         }
     )
+
+
+def lineage_events(workspace: Path) -> Path:
+    return workspace / "openlineage.jsonl"
+
+
+def check_lineage(workspace: Path, version: str) -> str:
+    """The OpenLineage events of the pod tasks link the data run's prompts to the promoted version: each
+    step's outputs are among the next one's inputs, all in the S3 bucket."""
+    completed: dict[str, list[dict]] = {}
+    for line in lineage_events(workspace).read_text().splitlines():
+        event = json.loads(line)
+        if event.get("eventType") == "COMPLETE" and "job" in event:
+            completed.setdefault(event["job"]["name"], []).append(event)
+
+    def datasets(job: str, side: str) -> set[tuple[str, str]]:
+        return {(d["namespace"], d["name"]) for event in completed.get(job, []) for d in event[side]}
+
+    chain = [
+        "drafter_data.prompts",
+        "drafter_data.responses",
+        "drafter_data.captures",
+        "drafter_data.publish_dataset",
+        "drafter_train.train",
+        "drafter_train.promote",
+    ]
+    for before, after in zip(chain, chain[1:], strict=False):
+        _check(
+            bool(datasets(before, "outputs") & datasets(after, "inputs")),
+            f"lineage: {before}'s outputs are {after}'s inputs",
+        )
+    namespaces = {
+        namespace for job in chain for side in ("inputs", "outputs") for namespace, _ in datasets(job, side)
+    }
+    _check(namespaces == {f"s3://{BUCKET}"}, f"lineage: every dataset is in the bucket ({namespaces})")
+    versions = [
+        name
+        for _, name in datasets("drafter_train.promote", "outputs")
+        if name.endswith(f"/versions/{version}")
+    ]
+    _check(len(versions) == 1, f"lineage: the promotion published drafter version {version}")
+    return f"lineage: {' -> '.join(job.split('.')[1] for job in chain)} -> {versions[0]}"
 
 
 def start_airflow(workspace: Path, cluster: LocalCluster):
@@ -813,7 +962,8 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
             "kubectl -n airflow exec deploy/airflow-scheduler -- airflow pools set drafter_gpu 2 "
             '"GPU-bound drafter tasks"'
         )
-        lines = run_dags(runbook, serving, cluster, reference_url, workspace)
+        alerts = start_alert_sink(workspace, processes)
+        lines = run_dags(runbook, serving, cluster, reference_url, workspace, alerts)
         missed = runbook.missed()
         _check(not missed, f"every [rehearsed] command of docs/RUNBOOK.md ran (missed: {missed})")
         return lines + pod_lines(cluster)
@@ -1107,9 +1257,15 @@ def _xcom(run, task_id: str) -> dict[str, Any]:
 
 
 def run_dags(
-    runbook: Runbook, serving: ServingDeployment, cluster: LocalCluster, reference_url: str, workspace: Path
+    runbook: Runbook,
+    serving: ServingDeployment,
+    cluster: LocalCluster,
+    reference_url: str,
+    workspace: Path,
+    alerts: Path,
 ) -> list[str]:
-    """§2 to §6 of the runbook: the first run, serving it, a failing run, the cron, rollback, status."""
+    """§2 to §6 of the runbook: the first run, serving it, a failing run, the cron, rollback, status.
+    `alerts`: where the alert sink records what the notifiers sent."""
     from drafter_support import DEPLOYMENT
 
     from pipeline.ids import safe_id
@@ -1153,6 +1309,8 @@ def run_dags(
         str(configure.state) == "failed" and configure.try_number == 1 and configure.max_tries >= 1,
         "a config error failed its pod's task at once, without the retries a transient fault gets",
     )
+    lines.append(check_alerts(alerts, first_version, broken, Path(os.environ["AIRFLOW_HOME"])))
+    lines.append(check_lineage(workspace, first_version))
 
     inprocess = parsed_dag("drafter_data").test(run_conf={"num_shards": 1, "overrides": IN_PROCESS_CAPTURE})
     lines.append(

@@ -16,6 +16,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.config import ConfigError, Strict, resolve_project_path
+from pipeline.ops.alerts import ALERT_EVENTS, AlertEvent
 from pipeline.ops.fleets import ServerFleet
 from pipeline.stages import STAGES
 
@@ -149,6 +150,38 @@ class KubernetesPlacement(Strict):
 
 CONFIG_MOUNT_PATH = "/etc/drafter"
 
+DAG_IDS = ("drafter_data", "drafter_train")
+
+
+class NotifierConfig(Strict):
+    """Where alerts go, through an Airflow notifier: `slack` (the Slack provider's incoming-webhook
+    notifier), `email` (the SMTP provider's) or `webhook` (the HTTP provider's, a JSON POST). The address
+    and every secret (webhook token, SMTP password, an Authorization header) live in the Airflow
+    connection `conn_id`, never here."""
+
+    kind: Literal["slack", "email", "webhook"]
+    conn_id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,249}$")
+    events: list[AlertEvent] = Field(
+        default_factory=lambda: list(ALERT_EVENTS),
+        min_length=1,
+        description="which alerts: failure, rejection, promotion, deadline (default: all)",
+    )
+    to: list[str] = Field(default_factory=list, description="email: the recipients")
+    from_email: str | None = Field(None, description="email: the sender (default: the connection's)")
+    endpoint: str = Field("", description="webhook: the path under the connection's host")
+
+    @model_validator(mode="after")
+    def _fields_of_its_kind(self) -> NotifierConfig:
+        if self.kind == "email" and not self.to:
+            raise ValueError("an email notifier needs `to` (its recipients)")
+        if self.kind != "email" and (self.to or self.from_email):
+            raise ValueError(f"`to` and `from_email` are for email notifiers, not {self.kind}")
+        if self.kind != "webhook" and self.endpoint:
+            raise ValueError(f"`endpoint` is for webhook notifiers, not {self.kind}")
+        if len(set(self.events)) != len(self.events):
+            raise ValueError(f"events named twice: {self.events}")
+        return self
+
 
 class DeploymentConfig(Strict):
     executor: Literal["local", "kubernetes"] = "local"
@@ -172,6 +205,29 @@ class DeploymentConfig(Strict):
     )
     stages: dict[str, StageResources] = Field(default_factory=dict)
     kubernetes: KubernetesPlacement | None = None
+    notifiers: list[NotifierConfig] = Field(
+        default_factory=list,
+        description="where alerts go: failed tasks, gate rejections, promotions, runs past their deadline",
+    )
+    deadline_minutes: dict[str, float] = Field(
+        default_factory=dict,
+        description="per DAG: a run still going this long after it was queued sends a deadline alert",
+    )
+
+    @field_validator("deadline_minutes")
+    @classmethod
+    def _positive_deadlines(cls, deadlines: dict[str, float]) -> dict[str, float]:
+        unknown = sorted(set(deadlines) - set(DAG_IDS))
+        if unknown:
+            raise ValueError(f"deadlines for unknown DAGs {unknown}; the DAGs are {', '.join(DAG_IDS)}")
+        wrong = {dag: minutes for dag, minutes in deadlines.items() if not minutes > 0}
+        if wrong:
+            raise ValueError(f"a deadline is a positive number of minutes: {wrong}")
+        return deadlines
+
+    def notifiers_for(self, event: str) -> list[NotifierConfig]:
+        """The notifiers that take an alert of this kind."""
+        return [notifier for notifier in self.notifiers if event in notifier.events]
 
     @field_validator("stages")
     @classmethod

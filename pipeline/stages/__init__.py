@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline import layout
 from pipeline.ids import validate_id
@@ -37,11 +37,13 @@ class StageInputs(BaseModel):
 
 
 class StageOutput(BaseModel):
-    """What a stage hands on (XCom-sized): the URI of what it published and that artifact's kind."""
+    """What a stage hands on (XCom-sized): the URI of what it published and that artifact's kind, and
+    the artifacts it read (its entry's `reads`; set by `Stage.run`), which its task reports as lineage."""
 
     model_config = ConfigDict(extra="forbid")
     uri: str
     kind: str
+    read: list[str] = Field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,15 @@ class Stage:
             raise TypeError(
                 f"stage {self.name} returned {type(output).__name__}, not {module.Output.__name__}"
             )
-        return cast(StageOutput, output)
+        return cast(StageOutput, output.model_copy(update={"read": self.read_uris(inputs)}))
+
+    def read_uris(self, inputs: StageInputs) -> list[str]:
+        """The artifact URIs among a stage's inputs, in its entry's order."""
+        uris: list[str] = []
+        for name in self.reads:
+            value = getattr(inputs, name)
+            uris += value if isinstance(value, list) else [value]
+        return uris
 
 
 TABLE: tuple[Stage, ...] = (

@@ -33,6 +33,10 @@ class Output(StageOutput):
 class GateFailed(RuntimeError):
     """The candidate did not pass; the decision record is stored before this is raised."""
 
+    def __init__(self, message: str, reasons: list[str]):
+        super().__init__(message)
+        self.reasons = reasons
+
 
 def decide(evaluation: EvalRecord, gate: GateConfig, run_id: str) -> GateRecord:
     checks = []
@@ -108,5 +112,5 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         log.info("gate: %s", reason)
     if not decision.passed:
         reasons = "\n  ".join(decision.reasons)
-        raise GateFailed(f"gate failed for run {run_id}:\n  {reasons}")
+        raise GateFailed(f"gate failed for run {run_id}:\n  {reasons}", decision.reasons)
     return Output(uri=store.uri(prefix), kind=manifest["kind"], passed=True, reasons=decision.reasons)

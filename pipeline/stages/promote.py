@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from pydantic import Field
+
 from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.data.capture_contract import CaptureContract
@@ -38,6 +40,11 @@ class Output(StageOutput):
     promoted: bool
     version: str | None = None
     registry_uri: str | None = None
+    alias: str | None = None
+    # what a promotion alert states: the candidate's speedup over each method it was measured against,
+    # on the benchmark's engine
+    speedups: dict[str, float] = Field(default_factory=dict)
+    bench_engine: str | None = None
 
 
 class PromotionRefused(RuntimeError):
@@ -104,4 +111,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         promoted=outcome.promoted,
         version=outcome.version,
         registry_uri=outcome.registry_uri,
+        alias=outcome.alias,
+        speedups={method: interval.ratio for method, interval in bench.speedups.items()},
+        bench_engine=bench.engine,
     )

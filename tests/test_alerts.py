@@ -1,0 +1,288 @@
+"""Alerts: what they say (pipeline.ops.alerts, pipeline.tasks), the deployment's notifier config, and
+delivery through Airflow's own notifiers (the Slack, SMTP and HTTP providers) to local HTTP and SMTP
+sinks on 127.0.0.1, deadline alerts included through the triggerer's callback trigger. Airflow runs in
+a subprocess here (its home must not be fixed in this worker: tests/test_dags.py sets its own)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jinja2
+import pytest
+import yaml
+
+from tests.conftest import REPO, AlertSinks, storage_config, tiny_config_dict
+
+SLACK_TOKEN = "T0DRAFTER/B0ALERTS/slack-token-3c9d"
+WEBHOOK_TOKEN = "webhook-bearer-81f2e0"
+
+
+def test_a_failure_alert_masks_credentials_and_bounds_the_error():
+    from pipeline.ops.alerts import ERROR_CHARS, failure_alert
+
+    error = RuntimeError("reading s3://AKIA123:topsecret@bucket/key failed\n  " + "x" * 2000)
+    alert = failure_alert("drafter_data", "manual__1", "capture_shard", 3, error, "http://airflow/log/1")
+    assert alert.subject == "drafter: drafter_data task capture_shard failed"
+    assert "topsecret" not in alert.text + json.dumps(alert.payload) + alert.html
+    assert alert.payload["error"].startswith("RuntimeError: reading s3://***@bucket/key failed x")
+    assert len(alert.payload["error"]) == ERROR_CHARS
+    assert "task capture_shard (attempt 3)" in alert.lines and "log: http://airflow/log/1" in alert.lines
+    assert failure_alert("d", "r", "t", None, None, "").payload["error"] == "unknown (see the task log)"
+
+
+def _run(tmp_path, run_id: str = "manual__2026-12-02T10-00-00") -> dict:
+    config = tiny_config_dict(storage_config("file", tmp_path, None))
+    return {"run_id": run_id, "config": config, "source": {"config": "configs/tiny.yaml", "overrides": []}}
+
+
+def test_promotion_and_rejection_notices_name_version_speedups_pull_command_and_reasons(tmp_path):
+    from pipeline.tasks import promotion_notice, rejection_notice
+
+    run = _run(tmp_path)
+    report = f"file://{tmp_path}/store/runs/{run['run_id']}/report/report.html"
+    promoted = {
+        "uri": "file:///x",
+        "kind": "promote",
+        "promoted": True,
+        "version": "v0003-abc",
+        "alias": "production",
+        "registry_uri": "file:///store/drafters/tiny-test/versions/v0003-abc",
+        "speedups": {"baseline": 1.62, "ngram": 1.31, "incumbent": 1.04},
+        "bench_engine": "vllm",
+    }
+    alert = promotion_notice(run, promoted)
+    assert (
+        alert["event"] == "promotion" and alert["subject"] == "drafter: tiny-test version v0003-abc promoted"
+    )
+    pull = (
+        "drafter pull --config configs/tiny.yaml --target tiny-test --alias v0003-abc "
+        "--dest ./drafters/tiny-test/v0003-abc --engine vllm"
+    )
+    assert alert["facts"]["pull_command"] == pull and f"pull: {pull}" in alert["lines"]
+    assert "speedup vs baseline: 1.62x" in alert["lines"] and "speedup vs incumbent: 1.04x" in alert["lines"]
+    assert alert["facts"]["report"] == report
+    assert promotion_notice(run, {**promoted, "promoted": False}) is None
+    # the local engine's benchmark names no serving engine: the pull takes its default
+    local = promotion_notice(run, {**promoted, "bench_engine": "local"})
+    assert local["facts"]["pull_command"].endswith("--dest ./drafters/tiny-test/v0003-abc")
+
+    reasons = ["cond_acc_0 0.031 < 0.05", "tau_simulated 1.4 < 50"]
+    rejected = rejection_notice(run, {"passed": False, "reasons": reasons})
+    assert rejected["event"] == "rejection"
+    assert [line for line in rejected["lines"] if line.startswith("reason: ")] == [
+        f"reason: {reason}" for reason in reasons
+    ]
+    assert "production is unchanged" in rejected["lines"] and rejected["facts"]["report"] == report
+
+
+def test_the_gate_decision_lists_each_reason(tmp_path):
+    from pipeline.stages.gate import GateFailed
+
+    failed = GateFailed("gate failed for run r:\n  a\n  b", ["a", "b"])
+    assert failed.reasons == ["a", "b"] and str(failed).endswith("b")
+
+
+def test_a_pods_exit_code_says_what_kind_of_failure_it_was():
+    from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, exit_code_meaning
+
+    assert exit_code_meaning(EXIT_BAD_INPUT).startswith("bad input (a config")
+    assert exit_code_meaning(EXIT_GATE).startswith("a rejected candidate")
+    assert exit_code_meaning(EXIT_FAILED) == "a failure a retry may fix"
+
+
+def test_deadline_alert_templates_render_with_the_late_runs_context():
+    from pipeline.ops.alerts import deadline_alert
+
+    alert = deadline_alert("drafter_train", 2880)
+    context = {
+        "dag_run": {
+            "dag_run_id": "scheduled__2026-12-01",
+            "queued_at": "2026-12-01T04:00:00Z",
+            "state": "running",
+        },
+        "deadline": {"deadline_time": "2026-12-03T04:00:00Z"},
+    }
+    text = jinja2.Template(alert.text).render(**context)
+    assert "drafter_train run scheduled__2026-12-01 is past its deadline" in text
+    assert "deadline: 2880 minutes after it was queued (2026-12-03T04:00:00Z)" in text
+    assert "state running" in text
+
+
+@pytest.mark.parametrize(
+    "notifier, problem",
+    [
+        ({"kind": "email", "conn_id": "smtp_default"}, "needs `to`"),
+        ({"kind": "slack", "conn_id": "s", "to": ["a@b.c"]}, "for email notifiers"),
+        ({"kind": "slack", "conn_id": "s", "endpoint": "/x"}, "for webhook notifiers"),
+        ({"kind": "webhook", "conn_id": "../etc"}, "conn_id"),
+        ({"kind": "webhook", "conn_id": "w", "events": ["promoted"]}, "events"),
+        ({"kind": "webhook", "conn_id": "w", "events": ["failure", "failure"]}, "named twice"),
+        ({"kind": "webhook", "conn_id": "w", "url": "https://x"}, "url"),
+        ({"kind": "pagerduty", "conn_id": "w"}, "kind"),
+    ],
+)
+def test_a_notifier_config_that_cannot_work_is_refused(tmp_path, notifier, problem):
+    from pipeline.config import ConfigError
+    from pipeline.ops.deployment import load_deployment
+
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump({"notifiers": [notifier]}))
+    with pytest.raises(ConfigError, match=problem):
+        load_deployment(path)
+
+
+@pytest.mark.parametrize(
+    "deadlines, problem",
+    [({"drafter_nightly": 60}, "unknown DAGs"), ({"drafter_train": 0}, "positive number of minutes")],
+)
+def test_a_deadline_must_name_a_dag_and_be_positive(tmp_path, deadlines, problem):
+    from pipeline.config import ConfigError
+    from pipeline.ops.deployment import load_deployment
+
+    path = tmp_path / "deployment.yaml"
+    path.write_text(yaml.safe_dump({"deadline_minutes": deadlines}))
+    with pytest.raises(ConfigError, match=problem):
+        load_deployment(path)
+
+
+# Sends one alert of each kind through drafter_support.send_alert (a worker's callbacks), and runs each
+# deadline alert's callback through Airflow's CallbackTrigger, as the triggerer does with a late run.
+DELIVER = """
+import asyncio, json, sys
+sys.path.insert(0, "dags")
+from drafter_support import DEPLOYMENT, deadline_alerts, send_alert
+from pipeline.ops.alerts import failure_alert, promotion_alert, rejection_alert
+from airflow.triggers.callback import CallbackTrigger
+
+send_alert(failure_alert("drafter_train", "run-f", "train", 2, RuntimeError("no route to s3://k:pw@b/x"), "http://af/log"))
+send_alert(rejection_alert("run-r", "tiny-test", ["tau_simulated 1.4 < 50"], "file:///store/runs/run-r/report/report.html"))
+promoted = {"version": "v0007-aa", "alias": "production", "registry_uri": "s3://b/drafters/tiny-test/versions/v0007-aa",
+            "speedups": {"baseline": 1.8}, "pull_command": "drafter pull --alias v0007-aa"}
+send_alert(promotion_alert("run-p", "tiny-test", promoted, "file:///r.html"))
+
+async def late(alerts):
+    run = {"dag_id": "drafter_data", "dag_run_id": "run-late", "queued_at": "2026-12-02T10:00:00Z"}
+    context = {"dag_run": {**run, "state": "running"},
+               "deadline": {"id": "d1", "deadline_time": "2026-12-02T10:00:06Z"}}
+    states = []
+    for alert in alerts:
+        trigger = CallbackTrigger(alert.callback.path, {**alert.callback.kwargs, "context": context})
+        states += [event.payload["state"] async for event in trigger.run()]
+    return states
+
+alerts = deadline_alerts("drafter_data")
+print("DEADLINES", json.dumps([a.callback.path for a in alerts]))
+print("STATES", json.dumps([str(s) for s in asyncio.run(late(alerts))]))
+"""
+
+
+def test_alerts_reach_slack_email_and_webhook_through_airflows_notifiers(tmp_path, alert_sinks):
+    deployment = {
+        "executor": "local",
+        "deadline_minutes": {"drafter_data": 0.1},
+        "notifiers": [
+            {"kind": "slack", "conn_id": "drafter_slack"},
+            {
+                "kind": "email",
+                "conn_id": "drafter_smtp",
+                "to": ["ml-infra@example.com"],
+                "from_email": "drafter@example.com",
+            },
+            {"kind": "webhook", "conn_id": "drafter_webhook", "endpoint": "/hooks/drafter"},
+            # a notifier whose server is down: logged without its address, the others still deliver
+            {"kind": "webhook", "conn_id": "drafter_down", "events": ["failure"]},
+        ],
+    }
+    (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(deployment))
+    connections = {
+        "DRAFTER_SLACK": {
+            "conn_type": "slackwebhook",
+            "host": f"http://127.0.0.1:{alert_sinks.http_port}/slack",
+            "password": SLACK_TOKEN,
+        },
+        "DRAFTER_SMTP": {
+            "conn_type": "smtp",
+            "host": "127.0.0.1",
+            "port": alert_sinks.smtp_port,
+            "login": AlertSinks.SMTP_LOGIN,
+            "password": AlertSinks.SMTP_PASSWORD,
+            "extra": {"disable_tls": True, "disable_ssl": True, "retry_limit": 0},
+        },
+        "DRAFTER_WEBHOOK": {
+            "conn_type": "http",
+            "host": "127.0.0.1",
+            "port": alert_sinks.http_port,
+            "schema": "http",
+            "extra": {"Authorization": f"Bearer {WEBHOOK_TOKEN}"},
+        },
+        "DRAFTER_DOWN": {"conn_type": "http", "host": "127.0.0.1", "port": 9, "schema": "http"},
+    }
+    env = dict(
+        os.environ,
+        AIRFLOW_HOME=str(tmp_path / "airflow"),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        DRAFTER_DEPLOYMENT=str(tmp_path / "deployment.yaml"),
+        **{f"AIRFLOW_CONN_{name}": json.dumps(connection) for name, connection in connections.items()},
+    )
+    before_http, before_mail = len(alert_sinks.requests()), len(alert_sinks.emails())
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(DELIVER)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    logs = out.stdout + out.stderr
+    assert out.returncode == 0, logs[-4000:]
+
+    # the deadline alerts: one per notifier taking them, each run to success by the callback trigger
+    paths = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("DEADLINES"))[10:])
+    assert paths == [
+        "airflow.providers.slack.notifications.slack_webhook.SlackWebhookNotifier",
+        "airflow.providers.smtp.notifications.smtp.SmtpNotifier",
+        "airflow.providers.http.notifications.http.HttpNotifier",
+    ]
+    states = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("STATES"))[7:])
+    assert states == ["running", "success"] * 3, logs[-4000:]
+
+    slack = [json.loads(r["body"])["text"] for r in alert_sinks.requests("/slack/")[before_http:]]
+    hooks = alert_sinks.requests("/hooks/drafter")
+    webhook = [json.loads(r["body"]) for r in hooks if r not in alert_sinks.requests("/slack/")][-4:]
+    mail = alert_sinks.emails()[before_mail:]
+    assert len(slack) == len(webhook) == len(mail) == 4  # failure, rejection, promotion, deadline
+    assert all(r["path"] == f"/slack/{SLACK_TOKEN}" for r in alert_sinks.requests("/slack/")[before_http:])
+    assert all(r["headers"]["Authorization"] == f"Bearer {WEBHOOK_TOKEN}" for r in hooks[-4:])
+
+    failure, rejection, promotion, deadline = slack
+    assert failure.startswith("*drafter: drafter_train task train failed*")
+    assert "error: RuntimeError: no route to s3://***@b/x" in failure and "pw@" not in failure
+    assert "reason: tau_simulated 1.4 < 50" in rejection and "production is unchanged" in rejection
+    assert "version v0007-aa is now production" in promotion and "speedup vs baseline: 1.80x" in promotion
+    assert "pull: drafter pull --alias v0007-aa" in promotion
+    assert deadline.startswith("*drafter: drafter_data run run-late is past its deadline*")
+    assert "deadline: 0.1 minutes after it was queued (2026-12-02T10:00:06Z)" in deadline
+
+    assert [m["subject"] for m in mail] == [
+        "drafter: drafter_train task train failed",
+        "drafter: the gate rejected the tiny-test candidate of run run-r",
+        "drafter: tiny-test version v0007-aa promoted",
+        "drafter: drafter_data run run-late is past its deadline",
+    ]
+    assert {(m["from"], m["to"]) for m in mail} == {("drafter@example.com", "ml-infra@example.com")}
+    assert "<li>reason: tau_simulated 1.4 &lt; 50</li>" in mail[1]["body"]
+    assert "<li>pull: drafter pull --alias v0007-aa</li>" in mail[2]["body"]
+    assert "queued at 2026-12-02T10:00:00Z, state running" in mail[3]["body"]
+
+    assert [hook["event"] for hook in webhook] == ["failure", "rejection", "promotion", "deadline"]
+    assert webhook[0]["task_id"] == "train" and webhook[1]["reasons"] == ["tau_simulated 1.4 < 50"]
+    assert webhook[2]["version"] == "v0007-aa" and webhook[2]["speedups"] == {"baseline": 1.8}
+    assert webhook[3]["run_id"] == "run-late" and webhook[3]["deadline_minutes"] == 0.1
+
+    assert "failure alert through the webhook notifier (connection drafter_down) failed" in logs
+    for secret in (SLACK_TOKEN, WEBHOOK_TOKEN, AlertSinks.SMTP_PASSWORD, "pw@"):
+        assert secret not in logs
