@@ -264,9 +264,46 @@ class AlertSinks:
     """The HTTP and SMTP sinks the notifiers deliver to (pipeline/dev/alert_sinks.py) and what they got."""
 
     SMTP_LOGIN, SMTP_PASSWORD = "drafter-alerts", "smtp-secret-5d8e1b"
+    # a deployment's notifiers, one of each kind, whose connections (`connections`) point at the sinks
+    NOTIFIERS = [
+        {"kind": "slack", "conn_id": "drafter_slack"},
+        {
+            "kind": "email",
+            "conn_id": "drafter_smtp",
+            "to": ["ml-infra@example.com"],
+            "from_email": "drafter@example.com",
+        },
+        {"kind": "webhook", "conn_id": "drafter_webhook", "endpoint": "/hooks/drafter"},
+    ]
 
     def __init__(self, root: Path, http_port: int, smtp_port: int):
         self.root, self.http_port, self.smtp_port = root, http_port, smtp_port
+
+    def connections(self, slack_token: str, webhook_token: str) -> dict[str, dict]:
+        """The Airflow connections of NOTIFIERS by conn_id, their secrets the given tokens and the SMTP
+        login."""
+        return {
+            "drafter_slack": {
+                "conn_type": "slackwebhook",
+                "host": f"http://127.0.0.1:{self.http_port}/slack",
+                "password": slack_token,
+            },
+            "drafter_smtp": {
+                "conn_type": "smtp",
+                "host": "127.0.0.1",
+                "port": self.smtp_port,
+                "login": self.SMTP_LOGIN,
+                "password": self.SMTP_PASSWORD,
+                "extra": {"disable_tls": True, "disable_ssl": True, "retry_limit": 0},
+            },
+            "drafter_webhook": {
+                "conn_type": "http",
+                "host": "127.0.0.1",
+                "port": self.http_port,
+                "schema": "http",
+                "extra": {"Authorization": f"Bearer {webhook_token}"},
+            },
+        }
 
     def requests(self, path_prefix: str = "/") -> list[dict]:
         """The HTTP requests received, oldest first, whose path starts with `path_prefix`."""

@@ -50,45 +50,20 @@ DEPLOYMENT = {
         stage: {"use_pool": True, "retries": 0, "timeout_minutes": 20}
         for stage in ("generate", "parity", "capture", "train", "evaluate", "benchmark")
     },
-    "notifiers": [
-        {"kind": "slack", "conn_id": "drafter_slack"},
-        {
-            "kind": "email",
-            "conn_id": "drafter_smtp",
-            "to": ["ml-infra@example.com"],
-            "from_email": "drafter@example.com",
-        },
-        {"kind": "webhook", "conn_id": "drafter_webhook", "endpoint": "/hooks/drafter"},
-    ],
+    "notifiers": AlertSinks.NOTIFIERS,
     "deadline_minutes": {"drafter_data": 0.1},  # every data run here overruns 6 s: its deadline alert fires
 }
 
 
 def _alert_connections(sinks: AlertSinks) -> list[dict]:
+    """The notifiers' connections as the REST API takes them (extra as a JSON string)."""
     return [
         {
-            "connection_id": "drafter_slack",
-            "conn_type": "slackwebhook",
-            "host": f"http://127.0.0.1:{sinks.http_port}/slack",
-            "password": SLACK_TOKEN,
-        },
-        {
-            "connection_id": "drafter_smtp",
-            "conn_type": "smtp",
-            "host": "127.0.0.1",
-            "port": sinks.smtp_port,
-            "login": AlertSinks.SMTP_LOGIN,
-            "password": AlertSinks.SMTP_PASSWORD,
-            "extra": json.dumps({"disable_tls": True, "disable_ssl": True, "retry_limit": 0}),
-        },
-        {
-            "connection_id": "drafter_webhook",
-            "conn_type": "http",
-            "host": "127.0.0.1",
-            "port": sinks.http_port,
-            "schema": "http",
-            "extra": json.dumps({"Authorization": f"Bearer {WEBHOOK_TOKEN}"}),
-        },
+            "connection_id": conn_id,
+            **conn,
+            **({"extra": json.dumps(conn["extra"])} if "extra" in conn else {}),
+        }
+        for conn_id, conn in sinks.connections(SLACK_TOKEN, WEBHOOK_TOKEN).items()
     ]
 
 
@@ -136,6 +111,12 @@ class AirflowClient:
         return requests.request(
             method, f"{self.base}/api/v2{path}", headers=self.headers, timeout=60, **kwargs
         )
+
+    def trigger(self, dag_id: str, conf: dict) -> str:
+        """Start a run of `dag_id` with this trigger form; its run id."""
+        response = self.call("POST", f"/dags/{dag_id}/dagRuns", json={"logical_date": None, "conf": conf})
+        assert response.status_code in (200, 201), response.text
+        return response.json()["dag_run_id"]
 
     def get(self, path: str, **kwargs) -> dict:
         response = self.call("GET", path, **kwargs)
@@ -247,16 +228,9 @@ def test_rest_trigger_then_asset_scheduled_training_promotes(live_airflow, live_
     from pipeline.ops import registry
 
     client, home = live_airflow["client"], live_airflow["home"]
-    response = client.call(
-        "POST",
-        "/dags/drafter_data/dagRuns",
-        json={
-            "logical_date": None,
-            "conf": {"config": str(live_config["path"]), "num_samples": 48, "shard_size": 16},
-        },
+    data_run = client.trigger(
+        "drafter_data", {"config": str(live_config["path"]), "num_samples": 48, "shard_size": 16}
     )
-    assert response.status_code in (200, 201), response.text
-    data_run = response.json()["dag_run_id"]
     run = client.wait_for_run("drafter_data", data_run, timeout_s=900)
     assert run["state"] == "success", _failure_detail(home, client, "drafter_data", data_run)
     states = client.task_states("drafter_data", data_run)
@@ -375,16 +349,9 @@ def test_browser_login_trigger_form_and_successful_run(live_airflow, live_config
 def test_a_rejected_candidate_and_a_failed_task_are_alerted(live_airflow, live_config):
     client, home, sinks = live_airflow["client"], live_airflow["home"], live_airflow["sinks"]
     # a candidate the gate rejects
-    response = client.call(
-        "POST",
-        "/dags/drafter_train/dagRuns",
-        json={
-            "logical_date": None,
-            "conf": {"config": str(live_config["path"]), "epochs": 1, "min_tau_simulated": 50},
-        },
+    rejected_run = client.trigger(
+        "drafter_train", {"config": str(live_config["path"]), "epochs": 1, "min_tau_simulated": 50}
     )
-    assert response.status_code in (200, 201), response.text
-    rejected_run = response.json()["dag_run_id"]
     run = client.wait_for_run("drafter_train", rejected_run, timeout_s=900)
     assert run["state"] == "success", _failure_detail(home, client, "drafter_train", rejected_run)
     assert client.task_states("drafter_train", rejected_run)["promote"] == "skipped"
@@ -397,13 +364,7 @@ def test_a_rejected_candidate_and_a_failed_task_are_alerted(live_airflow, live_c
     assert "&lt; 50" in rejected["email"]["body"]
 
     # a run whose config does not exist: configure fails for good, and says so
-    response = client.call(
-        "POST",
-        "/dags/drafter_train/dagRuns",
-        json={"logical_date": None, "conf": {"config": str(live_config["path"]) + ".missing"}},
-    )
-    assert response.status_code in (200, 201), response.text
-    failed_run = response.json()["dag_run_id"]
+    failed_run = client.trigger("drafter_train", {"config": str(live_config["path"]) + ".missing"})
     run = client.wait_for_run("drafter_train", failed_run, timeout_s=300)
     assert run["state"] == "failed"
     failed = _alerts(sinks, "failure", failed_run)

@@ -185,48 +185,22 @@ def test_alerts_reach_slack_email_and_webhook_through_airflows_notifiers(tmp_pat
         "executor": "local",
         "deadline_minutes": {"drafter_data": 0.1},
         "notifiers": [
-            {"kind": "slack", "conn_id": "drafter_slack"},
-            {
-                "kind": "email",
-                "conn_id": "drafter_smtp",
-                "to": ["ml-infra@example.com"],
-                "from_email": "drafter@example.com",
-            },
-            {"kind": "webhook", "conn_id": "drafter_webhook", "endpoint": "/hooks/drafter"},
+            *AlertSinks.NOTIFIERS,
             # a notifier whose server is down: logged without its address, the others still deliver
             {"kind": "webhook", "conn_id": "drafter_down", "events": ["failure"]},
         ],
     }
     (tmp_path / "deployment.yaml").write_text(yaml.safe_dump(deployment))
     connections = {
-        "DRAFTER_SLACK": {
-            "conn_type": "slackwebhook",
-            "host": f"http://127.0.0.1:{alert_sinks.http_port}/slack",
-            "password": SLACK_TOKEN,
-        },
-        "DRAFTER_SMTP": {
-            "conn_type": "smtp",
-            "host": "127.0.0.1",
-            "port": alert_sinks.smtp_port,
-            "login": AlertSinks.SMTP_LOGIN,
-            "password": AlertSinks.SMTP_PASSWORD,
-            "extra": {"disable_tls": True, "disable_ssl": True, "retry_limit": 0},
-        },
-        "DRAFTER_WEBHOOK": {
-            "conn_type": "http",
-            "host": "127.0.0.1",
-            "port": alert_sinks.http_port,
-            "schema": "http",
-            "extra": {"Authorization": f"Bearer {WEBHOOK_TOKEN}"},
-        },
-        "DRAFTER_DOWN": {"conn_type": "http", "host": "127.0.0.1", "port": 9, "schema": "http"},
+        **alert_sinks.connections(SLACK_TOKEN, WEBHOOK_TOKEN),
+        "drafter_down": {"conn_type": "http", "host": "127.0.0.1", "port": 9, "schema": "http"},
     }
     env = dict(
         os.environ,
         AIRFLOW_HOME=str(tmp_path / "airflow"),
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
         DRAFTER_DEPLOYMENT=str(tmp_path / "deployment.yaml"),
-        **{f"AIRFLOW_CONN_{name}": json.dumps(connection) for name, connection in connections.items()},
+        **{f"AIRFLOW_CONN_{name.upper()}": json.dumps(conn) for name, conn in connections.items()},
     )
     before_http, before_mail = len(alert_sinks.requests()), len(alert_sinks.emails())
     out = subprocess.run(

@@ -56,14 +56,23 @@ print(sorted(bag.dag_ids), bag.import_errors)
 """
 
 
+def _parse_env(home: Path, deployment: Path, **extra: str) -> dict[str, str]:
+    """The environment of a subprocess that parses the DAGs with this deployment, in Airflow home `home`."""
+    return dict(
+        os.environ,
+        AIRFLOW_HOME=str(home),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        DRAFTER_DEPLOYMENT=str(deployment),
+        **extra,
+    )
+
+
 def test_dags_import_without_a_database(tmp_path):
     # a database URL that cannot be opened and no connections: parsing must need neither
-    env = dict(
-        os.environ,
-        AIRFLOW_HOME=str(tmp_path),
-        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+    env = _parse_env(
+        tmp_path,
+        REPO / "configs/deployment/local.yaml",
         AIRFLOW__DATABASE__SQL_ALCHEMY_CONN=f"sqlite:///{tmp_path}/missing/dir/airflow.db",
-        DRAFTER_DEPLOYMENT=str(REPO / "configs/deployment/local.yaml"),
     )
     out = subprocess.run(
         [sys.executable, "-c", PARSE, str(DAGS)],
@@ -114,12 +123,7 @@ def test_deadlines_and_alert_callbacks_follow_the_deployments_notifiers(tmp_path
             }
         )
     )
-    env = dict(
-        os.environ,
-        AIRFLOW_HOME=str(tmp_path),
-        AIRFLOW__CORE__LOAD_EXAMPLES="False",
-        DRAFTER_DEPLOYMENT=str(deployment),
-    )
+    env = _parse_env(tmp_path, deployment)
     out = subprocess.run(
         [sys.executable, "-c", ALERTS, str(DAGS)],
         env=env,
@@ -612,26 +616,17 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
 def _lineage_runs_from_prompts_to_the_drafter_version(events_file: Path, store_root: Path, alias: dict):
     """What the OpenLineage provider emitted for the two runs: each stage task's inputs are the outputs
     of the task before it, from the prompt snapshot to the promoted drafter version."""
-    completed = {}
-    for line in events_file.read_text().splitlines():
-        event = json.loads(line)
-        if event.get("eventType") == "COMPLETE" and "job" in event:
-            completed[event["job"]["name"]] = event
+    from pipeline.ops.lineage import LINEAGE_CHAIN as chain
+    from pipeline.ops.lineage import completed_datasets
+
+    jobs = completed_datasets(events_file)
 
     def names(job: str, side: str) -> set[str]:
-        assert job in completed, sorted(completed)
-        datasets = completed[job][side]
-        assert {d["namespace"] for d in datasets} <= {"file"}, datasets
-        return {d["name"] for d in datasets}
+        assert job in jobs, sorted(jobs)
+        datasets = jobs[job][side]
+        assert {namespace for namespace, _ in datasets} <= {"file"}, datasets
+        return {name for _, name in datasets}
 
-    chain = [
-        "drafter_data.prompts",
-        "drafter_data.responses",
-        "drafter_data.captures",
-        "drafter_data.publish_dataset",
-        "drafter_train.train",
-        "drafter_train.promote",
-    ]
     for before, after in zip(chain, chain[1:], strict=False):
         assert names(before, "outputs") & names(after, "inputs"), (before, after)
     assert {

@@ -700,23 +700,14 @@ def lineage_events(workspace: Path) -> Path:
 def check_lineage(workspace: Path, version: str) -> str:
     """The OpenLineage events of the pod tasks link the data run's prompts to the promoted version: each
     step's outputs are among the next one's inputs, all in the S3 bucket."""
-    completed: dict[str, list[dict]] = {}
-    for line in lineage_events(workspace).read_text().splitlines():
-        event = json.loads(line)
-        if event.get("eventType") == "COMPLETE" and "job" in event:
-            completed.setdefault(event["job"]["name"], []).append(event)
+    from pipeline.ops.lineage import LINEAGE_CHAIN as chain
+    from pipeline.ops.lineage import completed_datasets
+
+    jobs = completed_datasets(lineage_events(workspace))
 
     def datasets(job: str, side: str) -> set[tuple[str, str]]:
-        return {(d["namespace"], d["name"]) for event in completed.get(job, []) for d in event[side]}
+        return jobs.get(job, {}).get(side, set())
 
-    chain = [
-        "drafter_data.prompts",
-        "drafter_data.responses",
-        "drafter_data.captures",
-        "drafter_data.publish_dataset",
-        "drafter_train.train",
-        "drafter_train.promote",
-    ]
     for before, after in zip(chain, chain[1:], strict=False):
         _check(
             bool(datasets(before, "outputs") & datasets(after, "inputs")),

@@ -4,8 +4,20 @@ so a lineage backend shows prompts -> responses -> captures -> dataset -> traini
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+# the stage tasks that carry an artifact from the prompts to the drafter version, in order (dag.task)
+LINEAGE_CHAIN = (
+    "drafter_data.prompts",
+    "drafter_data.responses",
+    "drafter_data.captures",
+    "drafter_data.publish_dataset",
+    "drafter_train.train",
+    "drafter_train.promote",
+)
 
 
 def stage_lineage(result: Any) -> tuple[list[str], list[str]]:
@@ -28,3 +40,17 @@ def dataset_name(uri: str) -> tuple[str, str]:
     if parts.scheme == "file":
         return "file", parts.path
     raise ValueError(f"not an object-store URI (s3:// or file://): {uri!r}")
+
+
+def completed_datasets(events_file: Path) -> dict[str, dict[str, set[tuple[str, str]]]]:
+    """What OpenLineage's file transport recorded (one event a line): for each job (`dag.task`), the
+    (namespace, name) of the datasets its completed runs read ("inputs") and published ("outputs")."""
+    jobs: dict[str, dict[str, set[tuple[str, str]]]] = {}
+    for line in events_file.read_text().splitlines():
+        event = json.loads(line)
+        if event.get("eventType") != "COMPLETE" or "job" not in event:
+            continue
+        sides = jobs.setdefault(event["job"]["name"], {"inputs": set(), "outputs": set()})
+        for side in sides:
+            sides[side] |= {(d["namespace"], d["name"]) for d in event.get(side) or []}
+    return jobs
