@@ -5,13 +5,17 @@ prompts, in one run of the local reference decoder (the pipeline's benchmark sta
         [--rel-width 0.1] [--batch-sizes 1,8]
 
 It builds what it needs on a scratch store with configs/local.yaml: prompts, the target's own answers,
-captures, a drafter trained as `make demo` trains it, and its held-out evaluation, then runs the
-benchmark stage. The draft setting (steps, topk, draft tokens) is the stage's choice: the one the
-speedup model predicts fastest from that evaluation and the step costs measured here, confirmed on a
-few calibration prompts. With that setting the three methods are then timed again, interleaved: each
-decodes every prompt once per round, in alternating order, until the 95% intervals of both speedups
-are narrower than --rel-width or --budget-s runs out; every output must equal greedy decoding.
-Headline lines: tau_simulated=, tau_measured= (goal: within 10%), tau_measured_t0= and
+captures, a drafter trained as `make demo` trains it, and its held-out evaluation (with every draft shape's
+acceptance simulated by the decoder's own tree code), then runs the benchmark stage. The draft setting
+(steps, topk, draft tokens) is the stage's choice: the speed model ranks every setting, the best few and
+the best of each tree width are timed beside plain decoding prompt by prompt, and the fastest measured
+wins, or the simplest setting within its noise (pipeline.decoding.choice). Lines calibration_<setting>=
+give each timed setting's measured speedup over plain decoding with its interval and the model's
+prediction; chosen=, fastest= and chosen_within_noise= (1 when the chosen setting is the fastest or its
+interval against the fastest holds 1). With that setting the three methods are then timed again,
+interleaved: each decodes every prompt once per round, in alternating order, until the 95% intervals of
+both speedups are narrower than --rel-width or --budget-s runs out; every output must equal greedy
+decoding. Headline lines: tau_simulated=, tau_measured= (goal: within 10%), tau_measured_t0= and
 tau_measured_sampled= (greedy, and at configs/local.yaml's serving temperature, with speedup_sampled=),
 one tau_measured_<domain>= per held-out domain, speedup_bs<N>= per batch size (the stage's interleaved
 measurement: batch 1 as in the stage's headline, the larger sizes with the reference decoder's batched
@@ -94,6 +98,40 @@ def report_batches(record: dict) -> None:
         )
 
 
+def report_calibration(record: dict) -> None:
+    """Every setting the stage timed: measured speedup over plain decoding (interval), predicted tau and
+    speedup (forwards only, and with the fitted bookkeeping), measured tau; and how it chose."""
+    model = record["speed_model"]
+    choice = model["choice"]
+    for timed in model["calibration"]:
+        setting, speedup = timed["setting"], timed["speedup"]
+        name = label(setting)
+        report(
+            **{
+                f"calibration_{name}": (
+                    f"{speedup['ratio']:.3f} [{speedup['ci_low']:.3f}, {speedup['ci_high']:.3f}] "
+                    f"predicted {timed['predicted_speedup']:.3f} (forwards only {setting['speedup']:.3f}) "
+                    f"tau {timed['tau_measured']:.3f} predicted {setting['tau']:.3f} phase {timed['phase']}"
+                )
+            }
+        )
+    chosen = next(t for t in model["calibration"] if label(t["setting"]) == choice["chosen"])
+    within = chosen["vs_fastest"] is None or chosen["vs_fastest"]["ci_high"] >= 1.0
+    report(
+        calibration_rounds=choice["rounds"],
+        calibration_stopped_by=choice["stopped_by"],
+        fastest=choice["fastest"],
+        chosen=choice["chosen"],
+        chosen_within_noise=int(within),
+    )
+
+
+def label(setting: dict) -> str:
+    from pipeline.decoding.choice import shape_label
+
+    return shape_label((setting["steps"], setting["topk"], setting["draft_tokens"]))
+
+
 def main() -> None:
     parser = spread_parser(budget_s=150.0)
     parser.add_argument("--prompts", type=int, default=24)
@@ -166,6 +204,7 @@ def main() -> None:
         }
     )
     report_batches(record)
+    report_calibration(record)
     report_measurement(measurement)
     # the same tokens on every side, so a ratio of tok/s is the inverse ratio of seconds
     report_ratio("speedup_vs_ngram", measurement.ratio("ngram", "candidate"))

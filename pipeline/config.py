@@ -557,6 +557,12 @@ class TrainConfig(Strict):
 class EvaluateConfig(Strict):
     ttt_steps: PositiveInt | None = Field(None, description="default: train.ttt_steps")
     micro_batch_size: PositiveInt = 8
+    simulated_anchors: int = Field(
+        512,
+        ge=0,
+        description="held-out anchors, spread over every eval sample, at which each draft shape the "
+        "benchmark may choose is simulated with the decoder's own tree code (0: none)",
+    )
 
 
 class GateConfig(Strict):
@@ -651,6 +657,30 @@ def _unique_labels(settings: list[Any], where: str) -> None:
         raise ValueError(f"{where} lists the same setting twice: {repeated}")
 
 
+class EagleServerSetting(Strict):
+    """One EAGLE3 serving setting: SGLang's --speculative-num-steps, --speculative-eagle-topk and
+    --speculative-num-draft-tokens."""
+
+    steps: PositiveInt
+    topk: PositiveInt
+    draft_tokens: int = Field(ge=2)
+
+    def shape(self) -> tuple[int, int, int]:
+        return (self.steps, self.topk, self.draft_tokens)
+
+    @model_validator(mode="after")
+    def _a_draft_sglang_serves(self) -> EagleServerSetting:
+        if self.topk == 1 and self.draft_tokens != self.steps + 1:
+            raise ValueError(f"with topk 1 SGLang requires draft_tokens == steps + 1, got {self.shape()}")
+        drafted = self.topk + (self.steps - 1) * self.topk**2  # SGLang's rerank pool (eagle_utils.py:110)
+        if self.draft_tokens > 1 + drafted:
+            raise ValueError(
+                f"draft_tokens {self.draft_tokens} exceeds the {1 + drafted} nodes a tree of {self.steps} "
+                f"steps and topk {self.topk} drafts (root included)"
+            )
+        return self
+
+
 class SGLangBenchConfig(Strict):
     """Servers the SGLang benchmark starts, one method at a time, on this machine's GPUs."""
 
@@ -665,6 +695,13 @@ class SGLangBenchConfig(Strict):
     steps: PositiveInt = Field(3, description="--speculative-num-steps for EAGLE3")
     topk: PositiveInt = Field(1, description="--speculative-eagle-topk")
     draft_tokens: int = Field(4, ge=2, description="--speculative-num-draft-tokens")
+    candidates: list[EagleServerSetting] = Field(
+        default_factory=list,
+        description="EAGLE3 settings timed first, one candidate server each, on the benchmark prompts at the "
+        "headline concurrency: the fastest measured, or the simplest within its noise "
+        "(pipeline.decoding.choice), is then benchmarked and promoted with its flags. Empty: steps/topk/"
+        "draft_tokens above",
+    )
     ngram_settings: list[NgramServerSetting] = Field(
         default_factory=_ngram_server_sweep,
         min_length=1,
@@ -682,10 +719,26 @@ class SGLangBenchConfig(Strict):
             "max_trie_depth, match_type, capacity}, one NGRAM server per setting",
         )
 
+    def setting(self) -> tuple[int, int, int]:
+        """(--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens)"""
+        return (self.steps, self.topk, self.draft_tokens)
+
+    def candidate_settings(self) -> list[tuple[int, int, int]]:
+        return [candidate.shape() for candidate in self.candidates]
+
+    def serving(self, shape: tuple[int, int, int]) -> SGLangBenchConfig:
+        """These settings with the drafters served at `shape` (steps, topk, draft tokens)."""
+        steps, topk, draft_tokens = shape
+        return self.model_copy(update={"steps": steps, "topk": topk, "draft_tokens": draft_tokens})
+
     @model_validator(mode="after")
     def _chain_tokens(self) -> SGLangBenchConfig:
         if self.topk == 1 and self.draft_tokens != self.steps + 1:
             raise ValueError("with topk 1 SGLang requires draft_tokens == steps + 1")
+        if len(set(self.candidate_settings())) != len(self.candidates):
+            raise ValueError(
+                f"benchmark.sglang.candidates lists a setting twice: {self.candidate_settings()}"
+            )
         return self
 
     @model_validator(mode="after")
@@ -770,9 +823,22 @@ class BenchmarkConfig(Strict):
     tree_widths: list[int] = Field(default_factory=lambda: [1, 2, 4], description="topk values considered")
     max_draft_tokens: int = Field(16, ge=2)
     calibration_candidates: PositiveInt = Field(
-        3, description="best predicted settings timed before choosing"
+        3,
+        description="best predicted settings timed before choosing, besides the best predicted one of each "
+        "tree width (the chain's included)",
     )
-    calibration_prompts: PositiveInt = 4
+    calibration_prompts: PositiveInt = Field(
+        8,
+        description="held-out prompts the settings are timed on, prompt by prompt and interleaved with plain "
+        "decoding, in turn until the choice is settled (pipeline.decoding.choice) or the budget is spent",
+    )
+    calibration_budget_s: float = Field(60.0, gt=0, description="seconds of calibration at most")
+    calibration_resolution: float = Field(
+        0.04,
+        gt=0,
+        description="a setting whose speed relative to the fastest is known to within this relative width "
+        "is settled (a tie when its interval holds 1)",
+    )
     ngram_settings: list[NgramLocalSetting] = Field(
         default_factory=_ngram_local_sweep,
         min_length=1,

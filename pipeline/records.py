@@ -160,6 +160,19 @@ class IncumbentSkipped(Record):
     skipped: str
 
 
+class ShapeAcceptance(Record):
+    """Acceptance of one draft shape (steps, topk, draft tokens) simulated on held-out captures with the
+    decoder's own tree expansion and pruning (pipeline.decoding.tree_acceptance): what the speed model
+    predicts a tree's (and a chain's) acceptance length from."""
+
+    steps: int
+    topk: int
+    draft_tokens: int
+    full_acc: list[float]  # per depth: P(at least d drafts accepted)
+    tau: float  # 1 + sum(full_acc): tokens per verify cycle, bonus included
+    anchors: int  # held-out anchors simulated
+
+
 class EvalRecord(AcceptanceMetrics, StageRecord):
     KIND: ClassVar[str] = "eval"
 
@@ -177,6 +190,13 @@ class EvalRecord(AcceptanceMetrics, StageRecord):
     drafter: str  # the train artifact's URI
     dataset: str  # the dataset's URI
     incumbent: IncumbentEval | IncumbentSkipped | None = None
+    # the draft shapes the benchmark may choose, simulated (empty in records written before)
+    shapes: list[ShapeAcceptance] = Field(default_factory=list)
+
+    def shape(self, steps: int, topk: int, draft_tokens: int) -> ShapeAcceptance | None:
+        return next(
+            (s for s in self.shapes if (s.steps, s.topk, s.draft_tokens) == (steps, topk, draft_tokens)), None
+        )
 
     def summary(self) -> EvalSummary:
         return EvalSummary.model_validate(self.model_dump(include=set(EvalSummary.model_fields)))
@@ -272,6 +292,17 @@ class BenchMethods(Record):
         }
 
 
+class RatioInterval(Record):
+    """A ratio of two measured speeds with its confidence interval (pipeline.spread): the candidate's
+    tokens/s over another method's, paired round by round."""
+
+    ratio: float
+    ci_low: float
+    ci_high: float
+    confidence: float
+    rounds: int
+
+
 class DraftSetting(Record):
     """A draft setting with the speedup model's prediction for it (pipeline.decoding.speedup.Setting)."""
 
@@ -293,9 +324,34 @@ class MeasuredCosts(Record):
 
 
 class Calibration(Record):
+    """One setting timed in calibration, beside plain decoding and the other settings, prompt by prompt:
+    `setting` holds the forwards-only prediction, `predicted_speedup` the prediction with the bookkeeping
+    fitted on every timed setting (in-sample), `speedup` the measured one with its interval."""
+
     setting: DraftSetting
     tok_s: float
     tau_measured: float | None
+    speedup: RatioInterval | None = None  # its tokens/s over plain decoding's, paired by prompt
+    vs_fastest: RatioInterval | None = None  # its tokens/s over the fastest setting's (None: the fastest)
+    predicted_speedup: float | None = None
+    seconds_per_cycle: float | None = None
+    phase: int = 1  # the calibration phase it was last timed in (figures relative to that phase's fastest)
+
+
+class SettingChoice(Record):
+    """How the setting was chosen from the calibration (pipeline.decoding.choice)."""
+
+    chosen: str
+    fastest: str
+    tied: list[str]  # the fastest and every setting within its noise; the simplest of them is chosen
+    reason: str
+    prompts: int  # calibration prompts, decoded in turn
+    rounds: int  # prompts decoded by every setting (and plain decoding), interleaved
+    stopped_by: str  # decided (every pair settled), budget or max_rounds
+    # calibration phases: the model's shortlist, then (when the model refitted with the bookkeeping ranks
+    # other settings among the best) those against the first phase's fastest and its ties; the choice is
+    # the last phase's
+    phases: int = 1
 
 
 class PredictedVsMeasured(Record):
@@ -311,22 +367,30 @@ class SpeedModel(Record):
     calibration: list[Calibration]
     predicted_vs_measured: PredictedVsMeasured
     ranked: list[DraftSetting]
+    # the fitted bookkeeping per cycle (pipeline.decoding.speedup.Overhead) and the choice; None in records
+    # written before settings were chosen by measurement
+    overhead: dict[str, float] | None = None
+    choice: SettingChoice | None = None
+
+
+class TimedSetting(Record):
+    """A serving setting the SGLang benchmark timed before choosing (benchmark.sglang.candidates): its
+    figures, its speed over plain decoding and over the fastest setting's, paired by round."""
+
+    steps: int
+    topk: int
+    draft_tokens: int
+    tau_predicted: float | None  # the evaluation's (a chain's TTT counts, a tree's simulated shape)
+    tau_measured: float | None
+    tok_s: float
+    round_tok_s: list[float]
+    speedup: RatioInterval  # over the baseline server's, paired by round
+    vs_fastest: RatioInterval | None = None  # over the fastest setting's (None: the fastest)
 
 
 class BenchDecision(Record):
     promotable: bool
     reasons: list[str]
-
-
-class RatioInterval(Record):
-    """A ratio of two measured speeds with its confidence interval (pipeline.spread): the candidate's
-    tokens/s over another method's, paired round by round."""
-
-    ratio: float
-    ci_low: float
-    ci_high: float
-    confidence: float
-    rounds: int
 
 
 class SampledBench(Record):
@@ -420,6 +484,10 @@ class BenchRecord(BenchSummary, StageRecord):
     batches: list[BatchBench] = Field(default_factory=list)  # the batch sizes beside the headline's
     # per held-out domain, each method's measured acceptance (the SGLang engine, whose rounds mix domains)
     domain_acceptance: dict[str, dict[str, MeasuredAcceptance]] = Field(default_factory=dict)
+    # the SGLang engine with benchmark.sglang.candidates: every setting timed, and how the served one was
+    # chosen
+    timed_settings: list[TimedSetting] = Field(default_factory=list)
+    setting_choice: SettingChoice | None = None
 
     def summary(self) -> BenchSummary:
         summary = BenchSummary.model_validate(self.model_dump(include=set(BenchSummary.model_fields)))

@@ -17,7 +17,8 @@ from functools import lru_cache
 from typing import Any, Literal
 
 Side = Callable[[], float]
-StoppedBy = Literal["width", "budget", "max_rounds"]
+StoppedBy = Literal["width", "decided", "budget", "max_rounds"]
+Decided = Callable[[Mapping[str, Sequence[float]]], bool]
 
 
 def timed(fn: Callable[[], object]) -> Side:
@@ -181,6 +182,7 @@ def measure(
     min_rounds: int = 5,
     max_rounds: int = 1000,
     warmup: int = 1,
+    decided: Decided | None = None,
 ) -> Measurement:
     """Measure every side in interleaved rounds until the watched ratios are known well enough.
 
@@ -189,7 +191,8 @@ def measure(
     first `warmup` rounds are discarded. After at least `min_rounds` measured rounds it stops when
     every ratio in `ratios` (numerator, denominator) has a `confidence` interval with
     (ci_high - ci_low) / ratio <= `rel_width` ("width"), at `max_rounds` ("max_rounds"), or once
-    `budget_s` seconds have passed since the start, warm-up included ("budget").
+    `budget_s` seconds have passed since the start, warm-up included ("budget"). With `decided`, that rule
+    replaces the ratios' widths: it stops once `decided(samples so far)` holds ("decided").
     """
     _check_args(sides, ratios, min_rounds, max_rounds)
     if not 0.0 < confidence < 1.0:
@@ -206,7 +209,7 @@ def measure(
         for name, value in _run_round(sides, index).items():
             samples[name].append(value)
         index += 1
-        stopped_by = _stop_reason(samples, ratios, confidence, rel_width, min_rounds, max_rounds)
+        stopped_by = _stop_reason(samples, ratios, confidence, rel_width, min_rounds, max_rounds, decided)
         if stopped_by is None and index - warmup >= min_rounds and time.perf_counter() - start >= budget_s:
             stopped_by = "budget"
     frozen = {name: tuple(values) for name, values in samples.items()}
@@ -224,10 +227,13 @@ def _stop_reason(
     rel_width: float,
     min_rounds: int,
     max_rounds: int,
+    decided: Decided | None = None,
 ) -> StoppedBy | None:
     rounds = _rounds(samples)
     if rounds < min_rounds:
         return None
+    if decided is not None:
+        return "decided" if decided(samples) else ("max_rounds" if rounds >= max_rounds else None)
     widths = [ratio_from_samples(samples[x], samples[y], confidence).rel_width for x, y in ratios]
     if widths and max(widths) <= rel_width:
         return "width"

@@ -144,12 +144,14 @@ def tiny_config_dict(storage: dict) -> dict:
             "log_every": 5,
             "deepspeed_config": str(REPO / "configs/deepspeed/zero2-cpu.json"),
         },
+        "evaluate": {"simulated_anchors": 128},
         "gate": {"min_cond_acc": [0.05], "min_tau_simulated": 1.0},
         "benchmark": {
             "num_prompts": 4,
             "max_new_tokens": 24,
             "draft_steps": 3,
             "budget_s": 5,
+            "calibration_budget_s": 5,
             "min_speedup_vs_baseline": 0.0,
         },
     }

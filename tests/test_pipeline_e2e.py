@@ -412,3 +412,32 @@ def test_the_benchmark_measures_every_batch_size_and_gates_at_those_named(e2e):
     )
     summary = json.loads(_run_object(e2e, "runs/e2e-run/bench/manifest.json"))["summary"]
     assert [figures["batch_size"] for figures in summary["batch_figures"]] == [2]
+
+
+def test_the_benchmark_serves_the_fastest_setting_it_timed_within_its_noise(e2e):
+    evaluation = json.loads(_run_object(e2e, "runs/e2e-run/eval/eval.json"))
+    simulated = {(s["steps"], s["topk"], s["draft_tokens"]): s for s in evaluation["shapes"]}
+    # every shape the speed model ranks was simulated on held-out anchors: chains and trees of width 2, 4
+    assert {topk for _, topk, _ in simulated} == {1, 2, 4}
+    assert all(
+        s["anchors"] > 0 and s["tau"] == pytest.approx(1 + sum(s["full_acc"])) for s in simulated.values()
+    )
+    record = json.loads(_run_object(e2e, "runs/e2e-run/bench/bench.json"))
+    model = record["speed_model"]
+    choice, calibration = model["choice"], model["calibration"]
+    timed = {
+        (c["setting"]["steps"], c["setting"]["topk"], c["setting"]["draft_tokens"]): c for c in calibration
+    }
+    assert len(timed) >= 3 and {topk for _, topk, _ in timed} == {1, 2, 4}  # the best of each width too
+    chosen = (record["draft_steps"], record["topk"], record["draft_tokens"])
+    assert chosen in timed and choice["chosen"] in choice["tied"] and choice["fastest"] in choice["tied"]
+    for setting, figures in timed.items():
+        assert figures["speedup"]["rounds"] == choice["rounds"] >= 4  # every calibration prompt, paired
+        assert figures["predicted_speedup"] > 0 and figures["seconds_per_cycle"] > 0
+        steps, topk, _ = setting
+        predicted = simulated[setting]["tau"] if topk > 1 else 1 + sum(evaluation["full_acc"][:steps])
+        assert figures["setting"]["tau"] == pytest.approx(predicted, abs=1e-4)
+    # the chosen setting is the fastest measured, or within the noise of the fastest
+    if figures_of_chosen := timed[chosen]["vs_fastest"]:
+        assert figures_of_chosen["ci_high"] >= 1.0
+    assert set(model["overhead"]) == {"per_cycle", "per_tree_cycle", "per_draft_token", "per_plain_step"}

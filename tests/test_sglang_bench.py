@@ -73,6 +73,25 @@ def settings(**changes):
     return SGLangBenchConfig(**{**base, **changes})
 
 
+def standin_settings(target_dir, **changes):
+    """settings() for stand-in servers of the tiny target on a free port of 127.0.0.1."""
+    return settings(
+        launch=[sys.executable, "-m", "pipeline.dev.sglang_standin"],
+        model_path=str(target_dir),
+        extra_args=["--tp", "1"],
+        port=free_port(),
+        startup_timeout_s=120,
+        **changes,
+    )
+
+
+def drafter_dir_of(target_dir, tmp_path):
+    """A random drafter for the tiny target, exported where SGLang loads drafters from."""
+    from tests.test_spec_decode import random_drafter
+
+    return export_drafter(random_drafter(target_dir), {"aux_layer_ids": [1, 2, 3]}, tmp_path / "d", "float32")
+
+
 def test_launch_flags_per_method():
     config = settings()
     assert launch_command(config, "baseline") == [
@@ -246,17 +265,9 @@ def test_recorded_responses_give_throughput_and_acceptance():
 
 
 def test_every_method_runs_over_http_against_started_servers(tiny_target_dir, tiny_tokenizer, tmp_path):
-    from tests.test_spec_decode import random_drafter
-
-    drafter_dir = export_drafter(
-        random_drafter(tiny_target_dir), {"aux_layer_ids": [1, 2, 3]}, tmp_path / "d", "float32"
-    )
-    config = settings(
-        launch=[sys.executable, "-m", "pipeline.dev.sglang_standin"],
-        model_path=str(tiny_target_dir),
-        extra_args=["--tp", "1"],
-        port=free_port(),
-        startup_timeout_s=120,
+    drafter_dir = drafter_dir_of(tiny_target_dir, tmp_path)
+    config = standin_settings(
+        tiny_target_dir,
         concurrency=2,
         steps=2,
         topk=2,
@@ -321,3 +332,59 @@ def test_a_server_that_dies_or_never_answers_fails_the_benchmark():
 def test_prompts_go_in_equal_batches_none_empty():
     assert batches(list(range(10)), 4) == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
     assert batches([1, 2], 5) == [[1], [2]]
+
+
+def test_the_drafters_setting_is_chosen_by_timing_each_candidate_server(
+    tiny_target_dir, tiny_tokenizer, tmp_path
+):
+    """benchmark.sglang.candidates: one stand-in server per setting, each checked to serve the flags it was
+    launched with, timed on the same prompts in the same rounds; the choice rule picks among them."""
+    from pipeline.decoding.choice import choose
+    from pipeline.engines.sglang_bench import time_settings
+    from pipeline.records import MethodResult
+    from pipeline.stages.benchmark import server_rounds, timed_server_settings
+    from tests.test_records import eval_record
+
+    drafter_dir = drafter_dir_of(tiny_target_dir, tmp_path)
+    config = standin_settings(
+        tiny_target_dir,
+        concurrency=2,
+        rounds=3,
+        candidates=[{"steps": 2, "topk": 1, "draft_tokens": 3}, {"steps": 2, "topk": 2, "draft_tokens": 4}],
+    )
+    prompts = [[1, 5 + i, 9, 12, 40 + i, 7] for i in range(6)]
+    timed = time_settings(config, prompts, 8, drafter_dir)
+    assert list(timed) == [(2, 1, 3), (2, 2, 4)]
+    assert all(len(f["round_tok_s"]) == 3 and f["requests"] == 6 for f in timed.values())
+    choice = choose(server_rounds(timed, 0.95), {"chain2": (2, 1, 3), "tree2x2-4": (2, 2, 4)})
+    assert choice.chosen in choice.tied and choice.fastest in {"chain2", "tree2x2-4"}
+    baseline = MethodResult(tokens=48, seconds=1.0, tok_s=48.0, round_tok_s=[16.0, 16.0, 16.0])
+    entries, recorded = timed_server_settings(timed, choice, baseline, eval_record(), 0.95)
+    assert [(e.steps, e.topk, e.draft_tokens) for e in entries] == [(2, 1, 3), (2, 2, 4)]
+    assert all(e.speedup.rounds == 3 and e.tau_measured >= 1 for e in entries)
+    assert [e.vs_fastest is None for e in entries].count(True) == 1  # the fastest's own
+    assert recorded.chosen == choice.chosen and recorded.rounds == 3 and recorded.prompts == 6
+
+
+def test_a_server_that_serves_other_flags_than_it_was_given_fails_the_benchmark(tiny_target_dir, tmp_path):
+    """SGLang serves topk 1 with steps + 1 draft tokens whatever it is given: a setting it did not serve
+    is not timed under its name."""
+    from pipeline.engines.sglang_bench import require_served_setting, running_server
+    from pipeline.ops.registry import sglang_flags
+
+    drafter_dir = drafter_dir_of(tiny_target_dir, tmp_path)
+    config = standin_settings(tiny_target_dir)
+    command = [*launch_command(config, "baseline"), *sglang_flags(str(drafter_dir), 3, 1, 6)]
+    with running_server(command, config) as url:
+        require_served_setting(url, (3, 1, 4))
+        with pytest.raises(SGLangBenchmarkFailed, match=r"launched with .* \(3, 1, 6\) serves \(3, 1, 4\)"):
+            require_served_setting(url, (3, 1, 6))
+
+
+def test_a_candidate_setting_must_be_one_sglang_serves():
+    with pytest.raises(ValueError, match="draft_tokens == steps \\+ 1"):
+        settings(candidates=[{"steps": 3, "topk": 1, "draft_tokens": 6}])
+    with pytest.raises(ValueError, match="exceeds the 7 nodes"):
+        settings(candidates=[{"steps": 2, "topk": 2, "draft_tokens": 8}])
+    with pytest.raises(ValueError, match="lists a setting twice"):
+        settings(candidates=[{"steps": 2, "topk": 1, "draft_tokens": 3}] * 2)

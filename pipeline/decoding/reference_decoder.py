@@ -237,43 +237,10 @@ class EagleProposer:
         return drafts
 
     def propose_tree(self, context: list[int], steps: int, topk: int, budget: int) -> DraftTree:
-        """EAGLE's dynamic tree: expand the `topk` best frontier nodes (by cumulative log-prob) for
-        `steps` levels, then keep the `budget` best nodes (parents always before children)."""
+        """EAGLE's dynamic tree (expand_tree), pruned to its `budget` best nodes (best_nodes)."""
         _, last_hidden = self._started()
-        position = len(context) - 1
-        scores: list[float] = []
-        tokens: list[int] = []
-        parents: list[int] = []
-        depths: list[int] = []
-        logp = torch.log_softmax(self.drafter.logits(last_hidden)[0, -1].float(), -1)
-        best = logp.topk(topk)
-        frontier = list(range(topk))
-        for score, draft_id in zip(best.values.tolist(), best.indices.tolist(), strict=True):
-            scores.append(score)
-            tokens.append(draft_id)
-            parents.append(-1)
-            depths.append(1)
-        cache = self.cache.expanded(topk)
-        hidden = last_hidden.expand(topk, -1, -1)
-        for depth in range(2, steps + 1):
-            fed = torch.tensor([[tokens[n]] for n in frontier])
-            h = self.drafter.decode(hidden, self.drafter.draft_to_target(fed), position + depth - 2, cache)
-            logp = torch.log_softmax(self.drafter.logits(h)[:, -1].float(), -1)
-            child = logp.topk(topk, dim=-1)
-            totals = torch.tensor([scores[n] for n in frontier])[:, None] + child.values
-            chosen = totals.flatten().topk(topk).indices
-            rows, columns = chosen // topk, chosen % topk
-            new_frontier = []
-            for row, column in zip(rows.tolist(), columns.tolist(), strict=True):
-                scores.append(float(totals[row, column]))
-                tokens.append(int(child.indices[row, column]))
-                parents.append(frontier[row])
-                depths.append(depth)
-                new_frontier.append(len(tokens) - 1)
-            cache.reorder(rows)
-            hidden = h.index_select(0, rows)
-            frontier = new_frontier
-        return _best_subtree(scores, tokens, parents, depths, budget, self.drafter)
+        nodes = expand_tree(self.drafter, self.cache, last_hidden, len(context) - 1, steps, topk)
+        return nodes.draft_tree(best_nodes(nodes, budget), self.drafter)
 
     def accept(self, context: list[int], accepted_count: int, aux: torch.Tensor | None) -> None:
         """context already holds the accepted drafts and the bonus token; aux rows are the verified
@@ -285,21 +252,97 @@ class EagleProposer:
         self._extend(aux[:new], context[start + 1 :], start)
 
 
-def _best_subtree(scores, tokens, parents, depths, budget: int, drafter) -> DraftTree:
-    """The `budget` highest-scoring nodes, each after its parent, renumbered in verify order."""
-    order = sorted(range(len(tokens)), key=lambda n: (-scores[n], n))
-    kept: dict[int, int] = {}
-    tree = DraftTree()
+@dataclass
+class TreeNodes:
+    """Every node an EAGLE tree expansion drafted, in expansion order: cumulative log-prob, draft-vocabulary
+    token, parent node (-1: the root) and depth (1-based)."""
+
+    scores: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+
+    def add(self, score: float, token: int, parent: int, depth: int) -> int:
+        self.scores.append(score)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(depth)
+        return len(self.tokens) - 1
+
+    def draft_tree(self, kept: list[int], drafter: Eagle3Drafter) -> DraftTree:
+        """The kept nodes (each after its parent) as a DraftTree of target ids, renumbered in that order."""
+        index: dict[int, int] = {}
+        tree = DraftTree()
+        for node in kept:
+            index[node] = len(tree.tokens)
+            tree.tokens.append(int(drafter.draft_to_target(torch.tensor(self.tokens[node]))))
+            tree.parents.append(-1 if self.parents[node] == -1 else index[self.parents[node]])
+            tree.depths.append(self.depths[node])
+        return tree
+
+
+def expand_tree(
+    drafter: Eagle3Drafter,
+    cache: DraftCache,
+    last_hidden: torch.Tensor,
+    position: int,
+    steps: int,
+    topk: int,
+) -> TreeNodes:
+    """EAGLE's dynamic tree expansion from the drafter's state after the last verified token (its cache and
+    last h_out; `position` is that token's), as SGLang 0.5.23 grows it: the root's `topk` best children,
+    then at every further depth all `topk` children of each of the `topk` frontier nodes become candidates
+    and the `topk` best of them by cumulative log-prob (over all parents, not per parent) are the next
+    frontier, for `steps` depths (speculative/spec_utils.py:438-469 select_top_k_tokens). Every candidate,
+    topk + (steps - 1) * topk^2 in all, enters the rerank (best_nodes; speculative/eagle_utils.py:100-112).
+    `cache` is left as it was."""
+    nodes = TreeNodes()
+    logp = torch.log_softmax(drafter.logits(last_hidden)[0, -1].float(), -1)
+    best = logp.topk(topk)
+    frontier = [
+        nodes.add(score, draft_id, -1, 1)
+        for score, draft_id in zip(best.values.tolist(), best.indices.tolist(), strict=True)
+    ]
+    branches = cache.expanded(topk)
+    hidden = last_hidden.expand(topk, -1, -1)
+    for depth in range(2, steps + 1):
+        fed = torch.tensor([[nodes.tokens[n]] for n in frontier])
+        h = drafter.decode(hidden, drafter.draft_to_target(fed), position + depth - 2, branches)
+        logp = torch.log_softmax(drafter.logits(h)[:, -1].float(), -1)
+        child = logp.topk(topk, dim=-1)
+        totals = torch.tensor([nodes.scores[n] for n in frontier])[:, None] + child.values
+        candidates = [
+            [
+                nodes.add(float(totals[row, col]), int(child.indices[row, col]), parent, depth)
+                for col in range(topk)
+            ]
+            for row, parent in enumerate(frontier)
+        ]
+        chosen = totals.flatten().topk(topk).indices
+        rows, columns = chosen // topk, chosen % topk
+        frontier = [candidates[row][col] for row, col in zip(rows.tolist(), columns.tolist(), strict=True)]
+        branches.reorder(rows)
+        hidden = h.index_select(0, rows)
+    return nodes
+
+
+def best_nodes(nodes: TreeNodes, budget: int, max_depth: int | None = None) -> list[int]:
+    """EAGLE's rerank: the `budget` highest-scoring nodes (of depth <= `max_depth`), each after its parent.
+    The tree of `steps` depths is the first `steps` depths of a deeper expansion, so `max_depth` gives the
+    smaller trees from one expansion."""
+    order = sorted(range(len(nodes.tokens)), key=lambda n: (-nodes.scores[n], n))
+    kept: list[int] = []
+    seen: set[int] = set()
     for node in order:
         if len(kept) == budget:
             break
-        if parents[node] != -1 and parents[node] not in kept:
+        if max_depth is not None and nodes.depths[node] > max_depth:
             continue
-        kept[node] = len(tree.tokens)
-        tree.tokens.append(int(drafter.draft_to_target(torch.tensor(tokens[node]))))
-        tree.parents.append(-1 if parents[node] == -1 else kept[parents[node]])
-        tree.depths.append(depths[node])
-    return tree
+        if nodes.parents[node] != -1 and nodes.parents[node] not in seen:
+            continue
+        kept.append(node)
+        seen.add(node)
+    return kept
 
 
 def tree_speculative_decode(

@@ -1,12 +1,17 @@
 """Speedup model: from evaluated acceptance and measured step costs, predict tokens/s of speculative
-decoding for each (steps, topk, draft tokens) setting and pick the best.
+decoding for each (steps, topk, draft tokens) setting and rank them.
 
 Per verify cycle the decoder spends `steps` drafter forwards (the first on the root, the rest on the
 tree's frontier of width topk), one target forward over the root plus the draft tokens, and one drafter
-forward extending its cache with the accepted tokens; it gains tau tokens, where
-    tau(steps, topk) = 1 + sum_{j < steps} full_acc@topk_j
-(full_acc@1 is full_acc: the chain). A tree prunes to `draft tokens - 1` nodes, so the prediction is
-an upper bound when that budget is smaller than topk * steps.
+forward extending its cache with the accepted tokens; it gains tau tokens. A chain's tau is
+    tau(steps) = 1 + sum_{j < steps} full_acc_j          (the TTT counts over every held-out anchor)
+and a tree's is its shape's simulated acceptance on held-out anchors (EvalRecord.shapes,
+pipeline.decoding.tree_acceptance: EAGLE's best-topk-per-depth expansion and rerank to draft tokens).
+
+The forwards are not the whole cycle: building and pruning the tree, its attention mask, finding the
+accepted path, keeping the cache rows and the per-cycle Python cost the decoder spends besides. That
+bookkeeping is fitted (Overhead) from the calibration's measured seconds per cycle, per timed setting, so
+the predictions it gives for the timed settings are in-sample.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pipeline.records import AcceptanceMetrics, DraftSetting
+import torch
+
+from pipeline.records import DraftSetting, EvalRecord
 
 
 @dataclass(frozen=True)
@@ -45,14 +52,18 @@ class StepCosts:
         }
 
 
-def acceptance_levels(evaluation: AcceptanceMetrics, topk: int) -> list[float]:
+def predicted_tau(
+    evaluation: EvalRecord, steps: int, topk: int, draft_tokens: int | None = None
+) -> float | None:
+    """Tokens per verify cycle: a chain's from the TTT counts (steps beyond the evaluation's count as
+    rejected: a lower bound), a tree's from its simulated shape (None when the evaluation did not simulate
+    it)."""
     if topk == 1:
-        return evaluation.full_acc
-    return evaluation.full_acc_at.get(str(topk), [])
-
-
-def predicted_tau(evaluation: AcceptanceMetrics, steps: int, topk: int) -> float:
-    return 1.0 + sum(acceptance_levels(evaluation, topk)[:steps])
+        return 1.0 + sum(evaluation.full_acc[:steps])
+    if draft_tokens is None:
+        raise ValueError("a draft tree's acceptance depends on its draft tokens: pass draft_tokens")
+    shape = evaluation.shape(steps, topk, draft_tokens)
+    return shape.tau if shape is not None else None
 
 
 def candidate_settings(
@@ -67,25 +78,84 @@ def candidate_settings(
     return settings
 
 
+@dataclass(frozen=True)
+class Overhead:
+    """Seconds a decode spends per verify cycle besides its forwards, fitted from calibration:
+    per_cycle + per_tree_cycle (a tree's) + per_draft_token * draft tokens; and per plain decoding step
+    besides its target forward (per_plain_step)."""
+
+    per_cycle: float = 0.0
+    per_tree_cycle: float = 0.0
+    per_draft_token: float = 0.0
+    per_plain_step: float = 0.0
+
+    def cycle(self, topk: int, draft_tokens: int) -> float:
+        return (
+            self.per_cycle + (self.per_tree_cycle if topk > 1 else 0.0) + self.per_draft_token * draft_tokens
+        )
+
+    def as_dict(self) -> dict[str, float]:
+        return {key: round(value, 7) for key, value in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class CycleTiming:
+    """A timed setting's measured seconds per verify cycle (all its decodes' seconds over their cycles)."""
+
+    topk: int
+    draft_tokens: int
+    forwards: float  # the forwards' seconds per cycle, from StepCosts
+    measured: float
+
+
+def fit_overhead(timings: list[CycleTiming], plain_forward: float, plain_measured: float) -> Overhead:
+    """Least squares of measured minus forward seconds per cycle on [1, tree, draft tokens] (the
+    minimum-norm solution when fewer settings were timed than that); plain decoding's overhead per step is
+    its measured seconds per token minus its target forward. A term may come out negative: the forwards were
+    timed apart from decoding (a cache crop after each, a warm cache), so they are a model too."""
+    per_plain = plain_measured - plain_forward
+    if not timings:
+        return Overhead(per_plain_step=per_plain)
+    design = torch.tensor(
+        [[1.0, float(t.topk > 1), float(t.draft_tokens)] for t in timings], dtype=torch.float64
+    )
+    residual = torch.tensor([[t.measured - t.forwards] for t in timings], dtype=torch.float64)
+    solution = torch.linalg.pinv(design) @ residual
+    per_cycle, per_tree, per_token = solution.flatten().tolist()
+    return Overhead(per_cycle, per_tree, per_token, per_plain)
+
+
+def predicted_speedup(
+    tau: float, costs: StepCosts, overhead: Overhead, steps: int, topk: int, draft_tokens: int
+) -> float:
+    """tokens/s of the setting over plain decoding's, both with their bookkeeping."""
+    cycle = costs.cycle(steps, topk, draft_tokens) + overhead.cycle(topk, draft_tokens)
+    return tau * (costs.target_step + overhead.per_plain_step) / cycle
+
+
 def rank_settings(
-    evaluation: AcceptanceMetrics, costs: StepCosts, settings: list[tuple[int, int, int]]
+    evaluation: EvalRecord,
+    costs: StepCosts,
+    settings: list[tuple[int, int, int]],
+    overhead: Overhead | None = None,
 ) -> list[DraftSetting]:
     """Every setting the evaluation and the measured costs allow, best predicted speed first."""
+    bookkeeping = overhead or Overhead()
     ranked = []
     for steps, topk, tokens in settings:
-        levels = acceptance_levels(evaluation, topk)
-        if len(levels) < steps or tokens not in costs.verify(topk) or topk not in costs.draft:
+        tau = predicted_tau(evaluation, steps, topk, tokens)
+        if tau is None or tokens not in costs.verify(topk) or topk not in costs.draft:
             continue
-        tau = predicted_tau(evaluation, steps, topk)
-        tok_s = tau / costs.cycle(steps, topk, tokens)
+        cycle = costs.cycle(steps, topk, tokens) + bookkeeping.cycle(topk, tokens)
+        speedup = predicted_speedup(tau, costs, bookkeeping, steps, topk, tokens)
         ranked.append(
             DraftSetting(
                 steps=steps,
                 topk=topk,
                 draft_tokens=tokens,
                 tau=round(tau, 4),
-                tok_s=round(tok_s, 2),
-                speedup=round(tok_s * costs.target_step, 4),
+                tok_s=round(tau / cycle, 2),
+                speedup=round(speedup, 4),
             )
         )
     return sorted(ranked, key=lambda s: -s.tok_s)

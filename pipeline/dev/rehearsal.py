@@ -1242,6 +1242,48 @@ def check_run_costs(data, trained, deployment) -> str:
     return "costs: " + "; ".join(lines)
 
 
+def check_setting_choice(trained, serving: ServingDeployment) -> str:
+    """The benchmark timed every benchmark.sglang.candidates server and chose by pipeline.decoding.choice;
+    the serving pod runs the chosen flags (its /server_info)."""
+    import requests
+
+    from pipeline import layout
+    from pipeline.config import load_config
+    from pipeline.decoding.choice import shape_label
+    from pipeline.records import BenchRecord, read_record
+    from pipeline.storage import open_store
+
+    config = load_config(REHEARSAL_CONFIG)
+    store = open_store(config.storage)
+    prefix = layout.run_stage_prefix(_xcom(trained, "configure")["run_id"], "bench")
+    record = read_record(store, store.uri(prefix), BenchRecord)
+    assert config.benchmark.sglang is not None
+    chosen = (record.draft_steps, record.topk, record.draft_tokens)
+    timed = [(t.steps, t.topk, t.draft_tokens) for t in record.timed_settings]
+    choice = record.setting_choice
+    _check(
+        timed == config.benchmark.sglang.candidate_settings() and choice is not None,
+        f"the benchmark timed a candidate server per setting: {timed}",
+    )
+    assert choice is not None
+    _check(
+        choice.chosen == shape_label(chosen) and choice.chosen in choice.tied,
+        f"the benchmarked and promoted setting is the one chosen: {choice.reason}",
+    )
+    info = requests.get(f"{serving.url}/server_info", timeout=30).json()
+    served = tuple(
+        info.get(key)
+        for key in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+    )
+    _check(served == chosen, f"the serving pod runs the chosen setting {chosen} ({served})")
+    spreads = ", ".join(
+        f"{shape_label((t.steps, t.topk, t.draft_tokens))} {t.speedup.ratio:.2f}x "
+        f"[{t.speedup.ci_low:.2f}, {t.speedup.ci_high:.2f}]"
+        for t in record.timed_settings
+    )
+    return f"serving setting: {choice.chosen} chosen of {spreads}"
+
+
 def _xcom(run, task_id: str) -> dict[str, Any]:
     ti = next(ti for ti in run.get_task_instances() if ti.task_id == task_id and ti.map_index < 0)
     return ti.xcom_pull(task_ids=task_id) or {}
@@ -1292,6 +1334,7 @@ def run_dags(
     first_version = promoted_version(first)
     runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
     lines.append(check_serving(serving, first_version, reference_url))
+    lines.append(check_setting_choice(first, serving))
 
     broken = parsed_dag("drafter_train").test(run_conf={"overrides": ["train.epochs=0"]})
     configure = next(ti for ti in broken.get_task_instances() if ti.task_id == "configure")

@@ -136,6 +136,14 @@ class StandinBackend:
         self.algorithm = algorithm
         self.num_steps, self.topk = num_steps, topk
         self.draft_tokens = draft_tokens or num_steps + 1
+        if algorithm == "EAGLE3":  # the draft tokens SGLang 0.5.23 runs, adjusted as it adjusts them
+            from pipeline.engines.sglang_draft_checks import SpeculativeArgs, effective_speculative_args
+
+            architecture = (self.model.config.architectures or [""])[0]
+            served = effective_speculative_args(
+                SpeculativeArgs(algorithm, num_steps, topk, draft_tokens), architecture
+            )
+            self.draft_tokens = served.num_draft_tokens or self.draft_tokens
         # NGRAM drafts a chain continuing the latest match of a context suffix of up to this many tokens
         # (SGLang's trie matches up to max_trie_depth - 1; its BFS breadth has no counterpart here)
         self.ngram_max_match = ngram_max_match
@@ -274,6 +282,9 @@ class StandinBackend:
             "version": VERSION,
             "internal_states": [{"avg_spec_accept_length": mean}],
             "speculative_algorithm": self.algorithm,
+            "speculative_num_steps": self.num_steps,
+            "speculative_eagle_topk": self.topk,
+            "speculative_num_draft_tokens": self.draft_tokens,
             "enable_return_hidden_states": True,
             "enable_return_aux_hidden_states": self.aux_layer_ids is not None,
             "return_aux_hidden_state_layer_ids": self.aux_layer_ids,

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from pipeline.drafter.model import Eagle3Drafter
-from pipeline.drafter.ttt import teacher_from_last_hidden, teacher_from_topk, ttt_loss_and_counts
+from pipeline.drafter.ttt import Teacher, teacher_from_last_hidden, teacher_from_topk, ttt_loss_and_counts
 
 
 class DraftObjective(nn.Module):
@@ -41,13 +41,21 @@ class DraftObjective(nn.Module):
         self.register_buffer("draft_index", draft_index, persistent=False)
         self.ttt_steps, self.decay, self.chunk, self.topk_levels = ttt_steps, decay, chunk, topk_levels
 
-    def forward(self, input_ids, loss_mask, aux, last_hidden=None, topk_ids=None, topk_logprobs=None):
+    def teacher_of(self, last_hidden=None, topk_ids=None, topk_logprobs=None) -> Teacher:
+        """The target's next-token view at every position of a batch (collate's tensors)."""
         if self.teacher == "last_hidden":
-            teacher = teacher_from_last_hidden(last_hidden, self.teacher_lm_head, self.used_ids)
-        else:
-            teacher = teacher_from_topk(
-                topk_ids, topk_logprobs, self.draft_index, self.drafter.arch.draft_vocab_size
+            return teacher_from_last_hidden(
+                last_hidden, self._buffer("teacher_lm_head"), self._buffer("used_ids")
             )
+        return teacher_from_topk(
+            topk_ids, topk_logprobs, self._buffer("draft_index"), self.drafter.arch.draft_vocab_size
+        )
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        return self.get_buffer(name)
+
+    def forward(self, input_ids, loss_mask, aux, last_hidden=None, topk_ids=None, topk_logprobs=None):
+        teacher = self.teacher_of(last_hidden, topk_ids, topk_logprobs)
         h_outs = self.drafter.ttt_forward(aux, input_ids, self.ttt_steps, self.chunk)
         return ttt_loss_and_counts(
             h_outs,

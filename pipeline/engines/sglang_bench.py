@@ -227,6 +227,45 @@ def rounds_at(settings: SGLangBenchConfig, prompts: int, concurrency: int) -> in
     return max(2, min(settings.rounds, prompts // concurrency))
 
 
+def time_settings(
+    settings: SGLangBenchConfig, prompts: list[list[int]], max_new_tokens: int, drafter_dir: Path
+) -> dict[tuple[int, int, int], dict[str, Any]]:
+    """The candidate drafter served at every setting of benchmark.sglang.candidates, one server after
+    another, each measured greedy on the benchmark prompts at the headline concurrency in the same rounds
+    (`measure`: each round's tokens/s, paired across settings by round), as run_methods measures methods."""
+    figures = {}
+    for shape in settings.candidate_settings():
+        command = launch_command(settings.serving(shape), "candidate", drafter_dir)
+        log.info("benchmark candidate setting %s: %s", shape, " ".join(command))
+        with running_server(command, settings) as url:
+            require_served_setting(url, shape)
+            figures[shape] = measure(url, prompts, max_new_tokens, settings.concurrency, settings.rounds)
+    return figures
+
+
+SETTING_ARGS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
+
+
+def require_served_setting(url: str, shape: tuple[int, int, int]) -> None:
+    """SGLangBenchmarkFailed unless the server's /server_info (its resolved server args) reports the
+    (steps, topk, draft tokens) it was launched with: SGLang adjusts some silently (topk 1 forces draft
+    tokens = steps + 1, arg_groups/speculative_hook.py:1255-1266), and a setting it did not serve must not
+    be chosen under its name."""
+    from pipeline.sglang_transport import SGLangClient
+
+    client = SGLangClient(SGLangClientConfig(urls=[url], retries=0, timeout_s=60))
+    try:
+        info = client.get_from(url, "/server_info")
+    except Exception as err:  # any failure to read it is fatal here, with its reason
+        raise SGLangBenchmarkFailed(f"{url}/server_info failed: {err}") from err
+    served = tuple(info.get(key) for key in SETTING_ARGS)
+    if served != shape:
+        raise SGLangBenchmarkFailed(
+            f"the server launched with (steps, topk, draft tokens) {shape} serves {served} "
+            f"(/server_info {', '.join(SETTING_ARGS)})"
+        )
+
+
 def run_methods(
     settings: SGLangBenchConfig,
     prompts: list[list[int]],

@@ -29,6 +29,7 @@ from pipeline.records import (
     AliasRecord,
     BenchMethods,
     BenchRecord,
+    BenchSummary,
     EvalRecord,
     GateRecord,
     IncumbentEval,
@@ -249,10 +250,19 @@ def plot_throughput(record: RunRecord, path: Path) -> bool:
     return True
 
 
-def _predicted_curve(evaluation: AcceptanceMetrics, topk: int) -> list[float]:
-    if topk > 1 and str(topk) in evaluation.full_acc_at:
-        return evaluation.full_acc_at[str(topk)]
-    return evaluation.full_acc
+def _predicted_curve(evaluation: AcceptanceMetrics, bench: BenchSummary) -> list[float]:
+    """What the speed model predicted for the benchmarked shape: a tree's simulated acceptance per depth
+    (an evaluation from before shapes were simulated: the per-parent top-k count), a chain's TTT counts."""
+    if bench.topk == 1:
+        return evaluation.full_acc
+    shape = (
+        evaluation.shape(bench.draft_steps, bench.topk, bench.draft_tokens)
+        if isinstance(evaluation, EvalRecord)
+        else None
+    )
+    if shape is not None:
+        return shape.full_acc
+    return evaluation.full_acc_at.get(str(bench.topk), evaluation.full_acc)
 
 
 def _measured_curve(histogram: list[int]) -> list[float]:
@@ -272,7 +282,7 @@ def plot_predicted_vs_measured(record: RunRecord, path: Path) -> bool:
     drawn = False
     for i, (name, evaluation) in enumerate(pairs):
         histogram = methods[name].accepted_histogram if name in methods else None
-        predicted = _predicted_curve(evaluation, topk) if evaluation is not None else None
+        predicted = _predicted_curve(evaluation, bench) if evaluation is not None else None
         if not histogram or not predicted:
             continue
         measured = _measured_curve(histogram)

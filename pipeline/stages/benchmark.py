@@ -17,6 +17,8 @@ import shutil
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -37,6 +39,7 @@ from pipeline.config import (
 from pipeline.data.conversations import prompt_ids
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.decoding.batched import BatchedTarget, EagleRows, NgramRows, batched_speculative_decode
+from pipeline.decoding.choice import Choice, Shape, choose, settled, shape_label
 from pipeline.decoding.reference_decoder import (
     DecodeResult,
     DraftTree,
@@ -48,7 +51,15 @@ from pipeline.decoding.reference_decoder import (
     tree_speculative_decode,
 )
 from pipeline.decoding.sampling import Sampling
-from pipeline.decoding.speedup import StepCosts, candidate_settings, predicted_tau, rank_settings
+from pipeline.decoding.speedup import (
+    CycleTiming,
+    Overhead,
+    StepCosts,
+    candidate_settings,
+    fit_overhead,
+    predicted_tau,
+    rank_settings,
+)
 from pipeline.drafter.export import (
     CONFIG_NAME,
     copy_with_layer_ids,
@@ -81,7 +92,9 @@ from pipeline.records import (
     RatioInterval,
     RealEngineFigures,
     SampledBench,
+    SettingChoice,
     SpeedModel,
+    TimedSetting,
     publish_record,
     read_record,
 )
@@ -192,13 +205,41 @@ def domain_summaries(
     return per_domain
 
 
-def _median_seconds(action, repeats: int = 15) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        action()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def median_seconds(
+    actions: Mapping[str, Callable[[], object]], rounds: int = 15, warmup: int = 3
+) -> dict[str, float]:
+    """Each action's median seconds over `rounds` interleaved rounds (every action once per round, the order
+    reversed every other round) after `warmup` rounds: a machine that warms up or drifts while the forwards
+    are timed shifts them all alike, not the ones timed first."""
+    names = list(actions)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(warmup + rounds):
+        for name in names if index % 2 == 0 else names[::-1]:
+            started = time.perf_counter()
+            actions[name]()
+            if index >= warmup:
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def step_costs(
+    target: Callable[[], object],
+    chains: Mapping[int, Callable[[], object]],
+    trees: Mapping[int, Callable[[], object]],
+    drafts: Mapping[int, Callable[[], object]],
+) -> StepCosts:
+    """StepCosts from forwards timed together (median_seconds)."""
+    actions: dict[str, Callable[[], object]] = {"target": target}
+    actions.update({f"chain{n}": action for n, action in chains.items()})
+    actions.update({f"tree{n}": action for n, action in trees.items()})
+    actions.update({f"draft{w}": action for w, action in drafts.items()})
+    seconds = median_seconds(actions)
+    return StepCosts(
+        target_step=seconds["target"],
+        verify_chain={n: seconds[f"chain{n}"] for n in chains},
+        verify_tree={n: seconds[f"tree{n}"] for n in trees},
+        draft={w: seconds[f"draft{w}"] for w in drafts},
+    )
 
 
 def measure_costs(
@@ -245,12 +286,38 @@ def measure_costs(
         )
 
     with torch.inference_mode():
-        return StepCosts(
-            target_step=_median_seconds(lambda: target(1)),
-            verify_chain={n: _median_seconds(lambda n=n: target(n)) for n in sorted(chain_tokens)},
-            verify_tree={n: _median_seconds(lambda n=n: tree(n)) for n in sorted(tree_tokens)},
-            draft={w: _median_seconds(lambda w=w: draft(w)) for w in sorted(set(widths) | {1})},
+        return step_costs(
+            lambda: target(1),
+            {n: partial(target, n) for n in sorted(chain_tokens)},
+            {n: partial(tree, n) for n in sorted(tree_tokens)},
+            {w: partial(draft, w) for w in sorted(set(widths) | {1})},
         )
+
+
+@dataclass
+class ChosenSetting:
+    """What choose_setting decided, and everything it measured on the way."""
+
+    setting: DraftSetting  # with the prediction of the model fitted on the calibration
+    ranked: list[DraftSetting]  # every setting, by the fitted model
+    costs: StepCosts
+    calibration: list[Calibration] = field(default_factory=list)
+    overhead: Overhead | None = None
+    choice: SettingChoice | None = None
+
+
+def shortlist_settings(ranked: list[DraftSetting], best: int) -> list[DraftSetting]:
+    """The `best` settings the model predicts fastest, and the best predicted of each tree width (the
+    chain's included), in rank order: what calibration times."""
+    shortlist = ranked[:best]
+    for topk in sorted({s.topk for s in ranked}):
+        if not any(s.topk == topk for s in shortlist):
+            shortlist.append(next(s for s in ranked if s.topk == topk))
+    return shortlist
+
+
+def setting_shape(setting: DraftSetting) -> Shape:
+    return (setting.steps, setting.topk, setting.draft_tokens)
 
 
 def choose_setting(
@@ -260,11 +327,13 @@ def choose_setting(
     drafter,
     prompts: list[list[int]],
     aux_layer_ids: list[int],
-    settings,
-) -> tuple[DraftSetting, list[DraftSetting], StepCosts, list[Calibration]]:
-    """The draft setting to benchmark: the speedup model ranks every setting from the evaluation and
-    measured step costs; the best few (and the best chain) are then timed on a few calibration prompts,
-    and the fastest measured one wins. The model's misses are kept in the record."""
+    settings: BenchmarkConfig,
+) -> ChosenSetting:
+    """The draft setting to benchmark. The speed model ranks every setting from the evaluation's acceptance
+    and measured forward costs; the best few (and the best of each tree width) are timed beside plain
+    decoding, prompt by prompt (calibrate); the fastest measured wins, or the simplest setting within its
+    noise (pipeline.decoding.choice). The bookkeeping the forwards leave out is fitted on the timed
+    settings, and every setting re-ranked with it."""
     max_steps = min(settings.max_draft_steps, len(evaluation.full_acc))
     widths = settings.tree_widths if settings.auto_select else [1]
     grid = (
@@ -284,26 +353,181 @@ def choose_setting(
     ranked = rank_settings(evaluation, costs, grid)
     if not ranked:
         raise BenchmarkFailed("no draft setting can be predicted from this evaluation")
-    shortlist = ranked[: settings.calibration_candidates]
-    shortlist += [s for s in ranked if s.topk == 1][:1] if not any(s.topk == 1 for s in shortlist) else []
+    shortlist = shortlist_settings(ranked, settings.calibration_candidates)
     if len(shortlist) == 1:
-        return shortlist[0], ranked, costs, []
-    runner = TargetRunner(model, aux_layer_ids)
-    calibration = []
+        return ChosenSetting(shortlist[0], ranked, costs)
+    eos = tokenizer.eos_token_id
+    phases = [calibrate(model, drafter, aux_layer_ids, shortlist, prompts, settings, eos)]
+    overhead, refitted = refit(evaluation, costs, grid, phases)
+    choice = phases[0].choice()
+    # settings the model ranks among the best once it knows the bookkeeping, not yet timed: timed against
+    # the first phase's fastest and every setting tied with it, and the choice made among those
+    timed = {setting_shape(s) for s in shortlist}
+    newcomers = [
+        s
+        for s in shortlist_settings(refitted, settings.calibration_candidates)
+        if setting_shape(s) not in timed
+    ]
+    if newcomers:
+        contenders = [s for s in shortlist if shape_label(setting_shape(s)) in choice.tied] + newcomers
+        phases.append(calibrate(model, drafter, aux_layer_ids, contenders, prompts, settings, eos))
+        overhead, refitted = refit(evaluation, costs, grid, phases)
+        choice = phases[-1].choice()
+    by_shape = {setting_shape(s): s for s in refitted}
+    chosen = by_shape[phases[-1].shape_of(choice.chosen)]
+    log.info("benchmark: %s (calibration: %s)", choice.reason, "; ".join(phase.line() for phase in phases))
+    latest = {shape: (index, phase) for index, phase in enumerate(phases, 1) for shape in phase.shapes}
+    forwards_only = {setting_shape(s): s for s in ranked}
+    return ChosenSetting(
+        setting=chosen,
+        ranked=refitted,
+        costs=costs,
+        calibration=[
+            phase.record(forwards_only[shape], by_shape[shape].speedup, index)
+            for shape, (index, phase) in latest.items()
+        ],
+        overhead=overhead,
+        choice=SettingChoice(
+            chosen=choice.chosen,
+            fastest=choice.fastest,
+            tied=choice.tied,
+            reason=choice.reason,
+            prompts=phases[-1].prompts,
+            rounds=phases[-1].measured.rounds,
+            stopped_by=phases[-1].measured.stopped_by,
+            phases=len(phases),
+        ),
+    )
+
+
+def refit(
+    evaluation: EvalRecord, costs: StepCosts, grid: list[Shape], phases: list[Calibrated]
+) -> tuple[Overhead, list[DraftSetting]]:
+    """The bookkeeping fitted on every calibration phase's measured cycles (and plain decoding's steps), and
+    every setting ranked again with it."""
+    cycles = [
+        CycleTiming(shape[1], shape[2], costs.cycle(*shape), phase.seconds_per_cycle(shape))
+        for phase in phases
+        for shape in phase.shapes
+    ]
+    plain = [r for phase in phases for r in phase.results["baseline"]]
+    per_token = sum(r.seconds for r in plain) / max(sum(len(r.tokens) for r in plain), 1)
+    overhead = fit_overhead(cycles, costs.target_step, per_token)
+    return overhead, rank_settings(evaluation, costs, grid, overhead)
+
+
+@dataclass
+class Calibrated:
+    """Plain decoding and some settings timed prompt by prompt (calibrate): every decode, by side name
+    (baseline, or the setting's shape_label), and the measurement that ran them."""
+
+    results: dict[str, list[DecodeResult]]
+    measured: Measurement
+    prompts: int
+    shapes: list[Shape]
+
+    def shape_of(self, name: str) -> Shape:
+        return next(shape for shape in self.shapes if shape_label(shape) == name)
+
+    def choice(self) -> Choice:
+        return choose(self.measured, {shape_label(shape): shape for shape in self.shapes})
+
+    def seconds_per_cycle(self, shape: Shape) -> float:
+        results = self.results[shape_label(shape)]
+        return sum(r.seconds for r in results) / max(sum(r.verify_forwards for r in results), 1)
+
+    def record(self, setting: DraftSetting, predicted_speedup: float, phase: int) -> Calibration:
+        shape = setting_shape(setting)
+        name, choice = shape_label(shape), self.choice()
+        summary = _summary([self.results[name]])
+        return Calibration(
+            setting=setting,
+            tok_s=summary.tok_s,
+            tau_measured=summary.tau_measured,
+            speedup=interval(self.measured.ratio(name, "baseline")),
+            vs_fastest=interval(choice.vs_fastest[name]) if name in choice.vs_fastest else None,
+            predicted_speedup=predicted_speedup,
+            seconds_per_cycle=round(self.seconds_per_cycle(shape), 6),
+            phase=phase,
+        )
+
+    def line(self) -> str:
+        speedups = {
+            shape_label(shape): round(self.measured.ratio(shape_label(shape), "baseline").ratio, 3)
+            for shape in self.shapes
+        }
+        measured = self.measured
+        return f"{measured.rounds} prompts per setting, stopped by {measured.stopped_by}, speedups {speedups}"
+
+
+def calibrate(
+    model,
+    drafter,
+    aux_layer_ids: list[int],
+    shortlist: list[DraftSetting],
+    prompts: list[list[int]],
+    settings: BenchmarkConfig,
+    eos: int | None,
+) -> Calibrated:
+    """Plain decoding and every shortlisted setting on the calibration prompts, interleaved prompt by prompt
+    (a round decodes one prompt with each, in alternating order; the prompts in turn, every one at least
+    once after a warm-up round) until the choice is settled (pipeline.decoding.choice.settled) or
+    benchmark.calibration_budget_s is spent. Each decode's tokens/s is one sample; a setting's speed over
+    another's is paired by prompt. Every output must equal plain greedy decoding."""
+    calibration = prompts[: settings.calibration_prompts]
+    plain, with_aux = TargetRunner(model, None), TargetRunner(model, aux_layer_ids)
+    new_tokens = settings.max_new_tokens
+    methods = {"baseline": lambda p: greedy_decode(plain, p, new_tokens, eos)}
+    for setting in shortlist:
+        methods[shape_label(setting_shape(setting))] = eagle_method(
+            with_aux, drafter, setting, new_tokens, eos
+        )
+    results: dict[str, list[DecodeResult]] = {name: [] for name in methods}
+    progress = Progress(desc="calibration", unit="prompt")
+
+    def side(name: str) -> Callable[[], float]:
+        def decode_next_prompt() -> float:
+            decoded = methods[name](calibration[len(results[name]) % len(calibration)])
+            results[name].append(decoded)
+            if name == "baseline":
+                progress.update(1)
+            return len(decoded.tokens) / decoded.seconds
+
+        return decode_next_prompt
+
+    labels = [name for name in methods if name != "baseline"]
     with torch.inference_mode():
-        for setting in shortlist:
-            method = eagle_method(runner, drafter, setting, settings.max_new_tokens, tokenizer.eos_token_id)
-            method(prompts[0])  # warm-up
-            measured = _summary([[method(p) for p in prompts[: settings.calibration_prompts]]])
-            calibration.append(
-                Calibration(
-                    setting=setting,
-                    tok_s=measured.tok_s,
-                    tau_measured=measured.tau_measured,
-                )
-            )
-    best = max(range(len(shortlist)), key=lambda i: calibration[i].tok_s)
-    return shortlist[best], ranked, costs, calibration
+        measured = measure(
+            {name: side(name) for name in methods},
+            [],
+            confidence=settings.confidence,
+            budget_s=settings.calibration_budget_s,
+            min_rounds=max(2, len(calibration)),
+            max_rounds=10_000,
+            warmup=1,
+            decided=settled(labels, settings.confidence, settings.calibration_resolution),
+        )
+    progress.close()
+    for name in results:
+        del results[name][: len(results[name]) - measured.rounds]
+    greedy = [r.tokens for r in results["baseline"]]
+    differ = [name for name in labels if [r.tokens for r in results[name]] != greedy]
+    if differ:
+        raise BenchmarkFailed(f"calibration: speculative outputs differ from greedy decoding with {differ}")
+    return Calibrated(results, measured, len(calibration), [setting_shape(s) for s in shortlist])
+
+
+def required_tau(evaluation: EvalRecord, shape: Shape) -> float:
+    """The speed model's tokens per cycle for a configured setting, or a clear error when the evaluation did
+    not simulate that tree (an evaluation from before shapes were simulated, or for another setting)."""
+    tau = predicted_tau(evaluation, *shape)
+    if tau is None:
+        raise BenchmarkFailed(
+            f"the evaluation has no simulated acceptance for the draft tree {shape_label(shape)} (steps, "
+            "topk, draft tokens) the benchmark runs: evaluate again with this config "
+            "(evaluate.simulated_anchors > 0)"
+        )
+    return tau
 
 
 def eagle_method(
@@ -628,22 +852,25 @@ def local_record(
     frozen = load_frozen_tensors(target.model_dir)
     drafters = {name: load_drafter(path, frozen["embed"].float())[0] for name, path in drafter_dirs.items()}
     model = load_model(target.model_dir, trust_remote_code=config.target.trust_remote_code)
-    chosen, ranked, costs, calibration = choose_setting(
+    decided = choose_setting(
         evaluation, model, tokenizer, drafters["candidate"], prompts, aux_layer_ids, settings
     )
+    chosen = decided.setting
     ngram, ngram_sweep = sweep_ngram(model, tokenizer, prompts, settings)
     methods, speedups, per_domain = compare_methods(
         model, tokenizer, prompts, drafters, aux_layer_ids, settings, chosen, ngram, domains
     )
     speedup = round(speedups["baseline"].ratio, 4)
     speed_model = SpeedModel(
-        costs=MeasuredCosts.model_validate(costs.as_dict()),
+        costs=MeasuredCosts.model_validate(decided.costs.as_dict()),
         chosen=chosen,
-        calibration=calibration,
+        calibration=decided.calibration,
         predicted_vs_measured=PredictedVsMeasured(
             tau=(chosen.tau, methods.candidate.tau_measured), speedup=(chosen.speedup, speedup)
         ),
-        ranked=ranked[:10],
+        ranked=decided.ranked[:10],
+        overhead=decided.overhead.as_dict() if decided.overhead is not None else None,
+        choice=decided.choice,
     )
     setting = (chosen.steps, chosen.topk, chosen.draft_tokens)
     record = bench_record(
@@ -709,11 +936,11 @@ def measure_batch_costs(
         _, aux, counts = target.forward([prompt] * batch)
         target.commit(torch.ones(batch, len(prompt), dtype=torch.bool))
         drafting.start(contexts, aux, counts)
-        return StepCosts(
-            target_step=_median_seconds(lambda: verify(1)),
-            verify_chain={n: _median_seconds(lambda n=n: verify(n)) for n in sorted(chain_tokens)},
-            verify_tree={},
-            draft={1: _median_seconds(lambda: drafting.propose(contexts, [2] * batch))},
+        return step_costs(
+            lambda: verify(1),
+            {n: partial(verify, n) for n in sorted(chain_tokens)},
+            {},
+            {1: lambda: drafting.propose(contexts, [2] * batch)},
         )
 
 
@@ -889,15 +1116,24 @@ def sglang_record(
     run_id: str,
     domains: list[str] | None = None,
 ) -> BenchRecord:
-    """SGLang servers started one method at a time (production); the setting comes from the config. With
-    `domains` (each prompt's), each method's acceptance per domain too."""
-    from pipeline.engines.sglang_bench import ngram_method_name, run_methods
+    """SGLang servers started one method at a time (production). The drafters' setting is the config's, or,
+    with benchmark.sglang.candidates, the one chosen by timing each (choose_server_setting). With `domains`
+    (each prompt's), each method's acceptance per domain too."""
+    from pipeline.engines.sglang_bench import ngram_method_name, run_methods, time_settings
 
-    settings = config.benchmark.sglang
-    if settings is None:
+    configured = config.benchmark.sglang
+    if configured is None:
         raise BenchmarkFailed("benchmark.engine 'sglang' needs benchmark.sglang")
     bench = config.benchmark
     serving = bench.serving_sampling
+    settings, timed = configured, {}
+    if configured.candidates:
+        timed = time_settings(configured, prompts, bench.max_new_tokens, drafter_dirs["candidate"])
+        choice = choose(
+            server_rounds(timed, bench.confidence), {shape_label(shape): shape for shape in timed}
+        )
+        settings = configured.serving(next(shape for shape in timed if shape_label(shape) == choice.chosen))
+        log.info("benchmark (sglang): %s", choice.reason)
     measured = run_methods(
         settings, prompts, bench.max_new_tokens, drafter_dirs, serving, bench.measured_batch_sizes(), domains
     )
@@ -905,7 +1141,7 @@ def sglang_record(
     methods, ngram_sweep = sglang_methods(measured.greedy, settings.ngram_settings)
     speedups = paired_speedups(methods, bench.confidence)
     setting = (settings.steps, settings.topk, settings.draft_tokens)
-    tau = round(predicted_tau(evaluation, settings.steps, settings.topk), 4)
+    tau = round(required_tau(evaluation, settings.setting()), 4)
     record = bench_record(
         config, run_id, len(prompts), "sglang", setting, tau, methods, speedups, ngram_sweep
     )
@@ -921,7 +1157,63 @@ def sglang_record(
         record.sampled = sampled_bench(
             serving, results, paired_ratio(results["candidate"], results, bench.confidence)
         )
+    if timed:
+        record.timed_settings, record.setting_choice = timed_server_settings(
+            timed, choice, methods.baseline, evaluation, bench.confidence
+        )
     return record
+
+
+def server_rounds(timed: dict[Shape, dict], confidence: float) -> Measurement:
+    """The SGLang setting servers' per-round tokens/s as one measurement (rounds paired by index: the same
+    prompts in the same batches on every server)."""
+    samples = {shape_label(shape): tuple(figures["round_tok_s"]) for shape, figures in timed.items()}
+    rounds = min(len(values) for values in samples.values())
+    return Measurement(
+        {name: values[:rounds] for name, values in samples.items()},
+        rounds,
+        "max_rounds",
+        confidence,
+        sum(figures["seconds"] for figures in timed.values()),
+    )
+
+
+def timed_server_settings(
+    timed: dict[Shape, dict],
+    choice: Choice,
+    baseline: MethodResult,
+    evaluation: EvalRecord,
+    confidence: float,
+) -> tuple[list[TimedSetting], SettingChoice]:
+    """The record of the timed SGLang settings: each one's figures and speed over the baseline server's
+    (paired by round) and over the fastest setting's, and the choice."""
+    entries = []
+    for shape, figures in timed.items():
+        name = shape_label(shape)
+        result = MethodResult.model_validate(figures)
+        entries.append(
+            TimedSetting(
+                steps=shape[0],
+                topk=shape[1],
+                draft_tokens=shape[2],
+                tau_predicted=predicted_tau(evaluation, *shape),
+                tau_measured=result.tau_measured,
+                tok_s=result.tok_s,
+                round_tok_s=result.round_tok_s,
+                speedup=interval(ratio_from_samples(result.round_tok_s, baseline.round_tok_s, confidence)),
+                vs_fastest=interval(choice.vs_fastest[name]) if name in choice.vs_fastest else None,
+            )
+        )
+    rounds = min(len(figures["round_tok_s"]) for figures in timed.values())
+    return entries, SettingChoice(
+        chosen=choice.chosen,
+        fastest=choice.fastest,
+        tied=choice.tied,
+        reason=choice.reason,
+        prompts=sum(int(f["requests"]) for f in timed.values()) // len(timed),
+        rounds=rounds,
+        stopped_by="max_rounds",
+    )
 
 
 def domain_acceptance(
@@ -1046,7 +1338,7 @@ def vllm_record(
     methods = BenchMethods.model_validate({name: method_result(runs) for name, runs in passes.items()})
     sweep = vllm_ngram_sweep(bench, {label: method_result([g]) for label, g in swept.items()}, methods.ngram)
     speedups = {other: interval(measured.ratio("candidate", other)) for other in others}
-    tau = round(predicted_tau(evaluation, steps, 1), 4)
+    tau = round(required_tau(evaluation, (steps, 1, steps + 1)), 4)
     record = bench_record(
         config, run_id, len(prompts), "vllm", (steps, 1, steps + 1), tau, methods, speedups, sweep
     )

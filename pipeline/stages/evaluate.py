@@ -12,6 +12,8 @@ import torch
 from pipeline import layout
 from pipeline.config import DEFAULT_DOMAIN, RunConfig
 from pipeline.data.capture_contract import contract_differences, require_same_contract
+from pipeline.decoding.speedup import candidate_settings
+from pipeline.decoding.tree_acceptance import Shape, TreeAcceptance
 from pipeline.drafter.export import load_drafter, read_drafter_dir
 from pipeline.drafter.objective import DraftObjective, choose_teacher
 from pipeline.drafter.ttt import MetricCounts
@@ -67,9 +69,13 @@ def evaluate_drafter(
     chunk: int,
     teacher: str = "auto",
     domains: list[str] | None = None,
+    shapes: list[Shape] | None = None,
+    anchors: int = 0,
 ) -> dict[str, Any]:
     """Metrics of one drafter over every sample of the shards, from counts summed over all of them, and
-    the same per domain (`domains`: each shard's; default: all in DEFAULT_DOMAIN)."""
+    the same per domain (`domains`: each shard's; default: all in DEFAULT_DOMAIN). With `shapes`, each
+    shape's acceptance simulated at about `anchors` anchors spread over every sample (`shapes` in the
+    result; pipeline.decoding.tree_acceptance)."""
     frozen = load_frozen_tensors(target_dir)
     drafter, contract = load_drafter(drafter_dir, frozen["embed"].float())
     teacher = choose_teacher(teacher, shards.teachers())
@@ -80,20 +86,30 @@ def evaluate_drafter(
     plan = domain_plan(shards, shard_domains, micro_batch)
     per_domain = {domain: MetricCounts.empty(steps, TREE_WIDTHS) for domain, _ in plan}
     batches = shards.batches([batch for _, batch in plan])
+    total_samples = sum(s.samples for s in shards.shards)
+    simulated = TreeAcceptance(drafter, shapes or [], -(-anchors // max(total_samples, 1)))
     with torch.no_grad():
         for (domain, _), samples in zip(
             plan, Progress(batches, total=len(plan), desc="evaluate", unit="batch"), strict=True
         ):
-            _, counts = objective(**collate(samples, torch.float32))
+            batch = collate(samples, torch.float32)
+            _, counts = objective(**batch)
             per_domain[domain].add(counts)
+            if simulated.shapes:
+                simulate_batch(simulated, objective, samples, batch)
     totals = MetricCounts.empty(steps, TREE_WIDTHS)
     for counts in per_domain.values():
         totals.add(counts)
     samples_of: Counter[str] = Counter()
     for shard, domain in zip(shards.shards, shard_domains, strict=True):
         samples_of[domain] += shard.samples
+    if simulated.shapes:
+        log.info(
+            "evaluate: %d draft shapes simulated at %d anchors", len(simulated.shapes), simulated.anchors
+        )
     return {
-        "samples": sum(s.samples for s in shards.shards),
+        "samples": total_samples,
+        "shapes": simulated.results(),
         "ttt_steps": steps,
         "teacher": teacher,
         "counts": totals.as_tensor().tolist(),
@@ -104,6 +120,39 @@ def evaluate_drafter(
         },
         "contract": contract,
     }
+
+
+def simulate_batch(
+    simulated: TreeAcceptance, objective: DraftObjective, samples: list, batch: dict[str, torch.Tensor]
+) -> None:
+    """Every sample of a collated batch into the shape simulation, with the teacher's top-1 as the target's
+    greedy continuation."""
+    teacher = objective.teacher_of(
+        batch.get("last_hidden"), batch.get("topk_ids"), batch.get("topk_logprobs")
+    )
+    for row, sample in enumerate(samples):
+        n = sample.length
+        simulated.add_sample(
+            batch["input_ids"][row, :n],
+            batch["aux"][row, :n],
+            batch["loss_mask"][row, :n],
+            teacher.argmax[row, :n],
+        )
+
+
+def benchmark_shapes(config: RunConfig, ttt_steps: int) -> list[Shape]:
+    """Every draft shape the benchmark may run: the grid its speed model ranks (pipeline.decoding.speedup),
+    or the configured chain, and SGLang's configured setting and candidates."""
+    bench = config.benchmark
+    if bench.auto_select:
+        shapes = candidate_settings(
+            min(bench.max_draft_steps, ttt_steps), tuple(bench.tree_widths), bench.max_draft_tokens
+        )
+    else:
+        shapes = [(bench.draft_steps, 1, bench.draft_steps + 1)]
+    if bench.sglang is not None:
+        shapes += [bench.sglang.setting(), *bench.sglang.candidate_settings()]
+    return sorted(set(shapes))
 
 
 def domain_metrics(summary: dict[str, Any]) -> dict[str, Any]:
@@ -181,6 +230,8 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         config.evaluate.micro_batch_size,
         config.train.attention_chunk,
         domains=domains,
+        shapes=benchmark_shapes(config, steps),
+        anchors=config.evaluate.simulated_anchors,
     )
     contract = dataset.contract.model_dump(mode="json")
     require_same_contract(contract, result.pop("contract"), "evaluating the candidate drafter")
