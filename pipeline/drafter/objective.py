@@ -55,7 +55,12 @@ class DraftObjective(nn.Module):
         return self.get_buffer(name)
 
     def forward(self, input_ids, loss_mask, aux, last_hidden=None, topk_ids=None, topk_logprobs=None):
-        teacher = self.teacher_of(last_hidden, topk_ids, topk_logprobs)
+        return self.with_teacher(
+            self.teacher_of(last_hidden, topk_ids, topk_logprobs), input_ids, loss_mask, aux
+        )
+
+    def with_teacher(self, teacher: Teacher, input_ids, loss_mask, aux):
+        """forward, with the teacher already computed (teacher_of)."""
         h_outs = self.drafter.ttt_forward(aux, input_ids, self.ttt_steps, self.chunk)
         return ttt_loss_and_counts(
             h_outs,

@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cached_property, partial
 from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
@@ -359,7 +359,7 @@ def choose_setting(
     eos = tokenizer.eos_token_id
     phases = [calibrate(model, drafter, aux_layer_ids, shortlist, prompts, settings, eos)]
     overhead, refitted = refit(evaluation, costs, grid, phases)
-    choice = phases[0].choice()
+    choice = phases[0].choice
     # settings the model ranks among the best once it knows the bookkeeping, not yet timed: timed against
     # the first phase's fastest and every setting tied with it, and the choice made among those
     timed = {setting_shape(s) for s in shortlist}
@@ -372,7 +372,7 @@ def choose_setting(
         contenders = [s for s in shortlist if shape_label(setting_shape(s)) in choice.tied] + newcomers
         phases.append(calibrate(model, drafter, aux_layer_ids, contenders, prompts, settings, eos))
         overhead, refitted = refit(evaluation, costs, grid, phases)
-        choice = phases[-1].choice()
+        choice = phases[-1].choice
     by_shape = {setting_shape(s): s for s in refitted}
     chosen = by_shape[phases[-1].shape_of(choice.chosen)]
     log.info("benchmark: %s (calibration: %s)", choice.reason, "; ".join(phase.line() for phase in phases))
@@ -387,16 +387,7 @@ def choose_setting(
             for shape, (index, phase) in latest.items()
         ],
         overhead=overhead,
-        choice=SettingChoice(
-            chosen=choice.chosen,
-            fastest=choice.fastest,
-            tied=choice.tied,
-            reason=choice.reason,
-            prompts=phases[-1].prompts,
-            rounds=phases[-1].measured.rounds,
-            stopped_by=phases[-1].measured.stopped_by,
-            phases=len(phases),
-        ),
+        choice=setting_choice(choice, phases[-1].prompts, phases[-1].measured, len(phases)),
     )
 
 
@@ -429,6 +420,7 @@ class Calibrated:
     def shape_of(self, name: str) -> Shape:
         return next(shape for shape in self.shapes if shape_label(shape) == name)
 
+    @cached_property
     def choice(self) -> Choice:
         return choose(self.measured, {shape_label(shape): shape for shape in self.shapes})
 
@@ -438,7 +430,7 @@ class Calibrated:
 
     def record(self, setting: DraftSetting, predicted_speedup: float, phase: int) -> Calibration:
         shape = setting_shape(setting)
-        name, choice = shape_label(shape), self.choice()
+        name, choice = shape_label(shape), self.choice
         summary = _summary([self.results[name]])
         return Calibration(
             setting=setting,
@@ -1204,15 +1196,22 @@ def timed_server_settings(
                 vs_fastest=interval(choice.vs_fastest[name]) if name in choice.vs_fastest else None,
             )
         )
-    rounds = min(len(figures["round_tok_s"]) for figures in timed.values())
-    return entries, SettingChoice(
+    measured = server_rounds(timed, confidence)
+    prompts = sum(int(f["requests"]) for f in timed.values()) // len(timed)
+    return entries, setting_choice(choice, prompts, measured)
+
+
+def setting_choice(choice: Choice, prompts: int, measured: Measurement, phases: int = 1) -> SettingChoice:
+    """The record of a choice made on `measured` (the last phase's), over `prompts` prompts."""
+    return SettingChoice(
         chosen=choice.chosen,
         fastest=choice.fastest,
         tied=choice.tied,
         reason=choice.reason,
-        prompts=sum(int(f["requests"]) for f in timed.values()) // len(timed),
-        rounds=rounds,
-        stopped_by="max_rounds",
+        prompts=prompts,
+        rounds=measured.rounds,
+        stopped_by=measured.stopped_by,
+        phases=phases,
     )
 
 

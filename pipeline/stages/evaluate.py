@@ -16,7 +16,7 @@ from pipeline.decoding.speedup import candidate_settings
 from pipeline.decoding.tree_acceptance import Shape, TreeAcceptance
 from pipeline.drafter.export import load_drafter, read_drafter_dir
 from pipeline.drafter.objective import DraftObjective, choose_teacher
-from pipeline.drafter.ttt import MetricCounts
+from pipeline.drafter.ttt import MetricCounts, Teacher
 from pipeline.engines.target import describe_target, load_frozen_tensors
 from pipeline.manifest import read_manifest
 from pipeline.ops import registry
@@ -93,10 +93,13 @@ def evaluate_drafter(
             plan, Progress(batches, total=len(plan), desc="evaluate", unit="batch"), strict=True
         ):
             batch = collate(samples, torch.float32)
-            _, counts = objective(**batch)
+            view = objective.teacher_of(
+                batch.get("last_hidden"), batch.get("topk_ids"), batch.get("topk_logprobs")
+            )
+            _, counts = objective.with_teacher(view, batch["input_ids"], batch["loss_mask"], batch["aux"])
             per_domain[domain].add(counts)
             if simulated.shapes:
-                simulate_batch(simulated, objective, samples, batch)
+                simulate_batch(simulated, view, samples, batch)
     totals = MetricCounts.empty(steps, TREE_WIDTHS)
     for counts in per_domain.values():
         totals.add(counts)
@@ -123,13 +126,10 @@ def evaluate_drafter(
 
 
 def simulate_batch(
-    simulated: TreeAcceptance, objective: DraftObjective, samples: list, batch: dict[str, torch.Tensor]
+    simulated: TreeAcceptance, teacher: Teacher, samples: list, batch: dict[str, torch.Tensor]
 ) -> None:
     """Every sample of a collated batch into the shape simulation, with the teacher's top-1 as the target's
     greedy continuation."""
-    teacher = objective.teacher_of(
-        batch.get("last_hidden"), batch.get("topk_ids"), batch.get("topk_logprobs")
-    )
     for row, sample in enumerate(samples):
         n = sample.length
         simulated.add_sample(
