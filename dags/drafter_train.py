@@ -45,14 +45,19 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
         ),
         epochs=optional("integer", "Epochs", "Training epochs (empty: the config's)", minimum=1, maximum=100),
         init=Param(
-            "scratch",
+            "auto",
             type="string",
-            enum=["scratch", "warm"],
+            enum=["auto", "scratch", "warm"],
             title="Initialization",
-            description="Train from scratch, or warm-start from an existing drafter",
+            description="auto (scheduled and dataset-triggered runs): warm-start from the production "
+            "drafter when it was trained on the same target or scores well enough on the new data, "
+            "else scratch, and restart from scratch if the warm start stalls; or always scratch, or "
+            "always warm",
         ),
         init_from=optional(
-            "string", "Warm start from", "A drafter directory or registry:<alias> (only with warm start)"
+            "string",
+            "Warm start from",
+            "A drafter directory or registry:<alias> (warm; auto's default is the registry alias)",
         ),
         min_cond_acc_0=optional(
             "number",

@@ -462,6 +462,26 @@ class PlateauConfig(Strict):
     min_gain: float = Field(0.01, ge=0.0, description="cond_acc_0 gain needed over the window")
 
 
+class AutoInitConfig(Strict):
+    """How train.init auto decides between a warm start from the incumbent and scratch, and when a warm
+    run gives up (pipeline.training.init_choice)."""
+
+    min_probe_cond_acc: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="a warm start from an incumbent of another target needs its held-out cond_acc_0 on the "
+        "new data at least this; default the gate's step-0 bar (gate.min_cond_acc[0])",
+    )
+    plateau_steps: PositiveInt = Field(
+        200,
+        description="a warm start auto chose whose training cond_acc_0 (per log interval) gains less "
+        "than plateau_min_gain over this many steps, still under the gate's step-0 bar "
+        "(gate.min_cond_acc[0]), restarts from scratch",
+    )
+    plateau_min_gain: float = Field(0.01, ge=0.0)
+
+
 # DeepSpeed's multi-node runner reached nodes over SSH (pdsh), which lost the pods' environment (IRSA's S3
 # credentials among it); every node now runs the same torchrun command instead.
 _SSH_LAUNCHER_GONE = (
@@ -523,8 +543,15 @@ class TrainConfig(Strict):
     checkpoint_every_steps: int = Field(0, ge=0, description="0: checkpoint at epoch ends only")
     seed: int = 0
     log_every: PositiveInt = 20
-    init: Literal["scratch", "warm"] = "scratch"
+    init: Literal["scratch", "warm", "auto"] = Field(
+        "scratch",
+        description="scratch; warm from init_from; auto: warm from the incumbent (init_from, default "
+        "registry:<registry.alias>) when it was trained on the same target or its probe on the new "
+        "held-out data clears auto_init.min_probe_cond_acc, else scratch, and a warm run that plateaus "
+        "early restarts from scratch. The DAGs' scheduled and Asset-triggered runs use auto",
+    )
     init_from: str | None = None
+    auto_init: AutoInitConfig = Field(default_factory=AutoInitConfig)
     plateau: PlateauConfig = Field(default_factory=PlateauConfig)
 
     @model_validator(mode="before")

@@ -160,6 +160,26 @@ class IncumbentSkipped(Record):
     skipped: str
 
 
+class InitProbe(Record):
+    """The incumbent drafter scored on the new dataset's held-out split before training (train.init auto)."""
+
+    cond_acc: list[float]
+    tau_simulated: float
+    bar: float  # the held-out cond_acc_0 a warm start from another target needs
+
+
+class InitChoice(Record):
+    """Which drafter a training attempt started from, and why (pipeline.training.init_choice)."""
+
+    requested: Literal["scratch", "warm", "auto"]
+    chosen: Literal["scratch", "warm"]
+    reason: str
+    # what was (or would have been) warm-started from: a drafter directory or registry:<alias or version>
+    source: str | None = None
+    version: str | None = None  # the registry version behind `source`, when it names one
+    probe: InitProbe | None = None
+
+
 class ShapeAcceptance(Record):
     """Acceptance of one draft shape (steps, topk, draft tokens) simulated on held-out captures with the
     decoder's own tree expansion and pruning (pipeline.decoding.tree_acceptance): what the speed model
@@ -192,6 +212,8 @@ class EvalRecord(AcceptanceMetrics, StageRecord):
     incumbent: IncumbentEval | IncumbentSkipped | None = None
     # the draft shapes the benchmark may choose, simulated (empty in records written before)
     shapes: list[ShapeAcceptance] = Field(default_factory=list)
+    # how each training attempt of the drafter began (the train manifest's attempts; empty before)
+    init: list[InitChoice] = Field(default_factory=list)
 
     def shape(self, steps: int, topk: int, draft_tokens: int) -> ShapeAcceptance | None:
         return next(
@@ -221,6 +243,9 @@ class GateRecord(StageRecord):
     passed: bool
     checks: list[GateCheck]
     reasons: list[str]
+    # how each training attempt of the candidate began (EvalRecord.init): a warm start that stalled and
+    # the scratch attempt that followed both show here
+    init: list[InitChoice] = Field(default_factory=list)
 
 
 # ---------------------------------------------------------------- benchmark
@@ -575,6 +600,7 @@ class RunSummary(FileRecord):
     cond_acc: list[float]
     stop_reason: str
     outcome: str
+    init: list[InitChoice] = Field(default_factory=list)  # how each training attempt began (train.init)
     chosen_epoch: int | None = None  # the exported epoch (best held-out tau_simulated), 0-based
     heldout_tau_by_epoch: list[float] | None = None  # held-out tau_simulated after each epoch
     report: str
@@ -607,6 +633,9 @@ class DrafterSource(Record):
     contract: CaptureContract
     draft_vocab: list[int]  # target token ids of the draft vocabulary
     init_dir: str | None = None  # a local drafter directory to warm-start from
+    # train.init auto chose the warm start: a plateau within auto_init.plateau_steps ends the attempt
+    # (stop_reason "warm_plateau") so the train stage restarts it from scratch
+    restart_on_warm_plateau: bool = False
 
 
 class WorkerSpec(DrafterSource, FileRecord):

@@ -75,6 +75,7 @@ def _data_summary(store: ObjectStore, run_id: str, config: RunConfig) -> dict[st
         "tokens": totals["train"].tokens + totals["eval"].tokens,
         "cond_acc": evaluation.cond_acc,
         "stop_reason": train["result"]["stop_reason"],
+        "init": [attempt["init"] for attempt in train.get("attempts") or []],
         **epoch_selection(train["result"]),
     }
 

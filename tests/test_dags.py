@@ -191,6 +191,8 @@ def test_tasks_get_retries_timeouts_pool_and_failure_callbacks(dagbag):
 def test_params_have_titles_and_validate(dagbag):
     from airflow.sdk.exceptions import ParamValidationError
 
+    from pipeline.tasks import param_overrides
+
     for dag_id in ("drafter_data", "drafter_train"):
         params = dagbag.dags[dag_id].params
         params.validate()  # the defaults are a valid trigger form
@@ -204,6 +206,8 @@ def test_params_have_titles_and_validate(dagbag):
         with pytest.raises(ParamValidationError):
             params.get_param("overrides").resolve(["not an override"])
     train = dagbag.dags["drafter_train"].params
+    # scheduled and dataset-triggered runs take the form's defaults: train.init auto
+    assert train["init"] == "auto" and 'train.init="auto"' in param_overrides(train.dump())
     with pytest.raises(ParamValidationError):
         train.get_param("init").resolve("pretrained")
     with pytest.raises(ParamValidationError):

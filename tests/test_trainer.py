@@ -17,8 +17,10 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config
 from pipeline.data.capture_contract import ContractMismatch
+from pipeline.ops.report import render, status_table
 from pipeline.records import DatasetRecord, DatasetShard, EvalRecord, read_record
 from pipeline.stages import run_stage
+from pipeline.stages.gate import decide
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
 from pipeline.training.nodes import torchrun_args
@@ -319,6 +321,77 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
     )
     with pytest.raises(ContractMismatch, match="aux_layer_ids"):
         run_stage("train", config, "warm-refused", setup["store"], dataset_uri=setup["dataset"])
+
+
+def auto_init_config(setup, init_from: str | None, **auto_init):
+    """train.init auto, one epoch at a learning rate that learns nothing, under a gate bar nothing reaches."""
+    train = {**setup["data"]["train"], "init": "auto", "epochs": 1, "learning_rate": 1e-9}
+    train.update({"checkpoint_every_steps": 0, "auto_init": auto_init, "init_from": init_from})
+    return load_config(data={**setup["data"], "train": train, "gate": {"min_cond_acc": [0.99]}})
+
+
+def test_auto_restarts_a_stalled_warm_start_from_scratch_within_the_run(setup):
+    """The incumbent was trained on this same target, so auto warm-starts from it; its cond_acc_0 does not
+    move within plateau_steps and is under the gate's bar, so the attempt stops and the run goes on from
+    scratch. The manifest records both attempts, their reasons and curves."""
+    store, source = setup["store"], workdir(setup, "uninterrupted") / "drafter"
+    config = auto_init_config(setup, str(source), plateau_steps=3, plateau_min_gain=0.05)
+    result = run_stage("train", config, "auto-stalled", store, dataset_uri=setup["dataset"])
+    manifest = train_manifest(setup, result)
+    warm, scratch = manifest["attempts"]
+    assert (warm["init"]["requested"], warm["init"]["chosen"]) == ("auto", "warm")
+    assert "same target" in warm["init"]["reason"] and warm["init"]["source"] == str(source)
+    steps_per_epoch = manifest["result"]["steps_per_epoch"]
+    assert warm["stop_reason"] == "warm_plateau" and 4 <= warm["global_steps"] < steps_per_epoch
+    assert (scratch["init"]["requested"], scratch["init"]["chosen"]) == ("auto", "scratch")
+    assert "plateaued" in scratch["init"]["reason"] and scratch["stop_reason"] == "completed"
+    assert manifest["init"] == scratch["init"] and manifest["init_from"] is None
+    # the warm attempt's curve is kept beside the run's own
+    curve = [
+        json.loads(line) for line in store.get_bytes(store.key_for(warm["metrics"])).decode().splitlines()
+    ]
+    assert [line["global_step"] for line in curve if line["kind"] == "interval"][-1] == warm["global_steps"]
+    assert manifest["result"]["global_steps"] == steps_per_epoch and scratch["history"] == manifest["history"]
+    # evaluation, the gate's record and `drafter status` carry both attempts
+    evaluation = run_stage("evaluate", config, "auto-stalled", store, dataset_uri=setup["dataset"])
+    record = read_record(store, evaluation.uri, EvalRecord)
+    gate_record = decide(record, config.gate, "auto-stalled")
+    assert [choice.chosen for choice in gate_record.init] == ["warm", "scratch"]
+    report = render(store, "auto-stalled", config.target.name)
+    assert "attempts" in report["plots"]  # both attempts' cond_acc_0 curves, beside the gate's bar
+    page = store.get_bytes("runs/auto-stalled/report/report.html").decode()
+    assert "training attempt 2" in page and "plateaued at training cond_acc_0" in page
+    table = status_table(store, config.target.name, limit=100)
+    assert "training attempt 1: warm (train.init auto): " in table
+    assert "training attempt 2: scratch (train.init auto): the warm start from" in table
+
+
+def test_auto_probes_an_incumbent_of_another_target_and_trains_from_scratch_below_the_bar(setup, tmp_path):
+    store, source = setup["store"], workdir(setup, "uninterrupted") / "drafter"
+    other = tmp_path / "previous-target-drafter"
+    shutil.copytree(source, other)
+    contract = json.loads((other / "capture_contract.json").read_text())
+    contract["target"].update(revision="previous", config_sha256="0" * 64)
+    (other / "capture_contract.json").write_text(json.dumps(contract))
+    config = auto_init_config(setup, str(other), min_probe_cond_acc=0.99)
+    result = run_stage("train", config, "auto-probed", store, dataset_uri=setup["dataset"])
+    (attempt,) = train_manifest(setup, result)["attempts"]
+    choice = attempt["init"]
+    assert choice["chosen"] == "scratch" and "another target" in choice["reason"]
+    assert choice["probe"]["bar"] == 0.99 and 0.0 < choice["probe"]["cond_acc"][0] < 0.99
+    assert f"{choice['probe']['cond_acc'][0]:.3f}" in choice["reason"] and "revision" in choice["reason"]
+
+
+def test_auto_without_an_incumbent_in_the_registry_chooses_scratch(setup, tmp_path):
+    from pipeline.records import read_dataset
+    from pipeline.stages.train import choose_init
+
+    config = auto_init_config(setup, None)
+    directory, choice = choose_init(
+        config, setup["store"], read_dataset(setup["store"], setup["dataset"]), tmp_path
+    )
+    assert directory is None and choice.chosen == "scratch"
+    assert choice.reason == "no drafter at registry:production to warm-start from"
 
 
 def test_training_stops_on_a_plateau(setup):

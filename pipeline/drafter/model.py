@@ -75,10 +75,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        """x * rsqrt(mean(x^2) + eps) in float32, cast back, then scaled: one fused op, not five (the
+        drafter's per-step cost in decoding is mostly per-op overhead)."""
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -155,6 +155,23 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(width, arch.num_kv_heads * arch.head_dim, bias=False)
         self.v_proj = nn.Linear(width, arch.num_kv_heads * arch.head_dim, bias=False)
         self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=False)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, d]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin at positions ([T] or [B, T]), looked up in a table of every position up to the
+        largest asked for so far (`rope_cos_sin` of each position, computed once rather than per step)."""
+        a = self.arch
+        needed = int(positions.max()) + 1
+        table = self._rope_table
+        if table is None or table[0].dtype != dtype or table[0].device != positions.device:
+            table = None
+        if table is None or table[0].shape[0] < needed:
+            size = max(needed, 2 * table[0].shape[0] if table is not None else 256)
+            every = torch.arange(size, device=positions.device)
+            scaling, max_positions = a.rope_scaling, a.max_position_embeddings
+            table = rope_cos_sin(every, a.head_dim, a.rope_theta, dtype, scaling, max_positions)
+            self._rope_table = table
+        return table[0][positions], table[1][positions]
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
         """q [B, h, T, d], k and v [B, h, T, d] (kv heads repeated), RoPE applied at positions [T], or [B, T]
@@ -164,9 +181,7 @@ class DrafterAttention(nn.Module):
         q = self.q_proj(x).view(batch, length, a.num_heads, a.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, length, a.num_kv_heads, a.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(
-            positions, a.head_dim, a.rope_theta, q.dtype, a.rope_scaling, a.max_position_embeddings
-        )
+        cos, sin = self.rope(positions, q.dtype)
         if positions.dim() == 2:  # [B, T, d] -> [B, 1, T, d], one position per row and token
             cos, sin = cos[:, None], sin[:, None]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -286,7 +301,9 @@ class Eagle3Drafter(nn.Module):
         q, k, v = attn.project(x, positions)
         k_all, v_all = cache.append(k, v, start_position)
         past = k_all.shape[2] - length
-        mask = torch.ones(length, k_all.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
+        mask = None  # one new position attends to every cached one
+        if length > 1:
+            mask = torch.ones(length, k_all.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=past)
         attended = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
         return self.midlayer.finish(hidden, attn.out(attended))
 

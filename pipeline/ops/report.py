@@ -46,6 +46,7 @@ from pipeline.storage import ObjectStore
 log = logging.getLogger(__name__)
 PLOTS = {
     "training": "Training: loss and conditional acceptance per epoch",
+    "attempts": "Training attempts: a stalled warm start, then scratch (train.init auto)",
     "acceptance": "Accepted draft tokens per verify step (benchmark)",
     "throughput": "Decoding throughput",
     "predicted_vs_measured": "Acceptance: predicted by evaluation vs measured by the benchmark",
@@ -199,6 +200,39 @@ def plot_training(record: RunRecord, path: Path) -> bool:
     return True
 
 
+def plot_attempts(record: RunRecord, path: Path) -> bool:
+    """Training cond_acc_0 by step of each attempt, when train.init auto restarted a stalled warm start."""
+    attempts = (record.train or {}).get("attempts") or []
+    if len(attempts) < 2:
+        return False
+    fig, axes = _figure(11, 4.2, 1)
+    ax = axes[0][0]
+    for number, attempt in enumerate(attempts, 1):
+        curve = attempt.get("cond_acc0_by_step") or []
+        init = attempt["init"]
+        ax.plot(
+            [step for step, _ in curve],
+            [value for _, value in curve],
+            color=COLORS[(number - 1) % len(COLORS)],
+            label=f"attempt {number}: {init['chosen']} ({attempt['stop_reason']})",
+        )
+    thresholds = ((record.config or {}).get("gate") or {}).get("min_cond_acc") or []
+    if thresholds:
+        ax.axhline(
+            thresholds[0], color="gray", linestyle="--", label=f"gate: cond_acc_0 >= {thresholds[0]:g}"
+        )
+    ax.set(
+        xlabel="step of the attempt",
+        ylabel="cond_acc_0 (training)",
+        title="training attempts",
+        ylim=(0, 1.02),
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    _save(fig, path)
+    return True
+
+
 def _bench_methods(record: RunRecord) -> dict[str, MethodResult]:
     return record.bench.methods.present() if record.bench is not None else {}
 
@@ -317,6 +351,7 @@ def plot_predicted_vs_measured(record: RunRecord, path: Path) -> bool:
 
 PLOTTERS = {
     "training": plot_training,
+    "attempts": plot_attempts,
     "acceptance": plot_acceptance,
     "throughput": plot_throughput,
     "predicted_vs_measured": plot_predicted_vs_measured,
@@ -352,6 +387,18 @@ def _interval(speedup: RatioInterval) -> str:
     return f"{speedup.ratio:.3f} ({speedup.ci_low:.3f}\u2013{speedup.ci_high:.3f}, {speedup.rounds} rounds)"
 
 
+def init_rows(train: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per training attempt: where it started from, why, and how it ended (train.init)."""
+    return [
+        (
+            f"training attempt {number}",
+            f"{attempt['init']['chosen']} (train.init {attempt['init']['requested']}): "
+            f"{attempt['init']['reason']}; {attempt['stop_reason']} after {attempt['global_steps']} steps",
+        )
+        for number, attempt in enumerate(train.get("attempts") or [], 1)
+    ]
+
+
 def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
     evaluation, bench, promote = record.eval, record.bench, record.promote
     train = record.train or {}
@@ -361,6 +408,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         ("target", ((record.config or {}).get("target") or {}).get("name")),
         ("dataset", train.get("dataset")),
         ("training stop", result.get("stop_reason")),
+        *init_rows(train),
         ("epochs run", result.get("epochs_run")),
         ("train samples", result.get("train_samples")),
         ("cond_acc_k (eval)", evaluation.cond_acc if evaluation else None),
@@ -516,6 +564,7 @@ def render_html(record: RunRecord, images: dict[str, bytes], flags: tuple[list[s
             "no training history" if name == "training" else "the run stopped before the benchmark",
         )
         for name, title in PLOTS.items()
+        if name != "attempts" or name in images  # shown only for a run that restarted
     ]
     contract = (record.train or {}).get("contract")
     return (
@@ -625,6 +674,7 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
             f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}"
             f"{gpu_hours:>10}{dollars:>12}  {run.outcome}"
         )
+        lines += [f"      {name}: {text}" for name, text in init_rows(run.train or {})]
     evaluated = next((run for run in runs if run.eval is not None), None)
     if evaluated is not None and evaluated.eval is not None:
         lines += ["", f"latest evaluated run {evaluated.run_id}, per domain:"]

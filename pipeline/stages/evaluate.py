@@ -23,9 +23,11 @@ from pipeline.ops import registry
 from pipeline.progress import Progress
 from pipeline.records import (
     AcceptanceMetrics,
+    DatasetRecord,
     EvalRecord,
     IncumbentEval,
     IncumbentSkipped,
+    InitChoice,
     publish_record,
     read_dataset,
 )
@@ -189,6 +191,21 @@ def evaluate_incumbent(
     )
 
 
+def training_attempts(store: ObjectStore, train_uri: str) -> list[InitChoice]:
+    """How each attempt of the training began (pipeline.training.init_choice), from its manifest."""
+    manifest = read_manifest(store, store.key_for(train_uri), kind="train")
+    return [InitChoice.model_validate(attempt["init"]) for attempt in manifest.get("attempts") or []]
+
+
+def heldout_shards(config: RunConfig, store: ObjectStore, dataset: DatasetRecord) -> StreamingShards:
+    """The dataset's eval (held-out) shards, streamed through the local shard cache."""
+    refs = [ShardRef.from_manifest(entry) for entry in dataset.eval_shards]
+    cache = ShardCache(
+        store, Path(config.storage.local_cache) / "shards", int(config.train.cache_gb * (1 << 30))
+    )
+    return StreamingShards(refs, cache, config.train.max_length, config.train.prefetch_shards)
+
+
 def local_drafter_dir(store: ObjectStore, train_prefix: str, workdir: Path) -> Path:
     """The trained drafter's files, fetched from the store and verified against the train manifest."""
     from pipeline.drafter.export import DRAFTER_FILES
@@ -215,11 +232,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         store, config.target.name, config.registry.alias, workdir, target_config=target.model_dir
     )
     drafter_dir = local_drafter_dir(store, store.key_for(train_uri), workdir)
-    refs = [ShardRef.from_manifest(entry) for entry in dataset.eval_shards]
-    cache = ShardCache(
-        store, Path(config.storage.local_cache) / "shards", int(config.train.cache_gb * (1 << 30))
-    )
-    shards = StreamingShards(refs, cache, config.train.max_length, config.train.prefetch_shards)
+    shards = heldout_shards(config, store, dataset)
     steps = config.evaluate.ttt_steps or config.train.ttt_steps
     domains = [entry.domain for entry in dataset.eval_shards]
     result = evaluate_drafter(
@@ -239,6 +252,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         **result,
         drafter=train_uri,
         dataset=dataset_uri,
+        init=training_attempts(store, train_uri),
         incumbent=(
             evaluate_incumbent(incumbent, contract, shards, target.model_dir, steps, config, domains)
             if incumbent is not None

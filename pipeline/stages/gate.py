@@ -77,6 +77,7 @@ def decide(evaluation: EvalRecord, gate: GateConfig, run_id: str) -> GateRecord:
         passed=all(c.passed for c in checks),
         checks=checks,
         reasons=reasons,
+        init=evaluation.init,
     )
 
 

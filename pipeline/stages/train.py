@@ -26,10 +26,11 @@ from pipeline.drafter.export import DRAFTER_FILES, read_drafter_dir
 from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
 from pipeline.engines.target import describe_target
 from pipeline.manifest import publish
-from pipeline.records import DatasetRecord, WorkerSpec, read_dataset
+from pipeline.records import DatasetRecord, InitChoice, InitProbe, WorkerSpec, read_dataset
 from pipeline.stages import StageInputs, StageOutput, already_published
 from pipeline.stages.capture import contract_for
 from pipeline.storage import ObjectStore
+from pipeline.training.init_choice import decide_auto, fixed_choice, probe_bar, restart_choice
 from pipeline.training.nodes import TrainingFailed, node_launcher
 from pipeline.training.stream import ShardRef, assistant_token_counts
 from pipeline.training.tracking import TENSORBOARD_DIR, TRACKING_FILE, TrackingUnavailable, open_mlflow_run
@@ -96,25 +97,96 @@ def resolve_init_dir(config: RunConfig, store: ObjectStore, workdir: Path) -> Pa
     """A local directory holding the warm-start drafter (a local path or a registry reference)."""
     if config.train.init != "warm":
         return None
-    source = config.train.init_from or ""
-    if source.startswith("registry:"):
-        from pipeline.ops.registry import pull
+    located = locate_init_source(config, store, config.train.init_from or "", workdir)
+    if located is None:
+        raise TrainingFailed(f"train.init_from {config.train.init_from!r}: the registry has no such drafter")
+    return located[0]
 
-        return pull(store, config.target.name, source[len("registry:") :], workdir / "init_drafter")
+
+def locate_init_source(
+    config: RunConfig, store: ObjectStore, source: str, workdir: Path
+) -> tuple[Path, str | None] | None:
+    """(local directory, registry version or None) of a warm-start source: a drafter directory, or
+    registry:<alias or version> pulled into the work dir; None when the registry has no such name."""
+    if source.startswith("registry:"):
+        from pipeline.ops.registry import RegistryError, pull, resolve
+
+        try:
+            version = resolve(store, config.target.name, source[len("registry:") :])
+        except RegistryError:
+            return None
+        return pull(store, config.target.name, version, workdir / "init_drafter"), version
     path = Path(source)
     if not path.is_dir():
         raise TrainingFailed(
             f"train.init_from {source!r} is neither a drafter directory nor registry:<alias>"
         )
-    return path
+    return path, None
+
+
+def choose_init(
+    config: RunConfig, store: ObjectStore, dataset: DatasetRecord, workdir: Path
+) -> tuple[Path | None, InitChoice]:
+    """The warm-start directory (None: scratch) and the choice's record (pipeline.training.init_choice)."""
+    if config.train.init != "auto":
+        return resolve_init_dir(config, store, workdir), fixed_choice(config)
+    source = config.train.init_from or f"registry:{config.registry.alias}"
+    located = locate_init_source(config, store, source, workdir)
+    data_contract = dataset.contract.model_dump(mode="json")
+    if located is None:
+        return None, decide_auto(source, None, None, data_contract, _no_probe, check_warm_start_contract)
+    directory, version = located
+    choice = decide_auto(
+        source,
+        version,
+        read_drafter_dir(directory)[2],
+        data_contract,
+        lambda: probe_incumbent(config, store, dataset, directory),
+        check_warm_start_contract,
+    )
+    log.info("train.init auto: %s (%s)", choice.chosen, choice.reason)
+    return (directory if choice.chosen == "warm" else None), choice
+
+
+def _no_probe() -> InitProbe:
+    raise AssertionError("there is no incumbent to probe")
+
+
+def probe_incumbent(
+    config: RunConfig, store: ObjectStore, dataset: DatasetRecord, directory: Path
+) -> InitProbe:
+    """The incumbent scored on the new dataset's held-out split (the evaluate stage's own counts)."""
+    from pipeline.stages.evaluate import evaluate_drafter, heldout_shards
+
+    if not dataset.eval_shards:
+        raise TrainingFailed(
+            "train.init auto must probe an incumbent of another target on held-out data, and the dataset has "
+            "no eval shards; raise prompts.eval_fraction or set train.init"
+        )
+    result = evaluate_drafter(
+        directory,
+        heldout_shards(config, store, dataset),
+        describe_target(config).model_dir,
+        config.evaluate.ttt_steps or config.train.ttt_steps,
+        config.evaluate.micro_batch_size,
+        config.train.attention_chunk,
+    )
+    return InitProbe(
+        cond_acc=result["cond_acc"], tau_simulated=result["tau_simulated"], bar=probe_bar(config)
+    )
 
 
 def worker_spec(
-    config: RunConfig, store: ObjectStore, dataset: DatasetRecord, run_id: str, workdir: Path
+    config: RunConfig,
+    store: ObjectStore,
+    dataset: DatasetRecord,
+    run_id: str,
+    workdir: Path,
+    init: tuple[Path | None, InitChoice],
 ) -> WorkerSpec:
     """What every rank needs. Its local paths (work dir, shard cache, target, warm start) are the same on
     every node: the node pods mount the cache and weight volumes where this pod does."""
-    init_dir = resolve_init_dir(config, store, workdir)
+    init_dir, choice = init
     return WorkerSpec(
         config=config,
         run_id=run_id,
@@ -126,6 +198,7 @@ def worker_spec(
         contract=dataset.contract,
         init_dir=str(init_dir.resolve()) if init_dir else None,
         draft_vocab=draft_vocabulary(config, store, dataset, init_dir),
+        restart_on_warm_plateau=choice.requested == "auto" and choice.chosen == "warm",
     )
 
 
@@ -149,7 +222,54 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             open_mlflow_run(config.tracking, run_id)
         except TrackingUnavailable as err:
             raise TrainingFailed(str(err)) from err
-    spec = worker_spec(config, store, dataset, run_id, workdir)
+    spec_object, workdir, attempts = _train(config, store, dataset, run_id, workdir)
+    earlier = _store_attempt_metrics(store, prefix, attempts)
+    return _publish(
+        config,
+        store,
+        prefix,
+        workdir,
+        [spec_object, *earlier],
+        {
+            "run_id": run_id,
+            "dataset": store.uri(dataset_prefix),
+            "contract": contract,
+            "init_from": attempts[-1]["init"]["source"] if attempts[-1]["init"]["chosen"] == "warm" else None,
+            "init": attempts[-1]["init"],
+            "attempts": attempts,
+        },
+    )
+
+
+def _train(
+    config: RunConfig, store: ObjectStore, dataset: DatasetRecord, run_id: str, workdir: Path
+) -> tuple[Any, Path, list[dict[str, Any]]]:
+    """The attempts of one training: from where train.init says, then, if train.init auto's warm start
+    stalled (stop_reason warm_plateau), from scratch in a work dir of its own. Returns the last attempt's
+    worker spec object and work dir, and every attempt's record."""
+    init = choose_init(config, store, dataset, workdir)
+    spec_object, result = _attempt(config, store, dataset, run_id, workdir, init)
+    attempts = [_attempt_record(init[1], result, workdir)]
+    if result["stop_reason"] != "warm_plateau":
+        return spec_object, workdir, attempts
+    restart = restart_choice(init[1], result["global_steps"], _last_cond_acc0(workdir))
+    log.info("train.init auto: %s", restart.reason)
+    workdir = workdir.with_name(f"{workdir.name}-scratch")
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_object, result = _attempt(config, store, dataset, run_id, workdir, (None, restart))
+    return spec_object, workdir, attempts + [_attempt_record(restart, result, workdir)]
+
+
+def _attempt(
+    config: RunConfig,
+    store: ObjectStore,
+    dataset: DatasetRecord,
+    run_id: str,
+    workdir: Path,
+    init: tuple[Path | None, InitChoice],
+) -> tuple[Any, dict[str, Any]]:
+    """One training attempt in its own work dir: the worker spec's object and rank 0's result."""
+    spec = worker_spec(config, store, dataset, run_id, workdir, init)
     spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), spec.to_json())
     (workdir / "train_result.json").unlink(missing_ok=True)
     code = node_launcher(config.train, config.storage).train(
@@ -162,19 +282,49 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             f"training finished without rank 0's result in {workdir}: the nodes must write the "
             "work dir this process reads (storage.local_cache on the volume every node mounts)"
         )
-    return _publish(
-        config,
-        store,
-        prefix,
-        workdir,
-        [spec_object],
-        {
-            "run_id": run_id,
-            "dataset": store.uri(dataset_prefix),
-            "contract": contract,
-            "init_from": config.train.init_from if spec.init_dir else None,
-        },
-    )
+    return spec_object, json.loads((workdir / "train_result.json").read_text())
+
+
+def _attempt_record(choice: InitChoice, result: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """What the manifest says of one attempt: how it started, why, how it ended, its epochs, and its
+    training cond_acc_0 curve ([global step, value] per log interval)."""
+    return {
+        "init": choice.model_dump(mode="json"),
+        "stop_reason": result["stop_reason"],
+        "global_steps": result["global_steps"],
+        "epochs_run": result["epochs_run"],
+        "history": result["history"],
+        "cond_acc0_by_step": [[line["global_step"], line["cond_acc"][0]] for line in _intervals(workdir)],
+        "workdir": str(workdir),  # replaced by its metrics' URI when published
+    }
+
+
+def _store_attempt_metrics(store: ObjectStore, prefix: str, attempts: list[dict[str, Any]]) -> list[Any]:
+    """Each attempt's metrics by URI: the last one's are the run's own metrics.jsonl (published with the
+    drafter); an earlier (stalled warm) attempt's are stored now, under attempts/<n>/, and returned."""
+    stored = []
+    for number, attempt in enumerate(attempts, 1):
+        metrics = Path(attempt.pop("workdir")) / "metrics.jsonl"
+        if number == len(attempts):
+            attempt["metrics"] = store.uri(f"{prefix}/metrics.jsonl")
+            continue
+        stored.append(store.put_file(f"{prefix}/attempts/{number}/metrics.jsonl", metrics))
+        attempt["metrics"] = store.uri(stored[-1].key)
+    return stored
+
+
+def _intervals(workdir: Path) -> list[dict[str, Any]]:
+    """The log-interval records of the attempt's metrics.jsonl."""
+    lines = [
+        json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
+    return [line for line in lines if line.get("kind") == "interval"]
+
+
+def _last_cond_acc0(workdir: Path) -> float:
+    """Training cond_acc_0 of the attempt's last log interval."""
+    intervals = _intervals(workdir)
+    return float(intervals[-1]["cond_acc"][0]) if intervals else 0.0
 
 
 def _publish(

@@ -32,6 +32,7 @@ from pipeline.engines.target import load_frozen_tensors, text_config
 from pipeline.progress import Progress
 from pipeline.records import DrafterSource, WorkerSpec, parse_record
 from pipeline.storage import atomic_write
+from pipeline.training.init_choice import warm_plateau_reached
 from pipeline.training.stream import (
     ShardCache,
     ShardRef,
@@ -190,8 +191,12 @@ def plateau_reached(history: list[dict[str, Any]], config: RunConfig) -> bool:
         return False
     current = _plateau_metric(history[-1])
     before = _plateau_metric(history[-1 - plateau.window_epochs])
-    threshold = config.gate.min_cond_acc[0] if config.gate.min_cond_acc else 1.0
-    return current - before < plateau.min_gain and current < threshold
+    return current - before < plateau.min_gain and current < step0_bar(config)
+
+
+def step0_bar(config: RunConfig) -> float:
+    """The gate's cond_acc_0 bar: a plateau under it stops training (1.0 when the gate sets none)."""
+    return config.gate.min_cond_acc[0] if config.gate.min_cond_acc else 1.0
 
 
 def best_weights_path(directory: Path, epoch: int) -> Path:
@@ -302,6 +307,8 @@ def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
         "stop_reason": None,
         "epoch_counts": None,
         "best": None,  # {"epoch", "tau_simulated"} of the best held-out epoch so far (BEST_EPOCH_DIR)
+        # (global step, training cond_acc_0) of every log interval: a warm start's step plateau check
+        "intervals": [],
     }
     if (ckpt_dir / "latest").exists():
         tag = (ckpt_dir / "latest").read_text().strip()
@@ -311,7 +318,7 @@ def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
                 f"checkpoint {ckpt_dir / tag} is named in {ckpt_dir / 'latest'} but could not be "
                 "loaded; delete the checkpoints directory to train from the start"
             )
-        state = {k: client[k] for k in state}
+        state = {k: client.get(k, default) for k, default in state.items()}
         torch.set_rng_state(client["rng_cpu"])
         log.info(
             "resumed from checkpoint %s at epoch %d batch %d", tag, state["epoch"], state["batch_in_epoch"]
@@ -428,6 +435,27 @@ class Trainer:
         self.engine.step()
         return counts.as_tensor()
 
+    def warm_start_stalled(self, cond_acc0: float) -> bool:
+        """A warm start train.init auto chose that stopped improving within auto_init.plateau_steps: ends
+        the attempt (stop_reason warm_plateau) for the train stage to restart from scratch. Every rank
+        sees the same all-reduced figures, so all stop at the same step."""
+        if not self.spec.restart_on_warm_plateau:
+            return False
+        state, auto = self.state, self.settings.auto_init
+        state["intervals"].append([state["global_step"], cond_acc0])
+        intervals = [(int(step), float(value)) for step, value in state["intervals"]]
+        bar = step0_bar(self.config)
+        if not warm_plateau_reached(intervals, auto.plateau_steps, auto.plateau_min_gain, bar):
+            return False
+        state["stop_reason"] = "warm_plateau"
+        log.info(
+            "stopping the warm start: training cond_acc_0 %.3f gained less than %s over %d steps",
+            cond_acc0,
+            auto.plateau_min_gain,
+            auto.plateau_steps,
+        )
+        return True
+
     def run_epoch(self, progress: Progress) -> None:
         state, settings = self.state, self.settings
         epoch = state["epoch"]
@@ -460,6 +488,8 @@ class Trainer:
                 )
                 interval_counts.zero_()
                 interval_started = time.monotonic()
+                if self.warm_start_stalled(summary["cond_acc"][0]):
+                    break
             if (
                 settings.checkpoint_every_steps
                 and state["global_step"] % settings.checkpoint_every_steps == 0
@@ -484,7 +514,7 @@ class Trainer:
                 summary["tau_simulated"],
                 heldout and heldout["tau_simulated"],
             )
-        if plateau_reached(state["history"], self.config):
+        if state["stop_reason"] is None and plateau_reached(state["history"], self.config):
             state["stop_reason"] = "plateau"
             log.info(
                 "stopping: cond_acc_0 gained less than %s over %d epochs",
