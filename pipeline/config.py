@@ -593,15 +593,28 @@ class EvaluateConfig(Strict):
 
 
 class GateConfig(Strict):
+    """The candidate's bars. Against the incumbent there is no tolerance: a candidate whose held-out
+    tau_simulated is below the incumbent's on the same held-out anchors never promotes."""
+
     min_cond_acc: list[float] = Field(default_factory=lambda: [0.3])
     min_tau_simulated: float = Field(1.3, ge=1.0)
-    max_regression_vs_incumbent: float = Field(0.0, ge=0.0, description="allowed drop in tau_simulated")
     max_domain_regression_vs_incumbent: float | None = Field(
         None,
         ge=0.0,
         description="allowed drop in tau_simulated on each held-out domain the incumbent was also evaluated "
         "on (a candidate better on average but worse on one domain fails, naming it); None: not checked",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tolerance_behind_the_incumbent(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_regression_vs_incumbent" in data:
+            raise ValueError(
+                "gate.max_regression_vs_incumbent was removed: a candidate behind the incumbent on the "
+                "held-out split never promotes; delete the key (gate.max_domain_regression_vs_incumbent "
+                "still sets the margin allowed on each domain)"
+            )
+        return data
 
 
 def _refuse_replaced_keys(data: Any, keys: set[str], where: str, replacement: str) -> Any:

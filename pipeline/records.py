@@ -151,10 +151,12 @@ class IncumbentEval(AcceptanceMetrics):
 
     version: str
     domains: dict[str, DomainAcceptance] = Field(default_factory=dict)
+    # an incumbent trained for another target (its config, tokenizer or chat template differ), scored here
+    target_differs: list[str] = Field(default_factory=list)
 
 
 class IncumbentSkipped(Record):
-    """The incumbent could not be compared (another capture contract)."""
+    """The incumbent could not be compared (it reads other features: other layers or widths)."""
 
     version: str
     skipped: str

@@ -133,3 +133,19 @@ def test_the_sglang_headline_is_at_its_concurrency_and_the_levels_beside_it():
         "candidate/baseline speed at batch 1 0.900",
         "candidate/baseline speed at batch 8 1.500",
     ]
+
+
+def test_a_candidate_measurably_slower_than_the_incumbent_never_promotes_whatever_the_threshold():
+    # a lenient threshold (0.85, for a shared machine) lets an even candidate through, never a slower one
+    settings = BenchmarkConfig(min_speedup_vs_baseline=1.0, min_speedup_vs_incumbent=0.85)
+    base = {"baseline": speedup(1.6, 1.5, 1.7)}
+    even = promotion_decision({**base, "incumbent": speedup(0.97, 0.9, 1.04)}, settings)
+    assert even.promotable
+    slower = promotion_decision({**base, "incumbent": speedup(0.93, 0.88, 0.98)}, settings)
+    assert not slower.promotable
+    assert slower.reasons[-1].endswith(
+        "lower bound >= required 0.85; upper bound < 1: measurably slower than the incumbent, never promoted"
+    )
+    # an upper bound under 1 against baseline or n-gram is for their thresholds alone
+    lenient = BenchmarkConfig(min_speedup_vs_baseline=0.5, min_speedup_vs_incumbent=0.0)
+    assert promotion_decision({"baseline": speedup(0.9, 0.85, 0.95)}, lenient).promotable

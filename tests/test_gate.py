@@ -4,7 +4,7 @@ import pytest
 
 from pipeline.config import GateConfig
 from pipeline.records import DomainAcceptance, EvalRecord, IncumbentEval
-from pipeline.stages.gate import decide
+from pipeline.stages.gate import decide, signed
 from tests.test_records import eval_record
 
 
@@ -83,3 +83,59 @@ def test_the_report_shows_each_domain_beside_the_incumbent():
         "<tr><th>domain math (eval, 10 held out)</th><td>cond_acc_k 0.5; tau simulated 1.500</td></tr>"
         in page
     )
+
+
+def test_a_candidate_behind_the_incumbent_by_any_margin_is_refused_with_by_how_much_and_where():
+    incumbent = _incumbent(2.0, {"chat": 2.2, "math": 1.8})
+    evaluation = _evaluated(1.99, {"chat": 2.25, "math": 1.73}, incumbent)
+    decision = decide(evaluation, GATE.model_copy(update={"max_domain_regression_vs_incumbent": None}), "r1")
+    assert not decision.passed
+    failed = [check for check in decision.checks if not check.passed]
+    assert [(c.check, c.threshold) for c in failed] == [("tau_simulated_vs_incumbent", 2.0)]
+    assert (
+        "against incumbent v1: tau_simulated 1.990 vs 2.000, behind by 0.0100 "
+        "(per domain: chat ahead by 0.0500, math behind by 0.0700)"
+    ) in decision.reasons
+    # level with the incumbent is not behind it
+    assert decide(_evaluated(2.0, {}, incumbent), GATE, "r2").passed
+    assert signed(0.0) == "level" and signed(-0.25) == "behind by 0.2500"
+
+
+def test_a_config_that_tolerates_a_regression_against_the_incumbent_is_refused_with_the_reason():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="max_regression_vs_incumbent was removed: a candidate behind"):
+        GateConfig(min_cond_acc=[0.1], max_regression_vs_incumbent=0.05)
+
+
+def test_the_report_and_status_say_by_how_much_and_where_a_candidate_trails_the_incumbent(tmp_path):
+    from pipeline import layout
+    from pipeline.config import StorageConfig
+    from pipeline.manifest import publish
+    from pipeline.ops.report import RunRecord, incumbent_rows, render_html, status_table
+    from pipeline.records import publish_record
+    from pipeline.storage import open_store
+
+    incumbent = _incumbent(2.0, {"chat": 2.2, "math": 1.8}).model_copy(
+        update={"target_differs": ["revision 'k2' -> 'k2.5'"]}
+    )
+    evaluation = _evaluated(1.9, {"chat": 2.3, "math": 1.5}, incumbent)
+    assert incumbent_rows(evaluation) == [
+        ("vs incumbent v1 (tau simulated, eval)", "1.900 vs 2.000: behind by 0.1000"),
+        ("vs incumbent on chat", "2.300 vs 2.200: ahead by 0.1000"),
+        ("vs incumbent on math", "1.500 vs 1.800: behind by 0.3000"),
+        ("incumbent trained for another target", "revision 'k2' -> 'k2.5'"),
+    ]
+    page = render_html(RunRecord("r1", config={}, eval=evaluation, stages=["eval"]), {}, ([], ""))
+    assert "<th>vs incumbent on math</th><td>1.500 vs 1.800: behind by 0.3000</td>" in page
+    store = open_store(StorageConfig(root=str(tmp_path / "store")))
+    publish(store, layout.run_stage_prefix("r1", "train"), "train", [], {"run_id": "r1"})
+    publish_record(store, layout.run_stage_prefix("r1", "eval"), evaluation, {"run_id": "r1"})
+    assert (
+        "against incumbent v1: tau_simulated 1.900 vs 2.000, behind by 0.1000 "
+        "(per domain: chat ahead by 0.1000, math behind by 0.3000)"
+    ) in status_table(store, "tiny")
+    skipped = eval_record()  # an incumbent that reads other features
+    assert incumbent_rows(skipped) == [
+        ("vs incumbent v0", "not compared: different capture contract: vocab_size")
+    ]

@@ -431,8 +431,12 @@ def test_the_benchmark_serves_the_fastest_setting_it_timed_within_its_noise(e2e)
     assert len(timed) >= 3 and {topk for _, topk, _ in timed} == {1, 2, 4}  # the best of each width too
     chosen = (record["draft_steps"], record["topk"], record["draft_tokens"])
     assert chosen in timed and choice["chosen"] in choice["tied"] and choice["fastest"] in choice["tied"]
+    assert timed[chosen]["phase"] == choice["phases"] >= 1  # chosen among the last phase's settings
     for setting, figures in timed.items():
-        assert figures["speedup"]["rounds"] == choice["rounds"] >= 4  # every calibration prompt, paired
+        assert 1 <= figures["phase"] <= choice["phases"]
+        assert figures["speedup"]["rounds"] >= 4  # every calibration prompt, paired
+        if figures["phase"] == choice["phases"]:  # timed in the phase the choice was made on
+            assert figures["speedup"]["rounds"] == choice["rounds"]
         assert figures["predicted_speedup"] > 0 and figures["seconds_per_cycle"] > 0
         steps, topk, _ = setting
         predicted = simulated[setting]["tau"] if topk > 1 else 1 + sum(evaluation["full_acc"][:steps])

@@ -146,7 +146,6 @@ REHEARSAL_SIZES = {
     "evaluate.micro_batch_size",
     "gate.min_cond_acc",
     "gate.min_tau_simulated",
-    "gate.max_regression_vs_incumbent",
     "gate.max_domain_regression_vs_incumbent",
     "prompts.sources.*.max_samples",  # a few of each standard set
     "benchmark.num_prompts",

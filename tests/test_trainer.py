@@ -380,6 +380,25 @@ def test_auto_probes_an_incumbent_of_another_target_and_trains_from_scratch_belo
     assert choice["chosen"] == "scratch" and "another target" in choice["reason"]
     assert choice["probe"]["bar"] == 0.99 and 0.0 < choice["probe"]["cond_acc"][0] < 0.99
     assert f"{choice['probe']['cond_acc'][0]:.3f}" in choice["reason"] and "revision" in choice["reason"]
+    # the evaluate stage scores such an incumbent too (what serves the target until a candidate beats it),
+    # with the probe's figures, and records that it was trained for another target
+    from pipeline.engines.target import describe_target
+    from pipeline.records import IncumbentEval, read_dataset
+    from pipeline.stages.evaluate import evaluate_incumbent, heldout_shards
+
+    dataset = read_dataset(store, setup["dataset"])
+    scored = evaluate_incumbent(
+        ("v-previous", other),
+        dataset.contract.model_dump(mode="json"),
+        heldout_shards(config, store, dataset),
+        describe_target(config).model_dir,
+        config.evaluate.ttt_steps or config.train.ttt_steps,
+        config,
+        [entry.domain for entry in dataset.eval_shards],
+    )
+    assert isinstance(scored, IncumbentEval) and scored.version == "v-previous"
+    assert scored.cond_acc[0] == pytest.approx(choice["probe"]["cond_acc"][0])
+    assert [difference.split(" ")[0] for difference in scored.target_differs] == ["revision", "config_sha256"]
 
 
 def test_auto_without_an_incumbent_in_the_registry_chooses_scratch(setup, tmp_path):

@@ -101,15 +101,21 @@ def build_contract(
 
 def contract_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
     """Human-readable differences in the fields that change what captured features mean."""
-    problems = []
-    for field in SEMANTIC_FIELDS:
-        if expected.get(field) != actual.get(field):
-            problems.append(f"{field}: expected {expected.get(field)!r}, got {actual.get(field)!r}")
+    problems = feature_differences(expected, actual)
     for field in TARGET_FIELDS:
         want, got = expected.get("target", {}).get(field), actual.get("target", {}).get(field)
         if want != got:
             problems.append(f"target.{field}: expected {want}, got {got}")
     return problems
+
+
+def feature_differences(expected: dict[str, Any], actual: dict[str, Any]) -> list[str]:
+    """Differences that make one side's features unreadable by the other's drafter (layers, widths)."""
+    return [
+        f"{field}: expected {expected.get(field)!r}, got {actual.get(field)!r}"
+        for field in SEMANTIC_FIELDS
+        if expected.get(field) != actual.get(field)
+    ]
 
 
 def require_same_contract(expected: dict[str, Any], actual: dict[str, Any], what: str) -> None:

@@ -33,6 +33,7 @@ from pipeline.records import (
     EvalRecord,
     GateRecord,
     IncumbentEval,
+    IncumbentSkipped,
     MeasuredAcceptance,
     MethodResult,
     PromoteRecord,
@@ -41,6 +42,7 @@ from pipeline.records import (
     StageRecord,
     read_record,
 )
+from pipeline.stages.gate import signed, standing_vs_incumbent
 from pipeline.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -414,6 +416,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         ("cond_acc_k (eval)", evaluation.cond_acc if evaluation else None),
         ("tau simulated (eval)", evaluation.tau_simulated if evaluation else None),
         *(_domain_rows(evaluation) if evaluation else []),
+        *(incumbent_rows(evaluation) if evaluation else []),
         ("benchmark engine", " ".join(filter(None, (bench.engine, bench.engine_version))) if bench else None),
         ("tau predicted (bench)", bench.tau_simulated if bench else None),
         ("tau measured (bench)", bench.tau_measured if bench else None),
@@ -529,6 +532,29 @@ def _domain_rows(evaluation: EvalRecord) -> list[tuple[str, Any]]:
                 f"cond_acc_k {_cell(metrics.cond_acc)}; tau simulated {metrics.tau_simulated:.3f}{beside}",
             )
         )
+    return rows
+
+
+def incumbent_rows(evaluation: EvalRecord) -> list[tuple[str, str]]:
+    """The candidate against the incumbent on the same held-out anchors, pooled and on each domain both
+    were scored on: ahead or behind, by how much (a candidate behind never promotes: pipeline.stages.gate)."""
+    incumbent = evaluation.incumbent
+    if isinstance(incumbent, IncumbentSkipped):
+        return [(f"vs incumbent {incumbent.version}", f"not compared: {incumbent.skipped}")]
+    if not isinstance(incumbent, IncumbentEval):
+        return []
+    rows = [
+        (
+            f"vs incumbent {incumbent.version} (tau simulated, eval)",
+            f"{evaluation.tau_simulated:.3f} vs {incumbent.tau_simulated:.3f}: "
+            f"{signed(evaluation.tau_simulated - incumbent.tau_simulated)}",
+        )
+    ]
+    for domain in sorted(set(evaluation.domains) & set(incumbent.domains)):
+        ours, theirs = evaluation.domains[domain].tau_simulated, incumbent.domains[domain].tau_simulated
+        rows.append((f"vs incumbent on {domain}", f"{ours:.3f} vs {theirs:.3f}: {signed(ours - theirs)}"))
+    if incumbent.target_differs:
+        rows.append(("incumbent trained for another target", "; ".join(incumbent.target_differs)))
     return rows
 
 
@@ -675,6 +701,8 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
             f"{gpu_hours:>10}{dollars:>12}  {run.outcome}"
         )
         lines += [f"      {name}: {text}" for name, text in init_rows(run.train or {})]
+        if run.eval is not None and isinstance(run.eval.incumbent, IncumbentEval):
+            lines.append(f"      {standing_vs_incumbent(run.eval, run.eval.incumbent)}")
     evaluated = next((run for run in runs if run.eval is not None), None)
     if evaluated is not None and evaluated.eval is not None:
         lines += ["", f"latest evaluated run {evaluated.run_id}, per domain:"]

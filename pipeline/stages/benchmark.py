@@ -746,6 +746,9 @@ def interval(estimate: RatioEstimate) -> RatioInterval:
     return RatioInterval.model_validate(estimate.as_dict())
 
 
+SLOWER_THAN_INCUMBENT = "; upper bound < 1: measurably slower than the incumbent, never promoted"
+
+
 def promotion_decision(
     speedups: dict[str, RatioInterval],
     settings: BenchmarkConfig,
@@ -753,7 +756,9 @@ def promotion_decision(
 ) -> BenchDecision:
     """Promotable when the LOWER bound of every speedup's interval clears its threshold, at every batch size
     benchmark.promote_at_batch_sizes names: a candidate is faster only when the noise of the measurement
-    cannot explain it. `speedups` are the headline batch size's, `batches` the other measured sizes'."""
+    cannot explain it. Whatever min_speedup_vs_incumbent allows, a candidate measurably slower than the
+    incumbent (the interval's UPPER bound below 1) never promotes. `speedups` are the headline batch
+    size's, `batches` the other measured sizes'."""
     required = {
         "baseline": settings.min_speedup_vs_baseline,
         "ngram": settings.min_speedup_vs_ngram,
@@ -773,11 +778,13 @@ def promotion_decision(
             continue
         for other, speedup in measured[batch].items():
             ok = speedup.ci_low >= required[other]
-            passed &= ok
+            behind = other == "incumbent" and speedup.ci_high < 1.0
+            passed &= ok and not behind
             reasons.append(
                 f"candidate/{other} speed{at} {speedup.ratio:.3f} ({speedup.confidence:.0%} interval "
                 f"{speedup.ci_low:.3f}-{speedup.ci_high:.3f}, {speedup.rounds} rounds): lower bound "
                 f"{'>=' if ok else '<'} required {required[other]}"
+                + (SLOWER_THAN_INCUMBENT if behind else "")
             )
     return BenchDecision(promotable=passed, reasons=reasons)
 

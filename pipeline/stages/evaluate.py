@@ -11,7 +11,7 @@ import torch
 
 from pipeline import layout
 from pipeline.config import DEFAULT_DOMAIN, RunConfig
-from pipeline.data.capture_contract import contract_differences, require_same_contract
+from pipeline.data.capture_contract import feature_differences, require_same_contract
 from pipeline.decoding.speedup import candidate_settings
 from pipeline.decoding.tree_acceptance import Shape, TreeAcceptance
 from pipeline.drafter.export import load_drafter, read_drafter_dir
@@ -33,6 +33,7 @@ from pipeline.records import (
 )
 from pipeline.stages import StageInputs, StageOutput
 from pipeline.storage import ObjectStore
+from pipeline.training.init_choice import target_differences
 from pipeline.training.stream import ShardCache, ShardRef, StreamingShards, collate, sequential_plan
 
 log = logging.getLogger(__name__)
@@ -171,10 +172,12 @@ def evaluate_incumbent(
     config: RunConfig,
     domains: list[str],
 ) -> IncumbentEval | IncumbentSkipped:
-    """The incumbent on the same eval set, or why it cannot be compared (a different capture contract)."""
+    """The incumbent on the same eval set, or why it cannot be compared: features it cannot read (other
+    layers or widths). An incumbent trained for another target that reads the same features is scored:
+    it is what serves this target until a candidate replaces it (the differences are recorded)."""
     version, directory = incumbent
     _, _, incumbent_contract = read_drafter_dir(directory)
-    problems = contract_differences(contract, incumbent_contract)
+    problems = feature_differences(contract, incumbent_contract)
     if problems:
         return IncumbentSkipped(version=version, skipped="different capture contract: " + "; ".join(problems))
     result = evaluate_drafter(
@@ -187,7 +190,10 @@ def evaluate_incumbent(
         domains=domains,
     )
     return IncumbentEval(
-        version=version, domains=result["domains"], **{k: result[k] for k in AcceptanceMetrics.model_fields}
+        version=version,
+        domains=result["domains"],
+        target_differs=target_differences(incumbent_contract, contract),
+        **{k: result[k] for k in AcceptanceMetrics.model_fields},
     )
 
 

@@ -56,19 +56,21 @@ def decide(evaluation: EvalRecord, gate: GateConfig, run_id: str) -> GateRecord:
     )
     incumbent = evaluation.incumbent
     if isinstance(incumbent, IncumbentEval):
-        floor = incumbent.tau_simulated - gate.max_regression_vs_incumbent
+        # no tolerance: the same held-out anchors score both, and a candidate behind never promotes
         checks.append(
             GateCheck(
                 check="tau_simulated_vs_incumbent",
                 value=tau,
-                threshold=round(floor, 6),
-                passed=tau >= floor,
+                threshold=round(incumbent.tau_simulated, 6),
+                passed=tau >= incumbent.tau_simulated,
                 incumbent_version=incumbent.version,
             )
         )
     if isinstance(incumbent, IncumbentEval) and gate.max_domain_regression_vs_incumbent is not None:
         checks += domain_checks(evaluation, incumbent, gate.max_domain_regression_vs_incumbent)
     reasons = [f"{c.check} = {c.value:.4f} {'>=' if c.passed else '<'} {c.threshold:.4f}" for c in checks]
+    if isinstance(incumbent, IncumbentEval):
+        reasons.append(standing_vs_incumbent(evaluation, incumbent))
     if isinstance(incumbent, IncumbentSkipped):
         reasons.append(f"incumbent not compared: {incumbent.skipped}")
     return GateRecord(
@@ -79,6 +81,27 @@ def decide(evaluation: EvalRecord, gate: GateConfig, run_id: str) -> GateRecord:
         reasons=reasons,
         init=evaluation.init,
     )
+
+
+def standing_vs_incumbent(evaluation: EvalRecord, incumbent: IncumbentEval) -> str:
+    """By how much the candidate is ahead of or behind the incumbent, pooled and on each shared domain."""
+    ours, theirs = evaluation.domains, incumbent.domains
+    per_domain = ", ".join(
+        f"{domain} {signed(ours[domain].tau_simulated - theirs[domain].tau_simulated)}"
+        for domain in sorted(set(ours) & set(theirs))
+    )
+    where = f" (per domain: {per_domain})" if per_domain else ""
+    return (
+        f"against incumbent {incumbent.version}: tau_simulated {evaluation.tau_simulated:.3f} vs "
+        f"{incumbent.tau_simulated:.3f}, {signed(evaluation.tau_simulated - incumbent.tau_simulated)}{where}"
+    )
+
+
+def signed(delta: float) -> str:
+    """A difference in tau as a person reads it: ahead by, behind by, or level."""
+    if delta == 0:
+        return "level"
+    return f"{'ahead' if delta > 0 else 'behind'} by {abs(delta):.4f}"
 
 
 def domain_checks(evaluation: EvalRecord, incumbent: IncumbentEval, margin: float) -> list[GateCheck]:
