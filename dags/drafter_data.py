@@ -9,6 +9,7 @@ from __future__ import annotations
 from airflow.sdk import Asset
 from drafter_support import (
     DEPLOYMENT,
+    data_schedule,
     drafter_dag,
     optional,
     pod_mount_paths,
@@ -22,7 +23,7 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 
 @drafter_dag(
     "drafter_data",
-    schedule=None,
+    schedule=data_schedule(),
     params=trigger_form(
         "Run config YAML in the task pods' image or config volume "
         "(e.g. configs/kimi-k2.5.yaml or /etc/drafter/kimi-k2.5.yaml)",
@@ -61,10 +62,11 @@ DATASET_ASSET = Asset(name="drafter_dataset", uri="drafter://datasets")
 )
 def drafter_data():
     @worker_task()
-    def plan(params=None, dag_run=None) -> dict:
-        from pipeline.tasks import plan_run
+    def plan(params=None, dag_run=None, triggering_asset_events=None) -> dict:
+        from pipeline.tasks import plan_data
 
-        return plan_run(params, dag_run.run_id, DEPLOYMENT.run_config)
+        extras = [event.extra for stream in (triggering_asset_events or {}).values() for event in stream]
+        return plan_data(params, dag_run.run_id, dag_run.run_type, extras, DEPLOYMENT.run_config)
 
     @stage_task("configure")
     def configure(request: dict, mount_paths: list | None, usage_table: dict) -> dict:
@@ -133,7 +135,11 @@ def drafter_data():
         dataset = run_stage(
             "dataset", run["config"], run["run_id"], rates=run["rates"], capture_uris=[captured["uri"]]
         )
-        outlet_events[DATASET_ASSET].extra = {"dataset_uri": dataset["uri"], **run["source"]}
+        outlet_events[DATASET_ASSET].extra = {
+            "dataset_uri": dataset["uri"],
+            **run["source"],
+            "trigger": run["trigger"],
+        }
         return dataset
 
     run = configure(plan(), pod_mount_paths(), DEPLOYMENT.usage_table())

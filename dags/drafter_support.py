@@ -261,14 +261,58 @@ def with_report_link(task_output):
     return task_output
 
 
+def watched_asset(name: str, trigger):
+    """An Asset whose events come from `trigger`, polled by the triggerer (an AssetWatcher)."""
+    from airflow.sdk import Asset, AssetWatcher
+
+    return Asset(
+        name=name, uri=f"drafter://{name}", watchers=[AssetWatcher(name=f"{name}_watch", trigger=trigger)]
+    )
+
+
+def served_acceptance_asset():
+    """The fleet's acceptance under its floor (the deployment's watch.served_acceptance), or None."""
+    watch = DEPLOYMENT.watch.served_acceptance if DEPLOYMENT.watch else None
+    if watch is None:
+        return None
+    from drafter_triggers import ServedAcceptanceTrigger
+
+    return watched_asset(
+        "drafter_served_acceptance", ServedAcceptanceTrigger(watch=watch.model_dump(mode="json"))
+    )
+
+
+def target_revision_asset():
+    """Another target revision served than the production drafter's (watch.target_revision), or None."""
+    watch = DEPLOYMENT.watch.target_revision if DEPLOYMENT.watch else None
+    if watch is None:
+        return None
+    from drafter_triggers import TargetRevisionTrigger
+
+    trigger = TargetRevisionTrigger(watch=watch.model_dump(mode="json"), run_config=DEPLOYMENT.run_config)
+    return watched_asset("drafter_target_revision", trigger)
+
+
+def data_schedule():
+    """drafter_data's schedule: the fleet serving another target revision, where that is watched."""
+    asset = target_revision_asset()
+    return None if asset is None else [asset]
+
+
 def retrain_schedule(asset):
-    """drafter_train's schedule: a published dataset, or the deployment's retraining cron."""
+    """drafter_train's schedule: a published dataset or the fleet's acceptance under its floor, or the
+    deployment's retraining cron."""
+    import functools
+    import operator
+
     from airflow.sdk import AssetOrTimeSchedule, CronTriggerTimetable
 
+    assets = [asset] + [watched for watched in (served_acceptance_asset(),) if watched is not None]
+    condition = functools.reduce(operator.or_, assets)
     if not DEPLOYMENT.retrain_cron:
-        return [asset]
+        return condition
     return AssetOrTimeSchedule(
-        timetable=CronTriggerTimetable(DEPLOYMENT.retrain_cron, timezone="UTC"), assets=[asset]
+        timetable=CronTriggerTimetable(DEPLOYMENT.retrain_cron, timezone="UTC"), assets=condition
     )
 
 

@@ -80,7 +80,9 @@ def drafter_train():
         from pipeline.tasks import plan_training
 
         extras = [event.extra for stream in (triggering_asset_events or {}).values() for event in stream]
-        return plan_training(params, dag_run.run_id, extras, DEPLOYMENT.run_config)
+        return plan_training(
+            params, dag_run.run_id, extras, DEPLOYMENT.run_config, dag_run.run_type, DEPLOYMENT.retrain_cron
+        )
 
     @stage_task("configure")
     def configure(request: dict, mount_paths: list | None, usage_table: dict) -> dict:
@@ -154,7 +156,19 @@ def drafter_train():
         run = configured(run)
         return show_report(ti, run_stage("report", run["config"], run["run_id"], rates=run["rates"]))
 
-    run = configure(plan(), pod_mount_paths(), DEPLOYMENT.usage_table())
+    # records what started the run; a cron run with nothing new (the production drafter's own dataset and
+    # target) stops here: train and everything after it are skipped, and the log says why
+    @worker_task(short_circuit=True)
+    def triggered(run: dict):
+        from pipeline.tasks import record_trigger
+
+        skipped = record_trigger(run)
+        if skipped:
+            logging.getLogger("drafter.trigger").warning("%s", skipped)
+            return None
+        return run
+
+    run = triggered(configure(plan(), pod_mount_paths(), DEPLOYMENT.usage_table()))
     trained = train(run)
     evaluation = evaluate(run, trained)
     gated = gate(run, evaluation)

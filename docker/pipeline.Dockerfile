@@ -10,6 +10,8 @@ USER airflow
 WORKDIR /opt/drafter
 COPY --chown=airflow pyproject.toml README.md ./
 COPY --chown=airflow pipeline ./pipeline
+# the triggers the triggerer imports by classpath (the retraining watches); not from the DAGs folder
+COPY --chown=airflow drafter_triggers ./drafter_triggers
 COPY --chown=airflow configs ./configs
 # CPU torch for the control plane; GPU stages run in docker/trainer.Dockerfile.
 RUN pip install --no-cache-dir "torch==2.13.*" --index-url https://download.pytorch.org/whl/cpu \

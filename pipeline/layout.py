@@ -20,7 +20,7 @@ from typing import Literal
 from pipeline.ids import validate_id
 
 RunStage = Literal["train", "eval", "gate", "bench", "promote", "report"]
-RunFile = Literal["config.json", "summary.json"]
+RunFile = Literal["config.json", "summary.json", "trigger.json"]
 TargetData = Literal["responses", "captures", "datasets"]
 RegistryPart = Literal["versions", "aliases", "history"]
 
@@ -71,7 +71,8 @@ def run_stage_prefix(run_id: str, stage: RunStage) -> str:
 
 
 def run_file_key(run_id: str, name: RunFile) -> str:
-    """The run's resolved config (written by train) or `drafter run`'s summary."""
+    """The run's resolved config (written by train), `drafter run`'s summary, or what started the run
+    (pipeline.tasks.record_trigger)."""
     return f"{run_prefix(run_id)}/{name}"
 
 

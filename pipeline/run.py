@@ -134,7 +134,10 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
     A failed gate or a refused promotion ends the run early but still writes the summary; its
     "outcome" says which, and "failure" carries every reason.
     """
+    from pipeline.tasks import store_trigger
+
     store = store or open_store(config.storage)
+    store_trigger(store, run_id, {"kind": "command line", "reason": "drafter run"}, None)
     outputs, failure = run_stages(config, run_id, store)
     summary = _data_summary(store, run_id, config)
     if isinstance(failure, GateFailed):

@@ -192,6 +192,7 @@ def configure_run(
         _require_mounted(config, plan["config_path"], mount_paths)
     return {
         "run_id": plan["run_id"],
+        "trigger": plan.get("trigger"),
         "config": config.dump(),
         "source": {"config": plan["config_path"], "overrides": overrides},
         "engines": run_engines(config),
@@ -230,19 +231,117 @@ def _require_mounted(config: RunConfig, config_path: str, mount_paths: list[str]
         )
 
 
-def plan_training(
-    params: dict[str, Any], scheduler_run_id: str, asset_extras: list[dict[str, Any]], default_config: str
+def describe_trigger(run_type: str, asset_extras: list[dict[str, Any]], cron: str | None) -> dict[str, Any]:
+    """What started a run, in words: the cron, a person (trigger form or REST API), a published dataset,
+    or a watcher of the serving fleet (pipeline.ops.watch; its event's payload says why)."""
+    if run_type == "scheduled":
+        return {"kind": "cron", "reason": f"the retraining cron ({cron or 'its timetable'})"}
+    if run_type != "asset_triggered" or not asset_extras:
+        return {"kind": "manual", "reason": "triggered by hand (trigger form or REST API)"}
+    kinds, reasons = [], []
+    for extra in asset_extras:
+        payload = extra.get("payload") if extra.get("from_trigger") else None
+        if isinstance(payload, dict):
+            kinds.append(str(payload.get("trigger", "watcher")))
+            reasons.append(str(payload.get("reason", payload)))
+        elif extra.get("dataset_uri"):
+            made = extra.get("trigger") or {}
+            kinds.append("dataset")
+            reasons.append(
+                f"dataset {extra['dataset_uri']} published"
+                + (f" (its data run: {made['reason']})" if made.get("kind") not in (None, "manual") else "")
+            )
+    if not kinds:
+        return {"kind": "asset", "reason": f"asset events {asset_extras}"}
+    return {"kind": kinds[-1], "reason": "; ".join(reasons)}
+
+
+def plan_data(
+    params: dict[str, Any],
+    scheduler_run_id: str,
+    run_type: str,
+    asset_extras: list[dict[str, Any]],
+    default_config: str,
 ) -> dict[str, Any]:
-    """A training run's request. Triggered by a published dataset, it trains on that dataset with the
-    config that made it; triggered by hand or by the cron, on the given or else the newest dataset."""
+    """A data run's request, and what started it. Started because the fleet serves another target
+    revision (pipeline.ops.watch.revision_change), it captures that revision: the new drafter is trained
+    on what the fleet now serves."""
+    plan = plan_run(params, scheduler_run_id, default_config)
+    plan["trigger"] = describe_trigger(run_type, asset_extras, None)
+    revisions = [
+        extra["payload"]["served_revision"]
+        for extra in asset_extras
+        if extra.get("from_trigger") and (extra.get("payload") or {}).get("trigger") == "target_revision"
+    ]
+    if revisions:
+        plan["overrides"].append(f"target.revision={json.dumps(revisions[-1])}")
+    return plan
+
+
+def plan_training(
+    params: dict[str, Any],
+    scheduler_run_id: str,
+    asset_extras: list[dict[str, Any]],
+    default_config: str,
+    run_type: str = "manual",
+    cron: str | None = None,
+) -> dict[str, Any]:
+    """A training run's request, and what started it. Triggered by a published dataset, it trains on that
+    dataset with the config that made it; by hand, by the cron or by a watcher of the serving fleet, on the
+    given or else the newest dataset."""
     plan = plan_run(params, scheduler_run_id, default_config)
     plan["dataset_uri"] = params.get("dataset_uri") or None
-    if asset_extras and not plan["dataset_uri"]:
-        made_by = asset_extras[-1]
+    plan["trigger"] = describe_trigger(run_type, asset_extras, cron)
+    datasets = [extra for extra in asset_extras if extra.get("dataset_uri")]
+    if datasets and not plan["dataset_uri"]:
+        made_by = datasets[-1]
         plan["config_path"] = made_by.get("config", plan["config_path"])
         plan["overrides"] = list(made_by.get("overrides") or []) + plan["overrides"]
         plan["dataset_uri"] = made_by["dataset_uri"]
     return plan
+
+
+def record_trigger(run: dict[str, Any]) -> str | None:
+    """Store what started the run (runs/<run_id>/trigger.json: the report and `drafter status` show it),
+    and return why a cron run trains nothing, if it does not: its dataset and target are those the
+    production drafter was trained on. Any other trigger trains."""
+    config = _as_config(run["config"], None)
+    store = open_store(config.storage)
+    trigger = dict(run.get("trigger") or {"kind": "manual", "reason": "triggered by hand"})
+    skipped = nothing_new(config, store, run["dataset_uri"]) if trigger["kind"] == "cron" else None
+    store_trigger(store, run["run_id"], trigger, run.get("dataset_uri"), skipped)
+    return skipped
+
+
+def store_trigger(
+    store, run_id: str, trigger: dict[str, Any], dataset_uri: str | None, skipped: str | None = None
+) -> None:
+    """runs/<run_id>/trigger.json: what started the run, its dataset, and why it trained nothing if so."""
+    from pipeline import layout
+    from pipeline.manifest import now_iso
+
+    record = {"trigger": trigger, "dataset": dataset_uri, "skipped": skipped, "recorded_at": now_iso()}
+    store.put_bytes(layout.run_file_key(run_id, "trigger.json"), json.dumps(record, indent=2).encode())
+
+
+def nothing_new(config: RunConfig, store, dataset_uri: str) -> str | None:
+    """Why training on `dataset_uri` would add nothing to the production drafter: it was trained on this
+    same dataset, captured from this same target. None when something is new (or nothing is in production)."""
+    from pipeline.ops.watch import production_target
+    from pipeline.records import read_dataset
+    from pipeline.training.init_choice import target_differences
+
+    production = production_target(store, config.target.name, config.registry.alias)
+    if production is None or production["dataset"] != dataset_uri:
+        return None
+    dataset = read_dataset(store, dataset_uri).contract.model_dump(mode="json")
+    if target_differences({"target": production["target"]}, dataset):
+        return None
+    return (
+        f"nothing new since production drafter {production['version']}: it was trained on this same dataset "
+        f"({dataset_uri}) of this same target; the cron run trains nothing (trigger drafter_train by hand to "
+        "retrain anyway)"
+    )
 
 
 def configure_training(

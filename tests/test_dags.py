@@ -104,6 +104,49 @@ print("promote", [f.__name__ for f in promote.on_success_callback])
 """
 
 
+WATCHES = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from airflow.dag_processing.dagbag import DagBag
+from airflow.serialization.serialized_objects import DagSerialization
+bag = DagBag(dag_folder=sys.argv[1])
+assert not bag.import_errors, bag.import_errors
+leaves = lambda c: [c] if hasattr(c, "watchers") else [a for o in c.objects for a in leaves(o)]
+for dag_id in ("drafter_data", "drafter_train"):
+    dag = bag.dags[dag_id]
+    DagSerialization.to_dict(dag)  # what the scheduler stores, the watchers' triggers included
+    assets = leaves(dag.timetable.asset_condition)
+    watched = sorted((a.name, [w.trigger.serialize()[0] for w in a.watchers]) for a in assets)
+    print(dag_id, type(dag.timetable).__name__, watched)
+"""
+
+
+def test_the_deployments_watches_schedule_data_and_training_runs(tmp_path):
+    deployment = tmp_path / "deployment.yaml"
+    watch = {
+        "served_acceptance": {"metrics_urls": ["http://sglang-0:30000/metrics"], "floor": 2.5},
+        "target_revision": {"server_info_url": "http://sglang-0:30000/get_server_info"},
+    }
+    deployment.write_text(yaml.safe_dump({"watch": watch}))
+    out = subprocess.run(
+        [sys.executable, "-c", WATCHES, str(DAGS)],
+        env=_parse_env(tmp_path, deployment),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-2:] == [
+        # another target revision served: new data first (captured from that revision), then training
+        "drafter_data AssetTriggeredTimetable "
+        "[('drafter_target_revision', ['drafter_triggers.TargetRevisionTrigger'])]",
+        # a published dataset, or the served acceptance under its floor, or the cron
+        "drafter_train AssetOrTimeSchedule [('drafter_dataset', []), "
+        "('drafter_served_acceptance', ['drafter_triggers.ServedAcceptanceTrigger'])]",
+    ]
+
+
 def test_deadlines_and_alert_callbacks_follow_the_deployments_notifiers(tmp_path):
     deployment = tmp_path / "deployment.yaml"
     deployment.write_text(
@@ -147,6 +190,7 @@ def test_schedules_mapping_and_asset(dagbag):
     assert [t.task_id for t in train.topological_sort()] == [
         "plan",
         "configure",
+        "triggered",
         "train",
         "evaluate",
         "gate",
@@ -511,7 +555,7 @@ def test_permanent_failures_fail_the_task_at_once(dagbag):
     plan = dagbag.dags["drafter_data"].get_task("plan").python_callable
 
     class DagRun:
-        run_id = "manual__1"
+        run_id, run_type = "manual__1", "manual"
 
     with pytest.raises(AirflowFailException, match="not both"):  # a ConfigError: no retry can fix it
         plan(params={"config": "configs/local.yaml", "num_shards": 2, "shard_size": 3}, dag_run=DagRun())
@@ -600,6 +644,7 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
     assert states == {
         "plan": "success",
         "configure": "success",
+        "triggered": "success",
         "train": "success",
         "evaluate": "success",
         "gate": "success",
@@ -615,6 +660,41 @@ def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_fa
         "tau_simulated" in r and "< 50" in r for r in decision["reasons"]
     )
     assert json.loads(alias_path.read_text()) == alias
+    _a_cron_run_with_nothing_new_trains_nothing_and_says_so(dagbag, config_path, store_root, alias)
+
+
+def _a_cron_run_with_nothing_new_trains_nothing_and_says_so(dagbag, config_path, store_root, alias):
+    """The production drafter was trained on the newest dataset, of this target: the cron run stops after
+    recording why, and `drafter status` lists it with the reason."""
+    from pipeline.config import load_config
+    from pipeline.dev.rehearsal import scheduled_run
+    from pipeline.ids import safe_id
+    from pipeline.ops.report import status_table
+    from pipeline.storage import open_store
+
+    train = dagbag.dags["drafter_train"]
+    default = train.params["config"]
+    train.params["config"] = str(config_path)  # the deployment's run config, which scheduled runs take
+    try:
+        run = scheduled_run(train, "0 4 * * 0")
+    finally:
+        train.params["config"] = default
+    states = {ti.task_id: ti.state for ti in run.get_task_instances()}
+    assert run.state == "success" and run.run_id.startswith("scheduled__")
+    assert {task: state for task, state in states.items() if state != "skipped"} == {
+        "plan": "success",
+        "configure": "success",
+        "triggered": "success",
+    }
+    record = json.loads((store_root / "runs" / safe_id(run.run_id) / "trigger.json").read_text())
+    assert record["trigger"] == {"kind": "cron", "reason": "the retraining cron (0 4 * * 0)"}
+    assert record["skipped"].startswith(f"nothing new since production drafter {alias['version']}: ")
+    assert not (store_root / "runs" / safe_id(run.run_id) / "train").exists()
+    config = load_config(config_path)
+    table = status_table(open_store(config.storage), config.target.name, limit=100)
+    assert f"{safe_id(run.run_id)[:43]}" in table and "skipped: nothing new" in table
+    assert "      triggered by: cron: the retraining cron (0 4 * * 0)" in table
+    assert "      triggered by: manual: triggered by hand (trigger form or REST API)" in table
 
 
 def _lineage_runs_from_prompts_to_the_drafter_version(events_file: Path, store_root: Path, alias: dict):
@@ -660,3 +740,96 @@ def test_a_shard_count_becomes_a_shard_size():
     assert run["source"]["overrides"][-1] == "prompts.shard_size=10"
     with pytest.raises(ConfigError, match="not both"):
         plan_run({"config": config, "num_shards": 5, "shard_size": 10}, "r", "configs/local.yaml")
+
+
+@pytest.fixture
+def metered_ngram_server(tiny_target_dir):
+    """The stand-in serving with n-gram speculation, revision r2, its /metrics on."""
+    from pipeline.dev.sglang_standin import StandinBackend, serve
+
+    backend = StandinBackend(
+        tiny_target_dir, None, "NGRAM", num_steps=3, draft_tokens=4, revision="r2", enable_metrics=True
+    )
+    server = serve(backend)
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def _next_event(trigger, timeout_s: float, traffic_url: str | None = None):
+    """The trigger's first event within `timeout_s` (None: none), run as the triggerer runs it, while
+    requests are sent to `traffic_url` (the fleet serving)."""
+    import asyncio
+    import threading
+
+    import requests
+
+    stop = threading.Event()
+
+    def serve_traffic() -> None:
+        while traffic_url and not stop.is_set():
+            body = {"input_ids": [5, 6, 7, 5, 6, 7, 5, 6], "sampling_params": {"max_new_tokens": 16}}
+            requests.post(f"{traffic_url}/generate", json=body, timeout=60)
+
+    async def first():
+        events = trigger.run()
+        try:
+            return await asyncio.wait_for(anext(events), timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            await events.aclose()
+
+    sender = threading.Thread(target=serve_traffic, daemon=True)
+    sender.start()
+    try:
+        return asyncio.run(first())
+    finally:
+        stop.set()
+        sender.join(timeout=60)
+
+
+def test_the_served_acceptance_trigger_fires_only_under_its_floor(metered_ngram_server):
+    from drafter_triggers import ServedAcceptanceTrigger
+
+    def watching(floor: float) -> ServedAcceptanceTrigger:
+        watch = {
+            "metrics_urls": [f"{metered_ngram_server}/metrics"],
+            "floor": floor,
+            "window_s": 1.0,
+            "min_verify_calls": 5,
+            "poll_s": 0.25,
+        }
+        trigger = ServedAcceptanceTrigger(watch=watch)
+        classpath, kwargs = trigger.serialize()
+        assert classpath == "drafter_triggers.ServedAcceptanceTrigger" and kwargs == {"watch": watch}
+        return trigger
+
+    # n-gram drafts on repeated text: well above 1 token per verify pass, far under 50
+    event = _next_event(watching(50.0), timeout_s=60, traffic_url=metered_ngram_server)
+    assert event is not None and event.payload["trigger"] == "served_acceptance"
+    served = event.payload["accept_length"]
+    assert 1.0 < served < 50.0 and event.payload["verify_calls"] >= 5
+    assert event.payload["reason"].startswith(f"served acceptance length {served:.3f} under the floor 50.0")
+    assert _next_event(watching(1.01), timeout_s=5, traffic_url=metered_ngram_server) is None
+
+
+def test_the_target_revision_trigger_fires_once_the_fleet_serves_another_revision(
+    metered_ngram_server, tmp_path
+):
+    from drafter_triggers import TargetRevisionTrigger
+    from pipeline.config import load_config
+    from pipeline.storage import open_store
+    from tests.test_watch import _production
+
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config_dict(storage_config("file", tmp_path, None))))
+    config = load_config(config_path)
+    watch = {"server_info_url": f"{metered_ngram_server}/get_server_info", "poll_s": 0.25}
+    trigger = TargetRevisionTrigger(watch=watch, run_config=str(config_path))
+    assert _next_event(trigger, timeout_s=3) is None  # nothing in production yet
+    _production(open_store(config.storage), config.target.name, "r2", config.registry.alias)
+    assert _next_event(trigger, timeout_s=3) is None  # the production drafter's own revision
+    _production(open_store(config.storage), config.target.name, "r1", config.registry.alias, version="v2")
+    event = _next_event(trigger, timeout_s=30)
+    assert event is not None and event.payload["served_revision"] == "r2"
+    assert (event.payload["drafter_revision"], event.payload["drafter_version"]) == ("r1", "v2")

@@ -92,6 +92,9 @@ def test_dockerfiles_pin_what_pyproject_pins():
     pipeline = _dockerfile("pipeline")
     assert f"FROM apache/airflow:{airflow_pin}-python3.11" in pipeline
     assert f'"{torch_pin}"' in pipeline and '".[airflow]"' in pipeline
+    # the triggerer imports the retraining watches' triggers from the installed package
+    assert "COPY --chown=airflow drafter_triggers ./drafter_triggers" in pipeline
+    assert "drafter_triggers*" in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     assert HELM_VALUES["airflowVersion"] == airflow_pin
 
     trainer = _dockerfile("trainer")

@@ -3,11 +3,12 @@
 SGLang needs CUDA and cannot run on these machines; this server lets the SGLang client code paths
 run over real HTTP in tests and benchmarks. It implements what the pipeline uses of SGLang 0.5.23
 (reference/sglang-contract.md): POST /generate (input_ids, sampling_params, return_hidden_states),
-GET /server_info, GET /health. With --aux-layer-ids it behaves like a server started with
---enable-return-aux-hidden-states, capturing the layers SGLang captures for those ids on the target's model
-family (pipeline.engines.layer_ids), as it feeds an EAGLE3 draft the layers its config's ids name; with
---speculative-algorithm NGRAM or EAGLE3 it decodes with the reference speculative decoder and reports the
-spec_* meta_info fields.
+GET /server_info (and /get_server_info: the server args, model path and revision included), GET /health,
+and with --enable-metrics GET /metrics (SGLang's request counters, in Prometheus' text format). With
+--aux-layer-ids it behaves like a server started with --enable-return-aux-hidden-states, capturing the
+layers SGLang captures for those ids on the target's model family (pipeline.engines.layer_ids), as it
+feeds an EAGLE3 draft the layers its config's ids name; with --speculative-algorithm NGRAM or EAGLE3 it
+decodes with the reference speculative decoder and reports the spec_* meta_info fields.
 
     python -m pipeline.dev.sglang_standin --model-path DIR --port 30000 [--trust-remote-code]
         [--aux-layer-ids 1 3 4]
@@ -105,8 +106,13 @@ class StandinBackend:
         trust_remote_code: bool = False,
         ngram_max_match: int = NgramLaunch().max_trie_depth - 1,
         synthetic_hidden_size: int | None = None,
+        revision: str | None = None,
+        enable_metrics: bool = False,
     ):
         from pipeline.engines.hf import HFEngine
+
+        self.model_path, self.revision, self.enable_metrics = str(model_dir), revision, enable_metrics
+        self.counters = RequestCounters()
 
         if algorithm == "EAGLE3":  # refuse, before loading anything, a draft SGLang 0.5.23 would not serve
             from pipeline.engines.sglang_draft_checks import SpeculativeArgs, require_loadable_draft
@@ -255,6 +261,7 @@ class StandinBackend:
                     if request.get("return_hidden_states") or top_k
                     else {}
                 )
+        self.counters.finished(len(ids), len(output), int(spec.get("spec_verify_ct", 0)))
         eos = self.tokenizer.eos_token_id
         stopped = bool(output) and output[-1] == eos
         finish = {"type": "stop", "matched": eos} if stopped else {"type": "length", "length": max_new}
@@ -280,6 +287,8 @@ class StandinBackend:
         mean = sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
         return {
             "version": VERSION,
+            "model_path": self.model_path,
+            "revision": self.revision,
             "internal_states": [{"avg_spec_accept_length": mean}],
             "speculative_algorithm": self.algorithm,
             "speculative_num_steps": self.num_steps,
@@ -291,6 +300,48 @@ class StandinBackend:
             "disable_radix_cache": True,
             "chunked_prefill_size": -1,
         }
+
+
+class RequestCounters:
+    """What SGLang 0.5.23's TokenizerMetricsCollector.observe_one_finished_request counts for each finished
+    request (python/sglang/srt/observability/metrics_collector.py): prompt and completion tokens, the
+    request, and its verify passes (meta_info spec_verify_ct) when it was decoded speculatively."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.prompt_tokens = self.generation_tokens = self.requests = self.verify_calls = 0
+
+    def finished(self, prompt_tokens: int, generation_tokens: int, verify_calls: int) -> None:
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generation_tokens
+            self.requests += 1
+            self.verify_calls += verify_calls
+
+    def exposition(self, model_name: str) -> str:
+        """The counters as SGLang's /metrics writes them: Prometheus' text format, SGLang's names and
+        labels (model_name; is_streaming on the token and request counters). A labelled counter has no
+        sample until it is first counted, as with prometheus_client."""
+        with self.lock:
+            counts = (self.prompt_tokens, self.generation_tokens, self.requests, self.verify_calls)
+        streaming = f'{{model_name="{model_name}",is_streaming="false"}}'
+        rows = [
+            ("prompt_tokens_total", "Number of prefill tokens processed.", streaming, counts[0]),
+            ("generation_tokens_total", "Number of generation tokens processed.", streaming, counts[1]),
+            ("num_requests_total", "Number of requests processed.", streaming, counts[2]),
+            (
+                "spec_verify_calls_total",
+                "Number of speculative decoding verification calls.",
+                f'{{model_name="{model_name}"}}',
+                counts[3],
+            ),
+        ]
+        lines = []
+        for name, help_text, labels, value in rows:
+            lines += [f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} counter"]
+            if value:
+                lines.append(f"sglang:{name}{labels} {float(value)}")
+        return "\n".join(lines) + "\n"
 
 
 def make_handler(backend: StandinBackend):
@@ -308,6 +359,13 @@ def make_handler(backend: StandinBackend):
                 self._send(200, {})
             elif self.path in ("/server_info", "/get_server_info"):
                 self._send(200, backend.server_info())
+            elif self.path == "/metrics" and backend.enable_metrics:
+                body = backend.counters.exposition(backend.model_path).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
             else:
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
 
@@ -392,6 +450,8 @@ def main() -> None:
     parser.add_argument(
         "--aux-layer-ids", "--return-aux-hidden-state-layer-ids", dest="aux_layer_ids", type=int, nargs=3
     )
+    parser.add_argument("--revision", help="the model's revision (SGLang reports it in its server info)")
+    parser.add_argument("--enable-metrics", action="store_true", help="serve /metrics, as SGLang does")
     parser.add_argument("--speculative-algorithm", choices=["NGRAM", "EAGLE3"])
     parser.add_argument("--speculative-draft-model-path")
     parser.add_argument("--speculative-num-steps", type=int, default=3)
@@ -443,6 +503,8 @@ def main() -> None:
             args.trust_remote_code,
             ngram_max_match=ngram.max_trie_depth - 1,
             synthetic_hidden_size=args.synthetic_hidden_size,
+            revision=args.revision,
+            enable_metrics=args.enable_metrics,
         )
     except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
         raise SystemExit(str(refused)) from None

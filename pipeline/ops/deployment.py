@@ -18,6 +18,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pipeline.config import ConfigError, Strict, resolve_project_path
 from pipeline.ops.alerts import ALERT_EVENTS, AlertEvent
 from pipeline.ops.fleets import ServerFleet
+from pipeline.ops.watch import RetrainWatch
 from pipeline.stages import STAGES
 
 DEFAULT_DEPLOYMENT = "configs/deployment/local.yaml"
@@ -202,6 +203,12 @@ class DeploymentConfig(Strict):
     retrain_cron: str | None = Field(
         "0 4 * * 0",
         description="drafter_train also runs on this cron (UTC); null: only when a dataset is published",
+    )
+    watch: RetrainWatch | None = Field(
+        None,
+        description="retraining triggers besides the cron and a published dataset: the serving fleet's "
+        "acceptance under a floor (drafter_train), another target revision served (drafter_data, then "
+        "drafter_train on its dataset); polled by Airflow's triggerer",
     )
     stages: dict[str, StageResources] = Field(default_factory=dict)
     kubernetes: KubernetesPlacement | None = None

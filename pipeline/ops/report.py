@@ -70,9 +70,13 @@ class RunRecord:
     created_at: str | None = None
     stages: list[str] = field(default_factory=list)
     cost: RunCost | None = None  # what its tasks held (pipeline.ops.usage), when they recorded it
+    # what started it and whether it trained (runs/<id>/trigger.json: pipeline.tasks.record_trigger)
+    trigger: dict[str, Any] | None = None
 
     @property
     def outcome(self) -> str:
+        if self.trigger is not None and self.trigger.get("skipped"):
+            return "skipped: nothing new"
         if self.promote is not None:
             return f"promoted {self.promote.version}" if self.promote.promoted else "not promoted"
         if self.gate is not None and not self.gate.passed:
@@ -111,6 +115,10 @@ def load_run(store: ObjectStore, run_id: str) -> RunRecord:
         record.config = json.loads(store.get_bytes(config_key))
     elif train_manifest is not None:
         record.config = {"train": train_manifest.get("config")}
+    trigger_key = layout.run_file_key(run_id, "trigger.json")
+    if store.exists(trigger_key):
+        record.trigger = json.loads(store.get_bytes(trigger_key))
+        record.created_at = record.created_at or record.trigger.get("recorded_at")
     record.eval = _stage_record(store, record, "eval", EvalRecord)
     record.gate = _stage_record(store, record, "gate", GateRecord)
     record.bench = _stage_record(store, record, "bench", BenchRecord)
@@ -128,10 +136,11 @@ def load_run(store: ObjectStore, run_id: str) -> RunRecord:
 
 
 def list_runs(store: ObjectStore, limit: int = 10) -> list[RunRecord]:
-    """The newest runs that trained something or recorded their tasks' usage (data runs), newest first."""
+    """The newest runs that trained something, recorded their tasks' usage (data runs) or what started them
+    (a cron run with nothing new among them), newest first."""
     keys = store.list(layout.RUNS)
     run_ids = layout.published_run_ids(keys, "train") | {
-        key.split("/")[1] for key in keys if key.split("/")[2:3] == [USAGE_DIR]
+        key.split("/")[1] for key in keys if key.split("/")[2:3] in ([USAGE_DIR], ["trigger.json"])
     }
     records = [load_run(store, run_id) for run_id in run_ids]
     return sorted(records, key=lambda r: r.created_at or "", reverse=True)[:limit]
@@ -389,6 +398,17 @@ def _interval(speedup: RatioInterval) -> str:
     return f"{speedup.ratio:.3f} ({speedup.ci_low:.3f}\u2013{speedup.ci_high:.3f}, {speedup.rounds} rounds)"
 
 
+def trigger_rows(trigger: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """What started the run, and why it trained nothing when it did not (a cron run with nothing new)."""
+    if not trigger:
+        return []
+    started = trigger.get("trigger") or {}
+    rows = [("triggered by", f"{started.get('kind', '?')}: {started.get('reason', '')}")]
+    if trigger.get("skipped"):
+        rows.append(("skipped", trigger["skipped"]))
+    return rows
+
+
 def init_rows(train: dict[str, Any]) -> list[tuple[str, str]]:
     """One row per training attempt: where it started from, why, and how it ended (train.init)."""
     return [
@@ -409,6 +429,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         ("outcome", record.outcome),
         ("target", ((record.config or {}).get("target") or {}).get("name")),
         ("dataset", train.get("dataset")),
+        *trigger_rows(record.trigger),
         ("training stop", result.get("stop_reason")),
         *init_rows(train),
         ("epochs run", result.get("epochs_run")),
@@ -700,6 +721,7 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
             f"{f'{tau:.2f}' if tau else '-':>7}{f'{speedup:.2f}x' if speedup else '-':>9}"
             f"{gpu_hours:>10}{dollars:>12}  {run.outcome}"
         )
+        lines += [f"      {name}: {text}" for name, text in trigger_rows(run.trigger)]
         lines += [f"      {name}: {text}" for name, text in init_rows(run.train or {})]
         if run.eval is not None and isinstance(run.eval.incumbent, IncumbentEval):
             lines.append(f"      {standing_vs_incumbent(run.eval, run.eval.incumbent)}")

@@ -99,7 +99,9 @@ def scrape(urls: list[str], timeout_s: float = 10.0) -> FleetSample:
         except requests.RequestException as err:
             raise WatchError(f"cannot read {url}: {err}") from err
         if "sglang:" not in response.text:
-            raise WatchError(f"{url} exports no sglang: metrics; is the server started with --enable-metrics?")
+            raise WatchError(
+                f"{url} exports no sglang: metrics; is the server started with --enable-metrics?"
+            )
         totals = metric_totals(response.text, (GENERATED, VERIFY_CALLS))
         generated += totals[GENERATED]
         verify_calls += totals[VERIFY_CALLS]
@@ -116,7 +118,9 @@ class AcceptanceWindow:
 
     def add(self, sample: FleetSample) -> None:
         last = self.samples[-1] if self.samples else None
-        if last is not None and (sample.generated < last.generated or sample.verify_calls < last.verify_calls):
+        if last is not None and (
+            sample.generated < last.generated or sample.verify_calls < last.verify_calls
+        ):
             self.samples.clear()
         self.samples.append(sample)
         while len(self.samples) > 1 and self.samples[1].at <= sample.at - self.window_s:
@@ -175,7 +179,11 @@ def production_target(store, target: str, alias: str) -> dict[str, Any] | None:
         return None
     manifest = read_manifest(store, layout.drafter_version_prefix(target, record["version"]), kind="drafter")
     lineage = manifest["lineage"]
-    return {"version": record["version"], "dataset": lineage["dataset"], "target": lineage["contract"]["target"]}
+    return {
+        "version": record["version"],
+        "dataset": lineage["dataset"],
+        "target": lineage["contract"]["target"],
+    }
 
 
 def revision_change(served: dict[str, Any], production: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -193,3 +201,14 @@ def revision_change(served: dict[str, Any], production: dict[str, Any] | None) -
         "reason": f"the fleet serves {served['model_path']} at revision {served['revision']!r}; production "
         f"drafter {production['version']} was trained for revision {trained!r}",
     }
+
+
+def check_revision(watch: TargetRevisionWatch, run_config: str) -> dict[str, Any] | None:
+    """One poll of the revision watch: the fleet's revision against the production drafter's, whose
+    registry the run config names."""
+    from pipeline.config import load_config
+    from pipeline.storage import open_store
+
+    config = load_config(run_config)
+    production = production_target(open_store(config.storage), config.target.name, config.registry.alias)
+    return revision_change(served_revision(str(watch.server_info_url)), production)

@@ -1,0 +1,87 @@
+"""Airflow triggers that watch the serving fleet: the AssetWatchers of drafter_data's and drafter_train's
+watched Assets (dags/drafter_support.py), run by Airflow's triggerer.
+
+They live in an installed package, not in dags/, because the triggerer imports a trigger by its
+classpath and does not put the DAGs folder on sys.path. What they read and decide is in
+pipeline.ops.watch; this module only polls it and turns a verdict into a TriggerEvent, whose payload
+becomes the Asset event's extra (`{"from_trigger": true, "payload": ...}`) that the scheduled run reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseEventTrigger, TriggerEvent
+
+from pipeline.ops.watch import (
+    AcceptanceWindow,
+    ServedAcceptanceWatch,
+    TargetRevisionWatch,
+    acceptance_drift,
+    check_revision,
+    scrape,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ServedAcceptanceTrigger(BaseEventTrigger):
+    """Fires when the fleet's acceptance length averaged over a whole window (with enough verify passes)
+    is under the floor; then not again for the cooldown, and only after a fresh window."""
+
+    def __init__(self, watch: dict[str, Any], **kwargs):
+        super().__init__(**kwargs)
+        self.watch = watch
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{__name__}.ServedAcceptanceTrigger", {"watch": self.watch}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        settings = ServedAcceptanceWatch.model_validate(self.watch)
+        urls = [str(url) for url in settings.metrics_urls]
+        window, quiet_until = AcceptanceWindow(settings.window_s), 0.0
+        while True:
+            try:
+                window.add(await asyncio.to_thread(scrape, urls))
+            except Exception as err:  # a watcher keeps polling: a server restarting is not the end
+                log.warning("served acceptance: %s; polling again in %.0f s", err, settings.poll_s)
+            else:
+                payload = acceptance_drift(window, settings)
+                if payload is not None and time.time() >= quiet_until:
+                    log.warning("served acceptance: %s: retraining", payload["reason"])
+                    yield TriggerEvent(payload)
+                    window, quiet_until = (
+                        AcceptanceWindow(settings.window_s),
+                        time.time() + settings.cooldown_s,
+                    )
+            await asyncio.sleep(settings.poll_s)
+
+
+class TargetRevisionTrigger(BaseEventTrigger):
+    """Fires once for each revision the fleet serves that differs from the production drafter's."""
+
+    def __init__(self, watch: dict[str, Any], run_config: str, **kwargs):
+        super().__init__(**kwargs)
+        self.watch, self.run_config = watch, run_config
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return f"{__name__}.TargetRevisionTrigger", {"watch": self.watch, "run_config": self.run_config}
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        settings = TargetRevisionWatch.model_validate(self.watch)
+        fired: set[str | None] = set()
+        while True:
+            try:
+                payload = await asyncio.to_thread(check_revision, settings, self.run_config)
+            except Exception as err:  # the fleet or the registry unreachable: poll again
+                log.warning("target revision: %s; polling again in %.0f s", err, settings.poll_s)
+            else:
+                if payload is not None and payload["served_revision"] not in fired:
+                    fired.add(payload["served_revision"])
+                    log.warning("target revision: %s: capturing it and retraining", payload["reason"])
+                    yield TriggerEvent(payload)
+            await asyncio.sleep(settings.poll_s)
