@@ -10,6 +10,9 @@ way users start it) with the drafter DAGs, S3 on moto's server and credentials o
   promotion (the promote task's callback), the data run past its deadline (the scheduler and the
   triggerer), a gate rejection and a failed task reach a Slack webhook, a webhook and an SMTP server on
   127.0.0.1 (tests/conftest.py's sinks); no secret reaches a log.
+- The deployment's served-acceptance watch: the triggerer polls a serving stand-in's /metrics all along
+  (idle, it says nothing); once the fleet serves under the floor it starts a drafter_train run, which
+  records that trigger.
 """
 
 from __future__ import annotations
@@ -165,12 +168,39 @@ def _failure_detail(home: Path, client: AirflowClient, dag_id: str, run_id: str)
 
 
 @pytest.fixture(scope="module")
-def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir, alert_sinks):
+def served_fleet(tiny_target_dir):
+    """A serving replica: the stand-in with n-gram speculation and /metrics, in this process."""
+    from pipeline.dev.sglang_standin import StandinBackend, serve
+
+    backend = StandinBackend(tiny_target_dir, None, "NGRAM", num_steps=3, draft_tokens=4, enable_metrics=True)
+    server = serve(backend)
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def _watching(fleet: str) -> dict:
+    """A served-acceptance watch no n-gram fleet can satisfy, that an idle fleet never trips."""
+    return {
+        "served_acceptance": {
+            "metrics_urls": [f"{fleet}/metrics"],
+            "floor": 50.0,
+            "window_s": 2.0,
+            "min_verify_calls": 20,
+            "poll_s": 1.0,
+            "cooldown_s": 3600.0,
+        }
+    }
+
+
+@pytest.fixture(scope="module")
+def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir, alert_sinks, live_config, served_fleet):
     from pipeline.dev import airflow_local
 
     home = tmp_path_factory.mktemp("airflow-live")
     deployment = home / "deployment.yaml"
-    deployment.write_text(yaml.safe_dump(DEPLOYMENT))
+    # scheduled and watch-started runs take the run config
+    watched = {**DEPLOYMENT, "run_config": str(live_config["path"]), "watch": _watching(served_fleet)}
+    deployment.write_text(yaml.safe_dump(watched))
     port = free_port()
     # the components get no AWS credentials: the tasks must take them from the aws_default connection
     env = {
@@ -373,3 +403,32 @@ def test_a_rejected_candidate_and_a_failed_task_are_alerted(live_airflow, live_c
     assert failed["webhook"]["log_url"].endswith("/tasks/configure?try_number=1")
     assert failed["email"]["subject"] == "drafter: drafter_train task configure failed"
     _scan_for_secrets(home)
+
+
+def test_served_acceptance_under_its_floor_starts_training_through_the_triggerer(
+    live_airflow, live_config, served_fleet
+):
+    from pipeline import layout
+    from pipeline.ids import safe_id
+
+    client = live_airflow["client"]
+    known = {run["dag_run_id"] for run in client.runs("drafter_train")}
+    deadline, started = time.monotonic() + 240, []
+    while not started:  # the fleet serves; its acceptance over the watch's window is under the floor
+        assert time.monotonic() < deadline, "the served-acceptance watch started no drafter_train run"
+        body = {"input_ids": [5, 6, 7, 5, 6, 7, 5, 6], "sampling_params": {"max_new_tokens": 16}}
+        requests.post(f"{served_fleet}/generate", json=body, timeout=60).raise_for_status()
+        started = [run for run in client.runs("drafter_train") if run["dag_run_id"] not in known]
+    (run,) = started
+    assert run["run_type"] == "asset_triggered"
+    while (state := client.task_states("drafter_train", run["dag_run_id"]).get("triggered")) != "success":
+        assert state not in ("failed", "upstream_failed", "skipped"), _failure_detail(
+            live_airflow["home"], client, "drafter_train", run["dag_run_id"]
+        )
+        assert time.monotonic() < deadline, f"drafter_train {run['dag_run_id']}: triggered is {state}"
+        time.sleep(2)
+    key = layout.run_file_key(safe_id(run["dag_run_id"]), "trigger.json")
+    record = json.loads(_store(live_config["data"]).get_bytes(key))
+    assert record["trigger"]["kind"] == "served_acceptance" and record["skipped"] is None
+    assert record["trigger"]["reason"].startswith("served acceptance length ")
+    assert "under the floor 50.0" in record["trigger"]["reason"]
