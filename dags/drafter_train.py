@@ -166,10 +166,11 @@ def drafter_train():
         if skipped:
             logging.getLogger("drafter.trigger").warning("%s", skipped)
             return None
-        return run
+        return run["trigger"]
 
-    run = triggered(configure(plan(), pod_mount_paths(), DEPLOYMENT.usage_table()))
+    run = configure(plan(), pod_mount_paths(), DEPLOYMENT.usage_table())
     trained = train(run)
+    triggered(run) >> trained
     evaluation = evaluate(run, trained)
     gated = gate(run, evaluation)
     bench = benchmark(run, trained, evaluation, gated)

@@ -236,8 +236,10 @@ def describe_trigger(run_type: str, asset_extras: list[dict[str, Any]], cron: st
     or a watcher of the serving fleet (pipeline.ops.watch; its event's payload says why)."""
     if run_type == "scheduled":
         return {"kind": "cron", "reason": f"the retraining cron ({cron or 'its timetable'})"}
-    if run_type != "asset_triggered" or not asset_extras:
+    if run_type == "manual" or (run_type == "asset_triggered" and not asset_extras):
         return {"kind": "manual", "reason": "triggered by hand (trigger form or REST API)"}
+    if run_type != "asset_triggered":  # a backfill, or a run another DAG's operator started
+        return {"kind": str(run_type), "reason": f"an Airflow {run_type} run"}
     kinds, reasons = [], []
     for extra in asset_extras:
         payload = extra.get("payload") if extra.get("from_trigger") else None

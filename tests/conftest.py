@@ -3,6 +3,7 @@ and a small tiny-target variant built once per machine."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -193,6 +194,22 @@ def published(store, output) -> dict:
     from pipeline.manifest import read_manifest
 
     return read_manifest(store, store.key_for(output.uri))
+
+
+@contextlib.contextmanager
+def metered_ngram_standin(target_dir: Path, revision: str | None = None):
+    """A serving replica in this process: the stand-in with n-gram speculation and its /metrics on,
+    started with this --revision; yields its URL."""
+    from pipeline.dev.sglang_standin import StandinBackend, serve
+
+    backend = StandinBackend(
+        target_dir, None, "NGRAM", num_steps=3, draft_tokens=4, revision=revision, enable_metrics=True
+    )
+    server = serve(backend)
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
 
 
 def free_port() -> int:

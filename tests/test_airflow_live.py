@@ -26,7 +26,14 @@ import pytest
 import requests
 import yaml
 
-from tests.conftest import REPO, AlertSinks, free_port, storage_config, tiny_config_dict
+from tests.conftest import (
+    REPO,
+    AlertSinks,
+    free_port,
+    metered_ngram_standin,
+    storage_config,
+    tiny_config_dict,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -169,13 +176,9 @@ def _failure_detail(home: Path, client: AirflowClient, dag_id: str, run_id: str)
 
 @pytest.fixture(scope="module")
 def served_fleet(tiny_target_dir):
-    """A serving replica: the stand-in with n-gram speculation and /metrics, in this process."""
-    from pipeline.dev.sglang_standin import StandinBackend, serve
-
-    backend = StandinBackend(tiny_target_dir, None, "NGRAM", num_steps=3, draft_tokens=4, enable_metrics=True)
-    server = serve(backend)
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    """A serving replica (tests.conftest.metered_ngram_standin)."""
+    with metered_ngram_standin(tiny_target_dir) as url:
+        yield url
 
 
 def _watching(fleet: str) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, storage_config, tiny_config_dict
+from tests.conftest import REPO, metered_ngram_standin, storage_config, tiny_config_dict
 
 DAGS = REPO / "dags"
 
@@ -685,7 +685,10 @@ def _a_cron_run_with_nothing_new_trains_nothing_and_says_so(dagbag, config_path,
         "plan": "success",
         "configure": "success",
         "triggered": "success",
+        "report": "success",  # its page says why nothing was trained
     }
+    page = (store_root / "runs" / safe_id(run.run_id) / "report" / "report.html").read_text()
+    assert "skipped: nothing new" in page and "the retraining cron (0 4 * * 0)" in page
     record = json.loads((store_root / "runs" / safe_id(run.run_id) / "trigger.json").read_text())
     assert record["trigger"] == {"kind": "cron", "reason": "the retraining cron (0 4 * * 0)"}
     assert record["skipped"].startswith(f"nothing new since production drafter {alias['version']}: ")
@@ -744,15 +747,9 @@ def test_a_shard_count_becomes_a_shard_size():
 
 @pytest.fixture
 def metered_ngram_server(tiny_target_dir):
-    """The stand-in serving with n-gram speculation, revision r2, its /metrics on."""
-    from pipeline.dev.sglang_standin import StandinBackend, serve
-
-    backend = StandinBackend(
-        tiny_target_dir, None, "NGRAM", num_steps=3, draft_tokens=4, revision="r2", enable_metrics=True
-    )
-    server = serve(backend)
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    """A serving replica of revision r2 (tests.conftest.metered_ngram_standin)."""
+    with metered_ngram_standin(tiny_target_dir, "r2") as url:
+        yield url
 
 
 def _next_event(trigger, timeout_s: float, traffic_url: str | None = None):

@@ -23,6 +23,7 @@ from pipeline.ops.watch import (
     scrape,
     served_revision,
 )
+from tests.conftest import metered_ngram_standin
 
 EXPOSITION = """# HELP sglang:generation_tokens_total Number of generation tokens processed.
 # TYPE sglang:generation_tokens_total counter
@@ -84,15 +85,9 @@ def test_a_floor_at_or_under_one_token_per_pass_is_refused():
 
 @pytest.fixture(scope="module")
 def ngram_server(tiny_target_dir):
-    """The stand-in serving with n-gram speculation and its /metrics on, revision r2."""
-    from pipeline.dev.sglang_standin import StandinBackend, serve
-
-    backend = StandinBackend(
-        tiny_target_dir, None, "NGRAM", num_steps=3, draft_tokens=4, revision="r2", enable_metrics=True
-    )
-    server = serve(backend)
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
+    """A serving replica of revision r2 (tests.conftest.metered_ngram_standin)."""
+    with metered_ngram_standin(tiny_target_dir, "r2") as url:
+        yield url
 
 
 def test_the_served_acceptance_is_what_the_requests_meta_info_reports(ngram_server):
@@ -190,6 +185,7 @@ def test_each_run_says_what_started_it():
         "reason": "the retraining cron (0 4 * * 0)",
     }
     assert describe_trigger("manual", [], None)["kind"] == "manual"
+    assert describe_trigger("backfill", [], None) == {"kind": "backfill", "reason": "an Airflow backfill run"}
     drift = {"trigger": "served_acceptance", "reason": "served acceptance length 1.900 under the floor 2.5"}
     watched = [{"from_trigger": True, "payload": drift}]
     expected = {"kind": "served_acceptance", "reason": drift["reason"]}

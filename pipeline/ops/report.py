@@ -665,7 +665,7 @@ def render(store: ObjectStore, run_id: str, target: str) -> dict[str, Any]:
     """Build and publish runs/<run_id>/report/: one PNG per plot that has data, and report.html.
     Returns the report's manifest."""
     record = load_run(store, run_id)
-    if not record.stages:
+    if not record.stages and not (record.trigger or {}).get("skipped"):  # a skipped run says why
         raise ValueError(f"run {run_id!r} has published nothing to report on")
     prefix = layout.run_stage_prefix(run_id, "report")
     objects, images = [], {}
