@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -364,6 +365,49 @@ def test_auto_restarts_a_stalled_warm_start_from_scratch_within_the_run(setup):
     table = status_table(store, config.target.name, limit=100)
     assert "training attempt 1: warm (train.init auto): " in table
     assert "training attempt 2: scratch (train.init auto): the warm start from" in table
+
+
+def _drafter_for_rare_tokens(setup, source: Path, dest: Path) -> None:
+    """A copy of `source` from "another target": its draft vocabulary is the data's LEAST used assistant
+    tokens, so it cannot emit the ones the data's answers use (the mechanism of
+    benchmarks/exp_warm_start_vocab_shift.py, where the new target's frequent tokens carry other ids)."""
+    from safetensors.torch import save_file
+
+    from pipeline.drafter.vocab import build_mapping
+    from pipeline.records import read_dataset
+    from pipeline.training.stream import ShardRef, assistant_token_counts
+
+    shutil.copytree(source, dest)
+    dataset = read_dataset(setup["store"], setup["dataset"])
+    shards = [ShardRef.from_manifest(entry) for entry in dataset.train_shards]
+    counts = assistant_token_counts(setup["store"], shards, dataset.contract.vocab_size)
+    tensors = load_file(str(dest / "model.safetensors"))
+    rare = build_mapping(counts.max() - counts, tensors["d2t"].numel())
+    assert int(counts[rare.used_ids].sum()) < 0.01 * int(counts.sum())
+    tensors.update(d2t=rare.d2t.to(tensors["d2t"].dtype), t2d=rare.t2d.to(tensors["t2d"].dtype))
+    save_file(tensors, str(dest / "model.safetensors"))
+    contract = json.loads((dest / "capture_contract.json").read_text())
+    contract["target"].update(revision="previous")
+    (dest / "capture_contract.json").write_text(json.dumps(contract))
+
+
+def test_auto_restarts_a_warm_start_whose_vocabulary_misses_the_new_targets_tokens(setup, tmp_path):
+    """The miniature's failure as a test: a warm start that keeps a draft vocabulary without the new data's
+    tokens stalls at the learning rate scratch learns with; auto (its probe bar at 0, so it warm-starts)
+    stops it within plateau_steps and the run goes on from scratch, which learns."""
+    store, source = setup["store"], workdir(setup, "uninterrupted") / "drafter"
+    other = tmp_path / "rare-token-drafter"
+    _drafter_for_rare_tokens(setup, source, other)
+    train = {**setup["data"]["train"], "init": "auto", "init_from": str(other), "epochs": 1}
+    train.update(checkpoint_every_steps=0, auto_init={"min_probe_cond_acc": 0.0, "plateau_steps": 3})
+    config = load_config(data={**setup["data"], "train": train})
+    result = run_stage("train", config, "auto-rare", store, dataset_uri=setup["dataset"])
+    warm, scratch = train_manifest(setup, result)["attempts"]
+    assert warm["init"]["chosen"] == "warm" and "clears the bar 0.000" in warm["init"]["reason"]
+    assert warm["stop_reason"] == "warm_plateau"
+    assert max(acc for _, acc in warm["cond_acc0_by_step"]) < 0.05  # it cannot emit what the data says
+    assert scratch["init"]["chosen"] == "scratch" and scratch["stop_reason"] == "completed"
+    assert scratch["cond_acc0_by_step"][-1][1] > 3 * max(acc for _, acc in warm["cond_acc0_by_step"])
 
 
 def test_auto_probes_an_incumbent_of_another_target_and_trains_from_scratch_below_the_bar(setup, tmp_path):
