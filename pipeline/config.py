@@ -480,6 +480,14 @@ class AutoInitConfig(Strict):
         "(gate.min_cond_acc[0]), restarts from scratch",
     )
     plateau_min_gain: float = Field(0.01, ge=0.0)
+    max_vocabulary_gap: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="an incumbent of another target whose draft vocabulary misses more of the new data's "
+        "held-out tokens than one built from the new data, by more than this share, is not warm-started: "
+        "a warm start keeps its vocabulary and could never emit the rest",
+    )
 
 
 # DeepSpeed's multi-node runner reached nodes over SSH (pdsh), which lost the pods' environment (IRSA's S3

@@ -170,6 +170,14 @@ class InitProbe(Record):
     bar: float  # the held-out cond_acc_0 a warm start from another target needs
 
 
+class VocabularyCoverage(Record):
+    """Shares of the new data's held-out assistant tokens a draft vocabulary cannot emit: the incumbent's
+    (what a warm start keeps) and one built from the new data (what scratch gets)."""
+
+    incumbent_outside: float
+    fresh_outside: float
+
+
 class InitChoice(Record):
     """Which drafter a training attempt started from, and why (pipeline.training.init_choice)."""
 
@@ -180,6 +188,7 @@ class InitChoice(Record):
     source: str | None = None
     version: str | None = None  # the registry version behind `source`, when it names one
     probe: InitProbe | None = None
+    vocabulary: VocabularyCoverage | None = None  # measured for an incumbent of another target
 
 
 class ShapeAcceptance(Record):

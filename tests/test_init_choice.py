@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.records import InitProbe
+from pipeline.records import InitProbe, VocabularyCoverage
 from pipeline.training.init_choice import decide_auto, probe_bar, target_differences, warm_plateau_reached
 from pipeline.training.worker import check_warm_start_contract
 from tests.conftest import REPO
@@ -75,6 +75,37 @@ def test_an_incumbent_of_another_target_is_probed_against_the_bar(probed, chosen
     assert choice.probe is not None and choice.probe.cond_acc[0] == probed
     assert "revision 'k2' -> 'abc'" in choice.reason and "config_sha256" in choice.reason
     assert f"{probed:.3f}" in choice.reason
+
+
+@pytest.mark.parametrize(("incumbent_outside", "chosen"), [(0.603, "scratch"), (0.04, "warm")])
+def test_an_incumbent_whose_vocabulary_misses_the_new_tokens_is_not_warm_started(incumbent_outside, chosen):
+    """The probe clears the bar (38% against 30%, as K2's drafter on K2.5) but the incumbent's draft
+    vocabulary misses 60% of the new held-out tokens: a warm start keeps it, and stalls (benchmarks/
+    exp_warm_start_vocab_shift.py). A few points more than scratch's own vocabulary misses is tolerated."""
+    probe, _ = probe_returning(0.38, bar=0.3)
+    measured = []
+
+    def coverage() -> VocabularyCoverage:
+        measured.append(1)
+        return VocabularyCoverage(incumbent_outside=incumbent_outside, fresh_outside=0.001)
+
+    incumbent = contract(revision="k2")
+    choice = decide_auto(
+        "registry:production", "v1", incumbent, contract(), probe, check_warm_start_contract, coverage, 0.05
+    )
+    assert choice.chosen == chosen and measured == [1] and choice.vocabulary is not None
+    assert choice.reason.startswith("registry:production was trained on another target (revision 'k2' -> ")
+    if chosen == "scratch":
+        assert choice.reason.endswith(
+            "0.380, clears the bar 0.300, but its draft vocabulary misses 60.3% of the new held-out tokens "
+            "(one built from the new data misses 0.1%): a warm start keeps it and could never emit them"
+        )
+    # not measured for the same target, nor for an incumbent already under the bar
+    for same_or_under, result in ((contract(), "warm"), (contract(revision="k2"), "scratch")):
+        low, _ = probe_returning(0.1, bar=0.3)
+        decided = decide_auto("r", "v", same_or_under, contract(), low, check_warm_start_contract, coverage)
+        assert decided.chosen == result and decided.vocabulary is None
+    assert measured == [1]
 
 
 def test_target_differences_name_only_the_identity_fields_that_changed():

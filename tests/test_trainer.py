@@ -392,14 +392,24 @@ def _drafter_for_rare_tokens(setup, source: Path, dest: Path) -> None:
 
 
 def test_auto_restarts_a_warm_start_whose_vocabulary_misses_the_new_targets_tokens(setup, tmp_path):
-    """The miniature's failure as a test: a warm start that keeps a draft vocabulary without the new data's
-    tokens stalls at the learning rate scratch learns with; auto (its probe bar at 0, so it warm-starts)
-    stops it within plateau_steps and the run goes on from scratch, which learns."""
+    """The miniature's failure as a test: an incumbent of another target whose draft vocabulary holds none
+    of the new data's tokens. Auto's probe sees it and chooses scratch. Made to warm-start anyway (probe bar
+    0, vocabulary check off), it stalls at the learning rate scratch learns with; auto stops it within
+    plateau_steps and the run goes on from scratch, which learns."""
+    from pipeline.records import read_dataset
+    from pipeline.stages.train import choose_init
+
     store, source = setup["store"], workdir(setup, "uninterrupted") / "drafter"
     other = tmp_path / "rare-token-drafter"
     _drafter_for_rare_tokens(setup, source, other)
     train = {**setup["data"]["train"], "init": "auto", "init_from": str(other), "epochs": 1}
     train.update(checkpoint_every_steps=0, auto_init={"min_probe_cond_acc": 0.0, "plateau_steps": 3})
+    config = load_config(data={**setup["data"], "train": train})
+    directory, choice = choose_init(config, store, read_dataset(store, setup["dataset"]), tmp_path / "w")
+    assert directory is None and choice.chosen == "scratch" and choice.vocabulary is not None
+    assert choice.vocabulary.incumbent_outside > 0.99 > 0.05 > choice.vocabulary.fresh_outside
+    assert "but its draft vocabulary misses" in choice.reason
+    train["auto_init"] = {**train["auto_init"], "max_vocabulary_gap": 1.0}
     config = load_config(data={**setup["data"], "train": train})
     result = run_stage("train", config, "auto-rare", store, dataset_uri=setup["dataset"])
     warm, scratch = train_manifest(setup, result)["attempts"]

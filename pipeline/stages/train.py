@@ -26,7 +26,14 @@ from pipeline.drafter.export import DRAFTER_FILES, read_drafter_dir
 from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
 from pipeline.engines.target import describe_target
 from pipeline.manifest import publish
-from pipeline.records import DatasetRecord, InitChoice, InitProbe, WorkerSpec, read_dataset
+from pipeline.records import (
+    DatasetRecord,
+    InitChoice,
+    InitProbe,
+    VocabularyCoverage,
+    WorkerSpec,
+    read_dataset,
+)
 from pipeline.stages import StageInputs, StageOutput, already_published
 from pipeline.stages.capture import contract_for
 from pipeline.storage import ObjectStore
@@ -143,9 +150,29 @@ def choose_init(
         data_contract,
         lambda: probe_incumbent(config, store, dataset, directory),
         check_warm_start_contract,
+        lambda: vocabulary_coverage(config, store, dataset, directory),
+        config.train.auto_init.max_vocabulary_gap,
     )
     log.info("train.init auto: %s (%s)", choice.chosen, choice.reason)
     return (directory if choice.chosen == "warm" else None), choice
+
+
+def vocabulary_coverage(
+    config: RunConfig, store: ObjectStore, dataset: DatasetRecord, directory: Path
+) -> VocabularyCoverage:
+    """Shares of the new dataset's held-out assistant tokens outside the incumbent's draft vocabulary and
+    outside the one scratch would build from the new data (token counts only: no hidden states read)."""
+    held = [ShardRef.from_manifest(entry) for entry in dataset.eval_shards or dataset.train_shards]
+    counts = assistant_token_counts(store, held, dataset.contract.vocab_size)
+    total = max(1, int(counts.sum()))
+
+    def outside(used_ids: list[int]) -> float:
+        return round(1.0 - int(counts[used_ids].sum()) / total, 4)
+
+    return VocabularyCoverage(
+        incumbent_outside=outside(draft_vocabulary(config, store, dataset, directory)),
+        fresh_outside=outside(draft_vocabulary(config, store, dataset, None)),
+    )
 
 
 def _no_probe() -> InitProbe:

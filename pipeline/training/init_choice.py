@@ -7,7 +7,10 @@
   - an incumbent trained on the same target (the capture contract's target identity: model, revision,
     config, tokenizer and chat-template hashes): warm;
   - an incumbent of another target: probed first, scored on the new dataset's held-out split; warm only
-    when its cond_acc_0 there clears auto_init.min_probe_cond_acc (default the gate's step-0 bar).
+    when its cond_acc_0 there clears auto_init.min_probe_cond_acc (default the gate's step-0 bar) and its
+    draft vocabulary misses at most auto_init.max_vocabulary_gap more of the held-out tokens than one built
+    from the new data (a warm start keeps the incumbent's vocabulary: what it misses, it never emits;
+    benchmarks/exp_warm_start_vocab_shift.py stalls at 38% that way while scratch reaches 75%).
   A warm start chosen by auto that plateaus early (training cond_acc_0 gaining less than
   auto_init.plateau_min_gain over auto_init.plateau_steps steps, still under the gate's step-0 bar) is
   stopped by the worker and restarted from scratch by the train stage (`warm_plateau_reached`,
@@ -24,7 +27,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.records import InitChoice, InitProbe
+from pipeline.records import InitChoice, InitProbe, VocabularyCoverage
 
 # the target identity fields of a capture contract that say two targets are the same model
 SAME_TARGET_FIELDS = (
@@ -61,14 +64,24 @@ def decide_auto(
     data_contract: dict[str, Any],
     probe: Callable[[], InitProbe],
     check_compatible: Callable[[dict[str, Any], dict[str, Any]], None],
+    coverage: Callable[[], VocabularyCoverage] | None = None,
+    max_vocabulary_gap: float = 0.05,
 ) -> InitChoice:
-    """train.init auto's choice. `probe` scores the incumbent on the new held-out data; it runs only for an
-    incumbent of another target. `check_compatible` raises ContractMismatch when the incumbent reads
-    features another way."""
+    """train.init auto's choice. `probe` scores the incumbent on the new held-out data and `coverage`
+    measures what its draft vocabulary misses there; both run only for an incumbent of another target.
+    `check_compatible` raises ContractMismatch when the incumbent reads features another way."""
 
-    def choice(chosen: str, reason: str, measured: InitProbe | None = None) -> InitChoice:
+    def choice(
+        chosen: str, reason: str, measured: InitProbe | None = None, words: VocabularyCoverage | None = None
+    ) -> InitChoice:
         return InitChoice(
-            requested="auto", chosen=chosen, reason=reason, source=source, version=version, probe=measured
+            requested="auto",
+            chosen=chosen,
+            reason=reason,
+            source=source,
+            version=version,
+            probe=measured,
+            vocabulary=words,
         )
 
     if incumbent_contract is None:
@@ -87,7 +100,22 @@ def decide_auto(
         f"{source} was trained on another target ({changed}); its held-out cond_acc_0 on the new data, "
         f"{measured.cond_acc[0]:.3f}, {verdict} the bar {measured.bar:.3f}"
     )
-    return choice("warm" if verdict == "clears" else "scratch", reason, measured)
+    if verdict != "clears" or coverage is None:
+        return choice("warm" if verdict == "clears" else "scratch", reason, measured)
+    found = coverage()
+    missing = vocabulary_gap(found, max_vocabulary_gap)
+    return choice("scratch" if missing else "warm", f"{reason}{missing or ''}", measured, found)
+
+
+def vocabulary_gap(found: VocabularyCoverage, max_gap: float) -> str | None:
+    """Why a warm start would be capped by the incumbent's draft vocabulary, or None."""
+    if found.incumbent_outside - found.fresh_outside <= max_gap:
+        return None
+    return (
+        f", but its draft vocabulary misses {found.incumbent_outside:.1%} of the new held-out tokens (one "
+        f"built from the new data misses {found.fresh_outside:.1%}): a warm start keeps it and could never "
+        "emit them"
+    )
 
 
 def _one_line(err: Exception) -> str:
