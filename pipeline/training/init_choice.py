@@ -72,7 +72,7 @@ def decide_auto(
     `check_compatible` raises ContractMismatch when the incumbent reads features another way."""
 
     def choice(
-        chosen: str, reason: str, measured: InitProbe | None = None, words: VocabularyCoverage | None = None
+        chosen: str, reason: str, measured: InitProbe | None = None, found: VocabularyCoverage | None = None
     ) -> InitChoice:
         return InitChoice(
             requested="auto",
@@ -81,7 +81,7 @@ def decide_auto(
             source=source,
             version=version,
             probe=measured,
-            vocabulary=words,
+            vocabulary=found,
         )
 
     if incumbent_contract is None:
