@@ -80,6 +80,20 @@ def data_of(config, store, snapshot: str) -> str:
     return stage("dataset", config, store, snapshot, capture_uris=[capture.uri]).uri
 
 
+def attempts_of(manifest: dict) -> list[dict]:
+    """Each training attempt of a train manifest: how it began, why, how it ended, its cond_acc_0 by step."""
+    return [
+        {
+            "init": attempt["init"]["chosen"],
+            "reason": attempt["init"]["reason"],
+            "stop": attempt["stop_reason"],
+            "steps": attempt["global_steps"],
+            "cond_acc0_by_step": attempt["cond_acc0_by_step"],
+        }
+        for attempt in manifest["attempts"]
+    ]
+
+
 def heldout_curve(manifest: dict, step: int) -> list[float]:
     return [round(entry["heldout"]["cond_acc"][step], 4) for entry in manifest["history"]]
 
@@ -131,18 +145,7 @@ def main() -> None:
         **{f"{name}_heldout_cond_acc0_by_epoch": json.dumps(heldout_curve(m, 0)) for name, m in runs.items()},
         **{f"{name}_heldout_cond_acc1_by_epoch": json.dumps(heldout_curve(m, 1)) for name, m in runs.items()},
         **{f"{name}_heldout_tau": max(m["result"]["heldout_tau_by_epoch"]) for name, m in runs.items()},
-        auto_attempts=json.dumps(
-            [
-                {
-                    "init": attempt["init"]["chosen"],
-                    "reason": attempt["init"]["reason"],
-                    "stop": attempt["stop_reason"],
-                    "steps": attempt["global_steps"],
-                    "cond_acc0_by_step": attempt["cond_acc0_by_step"],
-                }
-                for attempt in auto["attempts"]
-            ]
-        ),
+        auto_attempts=json.dumps(attempts_of(auto)),
         warm_cond_acc0_by_step=json.dumps(runs["warm"]["attempts"][0]["cond_acc0_by_step"]),
         scratch_cond_acc0_by_step=json.dumps(runs["scratch"]["attempts"][0]["cond_acc0_by_step"]),
         auto_minus_scratch_heldout_tau=max(auto["result"]["heldout_tau_by_epoch"])

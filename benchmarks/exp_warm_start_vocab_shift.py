@@ -44,7 +44,7 @@ import json
 import shutil
 from pathlib import Path
 
-from exp_warm_start_plateau import data_of, heldout_curve
+from exp_warm_start_plateau import attempts_of, data_of, heldout_curve
 from support import published, report, scratch_config, stage
 
 
@@ -139,19 +139,6 @@ def used_ids_of(drafter_dir: Path) -> list[int]:
 
 def heldout_inexpressible(manifest: dict) -> list[float]:
     return [round(entry["heldout"]["inexpressible_fraction"][0], 4) for entry in manifest["history"]]
-
-
-def attempts_of(manifest: dict) -> list[dict]:
-    return [
-        {
-            "init": attempt["init"]["chosen"],
-            "reason": attempt["init"]["reason"],
-            "stop": attempt["stop_reason"],
-            "steps": attempt["global_steps"],
-            "cond_acc0_by_step": attempt["cond_acc0_by_step"],
-        }
-        for attempt in manifest["attempts"]
-    ]
 
 
 def best_tau(manifest: dict) -> float:
