@@ -289,7 +289,11 @@ def target_revision_asset():
         return None
     from drafter_triggers import TargetRevisionTrigger
 
-    trigger = TargetRevisionTrigger(watch=watch.model_dump(mode="json"), run_config=DEPLOYMENT.run_config)
+    trigger = TargetRevisionTrigger(
+        watch=watch.model_dump(mode="json"),
+        run_config=DEPLOYMENT.run_config,
+        aws_conn_id=DEPLOYMENT.aws_conn_id,
+    )
     return watched_asset("drafter_target_revision", trigger)
 
 

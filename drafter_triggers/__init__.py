@@ -25,6 +25,7 @@ from pipeline.ops.watch import (
     check_revision,
     scrape,
 )
+from pipeline.storage import S3Credentials
 
 log = logging.getLogger(__name__)
 
@@ -62,21 +63,27 @@ class ServedAcceptanceTrigger(BaseEventTrigger):
 
 
 class TargetRevisionTrigger(BaseEventTrigger):
-    """Fires once for each revision the fleet serves that differs from the production drafter's."""
+    """Fires once for each revision the fleet serves that differs from the production drafter's. It reads the
+    registry with the deployment's S3 connection (aws_conn_id) where it has one, as the tasks do."""
 
-    def __init__(self, watch: dict[str, Any], run_config: str, **kwargs):
+    def __init__(self, watch: dict[str, Any], run_config: str, aws_conn_id: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.watch, self.run_config = watch, run_config
+        self.watch, self.run_config, self.aws_conn_id = watch, run_config, aws_conn_id
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.TargetRevisionTrigger", {"watch": self.watch, "run_config": self.run_config}
+        return f"{__name__}.TargetRevisionTrigger", {
+            "watch": self.watch,
+            "run_config": self.run_config,
+            "aws_conn_id": self.aws_conn_id,
+        }
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         settings = TargetRevisionWatch.model_validate(self.watch)
         fired: set[str | None] = set()
         while True:
             try:
-                payload = await asyncio.to_thread(check_revision, settings, self.run_config)
+                credentials = await connection_credentials(self.aws_conn_id)
+                payload = await asyncio.to_thread(check_revision, settings, self.run_config, credentials)
             except Exception as err:  # the fleet or the registry unreachable: poll again
                 log.warning("target revision: %s; polling again in %.0f s", err, settings.poll_s)
             else:
@@ -85,3 +92,23 @@ class TargetRevisionTrigger(BaseEventTrigger):
                     log.warning("target revision: %s: capturing it and retraining", payload["reason"])
                     yield TriggerEvent(payload)
             await asyncio.sleep(settings.poll_s)
+
+
+async def connection_credentials(conn_id: str | None) -> S3Credentials | None:
+    """The S3 keys of an Airflow connection, for one client; None without a connection id, or when the
+    connection does not exist or has no login (boto3's own chain then: the pod's identity). Read at each
+    poll, so that a rotated key is used; the triggerer's environment is left alone (other triggers share
+    it)."""
+    if not conn_id:
+        return None
+    from airflow.sdk import Connection
+    from airflow.sdk.exceptions import AirflowNotFoundException, AirflowRuntimeError
+
+    try:
+        connection = await Connection.async_get(conn_id)
+    except (AirflowNotFoundException, AirflowRuntimeError):
+        return None
+    if connection is None or not connection.login:
+        return None
+    region = (connection.extra_dejson or {}).get("region_name")
+    return S3Credentials(connection.login, connection.password or "", region)

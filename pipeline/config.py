@@ -476,10 +476,20 @@ class AutoInitConfig(Strict):
     plateau_steps: PositiveInt = Field(
         200,
         description="a warm start auto chose whose training cond_acc_0 (per log interval) gains less "
-        "than plateau_min_gain over this many steps, still under the gate's step-0 bar "
-        "(gate.min_cond_acc[0]), restarts from scratch",
+        "than plateau_min_gain over this many steps, still under its restart bar, restarts from scratch; "
+        "the bar is the incumbent's own held-out cond_acc_0 (its registry lineage) less "
+        "plateau_shortfall_vs_own, or the gate's step-0 bar (gate.min_cond_acc[0]) when that is higher or "
+        "the incumbent has no lineage",
     )
     plateau_min_gain: float = Field(0.01, ge=0.0)
+    plateau_shortfall_vs_own: float = Field(
+        0.15,
+        ge=0.0,
+        le=1.0,
+        description="how far under what the incumbent reached on its own target's held-out data a warm "
+        "start may stall before it is restarted from scratch (a Kimi-K2 drafter warm-started on K2.5 "
+        "stalled at 38% while scratch reached 74.7%)",
+    )
     max_vocabulary_gap: float = Field(
         0.05,
         ge=0.0,

@@ -178,6 +178,14 @@ class VocabularyCoverage(Record):
     fresh_outside: float
 
 
+class WarmRestartBar(Record):
+    """Under what training cond_acc_0 a warm start auto chose that stops improving is restarted from scratch,
+    and where that figure comes from (pipeline.training.init_choice.warm_restart_bar)."""
+
+    cond_acc0: float
+    reason: str
+
+
 class InitChoice(Record):
     """Which drafter a training attempt started from, and why (pipeline.training.init_choice)."""
 
@@ -189,6 +197,7 @@ class InitChoice(Record):
     version: str | None = None  # the registry version behind `source`, when it names one
     probe: InitProbe | None = None
     vocabulary: VocabularyCoverage | None = None  # measured for an incumbent of another target
+    restart_under: WarmRestartBar | None = None  # set when auto chose the warm start
 
 
 class ShapeAcceptance(Record):
@@ -644,9 +653,9 @@ class DrafterSource(Record):
     contract: CaptureContract
     draft_vocab: list[int]  # target token ids of the draft vocabulary
     init_dir: str | None = None  # a local drafter directory to warm-start from
-    # train.init auto chose the warm start: a plateau within auto_init.plateau_steps ends the attempt
-    # (stop_reason "warm_plateau") so the train stage restarts it from scratch
-    restart_on_warm_plateau: bool = False
+    # train.init auto chose the warm start: a plateau within auto_init.plateau_steps under this training
+    # cond_acc_0 ends the attempt (stop_reason "warm_plateau") so the train stage restarts it from scratch
+    warm_restart_bar: float | None = None
 
 
 class WorkerSpec(DrafterSource, FileRecord):

@@ -15,7 +15,7 @@ import shutil
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +39,38 @@ def _stream_errors() -> tuple[type[BaseException], ...]:
     return ConnectionClosedError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
 
-def s3_client(endpoint_url: str | None, region: str | None, max_attempts: int, **options: Any):
+@dataclass(frozen=True)
+class S3Credentials:
+    """Keys handed to one client (an Airflow connection's, in a process shared with other work, such as the
+    triggerer, where they must not go into the environment). Never shown in a repr or a log."""
+
+    access_key_id: str
+    secret_access_key: str = field(repr=False)
+    region: str | None = None
+
+
+def s3_client(
+    endpoint_url: str | None,
+    region: str | None,
+    max_attempts: int,
+    credentials: S3Credentials | None = None,
+    **options: Any,
+):
     """A boto3 S3 client whose standard retries ride out throttling (503 SlowDown), 5xx and dropped
-    connections, with backoff; `options` are more botocore Config settings."""
+    connections, with backoff; `options` are more botocore Config settings. Without `credentials`, boto3's
+    own chain (environment, profile, pod identity) finds them."""
     import boto3
     from botocore.config import Config
 
     config = Config(retries={"mode": "standard", "max_attempts": max_attempts}, **options)
-    return boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
+    keys: dict[str, Any] = {}
+    if credentials is not None:
+        keys = {
+            "aws_access_key_id": credentials.access_key_id,
+            "aws_secret_access_key": credentials.secret_access_key,
+        }
+        region = region or credentials.region
+    return boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=config, **keys)
 
 
 def _retrying_reads(attempts: int, retry_on: type[BaseException] | tuple[type[BaseException], ...], note):
@@ -299,6 +323,7 @@ class S3Store(ObjectStore):
         region: str | None = None,
         multipart_threshold_mb: int = 64,
         max_attempts: int = 8,
+        credentials: S3Credentials | None = None,
     ):
         from boto3.s3.transfer import TransferConfig
 
@@ -308,7 +333,9 @@ class S3Store(ObjectStore):
         self.root_uri = f"s3://{_join(bucket, self.prefix)}"
         self.max_attempts = max_attempts
         self.verify_attempts = min(max_attempts, CHECKSUM_READS)
-        self.client = s3_client(endpoint_url, region, max_attempts, connect_timeout=20, read_timeout=120)
+        self.client = s3_client(
+            endpoint_url, region, max_attempts, credentials, connect_timeout=20, read_timeout=120
+        )
         self.transfer = TransferConfig(
             multipart_threshold=multipart_threshold_mb * 1024 * 1024,
             multipart_chunksize=multipart_threshold_mb * 1024 * 1024,
@@ -421,8 +448,8 @@ class S3Store(ObjectStore):
         return response["ETag"]
 
 
-def open_store(config: StorageConfig) -> ObjectStore:
-    """The store rooted at config.root."""
+def open_store(config: StorageConfig, credentials: S3Credentials | None = None) -> ObjectStore:
+    """The store rooted at config.root; an S3 store with `credentials` when given, else boto3's own."""
     root = config.root
     if root.startswith("s3://"):
         bucket, _, prefix = root[len("s3://") :].partition("/")
@@ -435,6 +462,7 @@ def open_store(config: StorageConfig) -> ObjectStore:
             config.region,
             config.multipart_threshold_mb,
             config.max_attempts,
+            credentials,
         )
     path = root[len("file://") :] if root.startswith("file://") else root
     return FileStore(path)

@@ -13,6 +13,10 @@ way users start it) with the drafter DAGs, S3 on moto's server and credentials o
 - The deployment's served-acceptance watch: the triggerer polls a serving stand-in's /metrics all along
   (idle, it says nothing); once the fleet serves under the floor it starts a drafter_train run, which
   records that trigger.
+- The deployment's target-revision watch: the triggerer polls another replica's /get_server_info and the
+  S3 registry (with the aws_default connection's keys: its environment has none) all along; the
+  production drafters promoted meanwhile match the served revision. Once that replica is restarted at
+  another revision, it starts a drafter_data run that captures the served revision.
 """
 
 from __future__ import annotations
@@ -181,8 +185,50 @@ def served_fleet(tiny_target_dir):
         yield url
 
 
-def _watching(fleet: str) -> dict:
-    """A served-acceptance watch no n-gram fleet can satisfy, that an idle fleet never trips."""
+class RollingReplica:
+    """A serving replica (the stand-in) on a port of its own, restarted at another --revision as a rolling
+    update of the fleet would."""
+
+    def __init__(self, target_dir: Path):
+        self.target_dir, self.port = target_dir, free_port()
+        self.server = None
+        self.start(None)  # the tiny target's own revision (target.revision unset)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, revision: str | None) -> None:
+        from pipeline.dev.sglang_standin import StandinBackend, serve
+
+        backend = StandinBackend(
+            self.target_dir, None, "NGRAM", num_steps=3, draft_tokens=4, revision=revision
+        )
+        self.server = serve(backend, self.port)
+
+    def roll(self, revision: str) -> None:
+        self.stop()
+        self.start(revision)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+@pytest.fixture(scope="module")
+def revision_replica(tiny_target_dir):
+    replica = RollingReplica(tiny_target_dir)
+    try:
+        yield replica
+    finally:
+        replica.stop()
+
+
+def _watching(fleet: str, replica: str) -> dict:
+    """A served-acceptance watch no n-gram fleet can satisfy, that an idle fleet never trips, and a
+    target-revision watch of another replica."""
     return {
         "served_acceptance": {
             "metrics_urls": [f"{fleet}/metrics"],
@@ -191,18 +237,22 @@ def _watching(fleet: str) -> dict:
             "min_verify_calls": 20,
             "poll_s": 1.0,
             "cooldown_s": 3600.0,
-        }
+        },
+        "target_revision": {"server_info_url": f"{replica}/get_server_info", "poll_s": 1.0},
     }
 
 
 @pytest.fixture(scope="module")
-def live_airflow(tmp_path_factory, s3_endpoint, tiny_target_dir, alert_sinks, live_config, served_fleet):
+def live_airflow(
+    tmp_path_factory, s3_endpoint, tiny_target_dir, alert_sinks, live_config, served_fleet, revision_replica
+):
     from pipeline.dev import airflow_local
 
     home = tmp_path_factory.mktemp("airflow-live")
     deployment = home / "deployment.yaml"
     # scheduled and watch-started runs take the run config
-    watched = {**DEPLOYMENT, "run_config": str(live_config["path"]), "watch": _watching(served_fleet)}
+    watching = _watching(served_fleet, revision_replica.url)
+    watched = {**DEPLOYMENT, "run_config": str(live_config["path"]), "watch": watching}
     deployment.write_text(yaml.safe_dump(watched))
     port = free_port()
     # the components get no AWS credentials: the tasks must take them from the aws_default connection
@@ -435,3 +485,46 @@ def test_served_acceptance_under_its_floor_starts_training_through_the_triggerer
     assert record["trigger"]["kind"] == "served_acceptance" and record["skipped"] is None
     assert record["trigger"]["reason"].startswith("served acceptance length ")
     assert "under the floor 50.0" in record["trigger"]["reason"]
+
+
+def test_another_target_revision_served_starts_a_data_run_through_the_triggerer(
+    live_airflow, live_config, revision_replica
+):
+    """Earlier tests promoted drafters for the revision the replica serves, so the watch stayed quiet;
+    the replica restarted at another revision makes it start drafter_data, whose plan captures that
+    revision. Reading the production drafter's lineage took the connection's S3 keys."""
+    from pipeline.ops import registry
+
+    client = live_airflow["client"]
+    assert registry.read_alias(_store(live_config["data"]), "tiny-test", "production") is not None
+    time.sleep(3)  # a few polls of the watch with production in place and the same revision served
+    quiet = [run for run in client.runs("drafter_data") if run["run_type"] == "asset_triggered"]
+    assert quiet == [], "the revision watch fired while the served revision was the production drafter's"
+    revision_replica.roll("r-next")
+    deadline, started = time.monotonic() + 180, []
+    while not started:
+        assert time.monotonic() < deadline, "the target-revision watch started no drafter_data run"
+        time.sleep(2)
+        started = [run for run in client.runs("drafter_data") if run["run_type"] == "asset_triggered"]
+    (run,) = started
+    while (state := client.task_states("drafter_data", run["dag_run_id"]).get("plan")) != "success":
+        assert state not in ("failed", "upstream_failed", "skipped"), _failure_detail(
+            live_airflow["home"], client, "drafter_data", run["dag_run_id"]
+        )
+        assert time.monotonic() < deadline, f"drafter_data {run['dag_run_id']}: plan is {state}"
+        time.sleep(2)
+    response = client.call(
+        "GET",
+        f"/dags/drafter_data/dagRuns/{run['dag_run_id']}/taskInstances/plan/xcomEntries/return_value",
+        params={"deserialize": True},
+    )
+    assert response.status_code == 200, response.text
+    plan = response.json()["value"]
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+    assert 'target.revision="r-next"' in plan["overrides"]
+    assert plan["trigger"]["kind"] == "target_revision"
+    assert (
+        "at revision 'r-next'" in plan["trigger"]["reason"]
+        and "for revision None" in plan["trigger"]["reason"]
+    )
+    _scan_for_secrets(live_airflow["home"])

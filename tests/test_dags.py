@@ -116,7 +116,8 @@ for dag_id in ("drafter_data", "drafter_train"):
     dag = bag.dags[dag_id]
     DagSerialization.to_dict(dag)  # what the scheduler stores, the watchers' triggers included
     assets = leaves(dag.timetable.asset_condition)
-    watched = sorted((a.name, [w.trigger.serialize()[0] for w in a.watchers]) for a in assets)
+    named = lambda t: " via ".join(filter(None, [t.serialize()[0], t.serialize()[1].get("aws_conn_id")]))
+    watched = sorted((a.name, [named(w.trigger) for w in a.watchers]) for a in assets)
     print(dag_id, type(dag.timetable).__name__, watched)
 """
 
@@ -127,7 +128,7 @@ def test_the_deployments_watches_schedule_data_and_training_runs(tmp_path):
         "served_acceptance": {"metrics_urls": ["http://sglang-0:30000/metrics"], "floor": 2.5},
         "target_revision": {"server_info_url": "http://sglang-0:30000/get_server_info"},
     }
-    deployment.write_text(yaml.safe_dump({"watch": watch}))
+    deployment.write_text(yaml.safe_dump({"watch": watch, "aws_conn_id": "drafter_s3"}))
     out = subprocess.run(
         [sys.executable, "-c", WATCHES, str(DAGS)],
         env=_parse_env(tmp_path, deployment),
@@ -140,7 +141,7 @@ def test_the_deployments_watches_schedule_data_and_training_runs(tmp_path):
     assert out.stdout.strip().splitlines()[-2:] == [
         # another target revision served: new data first (captured from that revision), then training
         "drafter_data AssetTriggeredTimetable "
-        "[('drafter_target_revision', ['drafter_triggers.TargetRevisionTrigger'])]",
+        "[('drafter_target_revision', ['drafter_triggers.TargetRevisionTrigger via drafter_s3'])]",
         # a published dataset, or the served acceptance under its floor, or the cron
         "drafter_train AssetOrTimeSchedule [('drafter_dataset', []), "
         "('drafter_served_acceptance', ['drafter_triggers.ServedAcceptanceTrigger'])]",

@@ -7,7 +7,14 @@ import pytest
 from pipeline.config import load_config
 from pipeline.data.capture_contract import ContractMismatch
 from pipeline.records import InitProbe, VocabularyCoverage
-from pipeline.training.init_choice import decide_auto, probe_bar, target_differences, warm_plateau_reached
+from pipeline.training.init_choice import (
+    decide_auto,
+    probe_bar,
+    restart_choice,
+    target_differences,
+    warm_plateau_reached,
+    warm_restart_bar,
+)
 from pipeline.training.worker import check_warm_start_contract
 from tests.conftest import REPO
 
@@ -135,6 +142,40 @@ def test_a_warm_start_plateaus_when_it_gains_too_little_over_the_step_window_und
     # flat but already over the bar: a good warm start, kept
     assert not warm_plateau_reached([(s, 0.8) for s in (20, 40, 60, 80)], 60, 0.01, 0.5)
     assert not warm_plateau_reached([], 60, 0.01, 0.5)
+
+
+def test_the_restart_bar_is_what_the_incumbent_reached_on_its_own_target_less_the_shortfall():
+    """K2's drafter reached 0.75 on K2; a warm start on K2.5 stalled at 0.38, over a 0.30 gate bar: it has
+    not adapted, and is restarted. The gate's bar is the floor; without lineage, the gate's bar alone."""
+    config = load_config(REPO / "configs" / "local.yaml", ["gate.min_cond_acc=[0.3]"])
+    assert config.train.auto_init.plateau_shortfall_vs_own == 0.15
+    bar = warm_restart_bar(config, own_cond_acc0=0.75)
+    assert bar.cond_acc0 == pytest.approx(0.60)
+    assert bar.reason == "its own held-out cond_acc_0 0.750 in its registry lineage, less 0.15"
+    stalled_above_the_gate = [(20, 0.380), (40, 0.381), (60, 0.382), (80, 0.383)]
+    assert warm_plateau_reached(stalled_above_the_gate, 60, 0.01, bar.cond_acc0)
+    assert not warm_plateau_reached(stalled_above_the_gate, 60, 0.01, 0.3)  # the gate's bar alone misses it
+    # an incumbent that holds its own level on new data of the same target is kept
+    assert not warm_plateau_reached([(s, 0.74) for s in (20, 40, 60, 80)], 60, 0.01, bar.cond_acc0)
+    # a weak incumbent: the gate's bar is higher than its own level less the shortfall
+    weak = warm_restart_bar(config, own_cond_acc0=0.40)
+    assert weak.cond_acc0 == 0.3 and weak.reason.startswith("the gate's step-0 bar, above its own")
+    unknown = warm_restart_bar(config, own_cond_acc0=None)
+    assert unknown.cond_acc0 == 0.3 and "no registry lineage" in unknown.reason
+    no_gate = load_config(REPO / "configs" / "local.yaml", ["gate.min_cond_acc=[]"])
+    assert warm_restart_bar(no_gate, None).cond_acc0 == 1.0
+    assert warm_restart_bar(no_gate, 0.75).cond_acc0 == pytest.approx(0.60)
+    shorter = load_config(REPO / "configs" / "local.yaml", ["train.auto_init.plateau_shortfall_vs_own=0.05"])
+    assert warm_restart_bar(shorter, 0.75).cond_acc0 == pytest.approx(0.70)
+    # the scratch attempt that follows says under what and why
+    probe, _ = probe_returning(0.0)
+    warm = decide(contract(), contract(), probe).model_copy(update={"restart_under": bar})
+    restart = restart_choice(warm, 200, 0.383)
+    assert restart.chosen == "scratch" and restart.reason == (
+        "the warm start from registry:production plateaued at training cond_acc_0 0.383 after 200 steps, "
+        "under 0.600 (its own held-out cond_acc_0 0.750 in its registry lineage, less 0.15); restarted from "
+        "scratch"
+    )
 
 
 def test_the_compatibility_check_is_the_warm_start_contract_check():

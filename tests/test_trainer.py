@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 from pipeline.config import load_config
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.ops.report import render, status_table
+from pipeline.manifest import read_manifest
+from pipeline.ops.report import init_rows, render, status_table
 from pipeline.records import DatasetRecord, DatasetShard, EvalRecord, read_record
 from pipeline.stages import run_stage
 from pipeline.stages.gate import decide
@@ -220,8 +221,6 @@ def test_a_run_killed_mid_training_resumes_to_the_same_end(setup):
     assert sorted(p.name for p in checkpoints.iterdir() if p.is_dir()) == sorted(committed)
     assert (checkpoints / "latest").read_text() == committed[-1]
     store = setup["store"]
-    from pipeline.manifest import read_manifest
-
     resumed_history = read_manifest(store, "runs/killed/train", kind="train")["history"]
     straight = read_manifest(store, "runs/uninterrupted/train", kind="train")["history"]
     assert resumed_history == straight
@@ -324,11 +323,12 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup):
         run_stage("train", config, "warm-refused", setup["store"], dataset_uri=setup["dataset"])
 
 
-def auto_init_config(setup, init_from: str | None, **auto_init):
-    """train.init auto, one epoch at a learning rate that learns nothing, under a gate bar nothing reaches."""
+def auto_init_config(setup, init_from: str | None, gate_bar: float = 0.99, **auto_init):
+    """train.init auto, one epoch at a learning rate that learns nothing, under a gate bar (by default one
+    nothing reaches)."""
     train = {**setup["data"]["train"], "init": "auto", "epochs": 1, "learning_rate": 1e-9}
     train.update({"checkpoint_every_steps": 0, "auto_init": auto_init, "init_from": init_from})
-    return load_config(data={**setup["data"], "train": train, "gate": {"min_cond_acc": [0.99]}})
+    return load_config(data={**setup["data"], "train": train, "gate": {"min_cond_acc": [gate_bar]}})
 
 
 def test_auto_restarts_a_stalled_warm_start_from_scratch_within_the_run(setup):
@@ -418,6 +418,59 @@ def test_auto_restarts_a_warm_start_whose_vocabulary_misses_the_new_targets_toke
     assert max(acc for _, acc in warm["cond_acc0_by_step"]) < 0.05  # it cannot emit what the data says
     assert scratch["init"]["chosen"] == "scratch" and scratch["stop_reason"] == "completed"
     assert scratch["cond_acc0_by_step"][-1][1] > 3 * max(acc for _, acc in warm["cond_acc0_by_step"])
+
+
+def _drafter_reading_features_another_way(source: Path, dest: Path, share: float) -> None:
+    """A copy of `source` from "another target" whose hidden states differ: its fc reads `share` of each
+    feature from a permuted one, as a drafter would on a target whose hidden states moved."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(source, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    fc = tensors["fc.weight"].float()
+    moved = fc[:, torch.randperm(fc.shape[1], generator=torch.Generator().manual_seed(0))]
+    tensors["fc.weight"] = ((1 - share) * fc + share * moved).to(tensors["fc.weight"].dtype)
+    save_file(tensors, str(dest / "model.safetensors"))
+    contract = json.loads((dest / "capture_contract.json").read_text())
+    contract["target"].update(revision="previous")
+    (dest / "capture_contract.json").write_text(json.dumps(contract))
+
+
+def test_auto_restarts_a_warm_start_stalled_over_the_gates_bar_but_far_under_its_own_level(setup, tmp_path):
+    """The K2 -> K2.5 shape: the incumbent in the registry reached its lineage's held-out cond_acc_0 on its
+    own target; warm-started on a target whose hidden states differ, it stalls over the gate's bar and far
+    under that level less auto_init.plateau_shortfall_vs_own. The gate's bar alone would keep it; auto
+    restarts it from scratch, and the record says under what and why."""
+    from pipeline.ops import registry
+
+    store, source = setup["store"], workdir(setup, "uninterrupted") / "drafter"
+    uninterrupted = read_manifest(store, "runs/uninterrupted/train", kind="train")
+    own = max(entry["heldout"]["cond_acc"][0] for entry in uninterrupted["history"])
+    other = tmp_path / "previous-target-drafter"
+    _drafter_reading_features_another_way(source, other, share=0.72)
+    lineage = {"run_id": "previous-target", "eval": {"cond_acc": [own], "tau_simulated": 1.0}}
+    version, _ = registry.publish_version(
+        store, setup["config"].target.name, other, lineage, {"steps": 3, "topk": 1, "draft_tokens": 4}
+    )
+    config = auto_init_config(
+        setup,
+        f"registry:{version}",
+        0.05,
+        min_probe_cond_acc=0.0,
+        plateau_steps=3,
+        plateau_shortfall_vs_own=0.1,
+    )
+    result = run_stage("train", config, "auto-own-level", store, dataset_uri=setup["dataset"])
+    warm, scratch = train_manifest(setup, result)["attempts"]
+    assert warm["init"]["chosen"] == "warm" and warm["init"]["version"] == version
+    bar = warm["init"]["restart_under"]
+    assert bar["cond_acc0"] == pytest.approx(own - 0.1)
+    assert bar["reason"] == f"its own held-out cond_acc_0 {own:.3f} in its registry lineage, less 0.1"
+    stalled = [acc for _, acc in warm["cond_acc0_by_step"]]
+    assert warm["stop_reason"] == "warm_plateau" and 0.05 < min(stalled) <= max(stalled) < own - 0.1
+    assert scratch["init"]["chosen"] == "scratch" and f"under {own - 0.1:.3f}" in scratch["init"]["reason"]
+    rows = dict(init_rows(train_manifest(setup, result)))
+    assert f"a stall under training cond_acc_0 {own - 0.1:.3f} restarts it" in rows["training attempt 1"]
 
 
 def test_auto_probes_an_incumbent_of_another_target_and_trains_from_scratch_below_the_bar(setup, tmp_path):

@@ -177,6 +177,38 @@ def test_one_poll_of_the_revision_watch_reads_the_registry_the_run_config_names(
     assert change is not None and change["served_revision"] == "r2"
 
 
+def test_the_revision_poll_reads_an_s3_registry_with_the_keys_it_is_handed(
+    ngram_server, tmp_path, s3_endpoint, monkeypatch
+):
+    """The triggerer's environment has no keys (the deployment's connection holds them): the poll's client
+    takes the connection's, and they never show in a repr."""
+    import boto3
+    import botocore.exceptions
+    import yaml
+
+    from pipeline.config import load_config
+    from pipeline.storage import S3Credentials, open_store
+    from tests.conftest import storage_config, tiny_config_dict
+
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config_dict(storage_config("s3", tmp_path, s3_endpoint))))
+    config = load_config(config_path)
+    _production(open_store(config.storage), config.target.name, "r1", config.registry.alias)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials-file"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config-file"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it would keep the keys it found before
+    watch = TargetRevisionWatch(server_info_url=f"{ngram_server}/get_server_info")
+    with pytest.raises(botocore.exceptions.NoCredentialsError):
+        check_revision(watch, str(config_path))
+    keys = S3Credentials("AKIACONNECTION", "connection-secret-9d2e", "us-east-1")
+    change = check_revision(watch, str(config_path), keys)
+    assert change is not None and change["served_revision"] == "r2"
+    assert "connection-secret-9d2e" not in repr(keys) and "AKIACONNECTION" in repr(keys)
+
+
 def test_each_run_says_what_started_it():
     from pipeline.tasks import describe_trigger, plan_data, plan_training
 

@@ -232,6 +232,14 @@ def plot_attempts(record: RunRecord, path: Path) -> bool:
         ax.axhline(
             thresholds[0], color="gray", linestyle="--", label=f"gate: cond_acc_0 >= {thresholds[0]:g}"
         )
+    restart_bar = attempts[0]["init"].get("restart_under")
+    if restart_bar and restart_bar["cond_acc0"] not in thresholds[:1]:
+        ax.axhline(
+            restart_bar["cond_acc0"],
+            color="gray",
+            linestyle=":",
+            label=f"warm start restarted under {restart_bar['cond_acc0']:.3f}",
+        )
     ax.set(
         xlabel="step of the attempt",
         ylabel="cond_acc_0 (training)",
@@ -415,10 +423,18 @@ def init_rows(train: dict[str, Any]) -> list[tuple[str, str]]:
         (
             f"training attempt {number}",
             f"{attempt['init']['chosen']} (train.init {attempt['init']['requested']}): "
-            f"{attempt['init']['reason']}; {attempt['stop_reason']} after {attempt['global_steps']} steps",
+            f"{attempt['init']['reason']}{_restart_bar_note(attempt['init'])}; {attempt['stop_reason']} "
+            f"after {attempt['global_steps']} steps",
         )
         for number, attempt in enumerate(train.get("attempts") or [], 1)
     ]
+
+
+def _restart_bar_note(init: dict[str, Any]) -> str:
+    bar = init.get("restart_under")
+    if not bar:
+        return ""
+    return f"; a stall under training cond_acc_0 {bar['cond_acc0']:.3f} restarts it ({bar['reason']})"
 
 
 def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:

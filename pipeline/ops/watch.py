@@ -19,12 +19,15 @@ import re
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 from pydantic import Field, HttpUrl
 
 from pipeline.config import Strict
+
+if TYPE_CHECKING:
+    from pipeline.storage import S3Credentials
 
 GENERATED = "sglang:generation_tokens_total"
 VERIFY_CALLS = "sglang:spec_verify_calls_total"
@@ -203,12 +206,15 @@ def revision_change(served: dict[str, Any], production: dict[str, Any] | None) -
     }
 
 
-def check_revision(watch: TargetRevisionWatch, run_config: str) -> dict[str, Any] | None:
+def check_revision(
+    watch: TargetRevisionWatch, run_config: str, credentials: S3Credentials | None = None
+) -> dict[str, Any] | None:
     """One poll of the revision watch: the fleet's revision against the production drafter's, whose
-    registry the run config names."""
+    registry the run config names (read with `credentials` when given: the deployment's connection)."""
     from pipeline.config import load_config
     from pipeline.storage import open_store
 
     config = load_config(run_config)
-    production = production_target(open_store(config.storage), config.target.name, config.registry.alias)
+    store = open_store(config.storage, credentials)
+    production = production_target(store, config.target.name, config.registry.alias)
     return revision_change(served_revision(str(watch.server_info_url)), production)

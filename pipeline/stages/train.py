@@ -25,7 +25,7 @@ from pipeline.data.capture_contract import require_same_contract
 from pipeline.drafter.export import DRAFTER_FILES, read_drafter_dir
 from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
 from pipeline.engines.target import describe_target
-from pipeline.manifest import publish
+from pipeline.manifest import MANIFEST_NAME, publish
 from pipeline.records import (
     DatasetRecord,
     InitChoice,
@@ -37,7 +37,13 @@ from pipeline.records import (
 from pipeline.stages import StageInputs, StageOutput, already_published
 from pipeline.stages.capture import contract_for
 from pipeline.storage import ObjectStore
-from pipeline.training.init_choice import decide_auto, fixed_choice, probe_bar, restart_choice
+from pipeline.training.init_choice import (
+    decide_auto,
+    fixed_choice,
+    probe_bar,
+    restart_choice,
+    warm_restart_bar,
+)
 from pipeline.training.nodes import TrainingFailed, node_launcher
 from pipeline.training.stream import ShardRef, assistant_token_counts
 from pipeline.training.tracking import TENSORBOARD_DIR, TRACKING_FILE, TrackingUnavailable, open_mlflow_run
@@ -153,8 +159,29 @@ def choose_init(
         lambda: vocabulary_coverage(config, store, dataset, directory),
         config.train.auto_init.max_vocabulary_gap,
     )
-    log.info("train.init auto: %s (%s)", choice.chosen, choice.reason)
-    return (directory if choice.chosen == "warm" else None), choice
+    if choice.chosen == "scratch":
+        log.info("train.init auto: scratch (%s)", choice.reason)
+        return None, choice
+    bar = warm_restart_bar(config, own_heldout_cond_acc0(directory))
+    log.info(
+        "train.init auto: warm (%s); a stall under %.3f restarts it (%s)",
+        choice.reason,
+        bar.cond_acc0,
+        bar.reason,
+    )
+    return directory, choice.model_copy(update={"restart_under": bar})
+
+
+def own_heldout_cond_acc0(directory: Path) -> float | None:
+    """The held-out cond_acc_0 a drafter reached on its own target's data, from the registry manifest a pull
+    writes beside it (its lineage's evaluation); None for a drafter directory without one."""
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        return float(json.loads(path.read_text())["lineage"]["eval"]["cond_acc"][0])
+    except (ValueError, KeyError, IndexError, TypeError) as err:
+        raise TrainingFailed(f"{path}: the lineage's held-out cond_acc_0 cannot be read ({err})") from err
 
 
 def vocabulary_coverage(
@@ -225,7 +252,7 @@ def worker_spec(
         contract=dataset.contract,
         init_dir=str(init_dir.resolve()) if init_dir else None,
         draft_vocab=draft_vocabulary(config, store, dataset, init_dir),
-        restart_on_warm_plateau=choice.requested == "auto" and choice.chosen == "warm",
+        warm_restart_bar=choice.restart_under.cond_acc0 if choice.restart_under else None,
     )
 
 

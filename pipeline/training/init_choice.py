@@ -12,9 +12,11 @@
     from the new data (a warm start keeps the incumbent's vocabulary: what it misses, it never emits;
     benchmarks/exp_warm_start_vocab_shift.py stalls at 38% that way while scratch reaches 75%).
   A warm start chosen by auto that plateaus early (training cond_acc_0 gaining less than
-  auto_init.plateau_min_gain over auto_init.plateau_steps steps, still under the gate's step-0 bar) is
-  stopped by the worker and restarted from scratch by the train stage (`warm_plateau_reached`,
-  pipeline.stages.train).
+  auto_init.plateau_min_gain over auto_init.plateau_steps steps) under its restart bar is stopped by the
+  worker and restarted from scratch by the train stage (`warm_plateau_reached`, pipeline.stages.train).
+  The bar (`warm_restart_bar`) is what the incumbent reached on its own target's held-out data (its
+  registry lineage) less auto_init.plateau_shortfall_vs_own, or the gate's step-0 bar when that is
+  higher: a warm start stalled far under its own level has not adapted, even above the gate's bar.
 
 This is the failure the project began with: a Kimi-K2 drafter warm-started on Kimi-K2.5 data stalled at
 cond_acc_0 38% while scratch reached 74.7%, and nobody restarted it.
@@ -27,7 +29,7 @@ from typing import Any
 
 from pipeline.config import RunConfig
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.records import InitChoice, InitProbe, VocabularyCoverage
+from pipeline.records import InitChoice, InitProbe, VocabularyCoverage, WarmRestartBar
 
 # the target identity fields of a capture contract that say two targets are the same model
 SAME_TARGET_FIELDS = (
@@ -49,12 +51,37 @@ def target_differences(incumbent_contract: dict[str, Any], data_contract: dict[s
     ]
 
 
+def gate_step0_bar(config: RunConfig) -> float | None:
+    """The gate's cond_acc_0 bar (gate.min_cond_acc[0]), None when it sets none."""
+    return config.gate.min_cond_acc[0] if config.gate.min_cond_acc else None
+
+
 def probe_bar(config: RunConfig) -> float:
     """The held-out cond_acc_0 an incumbent of another target must reach on the new data for a warm start."""
     configured = config.train.auto_init.min_probe_cond_acc
     if configured is not None:
         return configured
-    return config.gate.min_cond_acc[0] if config.gate.min_cond_acc else 0.0
+    return gate_step0_bar(config) or 0.0
+
+
+def warm_restart_bar(config: RunConfig, own_cond_acc0: float | None) -> WarmRestartBar:
+    """Under what training cond_acc_0 a stalled warm start restarts from scratch. own_cond_acc0: the
+    incumbent's held-out cond_acc_0 on its own target (its registry lineage), None when unknown."""
+    gate_bar = gate_step0_bar(config)
+    shortfall = config.train.auto_init.plateau_shortfall_vs_own
+    if own_cond_acc0 is None:
+        if gate_bar is None:
+            return WarmRestartBar(
+                cond_acc0=1.0, reason="any plateau: the incumbent has no registry lineage and the gate no bar"
+            )
+        return WarmRestartBar(
+            cond_acc0=gate_bar, reason="the gate's step-0 bar; the incumbent has no registry lineage"
+        )
+    own = f"its own held-out cond_acc_0 {own_cond_acc0:.3f} in its registry lineage, less {shortfall}"
+    from_own = round(own_cond_acc0 - shortfall, 6)
+    if gate_bar is not None and gate_bar > from_own:
+        return WarmRestartBar(cond_acc0=gate_bar, reason=f"the gate's step-0 bar, above {own}")
+    return WarmRestartBar(cond_acc0=from_own, reason=own)
 
 
 def decide_auto(
@@ -134,12 +161,14 @@ def fixed_choice(config: RunConfig) -> InitChoice:
 
 def restart_choice(first: InitChoice, steps: int, cond_acc0: float) -> InitChoice:
     """The scratch attempt that follows a warm attempt stopped for an early plateau."""
+    bar = first.restart_under
+    under = f", under {bar.cond_acc0:.3f} ({bar.reason})" if bar else ""
     return InitChoice(
         requested=first.requested,
         chosen="scratch",
         reason=(
             f"the warm start from {first.source} plateaued at training cond_acc_0 {cond_acc0:.3f} after "
-            f"{steps} steps; restarted from scratch"
+            f"{steps} steps{under}; restarted from scratch"
         ),
         source=first.source,
         version=first.version,

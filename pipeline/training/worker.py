@@ -32,7 +32,7 @@ from pipeline.engines.target import load_frozen_tensors, text_config
 from pipeline.progress import Progress
 from pipeline.records import DrafterSource, WorkerSpec, parse_record
 from pipeline.storage import atomic_write
-from pipeline.training.init_choice import warm_plateau_reached
+from pipeline.training.init_choice import gate_step0_bar, warm_plateau_reached
 from pipeline.training.stream import (
     ShardCache,
     ShardRef,
@@ -196,7 +196,8 @@ def plateau_reached(history: list[dict[str, Any]], config: RunConfig) -> bool:
 
 def step0_bar(config: RunConfig) -> float:
     """The gate's cond_acc_0 bar: a plateau under it stops training (1.0 when the gate sets none)."""
-    return config.gate.min_cond_acc[0] if config.gate.min_cond_acc else 1.0
+    bar = gate_step0_bar(config)
+    return 1.0 if bar is None else bar
 
 
 def best_weights_path(directory: Path, epoch: int) -> Path:
@@ -436,23 +437,25 @@ class Trainer:
         return counts.as_tensor()
 
     def warm_start_stalled(self, cond_acc0: float) -> bool:
-        """A warm start train.init auto chose that stopped improving within auto_init.plateau_steps: ends
-        the attempt (stop_reason warm_plateau) for the train stage to restart from scratch. Every rank
-        sees the same all-reduced figures, so all stop at the same step."""
-        if not self.spec.restart_on_warm_plateau:
+        """A warm start train.init auto chose that stopped improving within auto_init.plateau_steps under
+        its restart bar (the spec's warm_restart_bar): ends the attempt (stop_reason warm_plateau) for the
+        train stage to restart from scratch. Every rank sees the same all-reduced figures, so all stop at
+        the same step."""
+        bar = self.spec.warm_restart_bar
+        if bar is None:
             return False
         state, auto = self.state, self.settings.auto_init
         state["intervals"].append([state["global_step"], cond_acc0])
         intervals = [(int(step), float(value)) for step, value in state["intervals"]]
-        bar = step0_bar(self.config)
         if not warm_plateau_reached(intervals, auto.plateau_steps, auto.plateau_min_gain, bar):
             return False
         state["stop_reason"] = "warm_plateau"
         log.info(
-            "stopping the warm start: training cond_acc_0 %.3f gained less than %s over %d steps",
+            "stopping the warm start: training cond_acc_0 %.3f gained less than %s over %d steps, under %.3f",
             cond_acc0,
             auto.plateau_min_gain,
             auto.plateau_steps,
+            bar,
         )
         return True
 
