@@ -204,19 +204,20 @@ def _with_s3_connection(function):
             from airflow.sdk import Connection
             from airflow.sdk.exceptions import AirflowNotFoundException, AirflowRuntimeError
 
+            from drafter_triggers import connection_keys
+
             try:
-                connection = Connection.get(conn_id)
+                keys = connection_keys(Connection.get(conn_id))
             except (
                 AirflowNotFoundException,
                 AirflowRuntimeError,
             ):  # no such connection: keep the environment
-                connection = None
-            if connection is not None and connection.login:
-                os.environ["AWS_ACCESS_KEY_ID"] = connection.login
-                os.environ["AWS_SECRET_ACCESS_KEY"] = connection.password or ""
-                region = (connection.extra_dejson or {}).get("region_name")
-                if region:
-                    os.environ["AWS_DEFAULT_REGION"] = region
+                keys = None
+            if keys is not None:
+                os.environ["AWS_ACCESS_KEY_ID"] = keys.access_key_id
+                os.environ["AWS_SECRET_ACCESS_KEY"] = keys.secret_access_key
+                if keys.region:
+                    os.environ["AWS_DEFAULT_REGION"] = keys.region
         return function(*args, **kwargs)
 
     return wrapper

@@ -105,9 +105,14 @@ async def connection_credentials(conn_id: str | None) -> S3Credentials | None:
     from airflow.sdk.exceptions import AirflowNotFoundException, AirflowRuntimeError
 
     try:
-        connection = await Connection.async_get(conn_id)
+        return connection_keys(await Connection.async_get(conn_id))
     except (AirflowNotFoundException, AirflowRuntimeError):
         return None
+
+
+def connection_keys(connection: Any) -> S3Credentials | None:
+    """An Airflow connection's S3 keys (login, password, extra region_name); None without a connection or
+    a login. The tasks export them (dags/drafter_support.py); the triggers hand them to one client."""
     if connection is None or not connection.login:
         return None
     region = (connection.extra_dejson or {}).get("region_name")
