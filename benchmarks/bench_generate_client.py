@@ -20,9 +20,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
     config = scratch_config()
+    from harness.sglang_standin import StandinBackend, serve
     from pipeline.config import SGLangClientConfig
     from pipeline.data.conversations import prompt_ids
-    from pipeline.dev.sglang_standin import StandinBackend, serve
     from pipeline.engines import SamplingParams
     from pipeline.engines.sglang import SGLangEngine
     from pipeline.engines.target import load_tokenizer, resolve_model_dir

@@ -15,7 +15,7 @@ Acceptance: vLLM's own speculative-decoding counters against the reference decod
 Speed: the candidate and vLLM's plain greedy decoding, both engines alive at once, interleaved pass by pass
 (pipeline.spread.measure) until the 95% interval is --rel-width narrow or --budget-s runs out; prompts one at
 a time (batch size 1). Every output must equal the reference decoder's (its speculative decoding equals
-its greedy decoding: tests/test_spec_decode.py).
+its greedy decoding: tests/integration/test_spec_decode.py).
 Lines: vllm_tau=, reference_tau=, tau_rel_diff= (|vllm - reference| / reference), per-position acceptances,
 and last vllm_speedup= (candidate over vLLM baseline tokens/s), after its _ci_low= and _ci_high= lines.
 """

@@ -8,13 +8,19 @@ import copy
 import json
 import os
 import socket
+import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
+# the fault suite's fixtures (`record`, the S3 proxy) for the fault modules of every tier
+pytest_plugins = ("tests.faults.plugin",)
+
 REPO = Path(__file__).resolve().parents[1]
 TEST_CACHE = REPO / ".drafter" / "test-cache"
+# the shipped production config the deployed paths are checked against
+KIMI_CONFIG = REPO / "configs" / "kimi-k2.5.yaml"
 BUCKET = "drafter-tests"
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -45,6 +51,20 @@ TEST_RECIPE = {
     "learning_rate": 0.008,
     "max_corpus_modules": 60,
 }
+# a DeepSeek-V3 (MLA) tiny target with remote code, as Kimi ships: small enough to build in seconds
+KIMI_TEST_RECIPE = {
+    "architecture": "deepseek_v3",
+    "num_layers": 6,
+    "hidden_size": 64,
+    "num_heads": 4,
+    "intermediate_size": 192,
+    "vocab_size": 1024,
+    "seq_len": 96,
+    "batch_size": 16,
+    "train_steps": 40,
+    "learning_rate": 0.008,
+    "max_corpus_modules": 60,
+}
 
 
 @pytest.fixture(scope="session")
@@ -67,15 +87,16 @@ MLFLOW_PYTHON = REPO / ".venv-mlflow" / "bin" / "python"
 
 @pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory):
-    """MLflow's tracking server (its own virtualenv: `make mlflow-venv`, part of `make test`) on 127.0.0.1,
+    """MLflow's tracking server (its own virtualenv: `make mlflow-venv`, which `make test` runs) on 127.0.0.1,
     its store in a temp dir; stopped by its PID."""
     import subprocess
 
     from pipeline.processes import free_port, stop_process_group
     from pipeline.retrying import await_health
 
-    if not MLFLOW_PYTHON.exists():
-        pytest.fail(f"MLflow's server is not installed at {MLFLOW_PYTHON}: run `make mlflow-venv`")
+    require(
+        MLFLOW_PYTHON.exists(), f"MLflow's server is not installed at {MLFLOW_PYTHON}: run `make mlflow-venv`"
+    )
     root = tmp_path_factory.mktemp("mlflow")
     port = free_port()
     command = [str(MLFLOW_PYTHON), "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)]
@@ -167,6 +188,15 @@ def tiny_target_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def kimi_target_dir() -> Path:
+    """The tiny DeepSeek-V3 (MLA) target with remote code and a tiktoken tokenizer, as Kimi ships."""
+    from pipeline.config import TinyTargetRecipe
+    from pipeline.engines.tiny_target import ensure_tiny_target
+
+    return ensure_tiny_target(TinyTargetRecipe(**KIMI_TEST_RECIPE), TEST_CACHE)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_target_dir):
     from pipeline.engines.target import load_tokenizer
 
@@ -200,7 +230,7 @@ def published(store, output) -> dict:
 def metered_ngram_standin(target_dir: Path, revision: str | None = None):
     """A serving replica in this process: the stand-in with n-gram speculation and its /metrics on,
     started with this --revision; yields its URL."""
-    from pipeline.dev.sglang_standin import StandinBackend, serve
+    from harness.sglang_standin import StandinBackend, serve
 
     backend = StandinBackend(
         target_dir, None, "NGRAM", num_steps=3, draft_tokens=4, revision=revision, enable_metrics=True
@@ -214,7 +244,7 @@ def metered_ngram_standin(target_dir: Path, revision: str | None = None):
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 now, for a server a test starts."""
-    from pipeline.dev.json_http import free_port as free
+    from harness.json_http import free_port as free
 
     return free()
 
@@ -224,63 +254,103 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
-    """vLLM's virtualenv, which `make test` creates (`make vllm-venv`); missing, the vLLM tests fail with
-    that advice rather than skip, so CI cannot pass without running them."""
-    if not VLLM_PYTHON.is_file():
-        pytest.fail(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (or `make test`, which creates it)")
+    """vLLM's virtualenv (`make vllm-venv`, which `make test` runs)."""
+    require(VLLM_PYTHON.is_file(), f"{VLLM_PYTHON} is missing: run `make vllm-venv`")
     return VLLM_PYTHON
 
 
-# -- running the suite on two workers (pytest-xdist: `make test` passes -n 2 --dist loadscope) -------------
-# Tests are handed to the workers a group at a time. A module is a group, so its fixtures are built once,
-# on one worker. Modules that share something machine-wide share a group and run one after another on one
-# worker: the local cluster gives pods the addresses 127.0.0.10 and up, and the fault suite writes one
-# results file. The longest groups are handed out first (with --no-loadscope-reorder, in this order).
-SHARED_GROUPS = {
-    "tests/test_rehearsal.py": "local-cluster",
-    "tests/test_local_cluster.py": "local-cluster",
-    "tests/test_fleets.py": "local-cluster",
-    "tests/faults/": "faults",
-}
-LONGEST_GROUPS_FIRST = (
-    "local-cluster",
-    "tests/test_vllm_bench.py",
-    "tests/test_airflow_live.py",
-    "faults",
-    "tests/test_pipeline_e2e.py",
+# -- tiers, prerequisites and order -------------------------------------------------------------------------
+# tests/unit (no subprocess, server, socket or model training), tests/integration (subprocesses, moto's S3
+# server, torchrun on one node, the SGLang stand-in) and tests/system (a running Airflow, the rehearsal,
+# vLLM, chromium, several nodes, fault runs that kill stages). `make check` runs the first two, `make test`
+# all three with DRAFTER_TEST_STRICT=1: what a tier needs and this machine lacks is a skip, with its reason,
+# in `make check` and a failure in `make test` (CI cannot pass without running it).
+STRICT = os.environ.get("DRAFTER_TEST_STRICT") == "1"
+TIERS = ("system", "integration", "unit")
+# the system tier's longest modules, handed to the workers first so no long module starts last
+LONGEST_FIRST = (
+    "tests/system/test_rehearsal.py",
+    "tests/system/test_airflow_live.py",
+    "tests/system/test_vllm_bench.py",
 )
 
 
-def suite_group(nodeid: str) -> str:
-    """The group a test runs in: its module's, or the shared group its module belongs to."""
-    module = nodeid.split("::")[0]
-    return next((group for prefix, group in SHARED_GROUPS.items() if module.startswith(prefix)), module)
+def require(present: bool, missing: str) -> None:
+    """Skip (make check) or fail (make test) the test when a prerequisite is not `present`."""
+    if not present:
+        if STRICT:
+            pytest.fail(f"{missing} (make test needs every tier's prerequisites)")
+        pytest.skip(missing)
+
+
+@pytest.fixture(scope="session")
+def root() -> None:
+    """The local cluster's containers need root (mount and PID namespaces)."""
+    require(os.geteuid() == 0, "containers need root (mount and PID namespaces): run as root")
+
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's chromium, which playwright drives (`make test` installs it: scripts/install-system-deps)."""
+    import shutil
+
+    path = shutil.which("chromium")
+    require(path is not None, "Debian's chromium is missing: run scripts/install-system-deps")
+    return str(path)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--order-seed",
+        type=int,
+        default=None,
+        help="shuffle the unit and integration tiers with this seed (modules, then the tests of each module)",
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = config.getoption("order_seed")
+    return f"test order: {'file order' if seed is None else f'unit and integration shuffled, seed {seed}'}"
+
+
+def tier_of(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" and parts[1] in TIERS else "unit"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        group = suite_group(item.nodeid)
-        return (
-            LONGEST_GROUPS_FIRST.index(group) if group in LONGEST_GROUPS_FIRST else len(LONGEST_GROUPS_FIRST)
-        )
+    """The system tier first (its longest modules first), then the unit and integration tiers, shuffled
+    by --order-seed when given: the same seed gives every xdist worker the same order."""
+    import random
 
-    items.sort(key=rank)  # stable: a group's tests keep their order
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config: pytest.Config, log):
-    """xdist's loadscope scheduling, its scopes being suite_group's groups."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class GroupScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return suite_group(nodeid)
-
-    return GroupScheduling(config, log)
+    seed = config.getoption("order_seed")
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    system = [m for m in modules if tier_of(m) == "system"]
+    rest = [m for m in modules if tier_of(m) != "system"]
+    system.sort(key=lambda m: LONGEST_FIRST.index(m) if m in LONGEST_FIRST else len(LONGEST_FIRST))
+    if seed is not None:
+        shuffler = random.Random(seed)
+        shuffler.shuffle(rest)
+        for module in rest:
+            shuffler.shuffle(modules[module])
+    items[:] = [item for module in system + rest for item in modules[module]]
 
 
 class AlertSinks:
-    """The HTTP and SMTP sinks the notifiers deliver to (pipeline/dev/alert_sinks.py) and what they got."""
+    """The HTTP and SMTP sinks the notifiers deliver to (harness/alert_sinks.py) and what they got."""
 
     SMTP_LOGIN, SMTP_PASSWORD = "drafter-alerts", "smtp-secret-5d8e1b"
     # a deployment's notifiers, one of each kind, whose connections (`connections`) point at the sinks
@@ -363,7 +433,7 @@ def alert_sinks(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("alert-sinks")
     http_port, smtp_port = free(), free()
-    base = [sys.executable, "-m", "pipeline.dev.alert_sinks"]
+    base = [sys.executable, "-m", "harness.alert_sinks"]
     env = dict(os.environ, DRAFTER_SMTP_SINK_PASSWORD=AlertSinks.SMTP_PASSWORD)
     servers = []
     with open(root / "sinks.log", "w") as log:
@@ -400,3 +470,52 @@ def alert_sinks(tmp_path_factory):
 def _listening(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+# ---- Airflow in this process: a home with the project's DAGs, parsed, and a migrated database ----------
+
+DAGS = REPO / "dags"
+
+
+@pytest.fixture(scope="module")
+def airflow_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("airflow-home")
+    os.environ.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+            "DRAFTER_DEPLOYMENT": str(REPO / "configs/deployment/local.yaml"),
+            # lineage through Airflow's OpenLineage provider, to its file transport (one event a line);
+            # emitted from a thread, not a forked process, inside this test process
+            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+                {"type": "file", "log_file_path": str(home / "openlineage.jsonl"), "append": True}
+            ),
+            "AIRFLOW__OPENLINEAGE__NAMESPACE": "drafter-tests",
+            "AIRFLOW__OPENLINEAGE__EXECUTE_IN_THREAD": "True",
+        }
+    )
+    if str(DAGS) not in sys.path:  # what Airflow's dag bundle does for the dags folder
+        sys.path.insert(0, str(DAGS))
+    return home
+
+
+@pytest.fixture(scope="module")
+def dagbag(airflow_home):
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(DAGS))
+
+
+@pytest.fixture(scope="module")
+def migrated_db(airflow_home, dagbag):
+    from airflow.utils import db
+
+    db.initdb()
+    from airflow.models.pool import Pool
+
+    Pool.create_or_update_pool(
+        "drafter_gpu", slots=1, description="GPU-bound drafter tasks", include_deferred=False
+    )
+    return airflow_home

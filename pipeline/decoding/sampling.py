@@ -14,7 +14,7 @@ the target's full distribution. A chain is a tree with one sibling per level.
 
 Every token that comes out is thereby a draw from the target's own distribution: the coin picks a sibling
 with exactly its target probability, and the residual draw covers the rest of the vocabulary in
-proportion. tests/test_sampling.py checks that statistically, and that a verifier accepting greedily does
+proportion. tests/unit/test_sampling.py checks that statistically, and that a verifier accepting greedily does
 not pass the same check.
 """
 

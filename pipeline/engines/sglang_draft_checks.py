@@ -3,7 +3,7 @@
 `draft_model_problems` reads the target's config.json, the draft's config.json (through transformers, as
 SGLang's get_config does) and the draft's safetensors header, and returns one message per reason SGLang
 0.5.23 would not serve that draft with that target and those launch flags. The stand-in server
-(pipeline.dev.sglang_standin) refuses to start on any of them, so a drafter the real server would refuse is
+(harness.sglang_standin) refuses to start on any of them, so a drafter the real server would refuse is
 refused in tests and rehearsals too.
 
 Each message says what is wrong, what SGLang does with it, and where SGLang does it (paths inside the

@@ -1,0 +1,517 @@
+"""A local stand-in for an SGLang server, backed by a transformers target, speaking SGLang's HTTP format.
+
+SGLang needs CUDA and cannot run on these machines; this server lets the SGLang client code paths
+run over real HTTP in tests and benchmarks. It implements what the pipeline uses of SGLang 0.5.23
+(reference/sglang-contract.md): POST /generate (input_ids, sampling_params, return_hidden_states),
+GET /server_info (and /get_server_info: the server args, model path and revision included), GET /health,
+and with --enable-metrics GET /metrics (SGLang's request counters, in Prometheus' text format). With
+--aux-layer-ids it behaves like a server started with --enable-return-aux-hidden-states, capturing the
+layers SGLang captures for those ids on the target's model family (pipeline.engines.layer_ids), as it
+feeds an EAGLE3 draft the layers its config's ids name; with --speculative-algorithm NGRAM or EAGLE3 it
+decodes with the reference speculative decoder and reports the spec_* meta_info fields.
+
+    python -m harness.sglang_standin --model-path DIR --port 30000 [--trust-remote-code]
+        [--aux-layer-ids 1 3 4]
+        [--speculative-algorithm EAGLE3 --speculative-draft-model-path D --speculative-num-steps 3 ...]
+        [--synthetic-hidden-size 7168]   capture responses of that width from synthetic weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import torch
+
+from harness.json_http import send_json, send_json_chunks
+from harness.synthetic_states import SyntheticStates
+from pipeline.decoding.sampling import Sampling
+from pipeline.engines.layer_ids import captured_layer_outputs, model_family_of
+from pipeline.sglang_ngram_rules import NgramLaunch, launch_from_args, refusals
+
+if TYPE_CHECKING:
+    from pipeline.drafter.model import Eagle3Drafter
+
+VERSION = "0.5.23-standin"
+
+
+class Batcher:
+    """Continuous-batching in miniature: plain generation requests that arrive together share one
+    batched forward per step, so a client's concurrency pays off here as it does on a real server."""
+
+    def __init__(self, engine, lock: threading.Lock, max_batch: int = 32, window_s: float = 0.01):
+        self.engine, self.lock, self.max_batch, self.window_s = engine, lock, max_batch, window_s
+        self.pending: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def generate(self, ids: list[int], params) -> Any:
+        done = threading.Event()
+        slot: dict[str, Any] = {}
+        self.pending.put((ids, params, slot, done))
+        done.wait()
+        if "error" in slot:
+            raise slot["error"]
+        return slot["result"]
+
+    def _take(self) -> list:
+        batch = [self.pending.get()]
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < self.max_batch and (left := deadline - time.monotonic()) > 0:
+            try:
+                batch.append(self.pending.get(timeout=left))
+            except queue.Empty:
+                break
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            batch = self._take()
+            groups: dict[Any, list] = {}
+            for item in batch:
+                groups.setdefault(item[1], []).append(item)
+            for params, items in groups.items():
+                try:
+                    with self.lock, torch.inference_mode():
+                        results = self.engine.generate([ids for ids, *_ in items], params)
+                    for (_, _, slot, _), result in zip(items, results, strict=True):
+                        slot["result"] = result
+                except Exception as err:  # handed back to each waiting request
+                    for _, _, slot, _ in items:
+                        slot["error"] = err
+                for *_, done in items:
+                    done.set()
+
+
+class StandinBackend:
+    def __init__(
+        self,
+        model_dir: Path,
+        aux_layer_ids: list[int] | None,
+        algorithm: str | None = None,
+        draft_dir: Path | None = None,
+        num_steps: int = 3,
+        topk: int = 1,
+        draft_tokens: int | None = None,
+        trust_remote_code: bool = False,
+        ngram_max_match: int = NgramLaunch().max_trie_depth - 1,
+        synthetic_hidden_size: int | None = None,
+        revision: str | None = None,
+        enable_metrics: bool = False,
+    ):
+        from pipeline.engines.hf import HFEngine
+
+        self.model_path, self.revision, self.enable_metrics = str(model_dir), revision, enable_metrics
+        self.counters = RequestCounters()
+
+        if algorithm == "EAGLE3":  # refuse, before loading anything, a draft SGLang 0.5.23 would not serve
+            from pipeline.engines.sglang_draft_checks import SpeculativeArgs, require_loadable_draft
+
+            require_loadable_draft(
+                model_dir,
+                draft_dir,
+                SpeculativeArgs(algorithm, num_steps, topk, draft_tokens),
+                trust_remote_code=trust_remote_code,
+            )
+        self.engine = HFEngine(model_dir, trust_remote_code=trust_remote_code)
+        self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+        # capture requests answered from synthetic weights of this width (harness.synthetic_states)
+        self.synthetic = (
+            SyntheticStates(int(self.model.config.vocab_size), synthetic_hidden_size)
+            if synthetic_hidden_size
+            else None
+        )
+        self.family = model_family_of(model_dir)
+        # --return-aux-hidden-state-layer-ids are read as SGLang reads them for this target's model family
+        self.aux_layer_ids = aux_layer_ids
+        self.aux_layer_outputs = (
+            captured_layer_outputs("sglang", self.family, aux_layer_ids, self.engine.num_layers)
+            if aux_layer_ids is not None
+            else None
+        )
+        self.algorithm = algorithm
+        self.num_steps, self.topk = num_steps, topk
+        self.draft_tokens = draft_tokens or num_steps + 1
+        if algorithm == "EAGLE3":  # the draft tokens SGLang 0.5.23 runs, adjusted as it adjusts them
+            from pipeline.engines.sglang_draft_checks import SpeculativeArgs, effective_speculative_args
+
+            architecture = (self.model.config.architectures or [""])[0]
+            served = effective_speculative_args(
+                SpeculativeArgs(algorithm, num_steps, topk, draft_tokens), architecture
+            )
+            self.draft_tokens = served.num_draft_tokens or self.draft_tokens
+        # NGRAM drafts a chain continuing the latest match of a context suffix of up to this many tokens
+        # (SGLang's trie matches up to max_trie_depth - 1; its BFS breadth has no counterpart here)
+        self.ngram_max_match = ngram_max_match
+        self.lock = threading.Lock()
+        self.batcher = Batcher(self.engine, self.lock)
+        self.accept_lengths: list[float] = []
+        self.drafter: Eagle3Drafter | None = None
+        if algorithm == "EAGLE3":
+            from pipeline.drafter.export import load_drafter
+            from pipeline.engines.target import load_frozen_tensors
+
+            assert draft_dir is not None  # require_loadable_draft refused a missing draft above
+            self.drafter, _ = load_drafter(draft_dir, load_frozen_tensors(model_dir)["embed"].float())
+            # the layers SGLang feeds the draft: those its config's ids name on this target
+            eagle = json.loads((draft_dir / "config.json").read_text()).get("eagle_config") or {}
+            self.draft_layers = captured_layer_outputs(
+                "sglang", self.family, eagle.get("eagle_aux_hidden_state_layer_ids"), self.engine.num_layers
+            )
+
+    def _prompt_forward(self, ids: list[int], output: list[int], hidden: bool, top_k: int) -> dict[str, Any]:
+        """meta_info fields from one forward over prompt + output: hidden states (prompt block) and
+        log-probs."""
+        num_layers = self.engine.num_layers
+        outputs = self.aux_layer_outputs
+        wanted = [k + 1 for k in outputs] if outputs is not None else [num_layers]
+        out = self.model(input_ids=torch.tensor([ids + output]), output_hidden_states=wanted, use_cache=False)
+        meta: dict[str, Any] = {}
+        if hidden:
+            meta["hidden_states"] = [
+                torch.cat([out.hidden_states[i][0, : len(ids)] for i in wanted], dim=-1).tolist()
+            ]
+        if top_k:
+            values, indices = torch.log_softmax(out.logits[0].float(), -1).topk(top_k, -1)
+            rows = [
+                [[v, i, None] for v, i in zip(vs, ix, strict=True)]
+                for vs, ix in zip(values.tolist(), indices.tolist(), strict=True)
+            ]
+            meta["input_top_logprobs"] = [None] + rows[: len(ids) - 1]
+            meta["output_top_logprobs"] = rows[len(ids) - 1 : len(ids) - 1 + len(output)]
+        return meta
+
+    def _decode(
+        self, ids: list[int], max_new_tokens: int, ignore_eos: bool, sampling: Sampling | None = None
+    ) -> tuple[list[int], dict[str, Any]]:
+        """Greedy, or sampled (`sampling`) with drafts verified by SGLang's target-only rule."""
+        from pipeline.decoding import reference_decoder as decoder
+
+        eos = None if ignore_eos else self.tokenizer.eos_token_id
+        plain = decoder.TargetRunner(self.model, None)
+        draws = (sampling, torch.Generator().manual_seed(int(torch.randint(2**62, ()))))
+        if self.algorithm is None:
+            return decoder.greedy_decode(plain, ids, max_new_tokens, eos, *draws).tokens, {}
+        if self.algorithm == "NGRAM":
+            ngram = decoder.NgramProposer(max_match=self.ngram_max_match)
+            steps = self.draft_tokens - 1
+            result = decoder.speculative_decode(plain, ngram, ids, max_new_tokens, eos, steps, *draws)
+        elif self.drafter is None:  # only EAGLE3, which loads one, is served besides NGRAM
+            raise ValueError(f"speculative algorithm {self.algorithm} has no draft model")
+        else:
+            target = decoder.TargetRunner(self.model, self.draft_layers)
+            eagle = decoder.EagleProposer(self.drafter)
+            if self.topk == 1:
+                result = decoder.speculative_decode(
+                    target, eagle, ids, max_new_tokens, eos, self.num_steps, *draws
+                )
+            else:
+                tree = (self.num_steps, self.topk, self.draft_tokens)
+                result = decoder.tree_speculative_decode(
+                    target, eagle, ids, max_new_tokens, eos, *tree, *draws
+                )
+        verify = max(1, result.verify_forwards)
+        accept_length = len(result.tokens) / verify
+        self.accept_lengths.append(accept_length)
+        return result.tokens, {
+            "spec_verify_ct": verify,
+            "spec_accept_length": accept_length,
+            "spec_num_correct_drafts": sum(k * n for k, n in enumerate(result.accepted_histogram)),
+            "spec_num_proposed_drafts": verify * (self.draft_tokens - 1),
+            "spec_correct_drafts_histogram": result.accepted_histogram,
+        }
+
+    def generate_one(self, request: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+        from pipeline.engines import SamplingParams
+
+        started = time.perf_counter()
+        sampling = request.get("sampling_params") or {}
+        max_new = int(sampling.get("max_new_tokens", 128))
+        top_k = int(request.get("top_logprobs_num") or 0) if request.get("return_logprob") else 0
+        truncated = _truncated_sampling(sampling)
+        plain = not (
+            top_k
+            or request.get("return_hidden_states")
+            or self.algorithm
+            or sampling.get("ignore_eos")
+            or truncated
+        )
+        spec: dict[str, Any] = {}
+        extra: dict[str, Any] = {}
+        if plain:
+            params = SamplingParams(max_new, float(sampling.get("temperature", 1.0)))
+            output = self.batcher.generate(ids, params).output_ids
+        else:
+            with self.lock, torch.inference_mode():
+                output, spec = self._decode(
+                    ids, max_new, bool(sampling.get("ignore_eos")), truncated or _sampled(sampling)
+                )
+                extra = (
+                    self._prompt_forward(ids, output, bool(request.get("return_hidden_states")), top_k)
+                    if request.get("return_hidden_states") or top_k
+                    else {}
+                )
+        self.counters.finished(len(ids), len(output), int(spec.get("spec_verify_ct", 0)))
+        eos = self.tokenizer.eos_token_id
+        stopped = bool(output) and output[-1] == eos
+        finish = {"type": "stop", "matched": eos} if stopped else {"type": "length", "length": max_new}
+        meta = {
+            "id": uuid.uuid4().hex,
+            "finish_reason": finish,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(output),
+            "cached_tokens": 0,
+            "e2e_latency": time.perf_counter() - started,
+            **spec,
+            **extra,
+        }
+        # like SGLang 0.5.23, output_ids run through the stop token
+        return {
+            "text": self.tokenizer.decode(output, skip_special_tokens=True),
+            "output_ids": output,
+            "meta_info": meta,
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        """The resolved server args SGLang reports, as this stand-in was started."""
+        mean = sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else None
+        return {
+            "version": VERSION,
+            "model_path": self.model_path,
+            "revision": self.revision,
+            "internal_states": [{"avg_spec_accept_length": mean}],
+            "speculative_algorithm": self.algorithm,
+            "speculative_num_steps": self.num_steps,
+            "speculative_eagle_topk": self.topk,
+            "speculative_num_draft_tokens": self.draft_tokens,
+            "enable_return_hidden_states": True,
+            "enable_return_aux_hidden_states": self.aux_layer_ids is not None,
+            "return_aux_hidden_state_layer_ids": self.aux_layer_ids,
+            "disable_radix_cache": True,
+            "chunked_prefill_size": -1,
+        }
+
+
+class RequestCounters:
+    """What SGLang 0.5.23's TokenizerMetricsCollector.observe_one_finished_request counts for each finished
+    request (python/sglang/srt/observability/metrics_collector.py): prompt and completion tokens, the
+    request, and its verify passes (meta_info spec_verify_ct) when it was decoded speculatively."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.prompt_tokens = self.generation_tokens = self.requests = self.verify_calls = 0
+
+    def finished(self, prompt_tokens: int, generation_tokens: int, verify_calls: int) -> None:
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.generation_tokens += generation_tokens
+            self.requests += 1
+            self.verify_calls += verify_calls
+
+    def exposition(self, model_name: str) -> str:
+        """The counters as SGLang's /metrics writes them: Prometheus' text format, SGLang's names and
+        labels (model_name; is_streaming on the token and request counters). A labelled counter has no
+        sample until it is first counted, as with prometheus_client."""
+        with self.lock:
+            counts = (self.prompt_tokens, self.generation_tokens, self.requests, self.verify_calls)
+        streaming = f'{{model_name="{model_name}",is_streaming="false"}}'
+        rows = [
+            ("prompt_tokens_total", "Number of prefill tokens processed.", streaming, counts[0]),
+            ("generation_tokens_total", "Number of generation tokens processed.", streaming, counts[1]),
+            ("num_requests_total", "Number of requests processed.", streaming, counts[2]),
+            (
+                "spec_verify_calls_total",
+                "Number of speculative decoding verification calls.",
+                f'{{model_name="{model_name}"}}',
+                counts[3],
+            ),
+        ]
+        lines = []
+        for name, help_text, labels, value in rows:
+            lines += [f"# HELP sglang:{name} {help_text}", f"# TYPE sglang:{name} counter"]
+            if value:
+                lines.append(f"sglang:{name}{labels} {float(value)}")
+        return "\n".join(lines) + "\n"
+
+
+def make_handler(backend: StandinBackend):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _send(self, status: int, payload: Any) -> None:
+            send_json(self, status, orjson.dumps(payload))
+
+        def do_GET(self) -> None:
+            if self.path in ("/health", "/health_generate"):
+                self._send(200, {})
+            elif self.path in ("/server_info", "/get_server_info"):
+                self._send(200, backend.server_info())
+            elif self.path == "/metrics" and backend.enable_metrics:
+                body = backend.counters.exposition(backend.model_path).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self) -> None:
+            if self.path != "/generate":
+                self._send(404, {"error": {"message": f"no route {self.path}"}})
+                return
+            try:
+                request = orjson.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+                ids = request.get("input_ids")
+                if ids is None and "text" in request:
+                    ids = backend.tokenizer(request["text"], add_special_tokens=False)["input_ids"]
+                if backend.synthetic is not None and request.get("return_hidden_states"):
+                    eos = int(backend.tokenizer.eos_token_id)
+                    send_json_chunks(self, 200, backend.synthetic.response(request, ids, eos))
+                elif ids and isinstance(ids[0], list):
+                    self._send(200, [backend.generate_one(request, i) for i in ids])
+                else:
+                    self._send(200, backend.generate_one(request, ids))
+            except (ValueError, TypeError, KeyError) as err:
+                self._send(400, {"error": {"message": f"bad request: {err}"}})
+
+    return Handler
+
+
+def serve(backend: StandinBackend, port: int = 0) -> ThreadingHTTPServer:
+    """Start serving on 127.0.0.1 in a background thread; returns the server (server_port, shutdown())."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), make_handler(backend))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def listen_address(host: str) -> str:
+    """Where a server asked to listen on `host` listens: the stand-in never leaves this machine's loopback.
+    In a pod of the local cluster (harness.cluster) a wildcard host is the pod's own loopback address
+    (DRAFTER_LOCAL_POD_IP, its network namespace there); anywhere else 127.0.0.1."""
+    pod_ip = os.environ.get("DRAFTER_LOCAL_POD_IP", "")
+    try:
+        loopback = ipaddress.ip_address(pod_ip).is_loopback
+    except ValueError:
+        loopback = False
+    return pod_ip if host in ("0.0.0.0", "::") and loopback else "127.0.0.1"
+
+
+def ngram_launch(argv: list[str]) -> NgramLaunch:
+    """An NGRAM server's flags as SGLang 0.5.23 runs them; SystemExit naming every reason it would refuse
+    them (pipeline.sglang_ngram_rules), before anything is loaded, as SGLang fails at startup."""
+    launch = launch_from_args(argv)
+    problems = refusals(launch)
+    if problems:
+        raise SystemExit("SGLang 0.5.23 would not start this NGRAM server:\n  - " + "\n  - ".join(problems))
+    return launch
+
+
+def _sampled(params: dict[str, Any]) -> Sampling | None:
+    """A request's sampling: None when greedy (temperature 0), as SGLang treats it."""
+    temperature = float(params.get("temperature", 1.0))
+    if temperature <= 0:
+        return None
+    top_k = int(params.get("top_k", -1))
+    return Sampling(temperature, float(params.get("top_p", 1.0)), top_k if top_k > 0 else 0)
+
+
+def _truncated_sampling(params: dict[str, Any]) -> Sampling | None:
+    """The request's sampling when it truncates the distribution (top_p < 1 or top_k > 0), which the plain
+    batcher does not do."""
+    sampling = _sampled(params)
+    return sampling if sampling is not None and (sampling.top_p < 1 or sampling.top_k) else None
+
+
+def main() -> None:
+    """Accepts the SGLang launch flags the pipeline uses (others are ignored, as a stand-in should)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", "--model-dir", dest="model_path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the code the model directory ships (SGLang's flag of the same name)",
+    )
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--aux-layer-ids", "--return-aux-hidden-state-layer-ids", dest="aux_layer_ids", type=int, nargs=3
+    )
+    parser.add_argument("--revision", help="the model's revision (SGLang reports it in its server info)")
+    parser.add_argument("--enable-metrics", action="store_true", help="serve /metrics, as SGLang does")
+    parser.add_argument("--speculative-algorithm", choices=["NGRAM", "EAGLE3"])
+    parser.add_argument("--speculative-draft-model-path")
+    parser.add_argument("--speculative-num-steps", type=int, default=3)
+    parser.add_argument("--speculative-eagle-topk", type=int, default=1)
+    parser.add_argument("--speculative-num-draft-tokens", type=int)
+    parser.add_argument(
+        "--enable-return-aux-hidden-states",
+        action="store_true",
+        help="a capture server: with EAGLE3 and no draft path, SGLang 0.5.23 returns aux states",
+    )
+    parser.add_argument(
+        "--synthetic-hidden-size",
+        type=int,
+        help="capture requests get synthetic states of this hidden size (harness.synthetic_states)",
+    )
+    args, _ = parser.parse_known_args()
+    algorithm = args.speculative_algorithm
+    if args.enable_return_aux_hidden_states:
+        # a capture server decodes nothing speculatively: EAGLE3 there only switches the aux capture on
+        if args.speculative_draft_model_path:
+            raise SystemExit(
+                "--enable-return-aux-hidden-states takes no --speculative-draft-model-path "
+                "(reference/sglang-contract.md)"
+            )
+        algorithm = None
+        if args.aux_layer_ids is None:  # SGLang's default layers, outputs [1, N//2 - 1, N - 4]: the same
+            # flag ids on every model family (a first id of 1 is shifted by models/deepseek_v2.py too)
+            from pipeline.config import default_aux_layer_ids
+            from pipeline.engines.target import text_config
+
+            args.aux_layer_ids = default_aux_layer_ids(
+                int(text_config(Path(args.model_path))["num_hidden_layers"])
+            )
+    ngram = ngram_launch(sys.argv[1:]) if algorithm == "NGRAM" else NgramLaunch()
+    address = listen_address(args.host)
+    if args.host != address:  # a manifest's --host 0.0.0.0
+        print(f"stand-in: --host {args.host} asked; listening on {address} only", flush=True)
+    from pipeline.engines.sglang_draft_checks import DraftModelRefused
+
+    try:
+        backend = StandinBackend(
+            Path(args.model_path),
+            args.aux_layer_ids,
+            algorithm,
+            Path(args.speculative_draft_model_path) if args.speculative_draft_model_path else None,
+            args.speculative_num_steps,
+            args.speculative_eagle_topk,
+            ngram.draft_tokens if algorithm == "NGRAM" else args.speculative_num_draft_tokens,
+            args.trust_remote_code,
+            ngram_max_match=ngram.max_trie_depth - 1,
+            synthetic_hidden_size=args.synthetic_hidden_size,
+            revision=args.revision,
+            enable_metrics=args.enable_metrics,
+        )
+    except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
+        raise SystemExit(str(refused)) from None
+    server = ThreadingHTTPServer((address, args.port), make_handler(backend))
+    print(f"stand-in SGLang server on http://{address}:{server.server_port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,453 @@
+"""Production deployment files, checked without a cluster or a Docker engine: every image a config or
+manifest names is built by a Dockerfile in docker/ at the project version, pinned versions agree with
+pyproject.toml, every Kubernetes manifest parses into the kubernetes client's models with no unknown
+field, the SGLang servers' flags satisfy the capture contract and match the run config, and the S3
+bucket policy and lifecycle rules load into an S3 server."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import KIMI_CONFIG, REPO
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+VERSION = PYPROJECT["project"]["version"]
+MANIFESTS = sorted((REPO / "infra" / "k8s").glob("*.yaml"))
+HELM_VALUES = yaml.safe_load((REPO / "infra" / "helm" / "airflow-values.yaml").read_text())
+K8S_DEPLOYMENT = yaml.safe_load((REPO / "configs" / "deployment" / "kubernetes.yaml").read_text())
+KIMI = yaml.safe_load((KIMI_CONFIG).read_text())
+IMAGE = re.compile(r"^(?P<registry>[\w.-]+)/drafter/(?P<name>[a-z-]+):(?P<tag>[\w.-]+)$")
+
+
+def _pin(requirements: list[str], package: str) -> str:
+    found = [r for r in requirements if re.split(r"[=<>\[ ]", r, maxsplit=1)[0] == package]
+    assert len(found) == 1, (package, requirements)
+    return found[0]
+
+
+def _documents() -> list[tuple[str, dict]]:
+    return [(path.name, doc) for path in MANIFESTS for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def _containers(doc: dict) -> list[dict]:
+    spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("initContainers", []) + spec.get("containers", [])
+
+
+def _workload(kind: str, name: str) -> dict:
+    matches = [doc for _, doc in _documents() if doc["kind"] == kind and doc["metadata"]["name"] == name]
+    assert len(matches) == 1, (kind, name)
+    return matches[0]
+
+
+def _referenced_images() -> dict[str, str]:
+    images = {
+        f"configs/deployment/kubernetes.yaml:{key}": ref
+        for key, ref in K8S_DEPLOYMENT["kubernetes"]["images"].items()
+    }
+    airflow = HELM_VALUES["images"]["airflow"]
+    images["infra/helm/airflow-values.yaml"] = f"{airflow['repository']}:{airflow['tag']}"
+    for file, doc in _documents():
+        for container in _containers(doc):
+            images[f"infra/k8s/{file}:{doc['metadata']['name']}/{container['name']}"] = container["image"]
+    return images
+
+
+def test_every_referenced_image_is_built_from_docker_at_the_project_version():
+    images = _referenced_images()
+    assert len(images) >= 8
+    for where, ref in images.items():
+        match = IMAGE.match(ref)
+        assert match, f"{where}: {ref} is not <registry>/drafter/<image>:<tag>"
+        assert (REPO / "docker" / f"{match['name']}.Dockerfile").is_file(), (
+            f"{where}: no docker/{match['name']}.Dockerfile"
+        )
+        assert match["tag"] == VERSION, f"{where}: tag {match['tag']} != project version {VERSION}"
+    stage_images = {stage.get("image", "pipeline") for stage in K8S_DEPLOYMENT["stages"].values()}
+    assert stage_images <= set(K8S_DEPLOYMENT["kubernetes"]["images"])
+
+
+def _dockerfile(name: str) -> str:
+    return (REPO / "docker" / f"{name}.Dockerfile").read_text()
+
+
+def test_dockerfiles_pin_what_pyproject_pins():
+    from pipeline.engines.sglang import SGLANG_VERSION
+
+    dependencies = PYPROJECT["project"]["dependencies"]
+    airflow_pin = _pin(PYPROJECT["project"]["optional-dependencies"]["airflow"], "apache-airflow").split(
+        "=="
+    )[1]
+    torch_pin = _pin(dependencies, "torch")
+    for path in sorted((REPO / "docker").glob("*.Dockerfile")):
+        for base in re.findall(r"^FROM\s+(\S+)", path.read_text(), flags=re.M):
+            assert ":" in base and not base.endswith(":latest"), f"{path.name}: unpinned base image {base}"
+
+    pipeline = _dockerfile("pipeline")
+    assert f"FROM apache/airflow:{airflow_pin}-python3.11" in pipeline
+    assert f'"{torch_pin}"' in pipeline and '".[airflow]"' in pipeline
+    # the triggerer imports the retraining watches' triggers from the installed package
+    assert "COPY --chown=airflow drafter_triggers ./drafter_triggers" in pipeline
+    assert {"drafter_triggers", "drafter_triggers.*"} <= set(
+        PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    )
+    assert HELM_VALUES["airflowVersion"] == airflow_pin
+
+    trainer = _dockerfile("trainer")
+    assert f'"{torch_pin}"' in trainer and "pip install --no-cache-dir ." in trainer
+    # nodes start no one over SSH; the train stage creates the node Job from the manifest in the image
+    assert not re.search(r"pdsh|openssh|sshd", trainer)
+    assert "COPY infra/k8s/trainer-workers.yaml ./infra/k8s/trainer-workers.yaml" in trainer
+
+    sglang = _dockerfile("sglang")
+    assert re.search(rf"^ARG SGLANG_VERSION={re.escape(SGLANG_VERSION)}$", sglang, flags=re.M)
+    decided = set(re.search(r'SGLANG_DECIDES="([^"]+)"', sglang).group(1).split())
+    # what SGLang 0.5.23's wheel pins differently from pyproject (torch 2.14.1, transformers 5.19.0,
+    # tokenizers 0.23.2), and deepspeed, which serving does not need
+    assert decided == {"torch", "transformers", "tokenizers", "deepspeed"}
+    assert "--no-deps ." in sglang and "pyproject.toml" in sglang
+    assert all("==" in dependency for dependency in dependencies)  # the rest arrive pinned
+    assert "sglang" not in PYPROJECT["project"]["optional-dependencies"]
+
+
+def test_the_vllm_image_keeps_vllm_apart_at_the_version_the_pipeline_was_coded_to():
+    from pipeline.config import VllmEngineConfig
+    from pipeline.engines.vllm import VLLM_VERSION
+
+    vllm = _dockerfile("vllm")
+    assert re.search(rf"^ARG VLLM_VERSION={re.escape(VLLM_VERSION)}$", vllm, flags=re.M)
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(rf"^VLLM_VERSION := {re.escape(VLLM_VERSION)}$", makefile, flags=re.M)
+    # vLLM in its own virtualenv where benchmark.vllm.python's default finds it from the WORKDIR
+    workdir = re.search(r"^WORKDIR (\S+)$", vllm, flags=re.M).group(1)
+    assert f"{workdir}/{Path(VllmEngineConfig().python).parent.parent}" == "/opt/drafter/.venv-vllm"
+    assert "python3.11 -m venv /opt/drafter/.venv-vllm" in vllm and '"vllm==${VLLM_VERSION}"' in vllm
+    # the pipeline apart from it, with pyproject's torch pin (the CPU build: it never loads the target)
+    torch_pin = _pin(PYPROJECT["project"]["dependencies"], "torch")
+    assert f'"{torch_pin}" --index-url https://download.pytorch.org/whl/cpu' in vllm
+    assert "python3.11 -m venv /opt/venv" in vllm and "pip install --no-cache-dir ." in vllm
+
+
+MODELS = {
+    "Namespace": "V1Namespace",
+    "Service": "V1Service",
+    "StatefulSet": "V1StatefulSet",
+    "Deployment": "V1Deployment",
+    "ConfigMap": "V1ConfigMap",
+    "ServiceAccount": "V1ServiceAccount",
+    "Job": "V1Job",
+    "PersistentVolumeClaim": "V1PersistentVolumeClaim",
+    "Role": "V1Role",
+    "RoleBinding": "V1RoleBinding",
+}
+
+
+def _normalized(value):
+    if isinstance(value, dict):
+        return {k: _normalized(v) for k, v in value.items() if v not in (None, [], {})}
+    if isinstance(value, list):
+        return [_normalized(v) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifests_parse_into_kubernetes_models_without_unknown_fields(path):
+    from kubernetes.client import ApiClient
+
+    client = ApiClient()
+    for doc in yaml.safe_load_all(path.read_text()):
+        if not doc:
+            continue
+        assert doc["kind"] in MODELS, f"{path.name}: no model for kind {doc['kind']}"
+        model = client._ApiClient__deserialize(
+            doc, MODELS[doc["kind"]]
+        )  # required fields and types checked here
+        back = client.sanitize_for_serialization(model)
+        # a field the model does not know is dropped on the way in: the round trip shows it
+        assert _normalized(back) == _normalized(doc), f"{path.name}: {doc['kind']}/{doc['metadata']['name']}"
+
+
+def _server_info(args: list[str]) -> dict:
+    """SGLang launch flags as the resolved server args /server_info reports."""
+    from pipeline.engines.sglang import SGLANG_VERSION
+
+    info: dict = {"version": SGLANG_VERSION}
+    key = None
+    for token in args:
+        if token.startswith("--"):
+            key = token[2:].replace("-", "_")
+            info[key] = True
+            continue
+        value = int(token) if re.fullmatch(r"-?\d+", token) else token
+        if info[key] is True:
+            info[key] = value
+        else:
+            info[key] = (info[key] if isinstance(info[key], list) else [info[key]]) + [value]
+    return info
+
+
+def _sglang_args(kind: str, name: str) -> list[str]:
+    container = next(c for c in _containers(_workload(kind, name)) if c["name"] == "sglang")
+    assert container["command"] == ["python", "-m", "sglang.launch_server"]
+    return container["args"]
+
+
+def test_capture_servers_start_with_the_capture_contracts_flags():
+    from pipeline.engines.sglang import capture_server_problems
+
+    info = _server_info(_sglang_args("StatefulSet", "sglang-capture-aux"))
+    capture = KIMI["capture"]
+    assert (
+        capture_server_problems(
+            info,
+            capture["aux_layer_ids"],
+            KIMI["target"]["num_layers"],
+            capture["max_length"],
+            aux_server=True,
+            prompt_logprobs="topk" in capture["teacher"],
+        )
+        == []
+    )
+    assert (
+        info["tp"] == KIMI["target"]["tensor_parallel"] and info["model_path"] == KIMI["target"]["model_path"]
+    )
+    # the generation servers are plain servers: no capture paths, same model
+    generate = _server_info(_sglang_args("StatefulSet", "sglang-generate"))
+    assert "enable_return_aux_hidden_states" not in generate and generate["model_path"] == info["model_path"]
+
+
+@pytest.mark.parametrize(
+    "section, statefulset", [("generate", "sglang-generate"), ("capture", "sglang-capture-aux")]
+)
+def test_config_urls_are_the_pods_of_the_fleet_the_dag_scales(section, statefulset):
+    from pipeline.ops.deployment import load_deployment
+    from pipeline.ops.fleets import ServerFleet, replicas_for
+
+    workload = _workload("StatefulSet", statefulset)
+    service = _workload("Service", workload["spec"]["serviceName"])
+    namespace, port = workload["metadata"]["namespace"], service["spec"]["ports"][0]["port"]
+    urls = KIMI[section]["sglang"]["urls"]
+    assert urls == [
+        f"http://{statefulset}-{i}.{service['metadata']['name']}.{namespace}.svc:{port}"
+        for i in range(len(urls))
+    ]
+    assert service["spec"]["clusterIP"] == "None"  # headless: one DNS name per pod
+    assert workload["spec"]["replicas"] == 0  # no GPUs held between runs: the DAG scales it
+    deployment = load_deployment(REPO / "configs" / "deployment" / "kubernetes.yaml")
+    fleet = ServerFleet.model_validate(deployment.fleet(section))
+    assert (fleet.namespace, fleet.statefulset) == (namespace, statefulset)
+    assert replicas_for(urls, fleet, section) == len(urls)
+    # a run's usage counts the GPUs each server pod requests
+    [server] = workload["spec"]["template"]["spec"]["containers"]
+    assert fleet.gpus_per_replica == int(server["resources"]["requests"]["nvidia.com/gpu"])
+    # the pipeline's pods may scale exactly these StatefulSets
+    role, binding = (
+        _workload("Role", "drafter-fleet-scaler"),
+        _workload("RoleBinding", "drafter-pipeline-scales-fleets"),
+    )
+    scale_rule = next(rule for rule in role["rules"] if rule["resources"] == ["statefulsets/scale"])
+    assert statefulset in scale_rule["resourceNames"] and "patch" in scale_rule["verbs"]
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
+    assert binding["subjects"] == [
+        {
+            "kind": "ServiceAccount",
+            "name": K8S_DEPLOYMENT["kubernetes"]["service_account"],
+            "namespace": K8S_DEPLOYMENT["kubernetes"]["namespace"],
+        }
+    ]
+
+
+def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_path):
+    import shlex
+    import subprocess
+
+    from pipeline.ops.registry import sglang_flags, write_serving_flags
+
+    serving = _workload("Deployment", "kimi-k2-5-eagle3")
+    pull = serving["spec"]["template"]["spec"]["initContainers"][0]["command"]
+    assert pull[:2] == ["drafter", "pull"] and pull[pull.index("--alias") + 1] == KIMI["registry"]["alias"]
+    dest, flags_file = pull[pull.index("--dest") + 1], pull[pull.index("--flags-file") + 1]
+    assert serving["spec"]["template"]["spec"]["serviceAccountName"] == "drafter-reader"
+    # the server's command line, with the flags file the pull writes, is SGLang's plus exactly those flags
+    sglang = next(c for c in _containers(serving) if c["name"] == "sglang")
+    flags = sglang_flags(dest, 3, 1, 4)
+    write_serving_flags(tmp_path / "serving-flags", flags)
+    script = sglang["args"][0].replace(flags_file, str(tmp_path / "serving-flags"))
+    script = script.replace("exec python", "printf '%s\\n'")
+    argv = subprocess.run(
+        sglang["command"] + [script], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and argv[-len(flags) :] == flags
+    assert shlex.split((tmp_path / "serving-flags").read_text()) == flags
+
+
+def _trainer_job() -> tuple[dict, dict, dict]:
+    job = _workload("Job", "drafter-trainer")
+    pod = job["spec"]["template"]["spec"]
+    return job, pod, next(c for c in pod["containers"] if c["name"] == "node")
+
+
+def test_every_trainer_node_runs_the_same_torchrun_command_meeting_at_the_headless_service():
+    from pipeline.config import load_config
+    from pipeline.training.nodes import job_for_run
+
+    job, pod, node = _trainer_job()
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["backoffLimit"] == 0
+    service = _workload("Service", pod["subdomain"])
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"]
+    assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
+    # pod 0 of the Job under the headless Service is where every node meets
+    kimi = load_config(KIMI_CONFIG, ["train.nodes=4", "train.launcher=kubernetes"])
+    assert kimi.train.rendezvous_endpoint == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert (
+        kimi.train.rendezvous_port == service["spec"]["ports"][0]["port"] == node["ports"][0]["containerPort"]
+    )
+    # one command for every pod, the one the train settings make; the run fills in what differs per run
+    run = job_for_run(job, kimi.train, "s3://drafter-pipeline/kimi/runs/r/train/worker_spec.json", "r")
+    assert run["spec"]["completions"] == run["spec"]["parallelism"] == 4
+    annotations = run["spec"]["template"]["metadata"]["annotations"]
+    read = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in node["env"]}
+    assert {name: annotations[path.split("'")[1]] for name, path in read.items()} == {
+        "DRAFTER_RUN_ID": "r",
+        "DRAFTER_WORKER_SPEC": "s3://drafter-pipeline/kimi/runs/r/train/worker_spec.json",
+        "DRAFTER_NODES": "4",
+    }
+    assert all(f"$({name})" in node["args"] for name in read)
+    # the train task's pod (the stage that creates the Job) may create it
+    binding = _workload("RoleBinding", "drafter-train-task-launches-trainer-job")
+    service_account = K8S_DEPLOYMENT["kubernetes"]["service_account"]
+    assert binding["subjects"][0]["name"] == service_account == pod["serviceAccountName"]
+    rules = _workload("Role", binding["roleRef"]["name"])["rules"]
+    assert {"batch"} == set(rules[0]["apiGroups"]) and {"create", "get", "delete"} <= set(rules[0]["verbs"])
+
+
+def test_trainer_nodes_start_no_ssh_and_get_eight_big_gpus_shared_memory_and_the_shared_checkpoints():
+    from pipeline.ops.deployment import load_deployment
+
+    objects = yaml.safe_dump(
+        [doc for file, doc in _documents() if file.startswith("trainer-")]
+    )  # no comments
+    assert not re.search(r"ssh|pdsh|hostfile|2222", objects, flags=re.I)
+    job, pod, node = _trainer_job()
+    assert node["resources"]["limits"]["nvidia.com/gpu"] == str(KIMI["train"]["nproc"]) == "8"
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}  # >= 140 GB per GPU
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in node["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    # the checkpoints: storage.local_cache on the ReadWriteMany cache claim, mounted where the train task
+    # has it
+    placement = load_deployment(REPO / "configs" / "deployment" / "kubernetes.yaml").kubernetes
+    cache = volumes[mounts[KIMI["storage"]["local_cache"]]]["persistentVolumeClaim"]["claimName"]
+    assert cache == placement.cache_volume_claim and placement.cache_path == KIMI["storage"]["local_cache"]
+    assert _workload("PersistentVolumeClaim", cache)["spec"]["accessModes"] == ["ReadWriteMany"]
+    weights = [path for path in mounts if KIMI["target"]["model_path"].startswith(path + "/")]
+    claim = volumes[mounts[weights[0]]]["persistentVolumeClaim"]
+    assert (
+        claim["readOnly"]
+        and _workload("PersistentVolumeClaim", claim["claimName"])["metadata"]["namespace"]
+        == job["metadata"]["namespace"]
+    )
+
+
+def test_deployment_objects_and_roles_exist_in_the_manifests():
+    names = {
+        (doc["kind"], doc["metadata"].get("namespace"), doc["metadata"]["name"]) for _, doc in _documents()
+    }
+    placement = K8S_DEPLOYMENT["kubernetes"]
+    namespace = placement["namespace"]
+    assert ("Namespace", None, namespace) in names
+    assert ("ServiceAccount", namespace, placement["service_account"]) in names
+    # every claim a task pod mounts exists in the pods' own namespace (a claim is namespaced)
+    claims = [placement["config_volume_claim"], placement["cache_volume_claim"]]
+    claims += [v["name"] for v in placement["volumes"] if v["kind"] == "pvc"]
+    claims += [
+        m["name"]
+        for stage in K8S_DEPLOYMENT["stages"].values()
+        for m in stage.get("mounts", [])
+        if m["kind"] == "pvc"
+    ]
+    for claim in claims:
+        assert ("PersistentVolumeClaim", namespace, claim) in names, claim
+    binding = _workload("RoleBinding", "airflow-workers-launch-drafter-pods")
+    assert binding["subjects"][0]["name"] == HELM_VALUES["workers"]["serviceAccount"]["name"]
+    assert HELM_VALUES["executor"] == "KubernetesExecutor"
+    env = {e["name"]: e["value"] for e in HELM_VALUES["env"]}
+    assert env["DRAFTER_DEPLOYMENT"] == "/opt/drafter/configs/deployment/kubernetes.yaml"
+    policy = json.loads((REPO / "infra" / "s3" / "bucket-policy.json").read_text())
+    principals = {s["Principal"]["AWS"].split("/")[-1] for s in policy["Statement"]}
+    role_of = {
+        doc["metadata"]["name"]: doc["metadata"]["annotations"]["eks.amazonaws.com/role-arn"].split("/")[-1]
+        for _, doc in _documents()
+        if doc["kind"] == "ServiceAccount"
+    }
+    assert role_of == {"drafter-pipeline": "drafter-pipeline-writer", "drafter-reader": "drafter-reader"}
+    assert set(role_of.values()) == principals
+    assert HELM_VALUES["workers"]["serviceAccount"]["annotations"]["eks.amazonaws.com/role-arn"].endswith(
+        "role/drafter-pipeline-writer"
+    )
+
+
+def test_bucket_policy_and_lifecycle_rules_load_into_s3(s3_endpoint):
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    bucket = "drafter-pipeline"
+    s3.create_bucket(Bucket=bucket)
+    policy = (REPO / "infra" / "s3" / "bucket-policy.json").read_text().replace("ACCOUNT_ID", "123456789012")
+    s3.put_bucket_policy(Bucket=bucket, Policy=policy)
+    assert json.loads(s3.get_bucket_policy(Bucket=bucket)["Policy"]) == json.loads(policy)
+    lifecycle = json.loads((REPO / "infra" / "s3" / "lifecycle.json").read_text())
+    s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration=lifecycle)
+    rules = {rule["ID"]: rule for rule in s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
+    root = KIMI["storage"]["root"].removeprefix(f"s3://{bucket}/")
+    assert rules["captures-to-infrequent-access-then-expire"]["Filter"]["Prefix"] == f"{root}/captures/"
+    assert rules["abandoned-multipart-uploads"]["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == 7
+    # the registry never expires: no rule reaches drafters/
+    assert not any(
+        rule["Filter"].get("Prefix", "x").startswith(f"{root}/drafters")
+        or (rule["Filter"].get("Prefix") == "" and "Expiration" in rule)
+        for rule in rules.values()
+    )
+
+
+def test_every_dockerfile_copies_what_the_pipeline_needs():
+    for name in ("pipeline", "trainer", "sglang"):
+        text = _dockerfile(name)
+        for needed in ("COPY pyproject.toml", "pipeline ./pipeline", "configs ./configs"):
+            assert needed in text.replace("--chown=airflow ", ""), (name, needed)
+    assert "COPY --chown=airflow dags /opt/airflow/dags" in _dockerfile("pipeline")
+    assert Path(REPO / "configs" / "deployment" / "kubernetes.yaml").is_file()
+
+
+# GPU memory per product (GB): Kimi-K2.5 at TP 8 needs >= 140 GB per GPU (SGLang's Kimi-K2.5 recipe)
+GPU_MEMORY_GB = {
+    "NVIDIA-H100-80GB-HBM3": 80,
+    "NVIDIA-A100-SXM4-80GB": 80,
+    "NVIDIA-H200": 141,
+    "NVIDIA-B200": 180,
+}
+
+
+def test_gpu_pods_fit_kimi_and_tolerate_gpu_taints():
+    selectors = [K8S_DEPLOYMENT["kubernetes"]["node_selector_gpu"]]
+    tolerations = [K8S_DEPLOYMENT["kubernetes"]["gpu_tolerations"]]
+    for _, doc in _documents():
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        if any(
+            "nvidia.com/gpu" in (c.get("resources", {}).get("limits") or {})
+            for c in spec.get("containers", [])
+        ):
+            selectors.append(spec.get("nodeSelector") or {})
+            tolerations.append(spec.get("tolerations") or [])
+    assert len(selectors) >= 4
+    for selector in selectors:
+        assert GPU_MEMORY_GB.get(selector.get("nvidia.com/gpu.product"), 0) >= 140, selector
+    for toleration in tolerations:
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in toleration

@@ -1,0 +1,696 @@
+"""The rehearsal's local cluster (harness/cluster.py): pods see only their env, their volumes and
+the image's files; scheduling follows selectors, taints and capacity; volumes exist only when applied;
+IAM roles for service accounts reach the pod as web-identity env, never as keys. Its API server
+(harness/cluster_api.py) answers pods' service accounts over TLS as RBAC allows; StatefulSets scale
+to pods that have their own addresses, resolve each other by name and are ready as their probes say; Indexed
+Jobs run a pod per index that has its hostname, its fields and its peers' names, and fail or complete as
+their pods do; torchrun's nodes meet in them."""
+
+import ipaddress
+import json
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from harness.cluster import LocalCluster, LocalImage, LocalNode, expand_variables, scheduling_problems
+from pipeline.ops.kube_api import KubernetesApi
+from tests.conftest import REPO, free_port
+
+pytestmark = pytest.mark.usefixtures("root")
+
+GPU_NODE = LocalNode(
+    "gpu",
+    {"nvidia.com/gpu.product": "NVIDIA-H200"},
+    ({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
+    {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8"},
+)
+SHELL = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})
+
+
+def gpu_pod(**spec):
+    base = {
+        "containers": [
+            {
+                "name": "base",
+                "resources": {"requests": {"cpu": "96", "memory": "1600Gi", "nvidia.com/gpu": "8"}},
+            }
+        ]
+    }
+    return {**base, **spec}
+
+
+def test_gpu_pods_schedule_only_where_selector_taint_and_capacity_fit():
+    fits = gpu_pod(
+        nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    )
+    assert scheduling_problems(fits, GPU_NODE) == []
+    assert any("taint" in p for p in scheduling_problems(gpu_pod(), GPU_NODE))
+    wrong = {**fits, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}}
+    assert any("node selector" in p for p in scheduling_problems(wrong, GPU_NODE))
+    big = {**fits, "containers": [{"name": "base", "resources": {"requests": {"nvidia.com/gpu": "16"}}}]}
+    assert any("insufficient nvidia.com/gpu" in p for p in scheduling_problems(big, GPU_NODE))
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    manifest = tmp_path / "objects.yaml"
+    manifest.write_text(
+        yaml.safe_dump_all(
+            [
+                {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}},
+                {
+                    "apiVersion": "v1",
+                    "kind": "ServiceAccount",
+                    "metadata": {
+                        "name": "writer",
+                        "namespace": "ns",
+                        "annotations": {
+                            "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/writer"
+                        },
+                    },
+                },
+                {
+                    "apiVersion": "v1",
+                    "kind": "PersistentVolumeClaim",
+                    "metadata": {"name": "data", "namespace": "ns"},
+                    "spec": {"accessModes": ["ReadWriteMany"]},
+                },
+            ]
+        )
+    )
+    local = LocalCluster(
+        tmp_path / "cluster",
+        {"shell": SHELL},
+        (LocalNode("cpu", {}, (), {"cpu": "8", "memory": "16Gi"}),),
+        aws_endpoint="http://127.0.0.1:9",
+    )
+    local.apply(manifest)
+    yield local
+    local.shutdown()
+
+
+def run_pod(cluster, script: str, volumes=(), mounts=(), account=None, name="p"):
+    spec = {
+        "containers": [
+            {"name": "base", "image": "shell", "command": ["sh", "-c", script], "volumeMounts": list(mounts)}
+        ],
+        "volumes": list(volumes),
+    }
+    if account:
+        spec["serviceAccountName"] = account
+    pod = cluster.create_pod({"metadata": {"name": name, "namespace": "ns"}, "spec": spec})
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (
+        pod.phase == "Pending" and not pod.containers or any(run.running for run in pod.containers.values())
+    ):
+        time.sleep(0.1)
+    logs = "".join(path.read_text() for path in pod.directory.glob("*.log"))
+    return pod, logs
+
+
+def test_a_pod_sees_its_volumes_and_not_this_machines_files(cluster, tmp_path):
+    secret = tmp_path / "host-only.txt"
+    secret.write_text("visible only on the host")
+    (cluster.volume_dir("pvc", "ns", "data") / "shared.txt").write_text("on the volume")
+    pod, logs = run_pod(
+        cluster,
+        f"cat /data/shared.txt && echo written > /data/out.txt && cat {secret}",
+        volumes=[{"name": "v", "persistentVolumeClaim": {"claimName": "data"}}],
+        mounts=[{"name": "v", "mountPath": "/data"}],
+    )
+    assert "on the volume" in logs
+    assert (cluster.volume_dir("pvc", "ns", "data") / "out.txt").read_text() == "written\n"
+    # the host's file is not in the pod: reading a path it does not mount fails there
+    assert (
+        "No such file" in logs and pod.current_phase() == "Failed" and pod.containers["base"].exit_code != 0
+    )
+
+
+def test_a_pod_starts_with_default_signals_even_when_the_cluster_was_started_ignoring_them(cluster):
+    # a cluster started as a background job inherits SIGINT and SIGQUIT ignored; a container runtime starts
+    # the pod's process with default dispositions, so the xcom sidecar's `trap "exit 0" INT` can end it
+    ignored = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGQUIT)}
+    try:
+        pod, logs = run_pod(
+            cluster,
+            'trap "echo trapped; exit 0" INT; grep SigIgn /proc/self/status; '
+            "kill -2 $$$$; sleep 5; echo untrapped",  # $$ is Kubernetes' escape for $
+        )
+    finally:
+        for number, handler in ignored.items():
+            signal.signal(number, handler)
+    ignored_mask = int(logs.split("SigIgn:")[1].split()[0], 16)
+    assert not ignored_mask & (1 << (signal.SIGINT - 1) | 1 << (signal.SIGQUIT - 1)), logs
+    assert "trapped" in logs and "untrapped" not in logs and pod.current_phase() == "Succeeded", logs
+
+
+def test_a_claim_nobody_applied_fails_the_pod_to_start(cluster):
+    pod, _ = run_pod(
+        cluster,
+        "true",
+        volumes=[{"name": "v", "persistentVolumeClaim": {"claimName": "missing"}}],
+        mounts=[{"name": "v", "mountPath": "/data"}],
+    )
+    assert pod.phase == "Failed" and pod.reason == "FailedMount" and not pod.containers
+    assert "missing" in pod.events[-1]["message"]
+
+
+def test_the_env_is_the_pods_and_iam_roles_arrive_as_web_identity(cluster):
+    os.environ["REHEARSAL_HOST_ONLY"] = "1"
+    try:
+        _, logs = run_pod(cluster, "env | sort; cat $AWS_WEB_IDENTITY_TOKEN_FILE", account="writer")
+    finally:
+        del os.environ["REHEARSAL_HOST_ONLY"]
+    env = dict(line.split(" ", 1)[1].split("=", 1) for line in logs.splitlines() if "=" in line)
+    assert env["AWS_ROLE_ARN"] == "arn:aws:iam::123456789012:role/writer"
+    assert env["AWS_ENDPOINT_URL"] == "http://127.0.0.1:9"
+    assert (
+        "REHEARSAL_HOST_ONLY" not in env
+        and "AWS_ACCESS_KEY_ID" not in env
+        and "AWS_SECRET_ACCESS_KEY" not in env
+    )
+    assert "local-web-identity-token-ns-writer" in logs
+
+
+def test_a_missing_service_account_or_image_does_not_start(cluster):
+    pod, _ = run_pod(cluster, "true", account="nobody")
+    assert pod.phase == "Failed" and "nobody" in pod.events[-1]["message"]
+    spec = {"containers": [{"name": "base", "image": "registry.example.com/unknown:1", "command": ["true"]}]}
+    pod = cluster.create_pod({"metadata": {"name": "q", "namespace": "ns"}, "spec": spec})
+    deadline = time.monotonic() + 10
+    while pod.phase == "Pending" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pod.phase == "Failed" and "cannot be pulled" in pod.events[-1]["message"]
+    assert Path(pod.directory).exists()
+
+
+# -- the API server, service accounts, StatefulSets, readiness, pod addresses and DNS ------------------
+PROJECT = REPO
+PYTHON_HOME = str(Path(sys.base_prefix).resolve())
+PYTHON = LocalImage(
+    {str(PROJECT): str(PROJECT), PYTHON_HOME: PYTHON_HOME},
+    "/",
+    {"PATH": f"{PROJECT / '.venv' / 'bin'}:/usr/bin:/bin"},
+)
+# answers every GET with its pod's name, on the pod's own address
+HELLO = """
+import http.server, os
+class Hello(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = os.environ["HOSTNAME"].encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer((os.environ["DRAFTER_LOCAL_POD_IP"], 8080), Hello).serve_forever()
+"""
+WEB = [
+    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}},
+    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "scaler", "namespace": "ns"}},
+    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "stranger", "namespace": "ns"}},
+    {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": "ns"},
+        "spec": {"clusterIP": "None", "selector": {"app": "web"}, "ports": [{"port": 8080}]},
+    },
+    {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": "web", "namespace": "ns"},
+        "spec": {
+            "serviceName": "web",
+            "replicas": 0,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "server",
+                            "image": "python",
+                            "command": ["python", "-c", HELLO],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/", "port": 8080},
+                                "initialDelaySeconds": 60,
+                                "periodSeconds": 1,
+                            },
+                        }
+                    ]
+                },
+            },
+        },
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "web-scaler", "namespace": "ns"},
+        "rules": [
+            {
+                "apiGroups": ["apps"],
+                "resources": ["statefulsets", "statefulsets/scale"],
+                "verbs": ["get", "patch"],
+            }
+        ],
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "scaler", "namespace": "ns"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "web-scaler"},
+        "subjects": [{"kind": "ServiceAccount", "name": "scaler", "namespace": "ns"}],
+    },
+]
+SCALE = "/apis/apps/v1/namespaces/ns/statefulsets/web/scale"
+
+
+@pytest.fixture
+def api(tmp_path):
+    manifest = tmp_path / "web.yaml"
+    manifest.write_text(yaml.safe_dump_all(WEB))
+    local = LocalCluster(tmp_path / "cluster", {"python": PYTHON}, (LocalNode("cpu", {}, (), {"cpu": "8"}),))
+    local.apply(manifest)
+    local.start_api()
+    yield local
+    local.shutdown()
+
+
+def call(cluster, path, token, method="GET", body=None, content_type="application/merge-patch+json"):
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": content_type}
+    return requests.request(
+        method,
+        cluster.api.url + path,
+        headers=headers,
+        data=json.dumps(body) if body else None,
+        verify=str(cluster.api.ca_file),
+        timeout=10,
+    )
+
+
+def wait_for(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):  # reaped before or while /proc was read
+        return True
+    return state in ("Z", "X")
+
+
+def test_the_api_answers_only_known_tokens_and_what_their_roles_grant(api):
+    assert call(api, SCALE, "not-a-token").status_code == 401
+    no_token = requests.get(api.api.url + SCALE, verify=str(api.api.ca_file), timeout=10)
+    assert no_token.status_code == 401 and no_token.json()["reason"] == "Unauthorized"
+    denied = call(api, SCALE, api.service_account_token("ns", "stranger"), "PATCH", {"spec": {"replicas": 1}})
+    assert denied.status_code == 403 and denied.json()["kind"] == "Status"
+    assert denied.json()["message"] == (
+        'statefulsets.apps "web" is forbidden: User "system:serviceaccount:ns:stranger"'
+        ' cannot patch resource "statefulsets/scale" in API group "apps" in the '
+        'namespace "ns"'
+    )
+    scaler = api.service_account_token("ns", "scaler")
+    assert call(api, SCALE, scaler).json() | {"status": None} == {
+        "kind": "Scale",
+        "apiVersion": "autoscaling/v1",
+        "metadata": {"name": "web", "namespace": "ns"},
+        "spec": {"replicas": 0},
+        "status": None,
+    }
+    assert call(api, "/apis/apps/v1/namespaces/ns/statefulsets/nope/scale", scaler).status_code == 404
+    assert call(api, "/apis/apps/v1/namespaces/default/statefulsets/web", scaler).status_code == 403
+    assert call(api, SCALE, scaler, "PATCH", {"spec": {"replicas": 1}}, "application/json").status_code == 415
+    assert call(api, SCALE, scaler, "PATCH", {"spec": {"replicas": -1}}).status_code == 422
+    assert api.statefulset_status("ns", "web")["replicas"] == 0 and not api.pods  # nothing refused was done
+
+
+def test_the_api_is_served_over_tls_that_verifies_only_against_the_served_ca(api):
+    assert call(api, SCALE, "x").status_code == 401  # verified against ca.crt, for https://127.0.0.1:<port>
+    with pytest.raises(requests.exceptions.SSLError):
+        requests.get(api.api.url + SCALE, timeout=10)  # this machine's CAs do not know it
+
+
+def test_scaling_runs_ready_pods_that_resolve_each_other_and_scaling_down_removes_them(api):
+    scaler = api.service_account_token("ns", "scaler")
+    patched = call(api, SCALE, scaler, "PATCH", {"spec": {"replicas": 2}})
+    assert patched.status_code == 200 and patched.json()["spec"]["replicas"] == 2
+    statefulset = "/apis/apps/v1/namespaces/ns/statefulsets/web"
+    wait_for(lambda: call(api, statefulset, scaler).json()["status"].get("readyReplicas") == 2)
+    assert sorted(name for _, name in api.pods) == ["web-0", "web-1"]
+    pod = api.core_v1.read_namespaced_pod("web-0", "ns")
+    assert {c.type: c.status for c in pod.status.conditions}["Ready"] == "True"
+    assert pod.status.container_statuses[0].ready and ipaddress.ip_address(
+        pod.status.pod_ip
+    ) in ipaddress.ip_network(f"{api.network}/16")
+    addresses = {name: api.address_of(f"{name}.web.ns.svc") for name in ("web-0", "web-1")}
+    assert len(set(addresses.values())) == 2 and pod.status.pod_ip == addresses["web-0"]
+    # from inside web-0, through its /etc/hosts: web-1's own server, at web-1's own address
+    session = api.core_v1.connect_get_namespaced_pod_exec(
+        "web-0",
+        "ns",
+        command=[
+            "python",
+            "-c",
+            "import socket, urllib.request; name = 'web-1.web.ns.svc'; print(socket.gethostname(),"
+            " socket.gethostbyname(name), urllib.request.urlopen(f'http://{name}:8080/').read().decode())",
+        ],
+    )
+    session.run_forever(timeout=30)
+    assert session.read_stdout().split() == ["web-0", addresses["web-1"], "web-1"]
+    pids = [run.init_pid() for p in list(api.pods.values()) for run in p.containers.values()]
+    assert call(api, SCALE, scaler, "PATCH", {"spec": {"replicas": 0}}).status_code == 200
+    wait_for(lambda: api.statefulset_status("ns", "web")["replicas"] == 0)
+    assert all(gone(pid) for pid in pids) and api.address_of("web-1.web.ns.svc") is None
+    assert "web-0" not in api.hosts_file.read_text()
+    api.scale_statefulset("ns", "web", 1)  # and up again: web-0 anew
+    wait_for(lambda: api.statefulset_status("ns", "web")["readyReplicas"] == 1)
+    assert "web-0.web.ns.svc" in api.hosts_file.read_text()
+
+
+def test_a_pod_calls_the_api_as_its_service_account_and_can_opt_out(api):
+    script = """
+import os, requests
+directory = "/var/run/secrets/kubernetes.io/serviceaccount"
+if not os.path.exists(directory + "/token"):
+    print("no token", os.environ.get("KUBERNETES_SERVICE_HOST"))
+else:
+    url = f"https://{os.environ['KUBERNETES_SERVICE_HOST']}:{os.environ['KUBERNETES_SERVICE_PORT']}"
+    token = open(directory + "/token").read()
+    answer = requests.get(url + "/apis/apps/v1/namespaces/ns/statefulsets/web",
+                          headers={"Authorization": "Bearer " + token}, verify=directory + "/ca.crt",
+                          timeout=10)
+    print(open(directory + "/namespace").read(), answer.status_code, answer.json()["status"]["replicas"])
+"""
+    outputs = []
+    for name, extra in (("caller", {}), ("opted-out", {"automountServiceAccountToken": False})):
+        pod = api.create_pod(
+            {
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {
+                    "serviceAccountName": "scaler",
+                    **extra,
+                    "containers": [{"name": "base", "image": "python", "command": ["python", "-c", script]}],
+                },
+            }
+        )
+        wait_for(lambda pod=pod: pod.current_phase() in ("Succeeded", "Failed"))
+        outputs.append((pod.directory / "base.log").read_text().split(" ", 1)[1].strip())
+    assert outputs == ["ns 200 0", "no token None"]
+
+
+def test_a_pod_with_a_readiness_probe_is_ready_only_while_the_probe_answers(api):
+    def pod(name, **container):
+        spec = {"containers": [{"name": "base", "image": "python", "command": ["sleep", "30"], **container}]}
+        return api.create_pod({"metadata": {"name": name, "namespace": "ns"}, "spec": spec})
+
+    # a port nothing on this machine listens on (a pod of an earlier test may still be going away)
+    port = free_port()
+    unanswered = pod(
+        "unanswered", readinessProbe={"httpGet": {"path": "/", "port": port}, "periodSeconds": 1}
+    )
+    unprobed = pod("unprobed")
+    wait_for(lambda: unprobed.ready() and unanswered.current_phase() == "Running")
+    time.sleep(1.5)  # the probe has asked at least once, and nothing listens at the pod's address
+    status = api.core_v1.read_namespaced_pod("unanswered", "ns").status
+    assert not unanswered.ready() and not status.container_statuses[0].ready
+    assert {c.type: c.status for c in status.conditions}["Ready"] == "False"
+
+
+# -- Indexed Jobs: the multi-node trainer's pods, their env, hostnames and names --------------------------
+JOBS = "/apis/batch/v1/namespaces/ns/jobs"
+LAUNCHER = [
+    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "launcher", "namespace": "ns"}},
+    {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "workers", "namespace": "ns"},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {"app": "workers"}},
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "job-launcher", "namespace": "ns"},
+        "rules": [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]}],
+    },
+    {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "launcher", "namespace": "ns"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "job-launcher"},
+        "subjects": [{"kind": "ServiceAccount", "name": "launcher", "namespace": "ns"}],
+    },
+]
+
+
+@pytest.fixture
+def batch(api, tmp_path):
+    manifest = tmp_path / "launcher.yaml"
+    manifest.write_text(yaml.safe_dump_all(LAUNCHER))
+    api.apply(manifest)
+    return api
+
+
+def indexed_job(
+    name: str, command: list[str], args: list[str] = (), env: list[dict] = (), backoff_limit: int = 6
+) -> dict:
+    """An Indexed Job of two pods under the headless Service workers, annotated drafter/run-id: run-7."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": "ns"},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": 2,
+            "parallelism": 2,
+            "backoffLimit": backoff_limit,
+            "template": {
+                "metadata": {"labels": {"app": "workers"}, "annotations": {"drafter/run-id": "run-7"}},
+                "spec": {
+                    "subdomain": "workers",
+                    "restartPolicy": "Never",
+                    "containers": [
+                        {
+                            "name": "node",
+                            "image": "python",
+                            "command": command,
+                            "args": list(args),
+                            "env": list(env),
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def last_line(pod) -> str:
+    return (pod.directory / "node.log").read_text().strip().splitlines()[-1].split(" ", 1)[1]
+
+
+def running(pod) -> bool:
+    return "node" in pod.containers and pod.containers["node"].running
+
+
+def running_pods(cluster, job: str, count: int) -> list:
+    wait_for(lambda: len(pods := cluster.job_pods("ns", job)) == count and all(map(running, pods)))
+    return cluster.job_pods("ns", job)
+
+
+def test_expansion_follows_kubernetes_rules():
+    defined = {"A": "x", "B": "$(A)"}
+    assert [
+        expand_variables(text, defined)
+        for text in ("$(A)-$(B)", "$$(A)", "$$$(A)", "$(C)", "$(A", "$A $", "$$", "a$(A)b", "$()")
+    ] == ["x-$(A)", "$(A)", "$x", "$(C)", "$(A", "$A $", "$", "axb", "$()"]
+
+
+# what each pod reports: its index, hostname and the address it resolves to, fields, expanded args; pod 0
+# waits on its own address for pod 1, which reaches it by its DNS name
+REPORT = """
+import json, os, socket, sys, time
+index, port = int(os.environ["JOB_COMPLETION_INDEX"]), int(os.environ["PORT"])
+seen = {"index": index, "hostname": socket.gethostname(), "own": socket.gethostbyname(socket.gethostname()),
+        "argv": sys.argv[1:],
+        **{key: os.environ[key] for key in ("RUN_ID", "POD_NAME", "TAGGED", "LABEL", "NODE")}}
+if index == 0:
+    with socket.create_server((os.environ["DRAFTER_LOCAL_POD_IP"], port)) as server:
+        server.accept()[0].close()
+else:
+    seen["peer"] = socket.gethostbyname("work-0.workers")
+    for _ in range(200):
+        try:
+            socket.create_connection(("work-0.workers", port), timeout=5).close()
+            break
+        except ConnectionRefusedError:
+            time.sleep(0.1)
+print(json.dumps(seen))
+"""
+
+
+def test_an_indexed_job_runs_a_pod_per_index_that_knows_its_index_name_and_fields(batch):
+    def field(path):
+        return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+    env = [
+        {"name": "PORT", "value": str(free_port())},
+        {"name": "RUN_ID", **field("metadata.annotations['drafter/run-id']")},
+        {"name": "POD_NAME", **field("metadata.name")},
+        {"name": "TAGGED", "value": "run=$(RUN_ID)"},
+        {"name": "LABEL", **field("metadata.labels['batch.kubernetes.io/job-completion-index']")},
+        {"name": "NODE", **field("spec.nodeName")},
+    ]
+    job = indexed_job(
+        "work", ["python", "-c", REPORT], ["$(RUN_ID)", "$$(RUN_ID)", "$(UNDEFINED)", "$(POD_NAME)-x"], env
+    )
+    created = call(
+        batch, JOBS, batch.service_account_token("ns", "launcher"), "POST", job, "application/json"
+    )
+    assert created.status_code == 201 and created.json()["metadata"]["uid"]
+    launcher = batch.service_account_token("ns", "launcher")
+    wait_for(lambda: "conditions" in call(batch, f"{JOBS}/work", launcher).json()["status"])
+    status = call(batch, f"{JOBS}/work", launcher).json()["status"]
+    assert status["conditions"][0]["type"] == "Complete" and status["conditions"][0]["status"] == "True"
+    assert status["succeeded"] == 2 and "active" not in status and "failed" not in status
+    assert status["completionTime"] >= status["startTime"]
+    pods = batch.job_pods("ns", "work")
+    seen = [json.loads(last_line(pod)) for pod in pods]
+    for index, (pod, report) in enumerate(zip(pods, seen, strict=True)):
+        assert re.fullmatch(rf"work-{index}-[a-z]{{5}}", pod.name)
+        assert pod.manifest["metadata"]["labels"]["batch.kubernetes.io/job-name"] == "work"
+        assert pod.manifest["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"] == str(
+            index
+        )
+        assert report | {"peer": None} == {
+            "index": index,
+            "hostname": f"work-{index}",
+            "own": pod.ip,
+            "RUN_ID": "run-7",
+            "POD_NAME": pod.name,
+            "TAGGED": "run=run-7",
+            "LABEL": str(index),
+            "NODE": "cpu",
+            "peer": None,
+            "argv": ["run-7", "$(RUN_ID)", "$(UNDEFINED)", f"{pod.name}-x"],
+        }
+    assert seen[1]["peer"] == pods[0].ip != pods[1].ip
+    assert "work-0" not in batch.hosts_file.read_text()  # terminated pods have no DNS name
+
+
+def test_a_job_replaces_a_lost_pod_until_its_backoff_limit_then_fails_and_stops_its_other_pods(batch):
+    job = batch.create_job(indexed_job("lossy", ["sleep", "60"], backoff_limit=1))
+    first, other = running_pods(batch, "lossy", 2)
+    batch.kill_pod("ns", first.name)  # a lost node: one failure, within the backoff limit
+    wait_for(lambda: len(batch.job_pods("ns", "lossy")) == 3)
+    assert first.current_phase() == "Failed" and first.containers["node"].exit_code == 137
+    replaced = batch.job_pods("ns", "lossy")[1]
+    wait_for(lambda: running(replaced))
+    assert replaced.name != first.name and replaced.hostname == "lossy-0" and job.condition is None
+    pid = other.containers["node"].init_pid()
+    batch.kill_pod("ns", replaced.name)  # a second failure: more than backoffLimit
+    wait_for(lambda: job.condition is not None)
+    assert job.condition["type"] == "Failed" and job.condition["reason"] == "BackoffLimitExceeded"
+    wait_for(lambda: gone(pid))
+    assert ("ns", other.name) not in batch.pods and ("ns", first.name) in batch.pods
+    assert (
+        job.status()["failed"] == 3 and "completionTime" not in job.status() and "active" not in job.status()
+    )
+
+
+def test_the_api_creates_jobs_as_rbac_allows_refuses_duplicates_and_deletes_them_with_their_pods(
+    batch, tmp_path
+):
+    job = indexed_job("held", ["sleep", "60"])
+    denied = call(batch, JOBS, batch.service_account_token("ns", "stranger"), "POST", job, "application/json")
+    assert denied.status_code == 403 and denied.json()["message"] == (
+        'jobs.batch is forbidden: User "system:serviceaccount:ns:stranger" cannot create resource "jobs" '
+        'in API group "batch" in the namespace "ns"'
+    )
+    launcher = batch.service_account_token("ns", "launcher")
+    not_indexed = {**job, "spec": {**job["spec"], "completionMode": "NonIndexed"}}
+    assert call(batch, JOBS, launcher, "POST", not_indexed, "application/json").status_code == 422
+    assert not batch.jobs
+    assert call(batch, JOBS, launcher, "POST", job, "application/json").status_code == 201
+    duplicate = call(batch, JOBS, launcher, "POST", job, "application/json")
+    assert duplicate.status_code == 409 and duplicate.json()["reason"] == "AlreadyExists"
+    pids = [pod.containers["node"].init_pid() for pod in running_pods(batch, "held", 2)]
+    token = tmp_path / "token"
+    token.write_text(launcher)
+    client = KubernetesApi(batch.api.url, token, batch.api.ca_file)  # the train task's client
+    assert client.create_job("ns", job) is False and client.read_job("ns", "held")["status"]["active"] == 2
+    client.delete_job("ns", "held")  # propagationPolicy Background
+    assert call(batch, f"{JOBS}/held", launcher).status_code == 404
+    assert batch.job_pods("ns", "held") == [] and all(gone(pid) for pid in pids)
+    deleted = call(batch, f"{JOBS}/held", launcher, "DELETE")
+    assert deleted.status_code == 404 and deleted.json()["reason"] == "NotFound"
+    # without a propagationPolicy a Job's pods are orphaned: they run on
+    assert call(batch, JOBS, launcher, "POST", job, "application/json").status_code == 201
+    orphans = running_pods(batch, "held", 2)
+    deleted = call(batch, f"{JOBS}/held", launcher, "DELETE")
+    assert deleted.status_code == 200 and deleted.json()["details"]["kind"] == "jobs" and not batch.jobs
+    assert batch.job_pods("ns", "held") == orphans and all(map(running, orphans))
+
+
+# every rank adds rank + 1: with two nodes of one rank each, 1 + 2
+ALL_REDUCE = """
+import os, socket, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(os.environ["RANK"]) + 1])
+dist.all_reduce(total)
+print("all_reduce", socket.gethostname(), os.environ["RANK"], total.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_nodes_of_a_job_meet_at_pod_0_by_its_dns_name(batch):
+    """c10d picks the node that hosts its store by comparing the endpoint's addresses with those of the
+    node's own hostname: only pod 0, whose hostname resolves to its own address, may host it."""
+    port = free_port()
+    args = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "0",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"train-0.workers:{port}",
+        "--rdzv-id",
+        "$(RUN_ID)",
+        "--no-python",
+        "python",
+        "-c",
+        ALL_REDUCE,
+    ]
+    env = [
+        {"name": "RUN_ID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.annotations['drafter/run-id']"}}}
+    ]
+    job = batch.create_job(
+        indexed_job("train", ["python", "-m", "torch.distributed.run"], args, env, backoff_limit=0)
+    )
+    wait_for(lambda: job.condition is not None, timeout=120)
+    logs = {pod.hostname: (pod.directory / "node.log").read_text() for pod in batch.job_pods("ns", "train")}
+    assert job.condition["type"] == "Complete", logs
+    results = sorted(
+        line.split()[1:]
+        for text in logs.values()
+        for line in text.splitlines()
+        if line.split()[1:2] == ["all_reduce"]
+    )
+    assert [(host, total) for _, host, _, total in results] == [("train-0", "3.0"), ("train-1", "3.0")]
