@@ -88,7 +88,10 @@ demo: $(BASE_STAMP)
 # modules first. The unit and integration tiers run in an order shuffled by SEED (printed; `make check
 # SEED=N` repeats an order). pytest exits 5 when it collects nothing; that is not a failure here.
 TEST_WORKERS ?= 2
-SEED ?= $(shell $(PYTHON) -c 'import random; print(random.randrange(10**6))')
+# drawn once per make (a plain `?=` would draw again wherever SEED is expanded)
+ifndef SEED
+SEED := $(shell $(PYTHON) -c 'import random; print(random.randrange(10**6))')
+endif
 PYTEST = DS_ACCELERATOR=cpu $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 PYTEST_RC = rc=$$?; [ $$rc -eq 5 ] && exit 0; exit $$rc
 

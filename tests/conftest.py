@@ -8,7 +8,6 @@ import copy
 import json
 import os
 import socket
-import sys
 import uuid
 from pathlib import Path
 
@@ -479,26 +478,28 @@ DAGS = REPO / "dags"
 
 @pytest.fixture(scope="module")
 def airflow_home(tmp_path_factory):
+    """Airflow's settings for this process, set for the module and put back after it: a module that runs
+    Airflow in a subprocess later on this worker must not inherit this home."""
     home = tmp_path_factory.mktemp("airflow-home")
-    os.environ.update(
-        {
-            "AIRFLOW_HOME": str(home),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
-            "DRAFTER_DEPLOYMENT": str(REPO / "configs/deployment/local.yaml"),
-            # lineage through Airflow's OpenLineage provider, to its file transport (one event a line);
-            # emitted from a thread, not a forked process, inside this test process
-            "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
-                {"type": "file", "log_file_path": str(home / "openlineage.jsonl"), "append": True}
-            ),
-            "AIRFLOW__OPENLINEAGE__NAMESPACE": "drafter-tests",
-            "AIRFLOW__OPENLINEAGE__EXECUTE_IN_THREAD": "True",
-        }
-    )
-    if str(DAGS) not in sys.path:  # what Airflow's dag bundle does for the dags folder
-        sys.path.insert(0, str(DAGS))
-    return home
+    settings = {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(DAGS),
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{home}/airflow.db",
+        "DRAFTER_DEPLOYMENT": str(REPO / "configs/deployment/local.yaml"),
+        # lineage through Airflow's OpenLineage provider, to its file transport (one event a line);
+        # emitted from a thread, not a forked process, inside this test process
+        "AIRFLOW__OPENLINEAGE__TRANSPORT": json.dumps(
+            {"type": "file", "log_file_path": str(home / "openlineage.jsonl"), "append": True}
+        ),
+        "AIRFLOW__OPENLINEAGE__NAMESPACE": "drafter-tests",
+        "AIRFLOW__OPENLINEAGE__EXECUTE_IN_THREAD": "True",
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in settings.items():
+            patch.setenv(name, value)
+        patch.syspath_prepend(str(DAGS))  # what Airflow's dag bundle does for the dags folder
+        yield home
 
 
 @pytest.fixture(scope="module")
