@@ -694,3 +694,27 @@ def test_torchrun_nodes_of_a_job_meet_at_pod_0_by_its_dns_name(batch):
         if line.split()[1:2] == ["all_reduce"]
     )
     assert [(host, total) for _, host, _, total in results] == [("train-0", "3.0"), ("train-1", "3.0")]
+
+
+def test_clusters_side_by_side_hold_network_blocks_of_their_own_until_shut_down(tmp_path):
+    """Two live clusters never hand out the same pod address; a shut-down cluster's block is free again."""
+    import fcntl
+
+    from harness.cluster import NETWORK_LOCKS
+
+    node = (LocalNode("cpu", {}, (), {"cpu": "8"}),)
+    first = LocalCluster(tmp_path / "first", {"python": PYTHON}, node)
+    second = LocalCluster(tmp_path / "second", {"python": PYTHON}, node)
+    try:
+        blocks = [ipaddress.ip_network(f"{cluster.network}/16") for cluster in (first, second)]
+        assert not blocks[0].overlaps(blocks[1])
+        lock = NETWORK_LOCKS / f"{second.network.packed[1]}.lock"
+        with open(lock) as held:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        second.shutdown()
+        with open(lock) as freed:
+            fcntl.flock(freed, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no other holder: the block is free
+    finally:
+        second.shutdown()
+        first.shutdown()
