@@ -316,7 +316,10 @@ def first_promotion(live_airflow, live_config) -> dict:
 def _asset_scheduled_training(client: AirflowClient, data_run: str) -> str | None:
     """The drafter_train run that the dataset `data_run` published scheduled, once there is one."""
     for run in client.runs("drafter_train"):
-        if run["run_type"] == "asset_triggered":
+        # a run the scheduler has created but not started has no start_date, and Airflow's
+        # upstreamAssetEvents then answers 500 (AssetEventResponse requires created_dagruns[].start_date,
+        # api_fastapi/core_api/services/public/assets.py:44): ask again once it has started
+        if run["run_type"] == "asset_triggered" and run["start_date"] is not None:
             events = client.get(f"/dags/drafter_train/dagRuns/{run['dag_run_id']}/upstreamAssetEvents")
             if any(event["source_run_id"] == data_run for event in events["asset_events"]):
                 return run["dag_run_id"]

@@ -76,8 +76,13 @@ def test_a_body_cut_inside_its_hidden_states_is_truncated_and_null_reads_as_nan(
     with pytest.raises(TruncatedResponse):
         stream.finish()
     assert np.isnan(parse_rows(b"[1.5,null],[2,3]")).tolist() == [False, True, False, False]
-    with pytest.raises(EngineError, match="not JSON numbers"):
-        parse_rows(b'[1.5,"x"]')
+    for not_numbers in (b'[1.5,"x"]', b'[1.5,"2"]', b"[true,1]"):
+        with pytest.raises(EngineError, match="not JSON numbers"):
+            parse_rows(not_numbers)
+    for not_rows in (b"[1,2],[3]", b"[1,[2]]", b"[1,2]]"):  # ragged, nested, unbalanced
+        with pytest.raises(EngineError, match="not rows of JSON numbers"):
+            parse_rows(not_rows)
+    assert parse_rows(b" [1, 2],\n[3e-2,-4.5E+1] ").tolist() == pytest.approx([1, 2, 0.03, -45])
 
 
 def test_a_null_or_absent_block_is_no_hidden_states_not_an_empty_one():
