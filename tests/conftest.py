@@ -420,9 +420,10 @@ class AlertSinks:
         return messages
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def alert_sinks(tmp_path_factory):
-    """Both sinks on 127.0.0.1 for the session's tests, stopped by their PIDs."""
+    """Both sinks on 127.0.0.1 for one module's tests (a module never sees what another sent), stopped by
+    their PIDs."""
     import subprocess
     import sys
 

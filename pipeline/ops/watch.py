@@ -145,9 +145,10 @@ def acceptance_drift(window: AcceptanceWindow, watch: ServedAcceptanceWatch) -> 
     length = generated / verify_calls
     if length >= watch.floor:
         return None
+    length = round(length, 4)  # the reason states the figure the payload carries, rounded once
     return {
         "trigger": "served_acceptance",
-        "accept_length": round(length, 4),
+        "accept_length": length,
         "floor": watch.floor,
         "window_s": round(seconds, 1),
         "verify_calls": int(verify_calls),

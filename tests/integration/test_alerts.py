@@ -72,7 +72,8 @@ def test_alerts_reach_slack_email_and_webhook_through_airflows_notifiers(tmp_pat
         DRAFTER_DEPLOYMENT=str(tmp_path / "deployment.yaml"),
         **{f"AIRFLOW_CONN_{name.upper()}": json.dumps(conn) for name, conn in connections.items()},
     )
-    before_http, before_mail = len(alert_sinks.requests()), len(alert_sinks.emails())
+    before_slack, before_hooks = len(alert_sinks.requests("/slack/")), len(alert_sinks.requests("/hooks/"))
+    before_mail = len(alert_sinks.emails())
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(DELIVER)],
         cwd=REPO,
@@ -94,13 +95,15 @@ def test_alerts_reach_slack_email_and_webhook_through_airflows_notifiers(tmp_pat
     states = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("STATES"))[7:])
     assert states == ["running", "success"] * 3, logs[-4000:]
 
-    slack = [json.loads(r["body"])["text"] for r in alert_sinks.requests("/slack/")[before_http:]]
-    hooks = alert_sinks.requests("/hooks/drafter")
-    webhook = [json.loads(r["body"]) for r in hooks if r not in alert_sinks.requests("/slack/")][-4:]
+    slack_requests = alert_sinks.requests("/slack/")[before_slack:]
+    slack = [json.loads(r["body"])["text"] for r in slack_requests]
+    hooks = alert_sinks.requests("/hooks/")[before_hooks:]
+    webhook = [json.loads(r["body"]) for r in hooks]
     mail = alert_sinks.emails()[before_mail:]
     assert len(slack) == len(webhook) == len(mail) == 4  # failure, rejection, promotion, deadline
-    assert all(r["path"] == f"/slack/{SLACK_TOKEN}" for r in alert_sinks.requests("/slack/")[before_http:])
-    assert all(r["headers"]["Authorization"] == f"Bearer {WEBHOOK_TOKEN}" for r in hooks[-4:])
+    assert all(r["path"] == f"/slack/{SLACK_TOKEN}" for r in slack_requests)
+    assert all(r["path"] == "/hooks/drafter" for r in hooks)
+    assert all(r["headers"]["Authorization"] == f"Bearer {WEBHOOK_TOKEN}" for r in hooks)
 
     failure, rejection, promotion, deadline = slack
     assert failure.startswith("*drafter: drafter_train task train failed*")

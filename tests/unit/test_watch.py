@@ -53,6 +53,16 @@ def test_a_whole_window_under_the_floor_triggers_and_a_partial_or_idle_one_does_
     assert acceptance_drift(idle, watch) is None
 
 
+def test_the_reason_states_the_length_the_payload_carries():
+    # 475 tokens over 440 passes is 1.07954...: rounded once, the reason and the payload agree
+    window = AcceptanceWindow(100)
+    window.add(FleetSample(0.0, 0.0, 0.0))
+    window.add(FleetSample(120.0, 475.0, 440.0))
+    payload = acceptance_drift(window, acceptance_watch())
+    assert payload is not None and payload["accept_length"] == 1.0795
+    assert payload["reason"].startswith(f"served acceptance length {payload['accept_length']:.3f} under")
+
+
 def test_a_server_restart_starts_the_window_again():
     window = AcceptanceWindow(100)
     window.add(FleetSample(0.0, 1000.0, 200.0))
