@@ -1,7 +1,7 @@
 """Peak memory of capturing one long sample at Kimi-K2.5's width through SGLang's HTTP API (the stand-in).
 
     python benchmarks/bench_capture_memory.py [--tokens 32768] [--hidden-size 7168]
-        [--max-client-mib 1536] [--max-worker-mib 384]
+        [--max-client-mib 1536] [--max-worker-mib 384] [--model-dir DIR]
 
 Starts the SGLang stand-in (harness.sglang_standin --synthetic-hidden-size H, on 127.0.0.1; stopped
 by PID) over the tiny target's tokenizer: it answers a capture request with a response of the size a real
@@ -55,7 +55,7 @@ def start_standin(model_dir: Path, hidden_size: int):
         if process.poll() is not None:
             raise SystemExit(f"the stand-in exited: {process.stdout.read() if process.stdout else ''}")
         try:
-            if requests.get(url + "/health", timeout=2).status_code == 200:
+            if requests.get(url + "/health", timeout=30).status_code == 200:
                 return process, url
         except requests.ConnectionError:
             pass
@@ -127,6 +127,11 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=7168)
     parser.add_argument("--max-client-mib", type=float, default=1536)
     parser.add_argument("--max-worker-mib", type=float, default=384)
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        help="the stand-in's model (its tokenizer and vocabulary); default: configs/local.yaml's tiny target",
+    )
     args = parser.parse_args()
 
     import torch
@@ -134,18 +139,23 @@ def main() -> None:
     from harness.synthetic_states import SyntheticStates
     from pipeline.data.shard_writer import PendingSample, ShardWriter
     from pipeline.engines import TeacherRequest
-    from pipeline.engines.target import describe_target
+    from pipeline.engines.target import describe_target, text_config
     from pipeline.sglang_transport import peak_rss_mib
     from pipeline.stages.capture import sample_problem
 
-    target = describe_target(scratch_config())
-    states = SyntheticStates(target.vocab_size, args.hidden_size)
-    ids = [(7919 * i + 3) % target.vocab_size for i in range(args.tokens)]
+    if args.model_dir is not None:
+        model_dir = args.model_dir.resolve()
+        vocab_size = int(text_config(model_dir)["vocab_size"])
+    else:
+        target = describe_target(scratch_config())
+        model_dir, vocab_size = target.model_dir, target.vocab_size
+    states = SyntheticStates(vocab_size, args.hidden_size)
+    ids = [(7919 * i + 3) % vocab_size for i in range(args.tokens)]
 
     def expected_rows(start: int, stop: int):
         return states.rows(ids[start:stop])
 
-    process, url = start_standin(target.model_dir, args.hidden_size)
+    process, url = start_standin(model_dir, args.hidden_size)
     try:
         with tempfile.TemporaryDirectory(prefix="capture-memory-") as tmp:
             started = time.monotonic()

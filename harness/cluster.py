@@ -33,7 +33,9 @@ What stands in for what:
   serviceName) and deletes those at or above replicas, highest first, all at once as with
   podManagementPolicy Parallel; a changed template reaches only pods created after it, a failed pod
   stays failed (nothing restarts). A container's readinessProbe.httpGet is probed at the pod's address
-  and makes the pod ready while it answers; a container without one is ready while it runs;
+  with the probe's own timing, Kubernetes' defaults where it sets none (ProbeTiming: a GET unanswered
+  within timeoutSeconds, default 1 s, fails), and makes the pod ready after successThreshold successes
+  in a row, not ready after failureThreshold failures; a container without one is ready while it runs;
 - Jobs (batch/v1, through the API or `create_job`): Indexed ones only (job_problems says what else is
   refused), restartPolicy Never. Their controller runs up to parallelism pods at once, one per index not yet
   succeeded, `<job>-<index>-<5 random letters>` with hostname `<job>-<index>` (the template's subdomain),
@@ -176,6 +178,29 @@ def _tolerates(toleration: dict[str, Any], taint: dict[str, str]) -> bool:
     return toleration.get("key") == taint["key"] and toleration.get("value") == taint.get("value")
 
 
+@dataclass(frozen=True)
+class ProbeTiming:
+    """A probe's timing fields with Kubernetes' defaults (the kubelet's prober; the API's Probe type):
+    initialDelaySeconds 0, periodSeconds 10, timeoutSeconds 1 (an HTTP probe with no answer within it
+    fails: pkg/probe/http/http.go), successThreshold 1, failureThreshold 3."""
+
+    initial_delay_s: float = 0.0
+    period_s: float = 10.0
+    timeout_s: float = 1.0
+    success_threshold: int = 1
+    failure_threshold: int = 3
+
+    @classmethod
+    def of(cls, probe: dict[str, Any]) -> ProbeTiming:
+        return cls(
+            float(probe.get("initialDelaySeconds", 0)),
+            float(probe.get("periodSeconds", 10)),
+            float(probe.get("timeoutSeconds", 1)),
+            int(probe.get("successThreshold", 1)),
+            int(probe.get("failureThreshold", 3)),
+        )
+
+
 def _http_probe(container: dict[str, Any]) -> dict[str, Any] | None:
     return (container.get("readinessProbe") or {}).get("httpGet")
 
@@ -201,15 +226,19 @@ def _probe_port(container: dict[str, Any]) -> int:
 
 
 def _answers(host: str, port: int, path: str, timeout: float) -> bool:
-    """Whether an HTTP GET succeeds as a Kubernetes probe counts success (a status from 200 to 399)."""
+    """Whether an HTTP GET succeeds as a Kubernetes probe counts success: a status from 200 to 399, all
+    of it within `timeout` from the start (the kubelet's http.Client Timeout bounds the whole exchange,
+    where a socket's timeout here would bound each read alone)."""
+    started = time.monotonic()
     connection = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         connection.request("GET", path)
-        return 200 <= connection.getresponse().status < 400
+        status = connection.getresponse().status
     except (OSError, http.client.HTTPException):
         return False
     finally:
         connection.close()
+    return 200 <= status < 400 and time.monotonic() - started <= timeout
 
 
 def _now() -> dt.datetime:
@@ -920,17 +949,27 @@ class LocalCluster:
                 ).start()
 
     def _probe_readiness(self, pod: LocalPod, container: dict[str, Any], port: int) -> None:
-        """Probe a container's readinessProbe.httpGet at the pod's address while it runs. periodSeconds is
-        capped at 2 s and initialDelaySeconds at 0: the manifests size them for SGLang loading a model onto
-        GPUs for minutes, the local stand-ins start in seconds."""
-        probe = container["readinessProbe"]
-        period = min(float(probe.get("periodSeconds", 10)), 2.0)
+        """The kubelet's readiness probing of a container's readinessProbe.httpGet, at the pod's address
+        while the container runs, with the probe's own settings (ProbeTiming): nothing before
+        initialDelaySeconds, then a GET every periodSeconds that fails when no answer came within
+        timeoutSeconds; ready after successThreshold successes in a row, not ready again after
+        failureThreshold failures in a row."""
+        timing = ProbeTiming.of(container["readinessProbe"])
         path = _required_http_probe(container).get("path", "/")
-        timeout = float(probe.get("timeoutSeconds", 1))
         run = pod.containers[container["name"]]
+        name, successes, failures = container["name"], 0, 0
+        time.sleep(timing.initial_delay_s)
         while self.pods.get((pod.namespace, pod.name)) is pod and run.running:
-            pod.probed[container["name"]] = _answers(pod.ip, port, path, timeout)
-            time.sleep(period)
+            started = time.monotonic()
+            if _answers(pod.ip, port, path, timing.timeout_s):
+                successes, failures = successes + 1, 0
+                if successes >= timing.success_threshold:
+                    pod.probed[name] = True
+            else:
+                successes, failures = 0, failures + 1
+                if failures >= timing.failure_threshold:
+                    pod.probed[name] = False
+            time.sleep(max(0.0, timing.period_s - (time.monotonic() - started)))
 
     def _volumes(self, pod: LocalPod) -> dict[str, dict[str, Any]]:
         namespace = pod.manifest["metadata"].get("namespace", "default")

@@ -16,8 +16,9 @@ What runs, in the order docs/RUNBOOK.md gives it to a user:
    manifests' flags, the capture servers' aux layers being the tiny target's. drafter_data scales each
    fleet up before its stage and back to 0 after it, from its own task pods;
 4. Airflow with `DRAFTER_DEPLOYMENT=configs/deployment/kubernetes.yaml`, unchanged but for its
-   retry_delay_seconds (REHEARSAL_RETRY_DELAY_S: the retried training task waits seconds, not minutes) and
-   its deadlines, which dag.test() cannot run (`rehearsal_deployment`): every
+   retry_delay_seconds (REHEARSAL_RETRY_DELAY_S: the retried training task waits seconds, not minutes), its
+   fleets' ready timeouts (sized for the tiny target) and its deadlines, which dag.test() cannot run
+   (`rehearsal_deployment`): every
    `@task.kubernetes` task is rendered and run by the cncf provider's own code against the local
    cluster. drafter_data publishes the dataset Asset; drafter_train, given the Asset's dataset, trains,
    gates, benchmarks (the SGLang runner, its servers started in the benchmark's own pod) and promotes
@@ -64,6 +65,7 @@ log = logging.getLogger("drafter.rehearsal")
 
 DEPLOYMENT = PROJECT_ROOT / "configs" / "deployment" / "kubernetes.yaml"
 REHEARSAL_RETRY_DELAY_S = 5
+FLEET_READY_TIMEOUT_S = 240
 REHEARSAL_CONFIG = PROJECT_ROOT / "configs" / "rehearsal.yaml"
 SHIM = Path(__file__).resolve().parent / "sglang_shim"
 BUCKET = "drafter-pipeline"
@@ -171,13 +173,19 @@ def _images() -> dict[str, LocalImage]:
 
 
 NODES = (
-    LocalNode("cpu-node", {"kubernetes.io/os": "linux"}, (), {"cpu": "64", "memory": "512Gi"}),
-    # an 8 x H200 node as cloud providers offer it (p5en.48xlarge), GPUs tainted for GPU pods only
+    LocalNode(
+        "cpu-node",
+        {"kubernetes.io/os": "linux"},
+        (),
+        {"cpu": "64", "memory": "512Gi", "ephemeral-storage": "900Gi"},
+    ),
+    # an 8 x H200 node as cloud providers offer it (p5en.48xlarge: 8 x 3.84 TB of local NVMe), GPUs tainted
+    # for GPU pods only
     LocalNode(
         "gpu-node",
         {"kubernetes.io/os": "linux", "nvidia.com/gpu.product": "NVIDIA-H200"},
         ({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
-        {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8"},
+        {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8", "ephemeral-storage": "28Ti"},
     ),
 )
 
@@ -313,28 +321,46 @@ def kubectl_apply(cluster: LocalCluster, workspace: Path):
 
 
 def sized_for_the_tiny_target(path: Path, workspace: Path) -> Path:
-    """The manifest as applied here. One thing differs, and only for size: the capture servers return the
-    aux layers of the tiny target's contract (Kimi's 1 29 57 do not exist in an 8-layer model)."""
-    from pipeline.config import default_aux_layer_ids, load_config
-    from pipeline.engines.layer_ids import TINY_TARGET_FAMILIES, draft_config_ids
-
-    if path.name != "sglang-capture.yaml":
-        return path
-    config = load_config(REHEARSAL_CONFIG)
-    layers = config.capture.aux_layer_ids or default_aux_layer_ids(TARGET_RECIPE.num_layers)
-    family = TINY_TARGET_FAMILIES[TARGET_RECIPE.architecture]
-    aux_ids = draft_config_ids("sglang", family, layers, TARGET_RECIPE.num_layers)  # as SGLang reads the flag
+    """The manifest as applied here. Two things differ, both for size only: the capture servers return the
+    aux layers of the tiny target's contract (Kimi's 1 29 57 do not exist in an 8-layer model), and
+    readiness probes start at once and come every second (`probe_timing_for_the_tiny_target`)."""
     docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
     for doc in docs:
-        for container in doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+        for container in _template_containers(doc):
+            probe_timing_for_the_tiny_target(container)
             args = container.get("args") or []
             if "--return-aux-hidden-state-layer-ids" in args:
+                aux_ids = _tiny_target_aux_flag_ids()
                 at = args.index("--return-aux-hidden-state-layer-ids") + 1
                 args[at : at + len(aux_ids)] = [str(i) for i in aux_ids]
     sized = workspace / "manifests" / path.name
     sized.parent.mkdir(parents=True, exist_ok=True)
     sized.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     return sized
+
+
+def _template_containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return doc.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+
+
+def probe_timing_for_the_tiny_target(container: dict[str, Any]) -> None:
+    """A readiness probe's first GET at once and one a second: the manifests wait 300 s and probe every
+    15 s for Kimi-K2.5 loading onto GPUs, the stand-in loads the tiny target in seconds. timeoutSeconds
+    and the thresholds stay as written: they are about how a server answers, not how big its model is."""
+    probe = container.get("readinessProbe")
+    if probe is not None:
+        probe.update(initialDelaySeconds=0, periodSeconds=1)
+
+
+def _tiny_target_aux_flag_ids() -> list[int]:
+    """--return-aux-hidden-state-layer-ids for the tiny target's contract, as SGLang reads the flag."""
+    from pipeline.config import default_aux_layer_ids, load_config
+    from pipeline.engines.layer_ids import TINY_TARGET_FAMILIES, draft_config_ids
+
+    config = load_config(REHEARSAL_CONFIG)
+    layers = config.capture.aux_layer_ids or default_aux_layer_ids(TARGET_RECIPE.num_layers)
+    family = TINY_TARGET_FAMILIES[TARGET_RECIPE.architecture]
+    return draft_config_ids("sglang", family, layers, TARGET_RECIPE.num_layers)
 
 
 def one_rank_per_node(path: Path) -> str:
@@ -661,9 +687,12 @@ def _exited(process: subprocess.Popen):
 
 
 def rehearsal_deployment(workspace: Path) -> Path:
-    """configs/deployment/kubernetes.yaml with two changes:
+    """configs/deployment/kubernetes.yaml with three changes:
     - the wait before a task's retry (REHEARSAL_RETRY_DELAY_S): the rehearsal's lost node is retried at
       once instead of minutes later;
+    - a fleet's wait for its servers (FLEET_READY_TIMEOUT_S, not the hour Kimi-K2.5 may take to load): the
+      stand-in loads the tiny target in seconds, and a fleet that never gets ready fails the rehearsal in
+      minutes;
     - no `deadline_minutes`: Airflow 3.3.2's dag.test() cannot run a DAG with deadline alerts (its
       DagRun.update_state looks the DAG's alerts up as stored ids: airflow/models/dagrun.py, in
       update_state, `DeadlineAlertModel.get_by_id(alert_id, ...) for alert_id in dag.deadline`, and gets
@@ -672,6 +701,8 @@ def rehearsal_deployment(workspace: Path) -> Path:
       triggerer."""
     deployment = yaml.safe_load(DEPLOYMENT.read_text())
     deployment["retry_delay_seconds"] = REHEARSAL_RETRY_DELAY_S
+    for fleet in deployment["kubernetes"]["fleets"].values():
+        fleet["ready_timeout_seconds"] = FLEET_READY_TIMEOUT_S
     deployment.pop("deadline_minutes", None)
     path = workspace / "deployment.yaml"
     path.write_text(yaml.safe_dump(deployment, sort_keys=False))
@@ -829,6 +860,8 @@ class ServingDeployment:
             for d in yaml.safe_load_all((PROJECT_ROOT / "infra/k8s/sglang-serve.yaml").read_text())
             if d and d["kind"] == "Deployment"
         )
+        for container in _template_containers(self.doc):
+            probe_timing_for_the_tiny_target(container)
         self.generation = 0
         self.pod: LocalPod | None = None
 
@@ -861,7 +894,22 @@ class ServingDeployment:
         return self.pod
 
     def _await_ready(self, url: str, timeout_s: float) -> None:
+        """Until the pod is ready as its readiness probe says (what `kubectl rollout status` and the
+        Service's endpoints wait for), then answers /health here too."""
+        from pipeline.retrying import poll_until
+
+        def ready() -> bool:
+            reason = self._gone()
+            if reason:
+                raise RehearsalFailed(f"{url}: {reason}")
+            return self.running_pod.ready()
+
         try:
+            if not poll_until(ready, timeout_s, 1.0):
+                raise RehearsalFailed(
+                    f"the pod's readiness probe never passed in {timeout_s:.0f} s "
+                    f"({self.running_pod.manifest['spec']['containers'][0].get('readinessProbe')})"
+                )
             _await_health(url, self._gone, timeout_s)
         except RehearsalFailed as failure:
             pod = self.running_pod
@@ -1313,7 +1361,10 @@ def run_dags(
     from pipeline.ids import safe_id
 
     lines = []
-    runbook.run("drafter plan --config configs/kimi-k2.5.yaml --samples 37000")
+    runbook.run(
+        "drafter plan --config configs/kimi-k2.5.yaml --samples 37000 "
+        "--deployment configs/deployment/kubernetes.yaml"
+    )
     data = parsed_dag("drafter_data").test(run_conf={"num_shards": 2})
     lines.append(f"drafter_data {data.run_id}: {data.state} {task_states(data)}")
     _check(str(data.state) == "success", "drafter_data ran every stage task as a pod and succeeded")

@@ -3,8 +3,10 @@
 SGLang needs CUDA and cannot run on these machines; this server lets the SGLang client code paths
 run over real HTTP in tests and benchmarks. It implements what the pipeline uses of SGLang 0.5.23
 (reference/sglang-contract.md): POST /generate (input_ids, sampling_params, return_hidden_states),
-GET /server_info (and /get_server_info: the server args, model path and revision included), GET /health,
-and with --enable-metrics GET /metrics (SGLang's request counters, in Prometheus' text format). With
+GET /server_info (and /get_server_info: the server args, model path and revision included), GET /health
+and /health_generate as 0.5.23 answers them (a one-token generation through the scheduler, at least a
+second; see HealthCheck), and with --enable-metrics GET /metrics (SGLang's request counters, in
+Prometheus' text format). With
 --aux-layer-ids it behaves like a server started with --enable-return-aux-hidden-states, capturing the
 layers SGLang captures for those ids on the target's model family (pipeline.engines.layer_ids), as it
 feeds an EAGLE3 draft the layers its config's ids name; with --speculative-algorithm NGRAM or EAGLE3 it
@@ -44,6 +46,53 @@ if TYPE_CHECKING:
     from pipeline.drafter.model import Eagle3Drafter
 
 VERSION = "0.5.23-standin"
+# SGLang 0.5.23's health settings (srt/environ.py:344, srt/entrypoints/http_server.py:218)
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
+_ENV_TRUE, _ENV_FALSE = ("true", "1", "yes", "y"), ("false", "0", "no", "n")
+
+
+def health_generation_enabled(environ: dict[str, str]) -> bool:
+    """SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION as 0.5.23's EnvBool reads it (srt/environ.py:143-150,
+    default true at :344); a value it does not know is refused (SGLang raises where it reads it)."""
+    value = environ.get(HEALTH_GENERATION_ENV)
+    if value is None:
+        return True
+    if value.strip().lower() in _ENV_TRUE:
+        return True
+    if value.strip().lower() in _ENV_FALSE:
+        return False
+    raise SystemExit(f"{HEALTH_GENERATION_ENV}={value!r} is not a boolean SGLang reads")
+
+
+class HealthCheck:
+    """GET /health and /health_generate as SGLang 0.5.23 answers them (srt/entrypoints/http_server.py:
+    721-799, one handler for both paths). /health_generate, and /health while health generation is on
+    (the default), submit a one-token greedy generation of input [0] that no metric counts, then sleep a
+    second at a time until the server has received output since the check began: 200, never before one
+    second has passed; 503 once SGLANG_HEALTH_CHECK_TIMEOUT (20 s) has. With generation off, /health
+    answers 200 at once."""
+
+    def __init__(self, backend: StandinBackend, generation: bool, timeout_s: float):
+        self.backend, self.generation, self.timeout_s = backend, generation, timeout_s
+
+    @classmethod
+    def from_environment(cls, backend: StandinBackend, environ: dict[str, str]) -> HealthCheck:
+        return cls(backend, health_generation_enabled(environ), float(environ.get(HEALTH_TIMEOUT_ENV, 20)))
+
+    def status(self, path: str) -> int:
+        if path == "/health" and not self.generation:
+            return 200
+        began = time.time()
+        request = {"sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        threading.Thread(
+            target=self.backend.generate_one, args=(request, [0]), kwargs={"counted": False}, daemon=True
+        ).start()
+        while time.time() < began + self.timeout_s:
+            time.sleep(1)
+            if self.backend.last_received > began:
+                return 200
+        return 503
 
 
 class Batcher:
@@ -113,6 +162,7 @@ class StandinBackend:
 
         self.model_path, self.revision, self.enable_metrics = str(model_dir), revision, enable_metrics
         self.counters = RequestCounters()
+        self.last_received = 0.0  # when the scheduler last finished a request (SGLang's last_receive_tstamp)
 
         if algorithm == "EAGLE3":  # refuse, before loading anything, a draft SGLang 0.5.23 would not serve
             from pipeline.engines.sglang_draft_checks import SpeculativeArgs, require_loadable_draft
@@ -231,7 +281,8 @@ class StandinBackend:
             "spec_correct_drafts_histogram": result.accepted_histogram,
         }
 
-    def generate_one(self, request: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+    def generate_one(self, request: dict[str, Any], ids: list[int], counted: bool = True) -> dict[str, Any]:
+        """One request's response; `counted` false for the health check's (SGLang's log_metrics=False)."""
         from pipeline.engines import SamplingParams
 
         started = time.perf_counter()
@@ -261,7 +312,9 @@ class StandinBackend:
                     if request.get("return_hidden_states") or top_k
                     else {}
                 )
-        self.counters.finished(len(ids), len(output), int(spec.get("spec_verify_ct", 0)))
+        if counted:
+            self.counters.finished(len(ids), len(output), int(spec.get("spec_verify_ct", 0)))
+        self.last_received = time.time()
         eos = self.tokenizer.eos_token_id
         stopped = bool(output) and output[-1] == eos
         finish = {"type": "stop", "matched": eos} if stopped else {"type": "length", "length": max_new}
@@ -344,7 +397,9 @@ class RequestCounters:
         return "\n".join(lines) + "\n"
 
 
-def make_handler(backend: StandinBackend):
+def make_handler(backend: StandinBackend, health_check: HealthCheck | None = None):
+    health = health_check or HealthCheck.from_environment(backend, dict(os.environ))
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -356,7 +411,8 @@ def make_handler(backend: StandinBackend):
 
         def do_GET(self) -> None:
             if self.path in ("/health", "/health_generate"):
-                self._send(200, {})
+                status = health.status(self.path)
+                self._send(status, {} if status == 200 else {"error": {"message": "health check failed"}})
             elif self.path in ("/server_info", "/get_server_info"):
                 self._send(200, backend.server_info())
             elif self.path == "/metrics" and backend.enable_metrics:
@@ -381,6 +437,7 @@ def make_handler(backend: StandinBackend):
                 if backend.synthetic is not None and request.get("return_hidden_states"):
                     eos = int(backend.tokenizer.eos_token_id)
                     send_json_chunks(self, 200, backend.synthetic.response(request, ids, eos))
+                    backend.last_received = time.time()
                 elif ids and isinstance(ids[0], list):
                     self._send(200, [backend.generate_one(request, i) for i in ids])
                 else:
@@ -468,6 +525,7 @@ def main() -> None:
         help="capture requests get synthetic states of this hidden size (harness.synthetic_states)",
     )
     args, _ = parser.parse_known_args()
+    health_generation_enabled(dict(os.environ))  # a value SGLang cannot read stops it before loading
     algorithm = args.speculative_algorithm
     if args.enable_return_aux_hidden_states:
         # a capture server decodes nothing speculatively: EAGLE3 there only switches the aux capture on

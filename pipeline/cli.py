@@ -141,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="transport and client rates measured by benchmarks/bench_capture_transport.py --json FILE",
     )
+    p.add_argument(
+        "--deployment",
+        metavar="FILE",
+        help="check the plan against this deployment config's limits (the train task's timeout, the DAGs' "
+        "deadlines); exit 1 when one is too short",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. plan.gpu_hour_usd=3.2")
     p = sub.add_parser("train-worker", help=argparse.SUPPRESS)
@@ -304,8 +310,17 @@ def _plan(args, config) -> int:
         measured,
         transport,
     )
+    checks = None
+    if args.deployment:
+        from pipeline.ops.capacity import deployment_fit, format_fit
+        from pipeline.ops.deployment import load_deployment
+
+        checks = deployment_fit(report, load_deployment(args.deployment))
+        report["deployment_fit"] = checks
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
-    return 0
+    if checks is not None and not args.json:
+        print(format_fit(checks, args.deployment))
+    return 0 if checks is None or all(check["fits"] for check in checks) else 1
 
 
 def _stage(args, config) -> int:

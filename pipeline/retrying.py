@@ -71,7 +71,12 @@ def poll_until(ready: Callable[[], bool], timeout_s: float, poll_s: float) -> bo
     return bool(poller(ready))
 
 
-def answers_health(url: str, timeout_s: float = 10.0) -> bool:
+# SGLang 0.5.23 answers /health after a one-token generation through its scheduler: never in under a
+# second, 503 after its SGLANG_HEALTH_CHECK_TIMEOUT of 20 s (srt/entrypoints/http_server.py:218, 778-799)
+HEALTH_ANSWER_TIMEOUT_S = 30.0
+
+
+def answers_health(url: str, timeout_s: float = HEALTH_ANSWER_TIMEOUT_S) -> bool:
     """Whether GET <url>/health answers 200 now; no answer (refused, timed out) is a no."""
     import requests
 
@@ -86,7 +91,7 @@ def await_health(
     timeout_s: float,
     gone: Callable[[], object] = lambda: None,
     poll_s: float = 1.0,
-    request_timeout_s: float = 5.0,
+    request_timeout_s: float = HEALTH_ANSWER_TIMEOUT_S,
 ) -> bool:
     """Poll <url>/health until it answers 200 (True) or `timeout_s` has passed (False). `gone()` runs
     before each poll and raises when the server will never answer (its process exited)."""

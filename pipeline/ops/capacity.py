@@ -16,10 +16,13 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import PlanAssumptions, RunConfig
 from pipeline.engines import engine_servers
+
+if TYPE_CHECKING:
+    from pipeline.ops.deployment import DeploymentConfig
 
 TB = 1e12
 GB = 1e9
@@ -651,4 +654,55 @@ def format_plan(report: dict[str, Any]) -> str:
         lines.append(f"transport benchmarked in {report['transport_from']['file']}")
     if report.get("torchspec"):
         lines.append(_torchspec_text(report["torchspec"]))
+    return "\n".join(lines)
+
+
+# A task's timeout kills its pod and loses what it did since its last checkpoint; each retry starts the
+# clock again. One attempt must therefore fit the planned stage, with room for the plan's estimates.
+TIMEOUT_MARGIN = 1.2
+
+
+def deployment_fit(report: dict[str, Any], deployment: DeploymentConfig) -> list[dict[str, Any]]:
+    """Whether the deployment's limits let the planned run finish: the train task's timeout against the
+    planned training (one attempt trains the whole run: TIMEOUT_MARGIN), and each DAG's deadline against
+    the stages it runs (a deadline under the plan alerts on every run). Each check: what it limits, its
+    hours, the planned hours and whether it fits."""
+    stages = report["stages"]
+    train_limit = deployment.stage("train").timeout_minutes / 60
+    checks = [
+        {
+            "limit": "stages.train.timeout_minutes",
+            "hours": round(train_limit, 1),
+            "planned_hours": stages["train"]["wall_hours"],
+            "fits": train_limit >= TIMEOUT_MARGIN * stages["train"]["wall_hours"],
+            "needs": f"{TIMEOUT_MARGIN:g} x the planned training: a timeout kills the attempt",
+        }
+    ]
+    planned_by_dag = {
+        "drafter_data": stages["generate"]["wall_hours"] + stages["capture"]["wall_hours"],
+        "drafter_train": stages["train"]["wall_hours"],
+    }
+    for dag_id, planned in planned_by_dag.items():
+        minutes = deployment.deadline_minutes.get(dag_id)
+        if minutes is not None:
+            checks.append(
+                {
+                    "limit": f"deadline_minutes.{dag_id}",
+                    "hours": round(minutes / 60, 1),
+                    "planned_hours": round(planned, 1),
+                    "fits": minutes / 60 >= planned,
+                    "needs": "the planned stages: an earlier deadline alerts on every run",
+                }
+            )
+    return checks
+
+
+def format_fit(checks: list[dict[str, Any]], deployment_path: str) -> str:
+    lines = [f"deployment limits ({deployment_path}):"]
+    for check in checks:
+        verdict = "fits" if check["fits"] else f"TOO SHORT: needs {check['needs']}"
+        lines.append(
+            f"  {check['limit']:<36}{check['hours']:>9,.1f} h  planned {check['planned_hours']:,.1f} h: "
+            + verdict
+        )
     return "\n".join(lines)

@@ -72,6 +72,17 @@ class EnginePlacement(Strict):
     gpus: int | None = Field(None, ge=0)
 
 
+class ScratchVolume(Strict):
+    """Node-local scratch for a stage's pod: an emptyDir of `size` at `path`, the pod's TMPDIR (where the
+    capture client spills hidden states and spools shard parts), and as much ephemeral storage requested
+    and limited for its container, so that the scheduler places the pod on a node with the room and the
+    kubelet evicts it only past what it asked for. Without one, TMPDIR is the container's root disk,
+    which a pod that requests no ephemeral storage shares with every other pod of its node."""
+
+    path: str = Field("/scratch", pattern=r"^/")
+    size: str = Field(pattern=r"^[0-9]+(Ki|Mi|Gi|Ti)$", description="e.g. 64Gi")
+
+
 class StageResources(Strict):
     image: ImageName = "pipeline"
     engines: dict[str, EnginePlacement] = Field(
@@ -87,6 +98,9 @@ class StageResources(Strict):
     use_pool: bool | None = Field(None, description="run in the GPU pool (default: when it asks for GPUs)")
     mounts: list[PodMount] = Field(default_factory=list, description="extra volumes of this stage's pod")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of this stage's pod")
+    scratch: ScratchVolume | None = Field(
+        None, description="node-local scratch for the pod's temporary files (its TMPDIR), requested as such"
+    )
 
     def for_engine(self, engine: str | None) -> StageResources:
         """This stage's placement when its pod runs `engine` (its own where `engines` names none)."""
@@ -329,7 +343,11 @@ class DeploymentConfig(Strict):
             "image_pull_policy": placement.image_pull_policy,
             "name": f"drafter-{name}",
             # DeepSpeed's accelerator is found in the pod (pipeline.stages.train): a GPU request is not a GPU
-            "env_vars": {POD_EXIT_CODES_ENV: "1", **stage.env},
+            "env_vars": {
+                POD_EXIT_CODES_ENV: "1",
+                **({"TMPDIR": stage.scratch.path} if stage.scratch else {}),
+                **stage.env,
+            },
             "get_logs": True,
             "do_xcom_push": True,
             "schedule_timeout_seconds": placement.schedule_timeout_seconds,
@@ -353,6 +371,14 @@ class DeploymentConfig(Strict):
             k8s.V1VolumeMount(name=f"mount-{i}", mount_path=mount.path, read_only=mount.read_only)
             for i, mount in enumerate(mounts)
         ]
+        if stage.scratch:
+            limits["ephemeral-storage"] = stage.scratch.size
+            volumes.append(
+                k8s.V1Volume(
+                    name="scratch", empty_dir=k8s.V1EmptyDirVolumeSource(size_limit=stage.scratch.size)
+                )
+            )
+            volume_mounts.append(k8s.V1VolumeMount(name="scratch", mount_path=stage.scratch.path))
         if stage.gpus and placement.gpu_shm_size:
             volumes.append(
                 k8s.V1Volume(

@@ -17,8 +17,9 @@ TOKENS = 2048
 MIB = 1 << 20
 
 
-def test_a_long_capture_at_kimi_width_arrives_exactly_and_streams_through_the_worker():
+def test_a_long_capture_at_kimi_width_arrives_exactly_and_streams_through_the_worker(tiny_target_dir):
     command = [sys.executable, "benchmarks/bench_capture_memory.py", "--tokens", str(TOKENS)]
+    command += ["--model-dir", str(tiny_target_dir)]  # the suite's tiny target, built once
     # the script's bounds are for its 32K-token run; here only what this size can show is asserted
     command += ["--max-client-mib", "inf", "--max-worker-mib", "inf"]
     out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)

@@ -267,7 +267,8 @@ def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_p
     import shlex
     import subprocess
 
-    from pipeline.ops.registry import sglang_flags, write_serving_flags
+    from pipeline.config import load_config
+    from pipeline.ops.registry import engine_server_flags, write_serving_flags
 
     serving = _workload("Deployment", "kimi-k2-5-eagle3")
     pull = serving["spec"]["template"]["spec"]["initContainers"][0]["command"]
@@ -276,7 +277,9 @@ def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_p
     assert serving["spec"]["template"]["spec"]["serviceAccountName"] == "drafter-reader"
     # the server's command line, with the flags file the pull writes, is SGLang's plus exactly those flags
     sglang = next(c for c in _containers(serving) if c["name"] == "sglang")
-    flags = sglang_flags(dest, 3, 1, 4)
+    target = load_config(KIMI_CONFIG).target
+    flags = engine_server_flags("sglang", target, dest, {"steps": 3, "topk": 1, "draft_tokens": 4})
+    assert flags[:3] == ["--tp", "8", "--trust-remote-code"]  # the target's own flags, from its run config
     write_serving_flags(tmp_path / "serving-flags", flags)
     script = sglang["args"][0].replace(flags_file, str(tmp_path / "serving-flags"))
     script = script.replace("exec python", "printf '%s\\n'")
@@ -284,6 +287,8 @@ def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_p
         sglang["command"] + [script], capture_output=True, text=True, check=True
     ).stdout.splitlines()
     assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and argv[-len(flags) :] == flags
+    options = [arg for arg in argv if arg.startswith("--")]
+    assert sorted(option for option in set(options) if options.count(option) > 1) == []  # none given twice
     assert shlex.split((tmp_path / "serving-flags").read_text()) == flags
 
 
@@ -451,3 +456,53 @@ def test_gpu_pods_fit_kimi_and_tolerate_gpu_taints():
         assert GPU_MEMORY_GB.get(selector.get("nvidia.com/gpu.product"), 0) >= 140, selector
     for toleration in tolerations:
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in toleration
+
+
+def _rollout_fenceposts(deployment: dict) -> tuple[int, int]:
+    """(maxSurge, maxUnavailable) as Kubernetes resolves them for the Deployment's replicas: defaults 25%
+    each, a percentage of surge rounded up and of unavailability rounded down, and 1 unavailable when both
+    come to 0 (pkg/controller/deployment/util/deployment_util.go, ResolveFenceposts)."""
+    import math
+
+    replicas = deployment["spec"].get("replicas", 1)
+    rolling = (deployment["spec"].get("strategy") or {}).get("rollingUpdate") or {}
+
+    def resolve(value, round_up: bool) -> int:
+        if isinstance(value, int):
+            return value
+        share = float(str(value).rstrip("%")) / 100 * replicas
+        return math.ceil(share) if round_up else math.floor(share)
+
+    surge = resolve(rolling.get("maxSurge", "25%"), True)
+    unavailable = resolve(rolling.get("maxUnavailable", "25%"), False)
+    return surge, 1 if surge == unavailable == 0 else unavailable
+
+
+def test_a_serving_rollout_needs_no_node_beyond_its_replicas():
+    serving = _workload("Deployment", "kimi-k2-5-eagle3")
+    assert serving["spec"].get("strategy", {}).get("type", "RollingUpdate") == "RollingUpdate"
+    surge, unavailable = _rollout_fenceposts(serving)
+    assert surge == 0, "a rollout would start a replica on a spare 8-GPU node first"
+    assert 1 <= unavailable < serving["spec"]["replicas"]  # one at a time: the others serve meanwhile
+    assert _rollout_fenceposts({"spec": {"replicas": 2}}) == (1, 0)  # the default this replaces
+
+
+def test_capture_spills_to_scratch_it_requested_big_enough_for_a_batch():
+    """The capture client spills each sample's float32 hidden states while its batch waits to be stored:
+    the pod's TMPDIR is an emptyDir of the stage's scratch size, requested (and limited) as ephemeral
+    storage, and that holds a batch of the run config's longest samples and a shard part besides."""
+    from pipeline.config import load_config
+    from pipeline.ops.deployment import load_deployment
+
+    deployment = load_deployment(REPO / "configs/deployment/kubernetes.yaml")
+    pod = deployment.pod_options("capture")
+    scratch = next(volume for volume in pod["volumes"] if volume.name == "scratch")
+    mount = next(m for m in pod["volume_mounts"] if m.name == "scratch")
+    assert pod["env_vars"]["TMPDIR"] == mount.mount_path and scratch.empty_dir.medium is None
+    resources = pod["container_resources"]
+    size = scratch.empty_dir.size_limit
+    assert resources.requests["ephemeral-storage"] == resources.limits["ephemeral-storage"] == size
+    kimi = load_config(KIMI_CONFIG)
+    capture = kimi.capture
+    spilled = capture.batch_size * capture.max_length * 3 * kimi.target.hidden_size * 4
+    assert spilled + capture.part_max_mib * 2**20 <= int(size.removesuffix("Gi")) * 2**30

@@ -234,3 +234,40 @@ def test_a_capture_worker_that_dies_is_replaced(servers, tmp_path):
 def test_an_unreachable_server_is_a_clear_error():
     with pytest.raises(EngineError, match="cannot reach SGLang at http://127.0.0.1:9"):
         SGLangEngine(SGLangClientConfig(urls=["http://127.0.0.1:9"], retries=0, timeout_s=2))
+
+
+def test_health_answers_as_sglang_0_5_23_does(tiny_target_dir, monkeypatch):
+    """/health runs a one-token generation through the scheduler and answers no sooner than a second
+    (so a probe with the kubelet's default timeoutSeconds of 1 never passes), counted by no metric;
+    with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false only /health answers at once."""
+    import time
+
+    import requests
+
+    from harness.sglang_standin import HEALTH_GENERATION_ENV
+
+    backend = StandinBackend(tiny_target_dir, None, enable_metrics=True)
+    generating = serve(backend)
+    monkeypatch.setenv(HEALTH_GENERATION_ENV, "false")
+    quick = serve(backend)
+    url, quick_url = (f"http://127.0.0.1:{server.server_port}" for server in (generating, quick))
+
+    def answer(address: str, timeout: float = 30) -> tuple[int, float]:
+        started = time.monotonic()
+        status = requests.get(address, timeout=timeout).status_code
+        return status, time.monotonic() - started
+
+    try:
+        for path in ("/health", "/health_generate"):
+            status, seconds = answer(url + path)
+            assert status == 200 and seconds >= 1.0
+        with pytest.raises(requests.Timeout):
+            requests.get(url + "/health", timeout=0.9)
+        status, seconds = answer(quick_url + "/health")
+        assert status == 200 and seconds < 1.0
+        status, seconds = answer(quick_url + "/health_generate")
+        assert status == 200 and seconds >= 1.0
+        assert backend.counters.requests == 0  # the health checks' generations count in no metric
+    finally:
+        generating.shutdown()
+        quick.shutdown()

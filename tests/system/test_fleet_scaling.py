@@ -56,7 +56,8 @@ def _healthy_through(cluster):
         parts = urlsplit(url)
         address = cluster.address_of(parts.hostname)
         try:
-            return address is not None and requests.get(f"http://{address}:{parts.port}/health", timeout=5).ok
+            url = f"http://{address}:{parts.port}/health"
+            return address is not None and requests.get(url, timeout=30).ok
         except requests.RequestException:
             return False
 

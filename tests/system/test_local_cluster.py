@@ -243,7 +243,6 @@ WEB = [
                             "command": ["python", "-c", HELLO],
                             "readinessProbe": {
                                 "httpGet": {"path": "/", "port": 8080},
-                                "initialDelaySeconds": 60,
                                 "periodSeconds": 1,
                             },
                         }
@@ -429,6 +428,28 @@ def test_a_pod_with_a_readiness_probe_is_ready_only_while_the_probe_answers(api)
     status = api.core_v1.read_namespaced_pod("unanswered", "ns").status
     assert not unanswered.ready() and not status.container_statuses[0].ready
     assert {c.type: c.status for c in status.conditions}["Ready"] == "False"
+
+
+SLOW_HELLO = HELLO.replace(
+    "    def do_GET(self):\n", "    def do_GET(self):\n        import time; time.sleep(1.3)\n"
+)
+
+
+def test_a_probe_is_timed_as_the_kubelet_times_it(api):
+    """An answer later than timeoutSeconds (default 1 s) is a failure however often it comes; the pod is
+    ready only once a probe with room for the answer has run, no sooner than initialDelaySeconds."""
+
+    def pod(name, **probe):
+        container = {"name": "base", "image": "python", "command": ["python", "-c", SLOW_HELLO]}
+        container["readinessProbe"] = {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1, **probe}
+        spec = {"containers": [container]}
+        return api.create_pod({"metadata": {"name": name, "namespace": "ns"}, "spec": spec})
+
+    defaults, patient = pod("defaults"), pod("patient", timeoutSeconds=5, initialDelaySeconds=4)
+    started = time.monotonic()
+    wait_for(patient.ready, timeout=60)
+    assert time.monotonic() - started >= 4  # not before initialDelaySeconds
+    assert defaults.current_phase() == "Running" and not defaults.ready()  # it answers each GET 1.3 s late
 
 
 # -- Indexed Jobs: the multi-node trainer's pods, their env, hostnames and names --------------------------

@@ -5,8 +5,9 @@ transport rates: tests/integration/test_capacity.py."""
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.ops.capacity import PlanError, plan, shard_bytes_per_token
-from tests.conftest import KIMI_CONFIG
+from pipeline.ops.capacity import PlanError, deployment_fit, format_fit, plan, shard_bytes_per_token
+from pipeline.ops.deployment import DeploymentConfig, load_deployment
+from tests.conftest import KIMI_CONFIG, REPO
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +161,30 @@ def test_the_plan_stands_beside_torchspecs_published_run(kimi, kimi_plan):
     at_600k = plan(kimi, 600_000, compare=False)
     assert comparison["this_plan"]["gpu_hours"] == at_600k["total"]["gpu_hours"]
     assert comparison["this_plan"]["tokens"] == at_600k["tokens"]["captured"]
+
+
+def test_the_kubernetes_deployment_lets_the_pilot_finish(kimi):
+    """One train attempt covers the 37K pilot's planned training with room, and no DAG's deadline alerts
+    before the plan's hours are up (a train timeout of 72 h against 218 h planned could never finish)."""
+    checks = deployment_fit(plan(kimi, 37_000), load_deployment(REPO / "configs/deployment/kubernetes.yaml"))
+    assert [check["limit"] for check in checks] == [
+        "stages.train.timeout_minutes",
+        "deadline_minutes.drafter_data",
+        "deadline_minutes.drafter_train",
+    ]
+    assert all(check["fits"] for check in checks), checks
+    train = checks[0]
+    assert train["hours"] >= 1.2 * train["planned_hours"] > 200
+
+
+def test_a_limit_shorter_than_the_plan_is_named(kimi):
+    short = DeploymentConfig.model_validate(
+        {"stages": {"train": {"timeout_minutes": 4320}}, "deadline_minutes": {"drafter_data": 6000}}
+    )
+    checks = deployment_fit(plan(kimi, 37_000), short)
+    assert [(check["limit"], check["fits"]) for check in checks] == [
+        ("stages.train.timeout_minutes", False),
+        ("deadline_minutes.drafter_data", False),
+    ]
+    text = format_fit(checks, "short.yaml")
+    assert "stages.train.timeout_minutes" in text and "72.0 h  planned 218.0 h: TOO SHORT" in text

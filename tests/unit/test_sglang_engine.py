@@ -89,3 +89,13 @@ def test_a_null_or_absent_block_is_no_hidden_states_not_an_empty_one():
     assert split_hidden_states(b'{"meta_info": {"hidden_states": null, "id": 1}}')[1] is None
     with pytest.raises(EngineError, match="enable-return-hidden-states"):
         prompt_states(split_hidden_states(b'{"meta_info": {"hidden_states": null}}')[1], 3, 4)
+
+
+def test_the_standins_health_setting_is_read_as_sglang_reads_it():
+    from harness.sglang_standin import HEALTH_GENERATION_ENV, health_generation_enabled
+
+    assert health_generation_enabled({}) is True  # SGLang 0.5.23's default
+    assert health_generation_enabled({HEALTH_GENERATION_ENV: "No"}) is False
+    assert health_generation_enabled({HEALTH_GENERATION_ENV: "1"}) is True
+    with pytest.raises(SystemExit, match="not a boolean"):
+        health_generation_enabled({HEALTH_GENERATION_ENV: "sometimes"})
