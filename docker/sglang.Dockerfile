@@ -26,6 +26,10 @@ ENV SGLANG_DECIDES="torch transformers tokenizers deepspeed"
 RUN python -c "import os, tomllib; SGLANG_DECIDES = os.environ['SGLANG_DECIDES'].split(); deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
 print('\n'.join(d for d in deps if d.split('=')[0] not in SGLANG_DECIDES))" > /tmp/requirements.txt \
  && pip install --no-cache-dir -r /tmp/requirements.txt && pip install --no-cache-dir --no-deps .
+# Not root: the pipeline image's user (uid 50000, group 0, as apache/airflow's), so that what one pod writes
+# on the shared volumes another may replace (docs/RUNBOOK.md, the first deployment's checklist)
+RUN useradd --uid 50000 --gid 0 --home-dir /home/drafter --create-home drafter
+USER 50000
 ENV DS_ACCELERATOR=cuda
 EXPOSE 30000
 CMD ["python", "-m", "sglang.launch_server", "--help"]

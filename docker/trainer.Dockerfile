@@ -15,5 +15,9 @@ COPY infra/k8s/trainer-workers.yaml ./infra/k8s/trainer-workers.yaml
 # the CUDA 12.8 build of the torch version pyproject.toml pins; DeepSpeed and the rest from pyproject.toml
 RUN pip install --no-cache-dir "torch==2.13.*" --index-url https://download.pytorch.org/whl/cu128 \
  && pip install --no-cache-dir .
+# Not root: the pipeline image's user (uid 50000, group 0, as apache/airflow's), so that what one pod writes
+# on the shared volumes another may replace (docs/RUNBOOK.md, the first deployment's checklist)
+RUN useradd --uid 50000 --gid 0 --home-dir /home/drafter --create-home drafter
+USER 50000
 ENV DS_ACCELERATOR=cuda
 ENTRYPOINT ["drafter"]

@@ -32,5 +32,9 @@ COPY pipeline ./pipeline
 COPY configs ./configs
 RUN pip install --no-cache-dir "torch==2.13.*" --index-url https://download.pytorch.org/whl/cpu \
  && pip install --no-cache-dir .
+# Not root: the pipeline image's user (uid 50000, group 0, as apache/airflow's), so that what one pod writes
+# on the shared volumes another may replace (docs/RUNBOOK.md, the first deployment's checklist)
+RUN useradd --uid 50000 --gid 0 --home-dir /home/drafter --create-home drafter
+USER 50000
 ENV DRAFTER_HOME=/opt/drafter
 ENTRYPOINT ["drafter"]

@@ -15,8 +15,14 @@ What stands in for what:
 - the nodes: labels, taints and capacity of a CPU node and a tainted 8-GPU node; a pod whose node
   selector, tolerations or requests fit neither is not scheduled (FailedScheduling), as on a cluster;
 - volumes: a PersistentVolumeClaim, ConfigMap or Secret is a local directory that exists once the
-  manifest declaring it is applied (`apply`); a pod mounting one that does not exist fails to start
-  (FailedMount); emptyDir is a fresh directory (medium Memory: a tmpfs);
+  manifest declaring it is applied (`apply`), owned by root with mode 0755 as a new filesystem is; a
+  pod mounting one that does not exist fails to start (FailedMount); emptyDir is a fresh directory of
+  mode 0777, as the kubelet makes it (medium Memory: a tmpfs). fsGroup is a supplementary group of the
+  pod's processes but changes no volume's ownership: the CSI drivers of the shared ReadWriteMany
+  volumes (EFS, FSx for Lustre) do not apply it;
+- users: each container runs as its image's USER (`LocalImage.user`, from its Dockerfile), or as its
+  securityContext's runAsUser / runAsGroup, container over pod (`run_as`); runAsNonRoot refuses root.
+  Files it writes are that user's, and the kernel decides what it may read and write;
 - IAM roles for service accounts: for a service account annotated with a role ARN, the pod gets the
   web-identity env and token file that EKS's webhook injects, so boto3 assumes the role through STS;
   no pod ever holds access keys. AWS's endpoints (S3, STS) are one local server, named to every pod by
@@ -117,14 +123,62 @@ UNSUPPORTED_JOB_FIELDS = (
 
 
 @dataclass(frozen=True)
+class ImageUser:
+    """The user an image's processes run as (its Dockerfile's last USER), as its /etc/passwd has it."""
+
+    uid: int = 0
+    gid: int = 0
+    name: str = "root"
+    home: str = "/root"
+
+
+@dataclass(frozen=True)
 class LocalImage:
     """What a container image holds here: its files (path in the container -> host path, read-only),
-    paths among them that are this machine's state rather than the image's (masked), env and workdir."""
+    paths among them that are this machine's state rather than the image's (masked), env, workdir and
+    the user it runs as."""
 
     files: dict[str, str]
     workdir: str
     env: dict[str, str]
     masked: tuple[str, ...] = ()
+    user: ImageUser = ImageUser()
+
+
+@dataclass(frozen=True)
+class RunAs:
+    """Who a container's processes are: uid, primary gid and supplementary groups, and the passwd entry
+    and HOME the container runtime gives them."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    name: str
+    home: str
+
+
+def run_as(pod_spec: dict[str, Any], container: dict[str, Any], image: LocalImage) -> RunAs:
+    """The identity Kubernetes runs a container with: the container's securityContext over the pod's,
+    over the image's USER; runAsGroup, else the image user's group when it is that user, else 0; fsGroup
+    and supplementalGroups as supplementary groups. runAsNonRoot refuses a container that would be root
+    (the kubelet's CreateContainerConfigError). The runtime's HOME is the passwd home of the uid, "/" for
+    a uid the image does not know."""
+    pod_context = pod_spec.get("securityContext") or {}
+    context = {**pod_context, **(container.get("securityContext") or {})}
+    uid = int(context.get("runAsUser", image.user.uid))
+    known = uid == image.user.uid
+    gid = int(context.get("runAsGroup", image.user.gid if known else 0))
+    if context.get("runAsNonRoot") and uid == 0:
+        raise ClusterError(f"container {container['name']} has runAsNonRoot and would run as root (uid 0)")
+    groups = [pod_context["fsGroup"]] if "fsGroup" in pod_context else []
+    groups += list(pod_context.get("supplementalGroups") or [])
+    return RunAs(
+        uid,
+        gid,
+        tuple(int(group) for group in groups),
+        image.user.name if known else f"uid{uid}",
+        image.user.home if known else "/",
+    )
 
 
 @dataclass(frozen=True)
@@ -303,8 +357,10 @@ class ContainerRun:
         spec_path: Path,
         log_path: Path,
         on_exit: Callable[[], None],
+        user: RunAs | None = None,
     ):
         self.name, self.env, self.log_path, self._on_exit = name, env, log_path, on_exit
+        self.user = user or RunAs(0, 0, (), "root", "/root")
         self.started_at = _now()
         self.finished_at: dt.datetime | None = None
         self.exit_code: int | None = None
@@ -506,6 +562,7 @@ class LocalCluster:
         self.history: list[dict[str, Any]] = []
         self.statefulsets: dict[tuple[str, str], dict[str, Any]] = {}
         self.services: dict[tuple[str, str], dict[str, Any]] = {}
+        self.persistent_volumes: dict[str, dict[str, Any]] = {}
         self.jobs: dict[tuple[str, str], LocalJob] = {}
         self.rbac = Rbac()
         self.api: ApiServer | None = None
@@ -525,10 +582,33 @@ class LocalCluster:
     def volume_dir(self, kind: str, namespace: str, name: str) -> Path:
         return self.workspace / "volumes" / namespace / kind / name
 
+    def _claim(self, namespace: str, name: str, spec: dict[str, Any]) -> None:
+        """A claim's volume: with spec.volumeName, the PersistentVolume of that name (declared before, and
+        reserved for this claim by its claimRef), whose filesystem every volume naming the same CSI
+        volumeHandle or NFS export shares; without, a new empty volume (dynamic provisioning)."""
+        claim = self.volume_dir("pvc", namespace, name)
+        volume_name = spec.get("volumeName")
+        if volume_name is None:
+            claim.mkdir(parents=True, exist_ok=True)
+            return
+        volume = self.persistent_volumes.get(volume_name)
+        if volume is None:
+            raise ClusterError(f"claim {namespace}/{name} names volume {volume_name}, which is not declared")
+        reserved = volume["spec"].get("claimRef") or {}
+        if reserved and (reserved.get("namespace"), reserved.get("name")) != (namespace, name):
+            raise ClusterError(
+                f"volume {volume_name} is reserved for claim {reserved}, not {namespace}/{name}"
+            )
+        store = self.workspace / "volumes" / "filesystems" / _filesystem(volume)
+        store.mkdir(parents=True, exist_ok=True)
+        claim.parent.mkdir(parents=True, exist_ok=True)
+        if not claim.is_symlink():
+            claim.symlink_to(store)
+
     def apply(self, path: Path) -> list[str]:
         """Create or update what a manifest declares (`kubectl apply -f`): namespaces, service accounts,
-        claims, config maps, secrets, RBAC objects, Services and StatefulSets (whose pods then follow its
-        replicas) become local state; other kinds are recorded as applied."""
+        claims, config maps, secrets, RBAC objects, Services, StatefulSets (whose pods then follow its
+        replicas) and Jobs become local state; other kinds are recorded as applied."""
         created = []
         for doc in yaml.safe_load_all(Path(path).read_text()):
             if not doc:
@@ -539,8 +619,10 @@ class LocalCluster:
                 self.namespaces.add(name)
             elif kind == "ServiceAccount":
                 self.service_accounts[(namespace, name)] = dict(meta.get("annotations") or {})
+            elif kind == "PersistentVolume":
+                self.persistent_volumes[name] = doc
             elif kind == "PersistentVolumeClaim":
-                self.volume_dir("pvc", namespace, name).mkdir(parents=True, exist_ok=True)
+                self._claim(namespace, name, doc.get("spec") or {})
             elif kind in ("ConfigMap", "Secret"):
                 directory = self.volume_dir(kind.lower(), namespace, name)
                 directory.mkdir(parents=True, exist_ok=True)
@@ -553,6 +635,8 @@ class LocalCluster:
             elif kind == "StatefulSet":
                 self.statefulsets[(namespace, name)] = doc
                 self._reconcile_later(namespace, name)
+            elif kind == "Job":  # created once: a Job's spec cannot change, and applying it again is a no-op
+                self.create_job(doc)
             created.append(f"{kind}/{namespace}/{name}")
         self.applied += created
         self._write_hosts()  # a Service gives names to the pods of its subdomain
@@ -710,6 +794,13 @@ class LocalCluster:
             for pod in list(self.pods.values())
             if pod.namespace == namespace and (pod.manifest["metadata"].get("labels") or {}).get(key) == value
         ]
+
+    def job_status(self, namespace: str, name: str) -> dict[str, Any]:
+        """A Job's status as the API returns it."""
+        job = self.jobs.get((namespace, name))
+        if job is None:
+            raise ClusterError(f"job {namespace}/{name} does not exist")
+        return job.status()
 
     def job_pods(self, namespace: str, job: str) -> list[LocalPod]:
         """The pods labelled as the Job's (batch.kubernetes.io/job-name), by completion index, oldest
@@ -980,6 +1071,7 @@ class LocalCluster:
                 empty = volume["emptyDir"] or {}
                 source = pod.directory / "volumes" / name
                 source.mkdir(parents=True)
+                source.chmod(0o777)  # as the kubelet makes an emptyDir: any user of the pod writes it
                 size = empty.get("sizeLimit")
                 volumes[name] = {
                     "source": str(source),
@@ -1055,6 +1147,7 @@ class LocalCluster:
 
     def _run_container(self, pod: LocalPod, container: dict[str, Any], volumes: dict[str, dict[str, Any]]):
         image = self._image(container)
+        user = run_as(pod.manifest["spec"], container, image)
         defined, mounts = self._container_env(pod, container)
         argv = [
             expand_variables(part, defined)
@@ -1064,7 +1157,7 @@ class LocalCluster:
             raise ClusterError(
                 f"container {container['name']}: no command (the local images have no entrypoint)"
             )
-        env = {**image.env, "HOSTNAME": pod.hostname, **defined}
+        env = {"HOME": user.home, **image.env, "HOSTNAME": pod.hostname, **defined}
         for mount in container.get("volumeMounts") or []:
             if mount["name"] not in volumes:
                 raise ClusterError(
@@ -1095,6 +1188,13 @@ class LocalCluster:
                     "workdir": container.get("workingDir") or image.workdir,
                     "env": env,
                     "argv": argv,
+                    "user": {
+                        "uid": user.uid,
+                        "gid": user.gid,
+                        "groups": list(user.groups),
+                        "name": user.name,
+                        "home": user.home,
+                    },
                 }
             )
         )
@@ -1108,6 +1208,7 @@ class LocalCluster:
             spec_path,
             pod.directory / f"{container['name']}.log",
             on_exit=self._write_hosts,
+            user=user,
         )
 
     def delete_pod(self, namespace: str, name: str) -> None:
@@ -1166,6 +1267,19 @@ def _reserve_network_block() -> tuple[IO[str], ipaddress.IPv4Address]:
             continue
         return handle, ipaddress.IPv4Address(f"127.{block}.0.0")
     raise ClusterError(f"every local cluster network block is held (locks in {NETWORK_LOCKS})")
+
+
+def _filesystem(volume: dict[str, Any]) -> str:
+    """The filesystem a PersistentVolume names, as a directory name: its CSI driver and volumeHandle, or
+    its NFS server and path."""
+    spec = volume["spec"]
+    if "csi" in spec:
+        source = f"{spec['csi']['driver']}-{spec['csi']['volumeHandle']}"
+    elif "nfs" in spec:
+        source = f"nfs-{spec['nfs']['server']}-{spec['nfs']['path']}"
+    else:
+        raise ClusterError(f"volume {volume['metadata']['name']}: only csi and nfs volumes are stores here")
+    return re.sub(r"[^A-Za-z0-9.-]", "_", source)
 
 
 def _env_value(pod: LocalPod, container: str, variable: dict[str, Any], defined: Mapping[str, str]) -> str:
@@ -1288,6 +1402,9 @@ class ExecSession:
                 "--pid",
                 "--root",
                 "--wd",
+                # as the container's own user, as `kubectl exec` runs
+                f"--setgid={run.user.gid}",
+                f"--setuid={run.user.uid}",
                 "--",
                 *command,
             ],

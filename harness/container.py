@@ -9,7 +9,9 @@ read-only, where the image has them), the pod's volumes at their mount paths, a 
 /etc/hostname, and /etc/hosts: a link to `hosts` in the pod's DNS directory, bound read-only at
 /run/cluster-dns, where the cluster replaces the file whole as pods come and go (its DNS).
 Everything else of this machine (other work trees, caches, test directories) is absent, so a
-path that the pod reads without mounting it fails there as it would on a cluster.
+path that the pod reads without mounting it fails there as it would on a cluster. The command runs as
+the container's user (its image's USER, or its securityContext), with that user's passwd entry and home
+directory: what it may write on a volume is what the volume's owner and modes allow that user.
 
     python -m harness.container SPEC.json
 """
@@ -102,6 +104,25 @@ def _volumes(root: Path, mounts: list[dict]) -> None:
             _bind(mount["source"], target, read_only=mount["read_only"])
 
 
+def _user(root: Path, user: dict) -> None:
+    """The image's user as the image has it: its /etc/passwd entry and its home directory, owned by it."""
+    passwd = root / "etc" / "passwd"
+    entries = passwd.read_text()
+    if not any(line.split(":")[2:3] == [str(user["uid"])] for line in entries.splitlines()):
+        passwd.write_text(f"{entries}{user['name']}:x:{user['uid']}:{user['gid']}::{user['home']}:/bin/sh\n")
+    home = root / user["home"].lstrip("/")
+    if user["home"] != "/" and not home.exists():
+        home.mkdir(parents=True)
+        os.chown(home, user["uid"], user["gid"])
+
+
+def _become(user: dict) -> None:
+    """Drop root for the container's user: its supplementary groups, its group, then its uid."""
+    os.setgroups(user["groups"])
+    os.setgid(user["gid"])
+    os.setuid(user["uid"])
+
+
 def enter(spec: dict) -> None:
     root = Path(spec["rootfs"])
     root.mkdir(parents=True, exist_ok=True)
@@ -110,8 +131,10 @@ def enter(spec: dict) -> None:
     _names(root, spec["hostname"], spec["dns"])
     _image(root, spec["image_files"], spec["masked"])
     _volumes(root, spec["mounts"])
+    _user(root, spec["user"])
     os.chroot(root)
     os.chdir(spec["workdir"])
+    _become(spec["user"])
     _default_signals()
     os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
 

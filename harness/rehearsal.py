@@ -56,7 +56,7 @@ from typing import Any
 
 import yaml
 
-from harness.cluster import LocalCluster, LocalImage, LocalNode, LocalPod, use_local_cluster
+from harness.cluster import ImageUser, LocalCluster, LocalImage, LocalNode, LocalPod, use_local_cluster
 from harness.json_http import free_port
 from pipeline.config import PROJECT_ROOT, TinyTargetRecipe
 from pipeline.retrying import await_health
@@ -144,7 +144,6 @@ def _images() -> dict[str, LocalImage]:
     base = {
         "PATH": path,
         "PYTHONUNBUFFERED": "1",
-        "HOME": "/root",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "DRAFTER_HOME": "/opt/drafter",
@@ -153,7 +152,11 @@ def _images() -> dict[str, LocalImage]:
         # barriers (two side by side ran 3x slower than with one thread each).
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
-    pipeline = LocalImage(files, "/opt/drafter", base, masked + not_shipped)
+
+    def image(name: str) -> LocalImage:  # the project's files, run as the user its Dockerfile names
+        user = dockerfile_user(PROJECT_ROOT / "docker" / f"{name}.Dockerfile")
+        return LocalImage(files, "/opt/drafter", base, masked + not_shipped, user)
+
     # SGLang's image: its `sglang` is the shim, which runs the harness's stand-in (in place of SGLang's
     # own package, so this image alone sees the harness)
     sglang = LocalImage(
@@ -161,15 +164,48 @@ def _images() -> dict[str, LocalImage]:
         "/opt/drafter",
         {**base, "PYTHONPATH": f"/opt/sglang-shim:{PROJECT_ROOT}"},
         masked,
+        dockerfile_user(PROJECT_ROOT / "docker" / "sglang.Dockerfile"),
     )
-    sidecar = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})
+    sidecar = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})  # alpine, as root
     return {
-        deployment["pipeline"]: pipeline,
-        deployment["trainer"]: pipeline,
+        deployment["pipeline"]: image("pipeline"),
+        deployment["trainer"]: image("trainer"),
         deployment["sglang"]: sglang,
-        deployment["vllm"]: pipeline,
+        deployment["vllm"]: image("vllm"),
         PodDefaults.SIDECAR_CONTAINER.image: sidecar,
     }
+
+
+# The users of the base images the Dockerfiles build FROM: apache/airflow's `airflow` is uid 50000 in group
+# 0 (the root group), home /home/airflow (Airflow's "Docker image" docs, "Arbitrary docker user")
+BASE_IMAGE_USERS = {"airflow": ImageUser(50000, 0, "airflow", "/home/airflow")}
+
+
+def dockerfile_user(path: Path) -> ImageUser:
+    """The user a built image runs as: its Dockerfile's last USER (root without one), by name or uid,
+    resolved through the Dockerfile's own `useradd` lines or the base image's users."""
+    import shlex
+
+    text = path.read_text().replace("\\\n", " ")
+    users = [line.split()[1] for line in text.splitlines() if line.startswith("USER ")]
+    if not users:
+        return ImageUser()
+    wanted = users[-1].split(":")[0]
+    added = {}
+    for line in text.splitlines():
+        words = shlex.split(line.partition("useradd")[2]) if "useradd" in line else []
+        if words:
+            options = dict(zip(words[:-1:2], words[1:-1:2], strict=False))
+            uid, name = int(options["--uid"]), words[-1]
+            added[name] = added[str(uid)] = ImageUser(
+                uid, int(options.get("--gid", uid)), name, options.get("--home-dir", f"/home/{name}")
+            )
+    known = {**BASE_IMAGE_USERS, **added}
+    if wanted in known:
+        return known[wanted]
+    if wanted.isdigit():
+        return ImageUser(int(wanted), 0, f"uid{wanted}", "/")
+    raise RehearsalFailed(f"{path.name}: USER {wanted} is none its Dockerfile or base image creates")
 
 
 NODES = (
@@ -215,6 +251,7 @@ class Runbook:
         "kubectl -n sglang scale",
         "kubectl -n sglang rollout status",
         "kubectl -n drafter logs",
+        "kubectl -n drafter wait",
     )
 
     def __init__(self, handlers: dict[str, Any]):
@@ -403,6 +440,29 @@ def kubectl_rollout_status(cluster: LocalCluster):
     return run
 
 
+def kubectl_wait_for_job(cluster: LocalCluster):
+    """`kubectl -n NS wait --for=condition=complete job/NAME --timeout=...`: until the Job completed; a Job
+    that failed fails the rehearsal with its pods' logs."""
+
+    def run(command: str) -> str:
+        argv = command.split()
+        namespace, name = argv[argv.index("-n") + 1], argv[-2].split("/", 1)[1]
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            status = cluster.job_status(namespace, name)
+            conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+            if conditions.get("Complete") == "True":
+                return f"job.batch/{name} condition met"
+            if conditions.get("Failed") == "True":
+                pods = cluster.job_pods(namespace, name)
+                logs = [path.read_text()[-2000:] for pod in pods for path in pod.directory.glob("*.log")]
+                raise RehearsalFailed(f"job {namespace}/{name} failed: {status}\n" + "\n".join(logs))
+            time.sleep(1)
+        raise RehearsalFailed(f"job {namespace}/{name} did not complete within 300 s")
+
+    return run
+
+
 def airflow_command(command: str) -> str:
     """The `airflow ...` part of a `kubectl exec ... -- airflow ...`, run with the rehearsal's Airflow."""
     import shlex
@@ -553,10 +613,10 @@ def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
     from pipeline.engines.tiny_target import ensure_tiny_target
 
     model = ensure_tiny_target(TARGET_RECIPE, cache)
-    for namespace in ("drafter", "sglang"):
-        weights = cluster.volume_dir("pvc", namespace, "kimi-k2-5-weights")
-        weights.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(model, weights / "Kimi-K2.5", dirs_exist_ok=True)
+    # into the model store, once, through the task pods' claim, as a user copies weights (files of their
+    # own umask's modes); the SGLang servers' claim reads them only if it is bound to the same filesystem
+    weights = cluster.volume_dir("pvc", "drafter", "kimi-k2-5-weights")
+    shutil.copytree(model, weights / "Kimi-K2.5", dirs_exist_ok=True, copy_function=shutil.copyfile)
     write_prompt_files(cluster.volume_dir("pvc", "drafter", "drafter-prompts"))
     configs = cluster.volume_dir("pvc", "drafter", "drafter-run-configs")
     shutil.copy(REHEARSAL_CONFIG, configs / "kimi-k2.5.yaml")
@@ -983,6 +1043,7 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
             "kubectl apply": kubectl_apply(cluster, workspace),
             "kubectl -n sglang scale": kubectl_scale(cluster),
             "kubectl -n sglang rollout status": kubectl_rollout_status(cluster),
+            "kubectl -n drafter wait": kubectl_wait_for_job(cluster),
             "kubectl -n drafter logs": kubectl_logs(cluster),
             "kubectl -n airflow exec": airflow_command,
             "curl": capture_server_info(cluster),
@@ -995,7 +1056,7 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
         cluster.start_api()
         worker_identity(workspace, endpoint)
         for command in runbook_commands():  # §1: S3 and IAM, the cluster objects
-            if command.startswith(("aws s3api", "kubectl apply")):
+            if command.startswith(("aws s3api", "kubectl apply", "kubectl -n drafter wait")):
                 runbook.run(command)
         model_dir = fill_volumes(cluster, cache)
         reference_url = start_reference_server(

@@ -110,6 +110,17 @@ class StageResources(Strict):
         return self.model_copy(update=placement.model_dump(exclude_none=True))
 
 
+class PodUser(Strict):
+    """Who every task pod runs as, whatever its image: one uid and group for all, so that a file one
+    stage writes on a shared volume (evaluate's candidate drafter) another may replace (promote)."""
+
+    uid: int = Field(50000, ge=1, description="runAsUser; never 0 (runAsNonRoot is set)")
+    gid: int = Field(0, ge=0, description="runAsGroup")
+
+    def security_context(self) -> dict[str, Any]:
+        return {"runAsUser": self.uid, "runAsGroup": self.gid, "runAsNonRoot": True}
+
+
 class KubernetesPlacement(Strict):
     namespace: str = "drafter"
     service_account: str = Field(
@@ -117,6 +128,10 @@ class KubernetesPlacement(Strict):
     )
     images: dict[ImageName, str]
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    run_as: PodUser = Field(
+        default_factory=PodUser,
+        description="the uid and group of every task pod (its securityContext), whatever its image's USER",
+    )
     node_selector_gpu: dict[str, str] = Field(default_factory=dict)
     gpu_tolerations: list[Toleration] = Field(
         default_factory=list, description="GPU node pools are usually tainted (nvidia.com/gpu:NoSchedule)"
@@ -342,6 +357,7 @@ class DeploymentConfig(Strict):
             "service_account_name": placement.service_account,
             "image_pull_policy": placement.image_pull_policy,
             "name": f"drafter-{name}",
+            "security_context": placement.run_as.security_context(),
             # DeepSpeed's accelerator is found in the pod (pipeline.stages.train): a GPU request is not a GPU
             "env_vars": {
                 POD_EXIT_CODES_ENV: "1",

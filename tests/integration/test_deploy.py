@@ -40,9 +40,15 @@ def _containers(doc: dict) -> list[dict]:
     return spec.get("initContainers", []) + spec.get("containers", [])
 
 
-def _workload(kind: str, name: str) -> dict:
-    matches = [doc for _, doc in _documents() if doc["kind"] == kind and doc["metadata"]["name"] == name]
-    assert len(matches) == 1, (kind, name)
+def _workload(kind: str, name: str, namespace: str | None = None) -> dict:
+    matches = [
+        doc
+        for _, doc in _documents()
+        if doc["kind"] == kind
+        and doc["metadata"]["name"] == name
+        and namespace in (None, doc["metadata"].get("namespace"))
+    ]
+    assert len(matches) == 1, (kind, name, namespace)
     return matches[0]
 
 
@@ -143,6 +149,7 @@ MODELS = {
     "ServiceAccount": "V1ServiceAccount",
     "Job": "V1Job",
     "PersistentVolumeClaim": "V1PersistentVolumeClaim",
+    "PersistentVolume": "V1PersistentVolume",
     "Role": "V1Role",
     "RoleBinding": "V1RoleBinding",
 }
@@ -354,10 +361,8 @@ def test_trainer_nodes_start_no_ssh_and_get_eight_big_gpus_shared_memory_and_the
     assert _workload("PersistentVolumeClaim", cache)["spec"]["accessModes"] == ["ReadWriteMany"]
     weights = [path for path in mounts if KIMI["target"]["model_path"].startswith(path + "/")]
     claim = volumes[mounts[weights[0]]]["persistentVolumeClaim"]
-    assert (
-        claim["readOnly"]
-        and _workload("PersistentVolumeClaim", claim["claimName"])["metadata"]["namespace"]
-        == job["metadata"]["namespace"]
+    assert claim["readOnly"] and _workload(
+        "PersistentVolumeClaim", claim["claimName"], job["metadata"]["namespace"]
     )
 
 
@@ -506,3 +511,54 @@ def test_capture_spills_to_scratch_it_requested_big_enough_for_a_batch():
     capture = kimi.capture
     spilled = capture.batch_size * capture.max_length * 3 * kimi.target.hidden_size * 4
     assert spilled + capture.part_max_mib * 2**20 <= int(size.removesuffix("Gi")) * 2**30
+
+
+def _claims_mounted() -> list[tuple[str, str, str]]:
+    """(namespace, workload, claim) for every claim a manifest's pods mount."""
+    found = []
+    for _, doc in _documents():
+        spec = doc.get("spec", {}).get("template", {}).get("spec", {})
+        for volume in spec.get("volumes") or []:
+            if "persistentVolumeClaim" in volume:
+                claim = volume["persistentVolumeClaim"]["claimName"]
+                found.append((doc["metadata"]["namespace"], doc["metadata"]["name"], claim))
+    return found
+
+
+def test_every_mounted_claim_is_declared_and_the_weights_are_one_filesystem_in_both_namespaces():
+    """A pod's claim must exist in its own namespace; the weights claims of both namespaces are bound
+    (volumeName, no storage class: not provisioned as new, empty volumes) to volumes reserved for them that
+    name one filesystem, the model store."""
+    for namespace, workload, claim in _claims_mounted():
+        assert _workload("PersistentVolumeClaim", claim, namespace), (workload, claim)
+    filesystems = set()
+    for namespace in ("drafter", "sglang"):
+        claim = _workload("PersistentVolumeClaim", "kimi-k2-5-weights", namespace)
+        assert claim["spec"]["storageClassName"] == "" and claim["spec"]["volumeName"]
+        volume = _workload("PersistentVolume", claim["spec"]["volumeName"])
+        assert volume["spec"]["claimRef"] == {"namespace": namespace, "name": "kimi-k2-5-weights"}
+        filesystems.add((volume["spec"]["csi"]["driver"], volume["spec"]["csi"]["volumeHandle"]))
+    assert len(filesystems) == 1
+
+
+def test_every_pod_runs_as_the_task_pods_user():
+    """What one pod writes on a shared volume another replaces: the task pods' run_as, the trainer Job's
+    and the SGLang pods' securityContext and the images' USER are one uid and group, never root; only the
+    volume owner runs as root, to give the cache's root to that user."""
+    from harness.rehearsal import dockerfile_user
+    from pipeline.ops.deployment import load_deployment
+
+    placement = load_deployment(REPO / "configs/deployment/kubernetes.yaml").kubernetes
+    run_as = placement.run_as
+    expected = {"runAsUser": run_as.uid, "runAsGroup": run_as.gid, "runAsNonRoot": True}
+    assert run_as.security_context() == expected and run_as.uid != 0
+    for _, doc in _documents():
+        pod = doc.get("spec", {}).get("template", {}).get("spec")
+        if pod is not None and doc["metadata"]["name"] != "drafter-volume-owner":
+            assert pod.get("securityContext") == expected, doc["metadata"]["name"]
+    for name in ("pipeline", "trainer", "sglang", "vllm"):
+        user = dockerfile_user(REPO / "docker" / f"{name}.Dockerfile")
+        assert (user.uid, user.gid) == (run_as.uid, run_as.gid), name
+    owner = _workload("Job", "drafter-volume-owner")
+    script = owner["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    assert f"chown {run_as.uid}:{run_as.gid} {placement.cache_path}" in script

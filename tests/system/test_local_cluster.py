@@ -19,7 +19,14 @@ import pytest
 import requests
 import yaml
 
-from harness.cluster import LocalCluster, LocalImage, LocalNode, expand_variables, scheduling_problems
+from harness.cluster import (
+    ImageUser,
+    LocalCluster,
+    LocalImage,
+    LocalNode,
+    expand_variables,
+    scheduling_problems,
+)
 from pipeline.ops.kube_api import KubernetesApi
 from tests.conftest import REPO, free_port
 
@@ -97,12 +104,15 @@ def cluster(tmp_path):
     local.shutdown()
 
 
-def run_pod(cluster, script: str, volumes=(), mounts=(), account=None, name="p"):
+def run_pod(
+    cluster, script: str, volumes=(), mounts=(), account=None, name="p", image="shell", **spec_fields
+):
     spec = {
         "containers": [
-            {"name": "base", "image": "shell", "command": ["sh", "-c", script], "volumeMounts": list(mounts)}
+            {"name": "base", "image": image, "command": ["sh", "-c", script], "volumeMounts": list(mounts)}
         ],
         "volumes": list(volumes),
+        **spec_fields,
     }
     if account:
         spec["serviceAccountName"] = account
@@ -132,6 +142,42 @@ def test_a_pod_sees_its_volumes_and_not_this_machines_files(cluster, tmp_path):
     assert (
         "No such file" in logs and pod.current_phase() == "Failed" and pod.containers["base"].exit_code != 0
     )
+
+
+def test_a_container_runs_as_its_images_user_or_its_security_contexts_and_volumes_keep_their_modes(cluster):
+    """The image's USER, with its home; a new volume is root's (0755), so that user cannot write it, while
+    an emptyDir (0777) takes anyone's files; runAsUser over the image; runAsNonRoot refuses root."""
+    cluster.images["app"] = LocalImage(
+        {}, "/", {"PATH": "/usr/bin:/bin"}, user=ImageUser(50000, 0, "app", "/home/app")
+    )
+    volumes = [
+        {"name": "v", "persistentVolumeClaim": {"claimName": "data"}},
+        {"name": "scratch", "emptyDir": {}},
+    ]
+    mounts = [{"name": "v", "mountPath": "/data"}, {"name": "scratch", "mountPath": "/scratch"}]
+    script = (
+        'echo "who $(id -u):$(id -g) $HOME"; touch $HOME/own && echo home-written; '
+        "touch /scratch/tmp && echo scratch-written; touch /data/new || echo volume-refused"
+    )
+    _, logs = run_pod(cluster, script, volumes, mounts, image="app", name="as-image-user")
+    assert "who 50000:0 /home/app" in logs and "home-written" in logs and "scratch-written" in logs
+    assert "volume-refused" in logs and not (cluster.volume_dir("pvc", "ns", "data") / "new").exists()
+    root = {"securityContext": {"runAsUser": 0}}
+    _, logs = run_pod(
+        cluster,
+        "id -u; touch /data/by-root && echo volume-written",
+        volumes,
+        mounts,
+        image="app",
+        name="as-root",
+        **root,
+    )
+    assert (
+        "volume-written" in logs and (cluster.volume_dir("pvc", "ns", "data") / "by-root").stat().st_uid == 0
+    )
+    refused, _ = run_pod(cluster, "true", name="refused", securityContext={"runAsNonRoot": True})
+    assert refused.phase == "Failed" and refused.reason == "CreateContainerError"
+    assert "runAsNonRoot" in refused.events[-1]["message"]
 
 
 def test_a_pod_starts_with_default_signals_even_when_the_cluster_was_started_ignoring_them(cluster):
