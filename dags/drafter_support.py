@@ -278,9 +278,12 @@ def served_acceptance_asset():
         return None
     from drafter_triggers import ServedAcceptanceTrigger
 
-    return watched_asset(
-        "drafter_served_acceptance", ServedAcceptanceTrigger(watch=watch.model_dump(mode="json"))
+    trigger = ServedAcceptanceTrigger(
+        watch=watch.model_dump(mode="json"),
+        run_config=DEPLOYMENT.run_config,
+        aws_conn_id=DEPLOYMENT.aws_conn_id,
     )
+    return watched_asset("drafter_served_acceptance", trigger)
 
 
 def target_revision_asset():

@@ -18,12 +18,13 @@ from typing import Any
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from pipeline.ops.watch import (
-    AcceptanceWindow,
+    FleetWindow,
     ServedAcceptanceWatch,
     TargetRevisionWatch,
     acceptance_drift,
     check_revision,
-    scrape,
+    scrape_fleet,
+    watch_state,
 )
 from pipeline.storage import S3Credentials
 
@@ -32,39 +33,46 @@ log = logging.getLogger(__name__)
 
 class ServedAcceptanceTrigger(BaseEventTrigger):
     """Fires when the fleet's acceptance length averaged over a whole window (with enough verify passes)
-    is under the floor; then not again for the cooldown, and only after a fresh window."""
+    is under the floor; then not again for the cooldown, and only after a fresh window. The cooldown is
+    kept in the run config's store (pipeline.ops.watch.WatchState), so a restarted triggerer keeps it."""
 
-    def __init__(self, watch: dict[str, Any], **kwargs):
+    def __init__(self, watch: dict[str, Any], run_config: str, aws_conn_id: str | None = None, **kwargs):
         super().__init__(**kwargs)
-        self.watch = watch
+        self.watch, self.run_config, self.aws_conn_id = watch, run_config, aws_conn_id
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.ServedAcceptanceTrigger", {"watch": self.watch}
+        return f"{__name__}.ServedAcceptanceTrigger", {
+            "watch": self.watch,
+            "run_config": self.run_config,
+            "aws_conn_id": self.aws_conn_id,
+        }
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         settings = ServedAcceptanceWatch.model_validate(self.watch)
-        urls = [str(url) for url in settings.metrics_urls]
-        window, quiet_until = AcceptanceWindow(settings.window_s), 0.0
+        window = FleetWindow(settings.window_s)
         while True:
             try:
-                window.add(await asyncio.to_thread(scrape, urls))
+                window.add(await asyncio.to_thread(scrape_fleet, settings))
+                payload = acceptance_drift(window, settings)
+                if payload is not None:
+                    credentials = await connection_credentials(self.aws_conn_id)
+                    state = await asyncio.to_thread(watch_state, self.run_config, credentials)
+                    if time.time() >= await asyncio.to_thread(state.quiet_until):
+                        until = time.time() + settings.cooldown_s
+                        await asyncio.to_thread(state.record_acceptance_fired, until)
+                        log.warning("served acceptance: %s: retraining", payload["reason"])
+                        yield TriggerEvent(payload)
+                        window = FleetWindow(settings.window_s)
             except Exception as err:  # a watcher keeps polling: a server restarting is not the end
                 log.warning("served acceptance: %s; polling again in %.0f s", err, settings.poll_s)
-            else:
-                payload = acceptance_drift(window, settings)
-                if payload is not None and time.time() >= quiet_until:
-                    log.warning("served acceptance: %s: retraining", payload["reason"])
-                    yield TriggerEvent(payload)
-                    window, quiet_until = (
-                        AcceptanceWindow(settings.window_s),
-                        time.time() + settings.cooldown_s,
-                    )
             await asyncio.sleep(settings.poll_s)
 
 
 class TargetRevisionTrigger(BaseEventTrigger):
-    """Fires once for each revision the fleet serves that differs from the production drafter's. It reads the
-    registry with the deployment's S3 connection (aws_conn_id) where it has one, as the tasks do."""
+    """Fires once for each revision the fleet serves that differs from the production drafter's; the
+    revisions it fired on are kept in the registry's store (pipeline.ops.watch.WatchState), so a restarted
+    triggerer does not fire again. It reads the registry with the deployment's S3 connection (aws_conn_id)
+    where it has one, as the tasks do."""
 
     def __init__(self, watch: dict[str, Any], run_config: str, aws_conn_id: str | None = None, **kwargs):
         super().__init__(**kwargs)
@@ -79,7 +87,6 @@ class TargetRevisionTrigger(BaseEventTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         settings = TargetRevisionWatch.model_validate(self.watch)
-        fired: set[str | None] = set()
         while True:
             try:
                 credentials = await connection_credentials(self.aws_conn_id)
@@ -87,8 +94,7 @@ class TargetRevisionTrigger(BaseEventTrigger):
             except Exception as err:  # the fleet or the registry unreachable: poll again
                 log.warning("target revision: %s; polling again in %.0f s", err, settings.poll_s)
             else:
-                if payload is not None and payload["served_revision"] not in fired:
-                    fired.add(payload["served_revision"])
+                if payload is not None:
                     log.warning("target revision: %s: capturing it and retraining", payload["reason"])
                     yield TriggerEvent(payload)
             await asyncio.sleep(settings.poll_s)

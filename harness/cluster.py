@@ -59,12 +59,13 @@ What stands in for what:
   on 0.0.0.0 is bound on every pod's address at once. Cluster DNS is hosts files, replaced whole as pods
   come and go: each pod's own /etc/hosts holds, as the kubelet writes it, localhost and the pod's
   address by its hostname (and full name, with a subdomain), so its hostname resolves to its own
-  address; then every pod that has not terminated and whose subdomain is a Service of its namespace, by
-  `<hostname>.<subdomain>.<namespace>.svc` and `.svc.cluster.local`, and pods of its own namespace also
-  by `<hostname>.<subdomain>` (through its search domains). A pod is listed from its creation, ready or
-  not, as a Service with publishNotReadyAddresses: true lists it (under another Service a cluster would
-  wait for readiness). `hosts_file` holds every listed pod's full names; `address_of` resolves them on
-  this machine.
+  address; then the records of the headless Services of its namespace (`_dns_records`): a pod whose
+  subdomain is one, by `<hostname>.<subdomain>.<namespace>.svc` and `.svc.cluster.local` (and
+  `<hostname>.<subdomain>` in its own namespace, through the search domains), and a Service that selects
+  pods by its own name, one address per pod. A pod is listed only once it runs and, unless the Service
+  publishes not-ready addresses, is ready, and only DNS_PROPAGATION_S after that, as endpoint controllers
+  and DNS catch up on a cluster: a pod that looks itself up by its Service's name as it starts finds
+  nothing. `hosts_file` holds every listed pod's full names; `address_of` resolves them on this machine.
 The containers run on this machine's CPUs: a GPU request is scheduled against the node's capacity
 but no GPU exists, so DeepSpeed in a "GPU" pod finds no CUDA and uses its CPU accelerator.
 """
@@ -102,6 +103,8 @@ log = logging.getLogger(__name__)
 
 IRSA_ROLE_ANNOTATION = "eks.amazonaws.com/role-arn"
 IRSA_TOKEN_DIR = "/var/run/secrets/eks.amazonaws.com/serviceaccount"
+# how long after a pod becomes listable its headless Service's DNS record appears (LocalCluster._dns_records)
+DNS_PROPAGATION_S = 8.0
 VOLUME_KINDS = {"persistentVolumeClaim": "pvc", "configMap": "configmap", "secret": "secret"}
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 FIRST_POD_ADDRESS = 10  # a cluster's pods get 127.N.0.10, 127.N.0.11, ... in its network block N
@@ -437,6 +440,7 @@ class LocalPod:
     node: str | None = None
     ip: str = ""
     probed: dict[str, bool] = field(default_factory=dict)  # container -> its readiness probe's last answer
+    running_since: float | None = None  # when its containers had all started (time.monotonic())
 
     @property
     def name(self) -> str:
@@ -551,8 +555,10 @@ class LocalCluster:
         nodes: tuple[LocalNode, ...],
         aws_endpoint: str | None = None,
         region: str = "us-east-1",
+        dns_propagation_s: float = DNS_PROPAGATION_S,
     ):
         self.workspace = Path(workspace)
+        self.dns_propagation_s = dns_propagation_s
         self.images, self.nodes = images, nodes
         self.aws_endpoint, self.region = aws_endpoint, region
         self.namespaces: set[str] = {"default"}
@@ -573,9 +579,13 @@ class LocalCluster:
         self._reconciling = threading.Lock()
         self._closed = False
         self._hosts_lock = threading.Lock()
+        self._listed_since: dict[tuple[str, ...], float] = {}
+        self._written_records: list[tuple[str, str, list[str], bool]] | None = None
+        self._written_records_state: tuple | None = None
         self.hosts_file = self.workspace / "hosts"
         self.workspace.mkdir(parents=True, exist_ok=True)
         self._write_hosts()
+        threading.Thread(target=self._sync_dns, daemon=True).start()
         self.core_v1 = LocalCoreV1Api(self)
 
     # -- objects ---------------------------------------------------------------------------------
@@ -917,44 +927,99 @@ class LocalCluster:
         self._addresses.add(address)
         return address
 
-    def _dns_records(self) -> list[tuple[str, str, list[str]]]:
-        """Cluster DNS as (namespace, address, names): each pod that has not terminated and whose subdomain is
-        a Service of its namespace (a StatefulSet's or a Job's pods under their headless Service), by
-        <hostname>.<subdomain>.<namespace>.svc.cluster.local, <...>.svc and, last,
-        <hostname>.<subdomain>: what pods of that namespace resolve through their search domains. A pod is
-        listed from its creation on, ready or not, as a Service with publishNotReadyAddresses: true lists it
-        (others would wait)."""
-        records = []
+    def _dns_records(self) -> list[tuple[str, str, list[str], bool]]:
+        """Cluster DNS as (namespace, address, names, unique), as EndpointSlices and CoreDNS make it from a
+        headless Service (clusterIP None) of the pod's namespace: a pod is listed only once it runs, and ready
+        unless the Service publishes not-ready addresses, and then only after dns_propagation_s (the
+        endpoint controllers and DNS catching up: "you may not be able to look up the DNS name for a
+        newly-run Pod immediately", Kubernetes' StatefulSet docs). A pod whose subdomain is such a Service
+        has its own name, <hostname>.<subdomain>.<namespace>.svc.cluster.local, <...>.svc and, last,
+        <hostname>.<subdomain> (what pods of its namespace resolve through their search domains); a Service
+        that selects pods names all of them at once (unique False), <service>.<namespace>.svc.cluster.local,
+        <...>.svc and <service>."""
+        now, records, eligible = time.monotonic(), [], set()
+
+        def listed(key: tuple[str, ...]) -> bool:
+            eligible.add(key)
+            return now - self._listed_since.setdefault(key, now) >= self.dns_propagation_s
+
         for pod in list(self.pods.values()):
+            if pod.running_since is None or pod.terminated():
+                continue
+            namespace = pod.namespace
             hostname, subdomain = pod.manifest["spec"].get("hostname"), pod.manifest["spec"].get("subdomain")
-            if hostname and (pod.namespace, subdomain) in self.services and not pod.terminated():
-                fqdn = f"{hostname}.{subdomain}.{pod.namespace}.svc"
-                records.append(
-                    (pod.namespace, pod.ip, [f"{fqdn}.cluster.local", fqdn, f"{hostname}.{subdomain}"])
-                )
+            for (service_namespace, service_name), service in self.services.items():
+                spec = service.get("spec") or {}
+                if service_namespace != namespace or spec.get("clusterIP") != "None":
+                    continue
+                if not (spec.get("publishNotReadyAddresses") or pod.ready()):
+                    continue
+                if (
+                    hostname
+                    and service_name == subdomain
+                    and listed((namespace, service_name, pod.name, "pod"))
+                ):
+                    fqdn = f"{hostname}.{subdomain}.{namespace}.svc"
+                    records.append(
+                        (namespace, pod.ip, [f"{fqdn}.cluster.local", fqdn, f"{hostname}.{subdomain}"], True)
+                    )
+                selector = spec.get("selector") or {}
+                labels = pod.manifest["metadata"].get("labels") or {}
+                if selector and all(labels.get(k) == v for k, v in selector.items()):
+                    if listed((namespace, service_name, pod.name, "service")):
+                        name = f"{service_name}.{namespace}.svc"
+                        records.append(
+                            (namespace, pod.ip, [f"{name}.cluster.local", name, service_name], False)
+                        )
+        for key in set(self._listed_since) - eligible:
+            del self._listed_since[key]
         return records
 
     def address_of(self, hostname: str) -> str | None:
         """The address a pod's DNS name (<hostname>.<subdomain>.<namespace>.svc, optionally .cluster.local)
         resolves to in the pods' /etc/hosts, for callers on this machine."""
-        addresses = {name: ip for _, ip, names in reversed(self._dns_records()) for name in names[:-1]}
+        with self._hosts_lock:
+            records = list(self._written_records or [])
+        addresses = {name: ip for _, ip, names, unique in reversed(records) if unique for name in names[:-1]}
         return addresses.get(hostname.rstrip("."))
 
+    def service_addresses(self, namespace: str, service: str) -> list[str]:
+        """The addresses a headless Service's own name resolves to now (the pods it lists)."""
+        name = f"{service}.{namespace}.svc.cluster.local"
+        with self._hosts_lock:
+            records = list(self._written_records or [])
+        return sorted({ip for _, ip, names, unique in records if not unique and name in names})
+
+    def _sync_dns(self) -> None:
+        """Rewrite the DNS whenever a record comes or goes with time (a pod listed after the propagation
+        delay, or once ready), until the cluster shuts down."""
+        while not self._closed:
+            self._write_hosts()
+            time.sleep(0.5)
+
     def _write_hosts(self) -> None:
-        """Rewrite the cluster's DNS: self.hosts_file (the full names of every listed pod) and each pod's
-        /etc/hosts, which holds what the kubelet writes there (localhost, the pod's own address and names) and
-        then the cluster DNS records; the short names <hostname>.<subdomain> only of its own namespace's
-        pods, so two namespaces' pods of the same hostname and subdomain never compete for one. Each file is
-        replaced whole: a reader sees the old one or the new one."""
+        """Rewrite the cluster's DNS when its records changed: self.hosts_file (the full names of every
+        listed pod) and each running pod's /etc/hosts, which holds what the kubelet writes there (localhost,
+        the pod's own address and names) and then the cluster DNS records; the short names only of its own
+        namespace's. Each file is replaced whole: a reader sees the old one or the new one."""
         with self._hosts_lock:
             records = self._dns_records()
-            _replace(self.hosts_file, _hosts_text([(ip, names[:-1]) for _, ip, names in records]))
-            for pod in list(self.pods.values()):
+            pods = [pod for pod in list(self.pods.values()) if not pod.terminated()]
+            state = (records, sorted(pod.name for pod in pods))
+            if state == self._written_records_state:
+                return
+            self._written_records, self._written_records_state = records, state
+            _replace(
+                self.hosts_file, _hosts_text([(ip, names[:-1], unique) for _, ip, names, unique in records])
+            )
+            for pod in pods:
                 others = [
-                    (ip, names if namespace == pod.namespace else names[:-1])
-                    for namespace, ip, names in records
+                    (ip, names if namespace == pod.namespace else names[:-1], unique)
+                    for namespace, ip, names, unique in records
                 ]
-                _replace(pod.directory / "dns" / "hosts", _hosts_text([(pod.ip, _own_names(pod)), *others]))
+                _replace(
+                    pod.directory / "dns" / "hosts", _hosts_text([(pod.ip, _own_names(pod), True), *others])
+                )
 
     # -- pods ------------------------------------------------------------------------------------
     def create_pod(self, manifest: dict[str, Any]) -> LocalPod:
@@ -1031,6 +1096,9 @@ class LocalCluster:
             for run in pod.containers.values():
                 run.kill()
             return
+        pod.running_since = time.monotonic()
+        if _storage_limits(spec, volumes) != (None, {}):
+            threading.Thread(target=self._evict_past_storage_limits, args=(pod, volumes), daemon=True).start()
         for container in spec["containers"]:
             if container["name"] in probed:
                 threading.Thread(
@@ -1038,6 +1106,35 @@ class LocalCluster:
                     args=(pod, container, probed[container["name"]]),
                     daemon=True,
                 ).start()
+
+    def _evict_past_storage_limits(self, pod: LocalPod, volumes: dict[str, dict[str, Any]]) -> None:
+        """The kubelet's local-storage eviction, every second while the pod runs: a pod whose containers'
+        writable layers (their /tmp here) and disk-backed emptyDirs hold more than the sum of its containers'
+        ephemeral-storage limits, or an emptyDir more than its sizeLimit, is evicted: its containers are
+        killed and it fails with reason Evicted, as on a node. (Eviction of pods over their requests under
+        node disk pressure is not modelled: the local nodes never run short.)"""
+        limit, sized = _storage_limits(pod.manifest["spec"], volumes)
+        while self.pods.get((pod.namespace, pod.name)) is pod and not pod.terminated():
+            used = {name: _bytes_under(Path(v["source"])) for name, v in volumes.items() if v.get("disk")}
+            layers = sum(_bytes_under(Path(f"/proc/{run.init_pid()}/root/tmp")) for run in _running(pod))
+            over = [
+                f"emptyDir {name} holds {used[name]} bytes, over its sizeLimit {size}"
+                for name, size in sized.items()
+                if used[name] > size
+            ]
+            total = layers + sum(used.values())
+            if limit is not None and total > limit:
+                over.append(
+                    f"the pod's local storage holds {total} bytes, over its containers' limit {limit}"
+                )
+            if over:
+                pod.reason = "Evicted"
+                pod.events.append({"type": "Warning", "reason": "Evicted", "message": "; ".join(over)})
+                log.warning("pod %s: Evicted: %s", pod.name, "; ".join(over))
+                for run in list(pod.containers.values()):
+                    run.kill()
+                return
+            time.sleep(1.0)
 
     def _probe_readiness(self, pod: LocalPod, container: dict[str, Any], port: int) -> None:
         """The kubelet's readiness probing of a container's readinessProbe.httpGet, at the pod's address
@@ -1073,9 +1170,11 @@ class LocalCluster:
                 source.mkdir(parents=True)
                 source.chmod(0o777)  # as the kubelet makes an emptyDir: any user of the pod writes it
                 size = empty.get("sizeLimit")
+                memory = empty.get("medium") == "Memory"
                 volumes[name] = {
                     "source": str(source),
-                    "tmpfs": empty.get("medium") == "Memory",
+                    "tmpfs": memory,
+                    "disk": not memory,  # node-local disk: ephemeral storage, counted for eviction
                     "size": str(int(_quantity(size))) if size else None,
                 }
                 continue
@@ -1269,6 +1368,35 @@ def _reserve_network_block() -> tuple[IO[str], ipaddress.IPv4Address]:
     raise ClusterError(f"every local cluster network block is held (locks in {NETWORK_LOCKS})")
 
 
+def _storage_limits(
+    spec: dict[str, Any], volumes: dict[str, dict[str, Any]]
+) -> tuple[int | None, dict[str, int]]:
+    """What the kubelet holds a pod's local storage to: the sum of its containers' ephemeral-storage limits
+    (None when one has none), and each disk-backed emptyDir's sizeLimit."""
+    limits = [
+        ((c.get("resources") or {}).get("limits") or {}).get("ephemeral-storage") for c in spec["containers"]
+    ]
+    total = None if None in limits else int(sum(_quantity(str(limit)) for limit in limits))
+    sized = {name: int(v["size"]) for name, v in volumes.items() if v.get("disk") and v.get("size")}
+    return total, sized
+
+
+def _bytes_under(path: Path) -> int:
+    """The bytes of the files under `path` (0 once it is gone)."""
+    total = 0
+    for directory, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _running(pod: LocalPod) -> list[ContainerRun]:
+    return [run for run in list(pod.containers.values()) if run.running]
+
+
 def _filesystem(volume: dict[str, Any]) -> str:
     """The filesystem a PersistentVolume names, as a directory name: its CSI driver and volumeHandle, or
     its NFS server and path."""
@@ -1316,13 +1444,15 @@ def _own_names(pod: LocalPod) -> list[str]:
     return [*full, pod.hostname]
 
 
-def _hosts_text(entries: list[tuple[str, list[str]]]) -> str:
-    """A hosts file: localhost, then each address with its names, a name on its first line only (the same name
-    twice is one hostname and subdomain twice in a namespace, an orphaned Job pod and its successor's: the
-    older keeps it, where cluster DNS would answer both addresses)."""
+def _hosts_text(entries: list[tuple[str, list[str], bool]]) -> str:
+    """A hosts file: localhost, then each address with its names. A unique name is on its first line only (the
+    same name twice is one hostname and subdomain twice in a namespace, an orphaned Job pod and its
+    successor's: the older keeps it, where cluster DNS would answer both addresses); a Service's name is on
+    the line of each address it selects, and resolves to all of them (glibc with `multi on`, Debian's
+    /etc/host.conf, as the pods' system directories are this machine's)."""
     taken, lines = {"localhost"}, ["127.0.0.1 localhost"]
-    for address, names in entries:
-        fresh = [name for name in names if name not in taken]
+    for address, names, unique in entries:
+        fresh = [name for name in names if name not in taken] if unique else names
         taken.update(fresh)
         if fresh:
             lines.append(" ".join([address, *fresh]))

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gzip
+import hashlib
 import json
 import logging
 import math
@@ -252,6 +253,8 @@ class Runbook:
         "kubectl -n sglang rollout status",
         "kubectl -n drafter logs",
         "kubectl -n drafter wait",
+        "kubectl -n airflow exec deploy/airflow-triggerer",
+        "kubectl -n airflow create configmap",
     )
 
     def __init__(self, handlers: dict[str, Any]):
@@ -463,6 +466,128 @@ def kubectl_wait_for_job(cluster: LocalCluster):
     return run
 
 
+# The Airflow chart's values (infra/helm/airflow-values.yaml): its components' service accounts, and the
+# triggerer's pod, as the chart renders them where the rehearsal needs them
+HELM_VALUES = PROJECT_ROOT / "infra" / "helm" / "airflow-values.yaml"
+HELM_ACCOUNTS = {  # component: the chart's default service account name
+    "workers": "airflow-worker",
+    "triggerer": "airflow-triggerer",
+    "apiServer": "airflow-api-server",
+    "scheduler": "airflow-scheduler",
+    "dagProcessor": "airflow-dag-processor",
+}
+
+
+def helm_release(cluster: LocalCluster, workspace: Path) -> dict[str, Any]:
+    """What `helm upgrade --install ... -n airflow --create-namespace -f infra/helm/airflow-values.yaml`
+    makes that the rehearsal's pods meet: namespace airflow and each component's service account, with the
+    annotations (IAM roles) the values give it, or none. Returns the values."""
+    values = yaml.safe_load(HELM_VALUES.read_text())
+    docs: list[dict[str, Any]] = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "airflow"}}]
+    for component, default in HELM_ACCOUNTS.items():
+        account = (values.get(component) or {}).get("serviceAccount") or {}
+        meta = {"name": account.get("name") or default, "namespace": "airflow"}
+        if account.get("annotations"):
+            meta["annotations"] = account["annotations"]
+        docs.append({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta})
+    manifest = workspace / "manifests" / "airflow-release.yaml"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(yaml.safe_dump_all(docs))
+    cluster.apply(manifest)
+    return values
+
+
+def triggerer_pod(values: dict[str, Any], argv: list[str]) -> dict[str, Any]:
+    """A pod of the chart's triggerer Deployment, as its values make it, running `argv` (what `kubectl exec
+    deploy/airflow-triggerer -- argv` runs there): namespace airflow, its service account, the Airflow
+    image, the chart's `env`, its extra volumes and mounts, the chart's uid 50000 in group 0."""
+    triggerer = values.get("triggerer") or {}
+    image = values["images"]["airflow"]
+    account = (triggerer.get("serviceAccount") or {}).get("name") or HELM_ACCOUNTS["triggerer"]
+    container = {
+        "name": "triggerer",
+        "image": f"{image['repository']}:{image['tag']}",
+        "command": argv,
+        "env": list(values.get("env") or []),
+        "volumeMounts": list(triggerer.get("extraVolumeMounts") or []),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"airflow-triggerer-{int(time.time() * 1000) % 10**8}", "namespace": "airflow"},
+        "spec": {
+            "serviceAccountName": account,
+            "securityContext": {"runAsUser": 50000, "runAsGroup": 0, "fsGroup": 0},
+            "restartPolicy": "Never",
+            "containers": [container],
+            "volumes": list(triggerer.get("extraVolumes") or []),
+        },
+    }
+
+
+def exec_in_triggerer(cluster: LocalCluster):
+    """`kubectl -n airflow exec deploy/airflow-triggerer -- CMD`: CMD in a pod of the triggerer as the Helm
+    values give it (its namespace, account and role, mounts and env), which must succeed; its output."""
+
+    def run(command: str) -> str:
+        import shlex
+
+        argv = shlex.split(command.split(" -- ", 1)[1])
+        pod = cluster.create_pod(triggerer_pod(yaml.safe_load(HELM_VALUES.read_text()), argv))
+        deadline = time.monotonic() + 300
+        while pod.current_phase() in ("Pending", "Running") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        logs = "\n".join(path.read_text() for path in sorted(pod.directory.glob("*.log")))
+        cluster.delete_pod("airflow", pod.name)
+        _check(
+            pod.current_phase() == "Succeeded",
+            f"`{command}` succeeded in the triggerer's pod:\n{logs[-4000:]}",
+        )
+        return "\n".join(line.split(" ", 1)[1] for line in logs.splitlines() if " " in line)
+
+    return run
+
+
+def kubectl_create_configmap(cluster: LocalCluster):
+    """`kubectl -n NS create configmap NAME --from-file=KEY=PATH`: the ConfigMap, holding that file."""
+
+    def run(command: str) -> str:
+        argv = command.split()
+        namespace, name = argv[argv.index("-n") + 1], argv[argv.index("configmap") + 1]
+        directory = cluster.volume_dir("configmap", namespace, name)
+        directory.mkdir(parents=True, exist_ok=True)
+        for arg in argv:
+            if arg.startswith("--from-file="):
+                key, path = arg.removeprefix("--from-file=").split("=", 1)
+                shutil.copyfile(path, directory / key)
+        return f"configmap/{name} created"
+
+    return run
+
+
+def check_watches(runbook: Runbook, cluster: LocalCluster, serving: ServingDeployment) -> str:
+    """`drafter watches` in the triggerer's pod, once the serving replica is listed under the headless
+    Service the acceptance watch reads: both watches read what they watch, with the triggerer's own mounts
+    and role, and the served revision is the one the production drafter was trained for."""
+    from pipeline.retrying import poll_until
+
+    def listed() -> bool:
+        return serving.running_pod.ip in cluster.service_addresses("sglang", "kimi-k2-5-replicas")
+
+    _check(poll_until(listed, 60, 0.5), "the serving replica is listed under its headless Service")
+    out = runbook.run("kubectl -n airflow exec deploy/airflow-triggerer -- drafter watches")
+    lines = [line for line in out.splitlines() if line.startswith(("served acceptance:", "target revision:"))]
+    _check(
+        any(line.startswith("served acceptance: 1 replica(s) read apart") for line in lines),
+        f"the triggerer's acceptance watch reads the serving replica through its headless Service: {out}",
+    )
+    _check(
+        any(line.startswith("target revision:") and line.endswith(": the same") for line in lines),
+        f"the triggerer's revision watch reads the served revision and the registry: {out}",
+    )
+    return "watches (in the triggerer's pod): " + " | ".join(lines)
+
+
 def airflow_command(command: str) -> str:
     """The `airflow ...` part of a `kubectl exec ... -- airflow ...`, run with the rehearsal's Airflow."""
     import shlex
@@ -561,16 +686,24 @@ def check_alerts(requests_file: Path, promoted_version: str, broken, airflow_hom
 
 
 def capture_server_info(cluster: LocalCluster):
-    """`curl` of a capture server's /server_info, by its pod's DNS name, with the fields the runbook names."""
+    """`curl --retry N --retry-all-errors --retry-delay S` of a capture server's /server_info, by its pod's
+    DNS name (resolved as long as curl retries), with the fields the runbook names."""
 
     def run(command: str) -> str:
         from urllib.parse import urlsplit
 
-        url = urlsplit(command.split()[-1])
-        if url.hostname is None:
+        from pipeline.retrying import poll_until
+
+        argv = command.split()
+        url = urlsplit(argv[-1])
+        host = url.hostname
+        if host is None:
             raise RehearsalFailed(f"`{command}` names no host to ask")
-        address = cluster.address_of(url.hostname)
-        _check(address is not None, f"{url.hostname} resolves to a running pod")
+        retries = int(argv[argv.index("--retry") + 1]) if "--retry" in argv else 0
+        delay = float(argv[argv.index("--retry-delay") + 1]) if "--retry-delay" in argv else 1.0
+        poll_until(lambda: cluster.address_of(host) is not None, retries * delay, delay)
+        address = cluster.address_of(host)
+        _check(address is not None, f"{host} resolves to a running pod")
         return _checked_server_info(f"http://{address}:{url.port}{url.path}")
 
     return run
@@ -617,6 +750,7 @@ def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
     # own umask's modes); the SGLang servers' claim reads them only if it is bound to the same filesystem
     weights = cluster.volume_dir("pvc", "drafter", "kimi-k2-5-weights")
     shutil.copytree(model, weights / "Kimi-K2.5", dirs_exist_ok=True, copy_function=shutil.copyfile)
+    downloaded_at(weights / "Kimi-K2.5", hashlib.sha1((model / "config.json").read_bytes()).hexdigest())
     write_prompt_files(cluster.volume_dir("pvc", "drafter", "drafter-prompts"))
     configs = cluster.volume_dir("pvc", "drafter", "drafter-run-configs")
     shutil.copy(REHEARSAL_CONFIG, configs / "kimi-k2.5.yaml")
@@ -624,6 +758,16 @@ def fill_volumes(cluster: LocalCluster, cache: Path) -> Path:
         one_rank_per_node(PROJECT_ROOT / "infra/k8s/trainer-workers.yaml")
     )
     return cluster.volume_dir("pvc", "drafter", "kimi-k2-5-weights") / "Kimi-K2.5"
+
+
+def downloaded_at(model_dir: Path, commit: str) -> None:
+    """The metadata `hf download --local-dir` leaves beside each file it downloaded, for config.json: the
+    commit it came from, its etag and when (huggingface_hub's _local_folder.py)."""
+    from pipeline.engines.target import DOWNLOAD_METADATA
+
+    metadata = model_dir / DOWNLOAD_METADATA
+    metadata.parent.mkdir(parents=True, exist_ok=True)
+    metadata.write_text(f'{commit}\n"{commit[:16]}"\n{time.time():.1f}\n')
 
 
 MALFORMED_LINE = '{"conversations": [{"from": "human", "value": "an export cut off mid-rec'
@@ -1045,7 +1189,10 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
             "kubectl -n sglang rollout status": kubectl_rollout_status(cluster),
             "kubectl -n drafter wait": kubectl_wait_for_job(cluster),
             "kubectl -n drafter logs": kubectl_logs(cluster),
+            # before the plain `kubectl -n airflow exec`, which runs `airflow` commands here
+            "kubectl -n airflow exec deploy/airflow-triggerer": exec_in_triggerer(cluster),
             "kubectl -n airflow exec": airflow_command,
+            "kubectl -n airflow create configmap": kubectl_create_configmap(cluster),
             "curl": capture_server_info(cluster),
             "drafter ": run_drafter,
             "kubectl -n sglang rollout restart": serving.restart,
@@ -1066,10 +1213,16 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
         for command in runbook_commands():  # §1.5: one capture server up for a look at its flags, then down
             if command.startswith(("kubectl -n sglang scale", "kubectl -n sglang rollout status", "curl")):
                 runbook.run(command)
+        helm_release(cluster, workspace)
         start_airflow(workspace, cluster)
         runbook.run(
             "kubectl -n airflow exec deploy/airflow-scheduler -- airflow pools set drafter_gpu 2 "
             '"GPU-bound drafter tasks"'
+        )
+        runbook.run(
+            "kubectl -n airflow create configmap drafter-run-configs "
+            "--from-file=kimi-k2.5.yaml=<your run config>",
+            **{"your run config": str(REHEARSAL_CONFIG)},
         )
         alerts = start_alert_sink(workspace, processes)
         lines = run_dags(runbook, serving, cluster, reference_url, workspace, alerts)
@@ -1284,7 +1437,8 @@ def check_engine_placement(runs: list, cluster: LocalCluster, deployment, stage_
         )
         placed.setdefault((stage, engine), set()).add(f"{row['image']} on {row['node']}")
     expected_pairs = {("generate", "sglang"), ("capture", "sglang"), ("capture", "inprocess")}
-    expected_pairs.add(("benchmark", "sglang"))
+    # the multi-node run's train task only launches its node Job (no GPU); the cron run trains in its pod
+    expected_pairs |= {("benchmark", "sglang"), ("train", "kubernetes"), ("train", "torchrun")}
     _check(
         expected_pairs <= set(placed),
         f"pods ran for each engine placement the runs needed: {sorted(placed)}",
@@ -1455,6 +1609,7 @@ def run_dags(
     first_version = promoted_version(first)
     runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
     lines.append(check_serving(serving, first_version, reference_url))
+    lines.append(check_watches(runbook, cluster, serving))
     lines.append(check_setting_choice(first, serving))
 
     broken = parsed_dag("drafter_train").test(run_conf={"overrides": ["train.epochs=0"]})

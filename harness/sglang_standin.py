@@ -3,7 +3,8 @@
 SGLang needs CUDA and cannot run on these machines; this server lets the SGLang client code paths
 run over real HTTP in tests and benchmarks. It implements what the pipeline uses of SGLang 0.5.23
 (reference/sglang-contract.md): POST /generate (input_ids, sampling_params, return_hidden_states),
-GET /server_info (and /get_server_info: the server args, model path and revision included), GET /health
+GET /server_info (the server args, model path and revision included; /get_server_info too, deprecated with
+a warning at each call, as 0.5.23 logs it), GET /health
 and /health_generate as 0.5.23 answers them (a one-token generation through the scheduler, at least a
 second; see HealthCheck), and with --enable-metrics GET /metrics (SGLang's request counters, in
 Prometheus' text format). With
@@ -46,6 +47,11 @@ if TYPE_CHECKING:
     from pipeline.drafter.model import Eagle3Drafter
 
 VERSION = "0.5.23-standin"
+# srt/entrypoints/http_server.py:853-860 of 0.5.23
+GET_SERVER_INFO_DEPRECATED = (
+    "Endpoint '/get_server_info' is deprecated and will be removed in a future version. "
+    "Please use '/server_info' instead."
+)
 # SGLang 0.5.23's health settings (srt/environ.py:344, srt/entrypoints/http_server.py:218)
 HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 HEALTH_TIMEOUT_ENV = "SGLANG_HEALTH_CHECK_TIMEOUT"
@@ -413,7 +419,10 @@ def make_handler(backend: StandinBackend, health_check: HealthCheck | None = Non
             if self.path in ("/health", "/health_generate"):
                 status = health.status(self.path)
                 self._send(status, {} if status == 200 else {"error": {"message": "health check failed"}})
-            elif self.path in ("/server_info", "/get_server_info"):
+            elif self.path == "/server_info":
+                self._send(200, backend.server_info())
+            elif self.path == "/get_server_info":  # as 0.5.23: served, with a warning at each call
+                print(GET_SERVER_INFO_DEPRECATED, file=sys.stderr, flush=True)
                 self._send(200, backend.server_info())
             elif self.path == "/metrics" and backend.enable_metrics:
                 body = backend.counters.exposition(backend.model_path).encode()

@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", help="the registry's aliases and recent runs with their gate/bench outcomes")
     _common(p, run_id=False)
     p.add_argument("--limit", type=int, default=10, help="how many recent runs to show")
+    p = sub.add_parser(
+        "watches",
+        help="poll the deployment's retraining watches once, as the triggerer does, firing nothing: run it "
+        "where the triggerer runs, to check its mounts and identity",
+    )
+    p.add_argument("--deployment", metavar="FILE", help="default: $DRAFTER_DEPLOYMENT, else the local one")
     p = sub.add_parser("plan", help="capacity plan: storage, GPU-hours, wall time and S3 cost for N samples")
     p.add_argument("--config", required=True)
     p.add_argument("--samples", type=int, required=True, help="conversations to generate and capture")
@@ -184,6 +190,8 @@ def dispatch(args) -> int:
         return 0
     if args.command == "verify":
         return _verify(args)
+    if args.command == "watches":
+        return _watches(args)
     config = _load(args)
     if args.command == "capture-rank":
         return _capture_rank(args, config)
@@ -224,6 +232,16 @@ def dispatch(args) -> int:
         )
         return 0
     return _stage(args, config)
+
+
+def _watches(args) -> int:
+    from pipeline.ops.deployment import load_deployment
+    from pipeline.ops.watch import survey
+
+    deployment = load_deployment(args.deployment)
+    for line in survey(deployment.watch, deployment.run_config):
+        print(line)
+    return 0
 
 
 def _verify(args) -> int:

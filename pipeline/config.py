@@ -509,6 +509,17 @@ _SSH_LAUNCHER_GONE = (
 )
 
 
+def _names_pod_0_in_full(endpoint: str) -> bool:
+    """An address, or a name under a cluster's services (<pod>.<service>.<namespace>.svc.<domain>)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(endpoint)
+    except ValueError:
+        return ".svc." in f"{endpoint}."
+    return True
+
+
 class TrainConfig(Strict):
     epochs: PositiveInt = 4
     micro_batch_size: PositiveInt = 8
@@ -538,8 +549,8 @@ class TrainConfig(Strict):
     rendezvous_endpoint: str | None = Field(
         None,
         description="host of the c10d rendezvous, reachable from every node (several nodes or launcher "
-        "kubernetes): 127.0.0.1 on one machine; in Kubernetes node 0's name under the "
-        "headless Service, <job>-0.<service>",
+        "kubernetes): 127.0.0.1 on one machine; in Kubernetes node 0's full name under the "
+        "headless Service, <job>-0.<service>.<namespace>.svc.<cluster domain>",
     )
     rendezvous_port: int = Field(
         29400, ge=1, le=65535, description="port of the rendezvous store on the endpoint"
@@ -593,8 +604,18 @@ class TrainConfig(Strict):
         if (self.nodes > 1 or self.launcher == "kubernetes") and not self.rendezvous_endpoint:
             raise ValueError(
                 "several nodes (train.nodes > 1) or train.launcher 'kubernetes' need "
-                "train.rendezvous_endpoint (127.0.0.1 on one machine; <job>-0.<headless service> "
-                "in Kubernetes)"
+                "train.rendezvous_endpoint (127.0.0.1 on one machine; <job>-0.<headless service>."
+                "<namespace>.svc.cluster.local in Kubernetes)"
+            )
+        if self.launcher == "kubernetes" and not _names_pod_0_in_full(str(self.rendezvous_endpoint)):
+            # torch's c10d backend makes the node whose own full name (its /etc/hosts, written by the
+            # kubelet) equals the endpoint host the store (elastic/rendezvous/utils.py,
+            # _matches_machine_hostname); a shorter name it can only resolve through cluster DNS, which may
+            # not list pod 0 yet: then no node hosts the store and all wait out the join timeout
+            raise ValueError(
+                f"train.rendezvous_endpoint {self.rendezvous_endpoint!r}: with launcher 'kubernetes' name "
+                "pod 0 in full, <job>-0.<headless service>.<namespace>.svc.cluster.local (pod 0 knows "
+                "itself by that name before cluster DNS lists it; pytorch/pytorch#73682)"
             )
         return self
 

@@ -9,6 +9,7 @@
     drafters/<target>/versions/<version>/   the registry's immutable versions
     drafters/<target>/aliases/<alias>.json  what an alias points at
     drafters/<target>/history/              every move of an alias
+    watches/<target>/<watch>.json           what a retraining watch has fired on (pipeline.ops.watch)
 
 Every id that becomes a key component is validated (pipeline.ids).
 """
@@ -23,6 +24,7 @@ RunStage = Literal["train", "eval", "gate", "bench", "promote", "report"]
 RunFile = Literal["config.json", "summary.json", "trigger.json"]
 TargetData = Literal["responses", "captures", "datasets"]
 RegistryPart = Literal["versions", "aliases", "history"]
+WatchName = Literal["served_acceptance", "target_revision"]
 
 
 def prompts_prefix(snapshot: str) -> str:
@@ -107,3 +109,8 @@ def alias_history_key(target: str, stamp: str, alias: str, version: str) -> str:
     """One move of an alias (append-only: every move is a new object)."""
     name = f"{validate_id(stamp, 'stamp')}-{validate_id(alias, 'alias')}-{validate_id(version, 'version')}"
     return f"{registry_prefix(target, 'history')}/{name}.json"
+
+
+def watch_state_key(target: str, watch: WatchName) -> str:
+    """What a retraining watch has fired on, kept where a restarted triggerer finds it."""
+    return f"watches/{validate_id(target, 'target')}/{watch}.json"

@@ -118,6 +118,36 @@ def chat_template_of(model_dir: Path) -> str:
     raise TargetError(f"target at {model_dir} has no chat template")
 
 
+# `hf download REPO --revision R --local-dir DIR` records, for each file, the commit it came from as the
+# first line of DIR/.cache/huggingface/download/<file>.metadata (huggingface_hub's _local_folder.py)
+DOWNLOAD_METADATA = Path(".cache") / "huggingface" / "download" / "config.json.metadata"
+
+
+def downloaded_revision(model_dir: Path) -> str | None:
+    """The commit a local model directory's config.json was downloaded at from the Hub, as `hf download
+    --local-dir` records it; None for a directory made otherwise."""
+    path = model_dir / DOWNLOAD_METADATA
+    if not path.is_file():
+        return None
+    lines = path.read_text().splitlines()
+    return lines[0].strip() or None if lines else None
+
+
+def target_revision(config: RunConfig, model_dir: Path) -> str | None:
+    """The revision a run records for its target: the commit a downloaded model directory holds (what a
+    server started on that directory serves, whatever its --revision flag says: SGLang uses --revision only
+    to download), which target.revision, when set, must name; else target.revision as configured."""
+    held, wanted = downloaded_revision(model_dir), config.target.revision
+    if held is None:
+        return wanted
+    if wanted is not None and wanted != held:
+        raise TargetError(
+            f"target.revision is {wanted!r}, but {model_dir} holds revision {held!r} (its "
+            f"{DOWNLOAD_METADATA}): put that revision's weights there, or leave target.revision unset"
+        )
+    return held
+
+
 def describe_target(config: RunConfig, model_dir: Path | None = None) -> TargetInfo:
     model_dir = model_dir or resolve_model_dir(config)
     text = text_config(model_dir)
@@ -131,7 +161,7 @@ def describe_target(config: RunConfig, model_dir: Path | None = None) -> TargetI
             "name": config.target.name,
             "source": config.target.source,
             "model_path": str(config.target.model_path or model_dir.name),
-            "revision": config.target.revision,
+            "revision": target_revision(config, model_dir),
             "config_sha256": _config_hash(model_dir),
             "tokenizer_sha256": _tokenizer_hash(model_dir),
             "chat_template_sha256": _sha256_text(chat_template_of(model_dir)),

@@ -47,19 +47,24 @@ PLACED_STEPS = ("configure", "fleet", *STAGES)
 
 
 ImageName = Literal["pipeline", "trainer", "sglang", "vllm"]
-# The stages whose pod follows the run's engine: the run-config section naming it (`<section>.engine`) and
-# that section's engines. Parity runs the capture engine.
-ENGINE_STAGES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "generate": ("generate", ("hf", "sglang", "vllm")),
-    "parity": ("capture", ("hf", "sglang", "inprocess")),
-    "capture": ("capture", ("hf", "sglang", "inprocess")),
-    "benchmark": ("benchmark", ("local", "sglang", "vllm")),
+# The stages whose pod follows the run's engine: the run-config setting naming it (`<section>.<field>`) and
+# its values. Parity runs the capture engine; training's pod follows its launcher: with `kubernetes` it only
+# creates the Job of node pods and waits for it, so it needs no GPU of its own.
+ENGINE_STAGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "generate": ("generate", "engine", ("hf", "sglang", "vllm")),
+    "parity": ("capture", "engine", ("hf", "sglang", "inprocess")),
+    "capture": ("capture", "engine", ("hf", "sglang", "inprocess")),
+    "benchmark": ("benchmark", "engine", ("local", "sglang", "vllm")),
+    "train": ("train", "launcher", ("torchrun", "kubernetes")),
 }
 
 
 def run_engines(config: Any) -> dict[str, str]:
     """The engine of each stage in ENGINE_STAGES for a run config: what its pod is placed by."""
-    return {stage: getattr(config, section).engine for stage, (section, _) in ENGINE_STAGES.items()}
+    return {
+        stage: getattr(getattr(config, section), field)
+        for stage, (section, field, _) in ENGINE_STAGES.items()
+    }
 
 
 class EnginePlacement(Strict):
@@ -88,7 +93,8 @@ class StageResources(Strict):
     engines: dict[str, EnginePlacement] = Field(
         default_factory=dict,
         description="generate, parity, capture and benchmark: the pod's image and resources by the run "
-        "config's engine, where they differ from the stage's own; applied when the pod is created",
+        "config's engine (train: by train.launcher), where they differ from the stage's own; applied when "
+        "the pod is created",
     )
     cpu: str = "1"
     memory: str = "4Gi"
@@ -427,11 +433,11 @@ def _engine_problems(name: str, stage: StageResources) -> list[str]:
         return []
     if name not in ENGINE_STAGES:
         return [f"stages.{name}.engines: only {', '.join(ENGINE_STAGES)} follow an engine"]
-    section, engines = ENGINE_STAGES[name]
+    section, field, engines = ENGINE_STAGES[name]
     unknown = sorted(set(stage.engines) - set(engines))
     if unknown:
         return [
-            f"stages.{name}.engines names unknown engines {unknown}; {section}.engine is one of "
+            f"stages.{name}.engines names unknown engines {unknown}; {section}.{field} is one of "
             f"{', '.join(engines)}"
         ]
     return []

@@ -64,14 +64,22 @@ class TaskUsage(Strict):
 
 def usage_rates(table: dict[str, Any], config: Any) -> Rates:
     """A run's rates from the deployment's usage table (DeploymentConfig.usage_table): each stage's GPUs as
-    placed for the run's engines, a training's times its nodes."""
+    placed for the run's engines. Training's: its pod's times its nodes with the torchrun launcher; with the
+    kubernetes launcher its pod's (it only watches) and the node Job's, nodes times the GPUs its manifest
+    (train.kubernetes_job) has each node pod hold."""
     from pipeline.ops.deployment import run_engines
 
     engines = run_engines(config)
     gpus = {}
     for stage, entry in table["stages"].items():
         held = entry["engines"].get(engines.get(stage), entry["gpus"])
-        gpus[stage] = held * config.train.nodes if stage == "train" else held
+        if stage == "train" and config.train.launcher == "kubernetes":
+            from pipeline.training.nodes import load_job_manifest, node_gpus
+
+            held += config.train.nodes * node_gpus(load_job_manifest(config.train.kubernetes_job))
+        elif stage == "train":
+            held *= config.train.nodes
+        gpus[stage] = held
     return Rates(gpus=gpus, fleet_gpus_per_replica=table["fleets"], gpu_hour_usd=table["gpu_hour_usd"])
 
 

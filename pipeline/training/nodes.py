@@ -208,6 +208,15 @@ def node_container(job: dict[str, Any]) -> dict[str, Any]:
     return containers[0]
 
 
+def node_gpus(job: dict[str, Any]) -> int:
+    """The GPUs each node pod of the Job holds: its node container's nvidia.com/gpu request (else limit)."""
+    resources = node_container(job).get("resources") or {}
+    wanted = (resources.get("requests") or {}).get("nvidia.com/gpu") or (resources.get("limits") or {}).get(
+        "nvidia.com/gpu"
+    )
+    return int(wanted or 0)
+
+
 def job_for_run(
     job: dict[str, Any],
     settings: TrainConfig,

@@ -93,7 +93,7 @@ def test_the_deployments_watches_schedule_data_and_training_runs(tmp_path):
     deployment = tmp_path / "deployment.yaml"
     watch = {
         "served_acceptance": {"metrics_urls": ["http://sglang-0:30000/metrics"], "floor": 2.5},
-        "target_revision": {"server_info_url": "http://sglang-0:30000/get_server_info"},
+        "target_revision": {"server_info_url": "http://sglang-0:30000/server_info"},
     }
     deployment.write_text(yaml.safe_dump({"watch": watch, "aws_conn_id": "drafter_s3"}))
     out = subprocess.run(
@@ -111,7 +111,7 @@ def test_the_deployments_watches_schedule_data_and_training_runs(tmp_path):
         "[('drafter_target_revision', ['drafter_triggers.TargetRevisionTrigger via drafter_s3'])]",
         # a published dataset, or the served acceptance under its floor, or the cron
         "drafter_train AssetOrTimeSchedule [('drafter_dataset', []), "
-        "('drafter_served_acceptance', ['drafter_triggers.ServedAcceptanceTrigger'])]",
+        "('drafter_served_acceptance', ['drafter_triggers.ServedAcceptanceTrigger via drafter_s3'])]",
     ]
 
 
@@ -495,13 +495,14 @@ def test_a_stages_engines_name_its_engines_and_known_images(tmp_path):
     deployment = yaml.safe_load((REPO / "configs/deployment/kubernetes.yaml").read_text())
     loaded = load_deployment(REPO / "configs/deployment/kubernetes.yaml")
     following = {name for name in loaded.stages if loaded.follows_engine(name)}
-    assert following == {"generate", "capture", "benchmark"}
+    assert following == {"generate", "capture", "benchmark", "train"}
     capture = loaded.stage("capture")
     assert capture.for_engine("sglang") == capture and capture.for_engine(None) == capture
     inprocess = capture.for_engine("inprocess")
     assert (inprocess.image, inprocess.gpus, inprocess.retries) == ("sglang", 8, capture.retries)
     for stage, entry, message in (
-        ("train", {"engines": {"vllm": {"image": "vllm"}}}, "only generate, parity, capture, benchmark"),
+        ("train", {"engines": {"vllm": {"image": "vllm"}}}, "unknown engines \\['vllm'\\]; train.launcher"),
+        ("prompts", {"engines": {"vllm": {"image": "vllm"}}}, "only generate, parity, capture, bench"),
         ("benchmark", {"engines": {"tgi": {"image": "vllm"}}}, "unknown engines \\['tgi'\\]"),
         ("benchmark", {"engines": {"vllm": {"image": "tgi"}}}, "engines.vllm.image"),
         ("capture", {"engines": {"inprocess": {"gpus": -1}}}, "engines.inprocess.gpus"),
@@ -609,8 +610,13 @@ def _next_event(trigger, timeout_s: float, traffic_url: str | None = None):
         sender.join(timeout=60)
 
 
-def test_the_served_acceptance_trigger_fires_only_under_its_floor(metered_ngram_server):
+def test_the_served_acceptance_trigger_fires_only_under_its_floor_and_not_again_after_a_restart(
+    metered_ngram_server, tmp_path
+):
     from drafter_triggers import ServedAcceptanceTrigger
+
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(tiny_config_dict(storage_config("file", tmp_path, None))))
 
     def watching(floor: float) -> ServedAcceptanceTrigger:
         watch = {
@@ -620,18 +626,21 @@ def test_the_served_acceptance_trigger_fires_only_under_its_floor(metered_ngram_
             "min_verify_calls": 5,
             "poll_s": 0.25,
         }
-        trigger = ServedAcceptanceTrigger(watch=watch)
+        trigger = ServedAcceptanceTrigger(watch=watch, run_config=str(config_path))
         classpath, kwargs = trigger.serialize()
-        assert classpath == "drafter_triggers.ServedAcceptanceTrigger" and kwargs == {"watch": watch}
+        assert classpath == "drafter_triggers.ServedAcceptanceTrigger"
+        assert kwargs == {"watch": watch, "run_config": str(config_path), "aws_conn_id": None}
         return trigger
 
+    assert _next_event(watching(1.01), timeout_s=5, traffic_url=metered_ngram_server) is None
     # n-gram drafts on repeated text: well above 1 token per verify pass, far under 50
     event = _next_event(watching(50.0), timeout_s=60, traffic_url=metered_ngram_server)
     assert event is not None and event.payload["trigger"] == "served_acceptance"
     served = event.payload["accept_length"]
     assert 1.0 < served < 50.0 and event.payload["verify_calls"] >= 5
     assert event.payload["reason"].startswith(f"served acceptance length {served:.3f} under the floor 50.0")
-    assert _next_event(watching(1.01), timeout_s=5, traffic_url=metered_ngram_server) is None
+    # a new trigger, as a restarted triggerer makes: the cooldown it fired into is in the store
+    assert _next_event(watching(50.0), timeout_s=5, traffic_url=metered_ngram_server) is None
 
 
 def test_the_target_revision_trigger_fires_once_the_fleet_serves_another_revision(
@@ -645,7 +654,7 @@ def test_the_target_revision_trigger_fires_once_the_fleet_serves_another_revisio
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(tiny_config_dict(storage_config("file", tmp_path, None))))
     config = load_config(config_path)
-    watch = {"server_info_url": f"{metered_ngram_server}/get_server_info", "poll_s": 0.25}
+    watch = {"server_info_url": f"{metered_ngram_server}/server_info", "poll_s": 0.25}
     trigger = TargetRevisionTrigger(watch=watch, run_config=str(config_path))
     assert _next_event(trigger, timeout_s=3) is None  # nothing in production yet
     _production(open_store(config.storage), config.target.name, "r2", config.registry.alias)
@@ -654,3 +663,6 @@ def test_the_target_revision_trigger_fires_once_the_fleet_serves_another_revisio
     event = _next_event(trigger, timeout_s=30)
     assert event is not None and event.payload["served_revision"] == "r2"
     assert (event.payload["drafter_revision"], event.payload["drafter_version"]) == ("r1", "v2")
+    # a restarted triggerer's new trigger: the revision it fired on is in the store, not in its memory
+    restarted = TargetRevisionTrigger(watch=watch, run_config=str(config_path))
+    assert _next_event(restarted, timeout_s=3) is None

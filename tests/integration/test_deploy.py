@@ -290,10 +290,16 @@ def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_p
     write_serving_flags(tmp_path / "serving-flags", flags)
     script = sglang["args"][0].replace(flags_file, str(tmp_path / "serving-flags"))
     script = script.replace("exec python", "printf '%s\\n'")
+    # the commit the model store's download recorded is what the server is told it serves
+    metadata = "/models/Kimi-K2.5/.cache/huggingface/download/config.json.metadata"
+    assert metadata in script
+    (tmp_path / "metadata").write_text('6f1c0ffee\n"etag"\n1764900000.0\n')
+    script = script.replace(metadata, str(tmp_path / "metadata"))
     argv = subprocess.run(
         sglang["command"] + [script], capture_output=True, text=True, check=True
     ).stdout.splitlines()
     assert argv[:3] == ["-m", "sglang.launch_server", "--model-path"] and argv[-len(flags) :] == flags
+    assert argv[argv.index("--revision") + 1] == "6f1c0ffee"
     options = [arg for arg in argv if arg.startswith("--")]
     assert sorted(option for option in set(options) if options.count(option) > 1) == []  # none given twice
     assert shlex.split((tmp_path / "serving-flags").read_text()) == flags
@@ -316,7 +322,9 @@ def test_every_trainer_node_runs_the_same_torchrun_command_meeting_at_the_headle
     assert service["spec"]["selector"].items() <= job["spec"]["template"]["metadata"]["labels"].items()
     # pod 0 of the Job under the headless Service is where every node meets
     kimi = load_config(KIMI_CONFIG, ["train.nodes=4", "train.launcher=kubernetes"])
-    assert kimi.train.rendezvous_endpoint == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    namespace = job["metadata"]["namespace"]
+    pod_0 = f"{job['metadata']['name']}-0.{service['metadata']['name']}.{namespace}.svc.cluster.local"
+    assert kimi.train.rendezvous_endpoint == pod_0
     assert (
         kimi.train.rendezvous_port == service["spec"]["ports"][0]["port"] == node["ports"][0]["containerPort"]
     )

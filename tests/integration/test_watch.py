@@ -30,13 +30,13 @@ def ngram_server(tiny_target_dir):
 
 
 def test_the_served_acceptance_is_what_the_requests_meta_info_reports(ngram_server):
-    before = scrape([f"{ngram_server}/metrics"])
+    before = scrape(f"{ngram_server}/metrics")
     tokens = verify_passes = 0
     for prompt in ([5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12], [3, 4, 3, 4, 3, 4]):
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
         meta = requests.post(f"{ngram_server}/generate", json=body, timeout=120).json()["meta_info"]
         tokens, verify_passes = tokens + meta["completion_tokens"], verify_passes + meta["spec_verify_ct"]
-    after = scrape([f"{ngram_server}/metrics"])
+    after = scrape(f"{ngram_server}/metrics")
     window = AcceptanceWindow(window_s=3600.0)
     window.add(before)
     window.add(after)
@@ -58,7 +58,7 @@ def test_a_server_without_metrics_is_a_clear_error(tiny_target_dir):
     server = serve(StandinBackend(tiny_target_dir, None))
     try:
         with pytest.raises(WatchError, match="cannot read"):
-            scrape([f"http://127.0.0.1:{server.server_port}/metrics"])
+            scrape(f"http://127.0.0.1:{server.server_port}/metrics")
     finally:
         server.shutdown()
 
@@ -67,7 +67,7 @@ def test_the_served_revision_against_the_production_drafters(ngram_server, tiny_
     from pipeline.config import StorageConfig
     from pipeline.storage import open_store
 
-    served = served_revision(f"{ngram_server}/get_server_info")
+    served = served_revision(f"{ngram_server}/server_info")
     assert served["revision"] == "r2" and served["model_path"] == str(tiny_target_dir)
     store = open_store(StorageConfig(root=str(tmp_path / "store")))
     assert revision_change(served, production_target(store, "tiny", "production")) is None  # none yet
@@ -82,7 +82,7 @@ def test_the_served_revision_against_the_production_drafters(ngram_server, tiny_
     assert change is not None and (change["served_revision"], change["drafter_revision"]) == ("r2", "r1")
     assert "at revision 'r2'; production drafter v1 was trained for revision 'r1'" in change["reason"]
     assert revision_change({**served, "revision": "r1"}, production) is None
-    with pytest.raises(WatchError, match="not an SGLang /get_server_info"):
+    with pytest.raises(WatchError, match="not an SGLang /server_info"):
         served_revision(f"{ngram_server}/health")
 
 
@@ -96,7 +96,7 @@ def test_one_poll_of_the_revision_watch_reads_the_registry_the_run_config_names(
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(tiny_config_dict(storage_config("file", tmp_path, None))))
     config = load_config(config_path)
-    watch = TargetRevisionWatch(server_info_url=f"{ngram_server}/get_server_info")
+    watch = TargetRevisionWatch(server_info_url=f"{ngram_server}/server_info")
     assert check_revision(watch, str(config_path)) is None  # nothing in production
     production_drafter(open_store(config.storage), config.target.name, "r1", config.registry.alias)
     change = check_revision(watch, str(config_path))
@@ -126,7 +126,7 @@ def test_the_revision_poll_reads_an_s3_registry_with_the_keys_it_is_handed(
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config-file"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it would keep the keys it found before
-    watch = TargetRevisionWatch(server_info_url=f"{ngram_server}/get_server_info")
+    watch = TargetRevisionWatch(server_info_url=f"{ngram_server}/server_info")
     with pytest.raises(botocore.exceptions.NoCredentialsError):
         check_revision(watch, str(config_path))
     keys = S3Credentials("AKIACONNECTION", "connection-secret-9d2e", "us-east-1")

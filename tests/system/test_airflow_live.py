@@ -13,10 +13,11 @@ way users start it) with the drafter DAGs, S3 on moto's server and credentials o
 - The deployment's served-acceptance watch: the triggerer polls a serving stand-in's /metrics all along
   (idle, it says nothing); once the fleet serves under the floor it starts a drafter_train run, which
   records that trigger.
-- The deployment's target-revision watch: the triggerer polls another replica's /get_server_info and the
+- The deployment's target-revision watch: the triggerer polls another replica's /server_info and the
   S3 registry (with the aws_default connection's keys: its environment has none) all along; the
   production drafters promoted meanwhile match the served revision. Once that replica is restarted at
-  another revision, it starts a drafter_data run that captures the served revision.
+  another revision, it starts a drafter_data run that captures the served revision; a restarted
+  triggerer, the revision still served, starts no second one (what it fired on is in S3).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import pytest
 import requests
 import yaml
 
+from harness import airflow_local
 from tests.conftest import (
     CHROMIUM_ARGS,
     REPO,
@@ -226,7 +228,7 @@ def _watching(fleet: str, replica: str) -> dict:
             "poll_s": 1.0,
             "cooldown_s": 3600.0,
         },
-        "target_revision": {"server_info_url": f"{replica}/get_server_info", "poll_s": 1.0},
+        "target_revision": {"server_info_url": f"{replica}/server_info", "poll_s": 1.0},
     }
 
 
@@ -234,8 +236,6 @@ def _watching(fleet: str, replica: str) -> dict:
 def live_airflow(
     tmp_path_factory, s3_endpoint, tiny_target_dir, alert_sinks, live_config, served_fleet, revision_replica
 ):
-    from harness import airflow_local
-
     home = tmp_path_factory.mktemp("airflow-live")
     deployment = home / "deployment.yaml"
     # scheduled and watch-started runs take the run config
@@ -272,7 +272,14 @@ def live_airflow(
             response = client.call("POST", "/connections", json=connection)
             assert response.status_code in (200, 201), response.text
         _wait_for_dags(client)
-        yield {"home": home, "base": base, "client": client, "password": password, "sinks": alert_sinks}
+        yield {
+            "home": home,
+            "base": base,
+            "client": client,
+            "password": password,
+            "sinks": alert_sinks,
+            "env": env,
+        }
     finally:
         airflow_local.down(home, grace_s=5)  # what a test leaves running is killed, not waited for
 
@@ -570,4 +577,16 @@ def test_another_target_revision_served_starts_a_data_run_through_the_triggerer(
         "at revision 'r-next'" in plan["trigger"]["reason"]
         and "for revision None" in plan["trigger"]["reason"]
     )
+    # the triggerer restarts (a deploy, an evicted pod): what the watch fired on is in the store, so the
+    # revision still served starts no second run
+    log = live_airflow["home"] / "logs" / "triggerer.log"
+    offset = log.stat().st_size
+    airflow_local.restart(live_airflow["home"], "triggerer", env=live_airflow["env"], grace_s=5)
+    deadline = time.monotonic() + 120
+    while "TargetRevisionTrigger" not in log.read_text(errors="replace")[offset:]:
+        assert time.monotonic() < deadline, "the restarted triggerer did not run the revision watch again"
+        time.sleep(1)
+    time.sleep(10)  # ten polls of the watch, the fleet still serving r-next
+    again = [r for r in client.runs("drafter_data") if r["run_type"] == "asset_triggered"]
+    assert [r["dag_run_id"] for r in again] == [run["dag_run_id"]], "the restarted watch fired again"
     _scan_for_secrets(live_airflow["home"])

@@ -180,6 +180,44 @@ def test_a_container_runs_as_its_images_user_or_its_security_contexts_and_volume
     assert "runAsNonRoot" in refused.events[-1]["message"]
 
 
+def test_a_pod_that_writes_past_its_local_storage_limits_is_evicted(cluster):
+    """The kubelet's local-storage eviction: past the containers' ephemeral-storage limit (their writable
+    layer and disk-backed emptyDirs together) or past an emptyDir's sizeLimit, the pod is killed and fails,
+    reason Evicted; within them it runs to its end."""
+
+    def write(name: str, where: str, megabytes: int, limit: str | None = None, size: str | None = None):
+        script = f"head -c {megabytes * 2**20} /dev/zero > {where}/blob && sleep 4 && echo kept"
+        pod = cluster.create_pod(
+            {
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "base",
+                            "image": "shell",
+                            "command": ["sh", "-c", script],
+                            "resources": {"limits": {"ephemeral-storage": limit}} if limit else {},
+                            "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+                        }
+                    ],
+                    "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": size} if size else {}}],
+                },
+            }
+        )
+        wait_for(lambda: pod.terminated(), timeout=60)
+        return pod
+
+    past_limit = write("past-limit", "/tmp", 3, limit="2Mi")
+    past_size = write("past-size", "/scratch", 3, size="1Mi")
+    within = write("within", "/scratch", 1, limit="4Mi", size="2Mi")
+    for evicted in (past_limit, past_size):
+        assert evicted.current_phase() == "Failed" and evicted.reason == "Evicted", evicted.events
+        assert evicted.containers["base"].exit_code == 137
+    assert "over its containers' limit" in past_limit.events[-1]["message"]
+    assert "over its sizeLimit" in past_size.events[-1]["message"]
+    assert within.current_phase() == "Succeeded" and within.reason is None
+
+
 def test_a_pod_starts_with_default_signals_even_when_the_cluster_was_started_ignoring_them(cluster):
     # a cluster started as a background job inherits SIGINT and SIGQUIT ignored; a container runtime starts
     # the pod's process with default dispositions, so the xcom sidecar's `trap "exit 0" INT` can end it
@@ -324,7 +362,12 @@ SCALE = "/apis/apps/v1/namespaces/ns/statefulsets/web/scale"
 def api(tmp_path):
     manifest = tmp_path / "web.yaml"
     manifest.write_text(yaml.safe_dump_all(WEB))
-    local = LocalCluster(tmp_path / "cluster", {"python": PYTHON}, (LocalNode("cpu", {}, (), {"cpu": "8"}),))
+    local = LocalCluster(
+        tmp_path / "cluster",
+        {"python": PYTHON},
+        (LocalNode("cpu", {}, (), {"cpu": "8"}),),
+        dns_propagation_s=2.0,
+    )
     local.apply(manifest)
     local.start_api()
     yield local
@@ -402,6 +445,9 @@ def test_scaling_runs_ready_pods_that_resolve_each_other_and_scaling_down_remove
     assert pod.status.container_statuses[0].ready and ipaddress.ip_address(
         pod.status.pod_ip
     ) in ipaddress.ip_network(f"{api.network}/16")
+    # a ready pod's record comes a little later (the Service does not publish not-ready addresses)
+    assert api.address_of("web-0.web.ns.svc") is None
+    wait_for(lambda: None not in {api.address_of(f"{name}.web.ns.svc") for name in ("web-0", "web-1")})
     addresses = {name: api.address_of(f"{name}.web.ns.svc") for name in ("web-0", "web-1")}
     assert len(set(addresses.values())) == 2 and pod.status.pod_ip == addresses["web-0"]
     # from inside web-0, through its /etc/hosts: web-1's own server, at web-1's own address
@@ -424,7 +470,7 @@ def test_scaling_runs_ready_pods_that_resolve_each_other_and_scaling_down_remove
     assert "web-0" not in api.hosts_file.read_text()
     api.scale_statefulset("ns", "web", 1)  # and up again: web-0 anew
     wait_for(lambda: api.statefulset_status("ns", "web")["readyReplicas"] == 1)
-    assert "web-0.web.ns.svc" in api.hosts_file.read_text()
+    wait_for(lambda: "web-0.web.ns.svc" in api.hosts_file.read_text())
 
 
 def test_a_pod_calls_the_api_as_its_service_account_and_can_opt_out(api):
@@ -597,13 +643,13 @@ seen = {"index": index, "hostname": socket.gethostname(), "own": socket.gethostb
 if index == 0:
     with socket.create_server((os.environ["DRAFTER_LOCAL_POD_IP"], port)) as server:
         server.accept()[0].close()
-else:
-    seen["peer"] = socket.gethostbyname("work-0.workers")
-    for _ in range(200):
+else:  # pod 0's name resolves only once cluster DNS lists it: retried, as a real client retries
+    for _ in range(600):
         try:
+            seen["peer"] = socket.gethostbyname("work-0.workers")
             socket.create_connection(("work-0.workers", port), timeout=5).close()
             break
-        except ConnectionRefusedError:
+        except (socket.gaierror, ConnectionRefusedError):
             time.sleep(0.1)
 print(json.dumps(seen))
 """
@@ -723,9 +769,16 @@ dist.destroy_process_group()
 """
 
 
-def test_torchrun_nodes_of_a_job_meet_at_pod_0_by_its_dns_name(batch):
-    """c10d picks the node that hosts its store by comparing the endpoint's addresses with those of the
-    node's own hostname: only pod 0, whose hostname resolves to its own address, may host it."""
+@pytest.mark.parametrize(
+    ("endpoint", "outcome", "timeout_s"),
+    [("train-0.workers.ns.svc.cluster.local", "Complete", 60), ("train-0.workers", "Failed", 10)],
+    ids=["full-name", "short-name"],
+)
+def test_torchrun_nodes_of_a_job_meet_at_pod_0_by_its_full_name(batch, endpoint, outcome, timeout_s):
+    """c10d makes the node whose own full name (its /etc/hosts, as the kubelet writes it) or address is the
+    endpoint's the host of its store. Pod 0 knows itself by its full name at once; by the short name it
+    must ask the cluster's DNS, which lists it only seconds after it runs: then no node hosts the store and
+    every node waits out the rendezvous timeout (pytorch/pytorch#73682)."""
     port = free_port()
     args = [
         "--nnodes",
@@ -737,9 +790,11 @@ def test_torchrun_nodes_of_a_job_meet_at_pod_0_by_its_dns_name(batch):
         "--rdzv-backend",
         "c10d",
         "--rdzv-endpoint",
-        f"train-0.workers:{port}",
+        f"{endpoint}:{port}",
         "--rdzv-id",
         "$(RUN_ID)",
+        "--rdzv-conf",
+        f"join_timeout={timeout_s},read_timeout={timeout_s}",
         "--no-python",
         "python",
         "-c",
@@ -753,7 +808,9 @@ def test_torchrun_nodes_of_a_job_meet_at_pod_0_by_its_dns_name(batch):
     )
     wait_for(lambda: job.condition is not None, timeout=120)
     logs = {pod.hostname: (pod.directory / "node.log").read_text() for pod in batch.job_pods("ns", "train")}
-    assert job.condition["type"] == "Complete", logs
+    assert job.condition["type"] == outcome, logs
+    if outcome == "Failed":
+        return
     results = sorted(
         line.split()[1:]
         for text in logs.values()

@@ -348,7 +348,7 @@ def _kubernetes_settings(tmp_path, nodes: int = 3):
         "nodes": nodes,
         "launcher": "kubernetes",
         "rendezvous_timeout_s": 1800,
-        "rendezvous_endpoint": "drafter-trainer-0.drafter-trainer",
+        "rendezvous_endpoint": "drafter-trainer-0.drafter-trainer.drafter.svc.cluster.local",
     }
     return load_config(
         data={"storage": {"root": str(tmp_path)}, "target": {"name": "t"}, "train": train}

@@ -73,6 +73,9 @@ def test_the_production_path_runs_end_to_end_on_a_local_cluster(tmp_path, root):
     # the runbook's notifier connections carried the promotion and the broken run's failure
     alerts = [line for line in lines if line.startswith("alerts: ")]
     assert len(alerts) == 1 and "promotion of " in alerts[0] and "configure failure" in alerts[0], alerts
+    # the retraining watches, polled in a pod of the triggerer as the Helm values make it
+    watches = [line for line in lines if line.startswith("watches (in the triggerer's pod): ")]
+    assert len(watches) == 1 and "served acceptance: 1 replica(s)" in watches[0], watches
     # lineage of the pod tasks, through Airflow's OpenLineage provider: the prompts to the promoted version
     lineage = [line for line in lines if line.startswith("lineage: ")]
     assert len(lineage) == 1 and "/drafters/kimi-k2.5/versions/" in lineage[0], lineage

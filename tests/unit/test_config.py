@@ -92,3 +92,24 @@ def test_default_aux_layers_follow_the_contract():
     assert default_aux_layer_ids(8) == [1, 3, 4]
     with pytest.raises(ConfigError):
         default_aux_layer_ids(4)
+
+
+def test_a_kubernetes_rendezvous_names_pod_0_in_full():
+    """torch makes the node whose own full name is the rendezvous host the store's host; by a short name pod
+    0 would ask cluster DNS, which lists it only once it runs, and no node might host the store."""
+    data = {"storage": {"root": "/tmp/x"}, "target": {"name": "t"}}
+    train = {"nodes": 2, "launcher": "kubernetes"}
+    with pytest.raises(ConfigError, match="name pod 0 in full") as refused:
+        load_config(
+            data={**data, "train": {**train, "rendezvous_endpoint": "drafter-trainer-0.drafter-trainer"}}
+        )
+    assert "pytorch/pytorch#73682" in str(refused.value)
+    full = "drafter-trainer-0.drafter-trainer.drafter.svc.cluster.local"
+    assert (
+        load_config(data={**data, "train": {**train, "rendezvous_endpoint": full}}).train.rendezvous_endpoint
+        == full
+    )
+    # on one machine the nodes meet at an address, not a pod's name
+    assert (
+        load_config(data={**data, "train": {"nodes": 2, "rendezvous_endpoint": "127.0.0.1"}}).train.nodes == 2
+    )

@@ -160,10 +160,12 @@ def test_the_engine_placement_check_compares_each_pod_with_its_runs_engine():
     deployment = load_deployment(REPO / "configs" / "deployment" / "kubernetes.yaml")
     images = {name: deployment.kubernetes.images[name] for name in ("pipeline", "sglang", "trainer")}
     http = {"generate": "sglang", "parity": "sglang", "capture": "sglang", "benchmark": "sglang"}
+    http["train"] = "torchrun"
     runs = [
         _Run("drafter_data", "manual__1", http),
         _Run("drafter_data", "manual__2", {**http, "parity": "inprocess", "capture": "inprocess"}),
         _Run("drafter_train", "manual__3", http),
+        _Run("drafter_train", "manual__4", {**http, "train": "kubernetes"}),
     ]
     stages = {"generate_shard": "generate", "captures": "capture", "benchmark": "benchmark", "train": "train"}
     pods = [
@@ -172,6 +174,7 @@ def test_the_engine_placement_check_compares_each_pod_with_its_runs_engine():
         ("drafter_data", "manual__2", "captures", images["sglang"], "gpu-node"),
         ("drafter_train", "manual__3", "benchmark", images["sglang"], "gpu-node"),
         ("drafter_train", "manual__3", "train", images["trainer"], "gpu-node"),
+        ("drafter_train", "manual__4", "train", images["pipeline"], "cpu-node"),  # launches the node Job
         ("drafter_data", "manual__1", "plan", images["pipeline"], "cpu-node"),
     ]
     line = check_engine_placement(

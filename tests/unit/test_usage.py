@@ -31,6 +31,11 @@ def test_a_runs_rates_follow_its_engines_and_its_training_nodes():
     assert (rates.gpus["train"], rates.gpus["benchmark"], rates.gpus["capture"]) == (16, 8, 0)
     inprocess = usage_rates(table, load_config("configs/kimi-k2.5.yaml", ["capture.engine=inprocess"]))
     assert (inprocess.gpus["train"], inprocess.gpus["capture"]) == (8, 8)
+    # the kubernetes launcher: 4 node pods of 8 GPUs; the train task's own pod only watches them
+    jobs = usage_rates(
+        table, load_config("configs/kimi-k2.5.yaml", ["train.nodes=4", "train.launcher=kubernetes"])
+    )
+    assert jobs.gpus["train"] == 32
 
 
 @pytest.fixture
@@ -95,3 +100,15 @@ def test_status_lists_recent_runs_with_their_cost_data_runs_too(store):
     table = status_table(store, "tiny")
     [row] = [line for line in table.splitlines() if line.strip().startswith("data-run")]
     assert "no training (generate)" in row and "$0.00" in row
+
+
+def test_the_train_task_that_launches_a_node_job_holds_no_gpu():
+    """With train.launcher kubernetes the train task's pod creates the Job of node pods and waits: N nodes
+    need N GPU nodes, not N + 1, and no GPU sits idle under the watcher."""
+    deployment = load_deployment(KUBERNETES)
+    watcher = deployment.placed_fields("train", "kubernetes")
+    limits = watcher["container_resources"].limits
+    assert "nvidia.com/gpu" not in limits and watcher["node_selector"] == {} and watcher["tolerations"] == []
+    assert watcher["image"] == deployment.kubernetes.images["pipeline"]
+    single = deployment.placed_fields("train", "torchrun")  # trains in its own pod: its 8 GPUs
+    assert single["container_resources"].limits["nvidia.com/gpu"] == "8"

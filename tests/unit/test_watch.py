@@ -10,8 +10,10 @@ from pipeline.ops.watch import (
     VERIFY_CALLS,
     AcceptanceWindow,
     FleetSample,
+    FleetWindow,
     acceptance_drift,
     metric_totals,
+    replica_urls,
 )
 from tests.builders import acceptance_watch, production_drafter
 
@@ -121,3 +123,37 @@ def test_a_cron_run_trains_unless_the_production_drafter_has_its_dataset(tmp_pat
     assert nothing_new(config, store, "s3://b/datasets/d1") is None  # nothing in production
     production_drafter(store, config.target.name, "r1", config.registry.alias)
     assert nothing_new(config, store, "s3://b/datasets/d2") is None
+
+
+def test_each_replica_is_windowed_apart_so_alternating_counters_build_a_whole_window():
+    """Behind a load balancer the counters of two replicas alternate, and every apparent decrease would
+    start the window again; read apart, each replica's counters only grow and the fleet's window is
+    whole once each replica's is."""
+    watch = acceptance_watch()
+    single, fleet = AcceptanceWindow(100), FleetWindow(100)
+    for at in range(0, 130, 10):  # replica a: 1.5 tokens per pass; b: 1.25; a load balancer alternates them
+        a = FleetSample(float(at), 3000.0 + 15 * at, 2000.0 + 10 * at)
+        b = FleetSample(float(at), 500.0 + 5 * at, 400.0 + 4 * at)
+        single.add(a if at % 20 == 0 else b)
+        fleet.add({"http://10.0.0.1:30000/metrics": a, "http://10.0.0.2:30000/metrics": b})
+    assert acceptance_drift(single, watch) is None  # never a whole window: it kept starting again
+    payload = acceptance_drift(fleet, watch)
+    assert payload is not None and payload["accept_length"] == round((15 + 5) / (10 + 4), 4)
+    assert "2 server(s)" in payload["reason"]
+    # a replica that restarts starts only its own window; one that leaves leaves the fleet
+    fleet.add({"http://10.0.0.1:30000/metrics": FleetSample(130.0, 10.0, 5.0)})
+    assert list(fleet.replicas_seen) == ["http://10.0.0.1:30000/metrics"] and fleet.span() == (0.0, 0.0, 0.0)
+
+
+def test_a_headless_service_name_is_scraped_once_per_replica_it_lists():
+    def resolve(host, port, proto):
+        assert (host, port) == ("kimi-k2-5-replicas.sglang.svc.cluster.local", 30000)
+        return [(2, 1, 6, "", ("10.0.0.2", port)), (2, 1, 6, "", ("10.0.0.1", port))] * 2
+
+    watch = acceptance_watch(
+        metrics_urls=[], replicas_url="http://kimi-k2-5-replicas.sglang.svc.cluster.local:30000/metrics"
+    )
+    assert replica_urls(watch, resolve) == ["http://10.0.0.1:30000/metrics", "http://10.0.0.2:30000/metrics"]
+    assert replica_urls(acceptance_watch(), resolve) == ["http://127.0.0.1:1/metrics"]
+    with pytest.raises(ValueError, match="name the replicas one way"):
+        acceptance_watch(replicas_url="http://kimi-k2-5-replicas.sglang.svc.cluster.local:30000/metrics")
