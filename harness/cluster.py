@@ -105,6 +105,8 @@ IRSA_ROLE_ANNOTATION = "eks.amazonaws.com/role-arn"
 IRSA_TOKEN_DIR = "/var/run/secrets/eks.amazonaws.com/serviceaccount"
 # how long after a pod becomes listable its headless Service's DNS record appears (LocalCluster._dns_records)
 DNS_PROPAGATION_S = 8.0
+# the kubelet's default hard eviction threshold for the node's filesystem: nodefs.available<10%
+NODEFS_EVICTION_THRESHOLD = 0.10
 VOLUME_KINDS = {"persistentVolumeClaim": "pvc", "configMap": "configmap", "secret": "secret"}
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 FIRST_POD_ADDRESS = 10  # a cluster's pods get 127.N.0.10, 127.N.0.11, ... in its network block N
@@ -441,6 +443,7 @@ class LocalPod:
     ip: str = ""
     probed: dict[str, bool] = field(default_factory=dict)  # container -> its readiness probe's last answer
     running_since: float | None = None  # when its containers had all started (time.monotonic())
+    volumes: dict[str, dict[str, Any]] = field(default_factory=dict)  # as _volumes made them for it
 
     @property
     def name(self) -> str:
@@ -586,6 +589,7 @@ class LocalCluster:
         self.workspace.mkdir(parents=True, exist_ok=True)
         self._write_hosts()
         threading.Thread(target=self._sync_dns, daemon=True).start()
+        threading.Thread(target=self._relieve_disk_pressure, daemon=True).start()
         self.core_v1 = LocalCoreV1Api(self)
 
     # -- objects ---------------------------------------------------------------------------------
@@ -1096,7 +1100,7 @@ class LocalCluster:
             for run in pod.containers.values():
                 run.kill()
             return
-        pod.running_since = time.monotonic()
+        pod.volumes, pod.running_since = volumes, time.monotonic()
         if _storage_limits(spec, volumes) != (None, {}):
             threading.Thread(target=self._evict_past_storage_limits, args=(pod, volumes), daemon=True).start()
         for container in spec["containers"]:
@@ -1111,30 +1115,64 @@ class LocalCluster:
         """The kubelet's local-storage eviction, every second while the pod runs: a pod whose containers'
         writable layers (their /tmp here) and disk-backed emptyDirs hold more than the sum of its containers'
         ephemeral-storage limits, or an emptyDir more than its sizeLimit, is evicted: its containers are
-        killed and it fails with reason Evicted, as on a node. (Eviction of pods over their requests under
-        node disk pressure is not modelled: the local nodes never run short.)"""
+        killed and it fails with reason Evicted, as on a node. (Pods over their requests are evicted when
+        the node runs short: _relieve_disk_pressure.)"""
         limit, sized = _storage_limits(pod.manifest["spec"], volumes)
         while self.pods.get((pod.namespace, pod.name)) is pod and not pod.terminated():
-            used = {name: _bytes_under(Path(v["source"])) for name, v in volumes.items() if v.get("disk")}
-            layers = sum(_bytes_under(Path(f"/proc/{run.init_pid()}/root/tmp")) for run in _running(pod))
+            used = _local_storage_used(pod)
             over = [
                 f"emptyDir {name} holds {used[name]} bytes, over its sizeLimit {size}"
                 for name, size in sized.items()
                 if used[name] > size
             ]
-            total = layers + sum(used.values())
+            total = sum(used.values())
             if limit is not None and total > limit:
                 over.append(
                     f"the pod's local storage holds {total} bytes, over its containers' limit {limit}"
                 )
             if over:
-                pod.reason = "Evicted"
-                pod.events.append({"type": "Warning", "reason": "Evicted", "message": "; ".join(over)})
-                log.warning("pod %s: Evicted: %s", pod.name, "; ".join(over))
-                for run in list(pod.containers.values()):
-                    run.kill()
+                self._evict(pod, "; ".join(over))
                 return
             time.sleep(1.0)
+
+    def _evict(self, pod: LocalPod, message: str) -> None:
+        pod.reason = "Evicted"
+        pod.events.append({"type": "Warning", "reason": "Evicted", "message": message})
+        log.warning("pod %s: Evicted: %s", pod.name, message)
+        for run in list(pod.containers.values()):
+            run.kill()
+
+    def _relieve_disk_pressure(self) -> None:
+        """The kubelet's eviction under node disk pressure, every second: when the pods running on a node
+        whose capacity names its ephemeral-storage hold more than that less the hard eviction threshold
+        (nodefs.available<10%), the pod furthest past its containers' ephemeral-storage requests (none
+        requested: 0) is evicted, one at a time until the pressure is gone. A pod within its requests is
+        never evicted for it."""
+        while not self._closed:
+            for node in self.nodes:
+                if "ephemeral-storage" in node.capacity:
+                    self._relieve_node(node)
+            time.sleep(1.0)
+
+    def _relieve_node(self, node: LocalNode) -> None:
+        allowed = _quantity(node.capacity["ephemeral-storage"]) * (1 - NODEFS_EVICTION_THRESHOLD)
+        pods = [
+            pod
+            for pod in list(self.pods.values())
+            if pod.node == node.name and pod.running_since is not None and _running(pod)
+        ]
+        used = {id(pod): sum(_local_storage_used(pod).values()) for pod in pods}
+        if sum(used.values()) <= allowed:
+            return
+        past = {id(pod): used[id(pod)] - _storage_requests(pod.manifest["spec"]) for pod in pods}
+        victim = max(pods, key=lambda pod: past[id(pod)], default=None)
+        if victim is None or past[id(victim)] <= 0:
+            return
+        self._evict(
+            victim,
+            f"The node was low on resource: ephemeral-storage. The pod was using {used[id(victim)]} bytes, "
+            f"past its request of {_storage_requests(victim.manifest['spec'])}",
+        )
 
     def _probe_readiness(self, pod: LocalPod, container: dict[str, Any], port: int) -> None:
         """The kubelet's readiness probing of a container's readinessProbe.httpGet, at the pod's address
@@ -1379,6 +1417,39 @@ def _storage_limits(
     total = None if None in limits else int(sum(_quantity(str(limit)) for limit in limits))
     sized = {name: int(v["size"]) for name, v in volumes.items() if v.get("disk") and v.get("size")}
     return total, sized
+
+
+def _storage_requests(spec: dict[str, Any]) -> int:
+    """The sum of a pod's containers' ephemeral-storage requests (a container with only a limit requests
+    its limit, as the API server defaults it)."""
+    total = 0.0
+    for container in spec["containers"]:
+        resources = container.get("resources") or {}
+        wanted = (resources.get("requests") or {}).get("ephemeral-storage") or (
+            resources.get("limits") or {}
+        ).get("ephemeral-storage")
+        total += _quantity(str(wanted)) if wanted else 0.0
+    return int(total)
+
+
+def _local_storage_used(pod: LocalPod) -> dict[str, int]:
+    """What a pod holds on its node's disk, by where: each disk-backed emptyDir by its name, and its running
+    containers' writable layers (their /tmp here) together under "writable layers"."""
+    used = {name: _bytes_under(Path(v["source"])) for name, v in pod.volumes.items() if v.get("disk")}
+    used["writable layers"] = sum(_writable_layer_bytes(run) for run in _running(pod))
+    return used
+
+
+def _writable_layer_bytes(run: ContainerRun) -> int:
+    """The bytes in a running container's /tmp, its fresh tmpfs (container.py); 0 while its first process
+    has not entered its root yet (its /tmp is then still this machine's, another filesystem)."""
+    tmp = Path(f"/proc/{run.init_pid()}/root/tmp")
+    try:
+        if tmp.stat().st_dev == Path("/tmp").stat().st_dev:
+            return 0
+    except OSError:  # exited meanwhile
+        return 0
+    return _bytes_under(tmp)
 
 
 def _bytes_under(path: Path) -> int:

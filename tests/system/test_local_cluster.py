@@ -218,6 +218,51 @@ def test_a_pod_that_writes_past_its_local_storage_limits_is_evicted(cluster):
     assert within.current_phase() == "Succeeded" and within.reason is None
 
 
+def test_a_node_short_of_disk_evicts_the_pod_furthest_past_its_storage_request(tmp_path):
+    """Under node disk pressure (its pods holding more than its ephemeral-storage less the kubelet's 10%
+    threshold) the pod past its ephemeral-storage request is evicted; the pod within its request runs on."""
+    manifest = tmp_path / "ns.yaml"
+    manifest.write_text("apiVersion: v1\nkind: Namespace\nmetadata: {name: ns}\n")
+    local = LocalCluster(
+        tmp_path / "cluster",
+        {"shell": SHELL},
+        (LocalNode("small-disk", {}, (), {"cpu": "8", "ephemeral-storage": "40Mi"}),),
+    )
+    local.apply(manifest)
+
+    def writer(name: str, megabytes: int, request: str | None):
+        script = f"head -c {megabytes * 2**20} /dev/zero > /scratch/blob && sleep 6 && echo kept"
+        resources = {"requests": {"ephemeral-storage": request}} if request else {}
+        return local.create_pod(
+            {
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "base",
+                            "image": "shell",
+                            "command": ["sh", "-c", script],
+                            "resources": resources,
+                            "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+                        }
+                    ],
+                    "volumes": [{"name": "scratch", "emptyDir": {}}],
+                },
+            }
+        )
+
+    try:
+        within = writer("within-request", 16, "20Mi")
+        wait_for(lambda: within.running_since is not None, timeout=30)
+        past = writer("no-request", 24, None)
+        wait_for(lambda: within.terminated() and past.terminated(), timeout=60)
+    finally:
+        local.shutdown()
+    assert past.current_phase() == "Failed" and past.reason == "Evicted", past.events
+    assert "low on resource: ephemeral-storage" in past.events[-1]["message"]
+    assert within.current_phase() == "Succeeded" and within.reason is None, within.events
+
+
 def test_a_pod_starts_with_default_signals_even_when_the_cluster_was_started_ignoring_them(cluster):
     # a cluster started as a background job inherits SIGINT and SIGQUIT ignored; a container runtime starts
     # the pod's process with default dispositions, so the xcom sidecar's `trap "exit 0" INT` can end it
@@ -779,6 +824,9 @@ def test_torchrun_nodes_of_a_job_meet_at_pod_0_by_its_full_name(batch, endpoint,
     endpoint's the host of its store. Pod 0 knows itself by its full name at once; by the short name it
     must ask the cluster's DNS, which lists it only seconds after it runs: then no node hosts the store and
     every node waits out the rendezvous timeout (pytorch/pytorch#73682)."""
+    # DNS lists pod 0 later than its torchrun decides whether it hosts the store, even on a busy machine, and
+    # sooner than the full name's join timeout: pod 1 waits for the record, as on a cluster
+    batch.dns_propagation_s = 20.0
     port = free_port()
     args = [
         "--nnodes",
