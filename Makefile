@@ -80,8 +80,13 @@ mlflow-venv: $(MLFLOW_STAMP)
 standard-sets: $(BASE_STAMP)
 	$(PY) -m harness.shipped_sets
 
+# `drafter run` exits 4 when the benchmark could not tell whether the candidate is faster (on a busy
+# machine its intervals can stay too wide within benchmark.budget_s): every stage ran, nothing was
+# promoted, and the summary says "inconclusive, not promoted" and what to do. That is an honest outcome of
+# a demo, not a broken pipeline, so the demo exits 0 there. A slower candidate ("refused: slower", 1), a
+# failed gate (3) and every error still fail it.
 demo: $(BASE_STAMP)
-	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml
+	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml || { rc=$$?; [ $$rc -eq 4 ] || exit $$rc; }
 
 # The tests, in three tiers by what a test starts (tests/unit, tests/integration, tests/system; see
 # tests/conftest.py), on two pytest-xdist workers, a file at a time on one worker, the system tier's longest

@@ -116,13 +116,15 @@ def send_alert(alert: Alert | dict, context=None) -> None:
 
 
 def notify_promotion(context) -> None:
-    """The promote task's success callback: the promotion alert, from what the task returned."""
-    if not DEPLOYMENT.notifiers_for("promotion"):
+    """The promote task's success callback, from what the task returned: the promotion alert, or the
+    inconclusive benchmark's (nothing promoted, and what to do)."""
+    if not (DEPLOYMENT.notifiers_for("promotion") or DEPLOYMENT.notifiers_for("inconclusive")):
         return
-    from pipeline.tasks import promotion_notice
+    from pipeline.tasks import inconclusive_notice, promotion_notice
 
     ti = context["ti"]
-    alert = promotion_notice(ti.xcom_pull(task_ids="configure"), ti.xcom_pull(task_ids=ti.task_id))
+    run, promoted = ti.xcom_pull(task_ids="configure"), ti.xcom_pull(task_ids=ti.task_id)
+    alert = promotion_notice(run, promoted) or inconclusive_notice(run, promoted)
     if alert is not None:
         send_alert(alert, context)
 

@@ -3,8 +3,11 @@
 Scheduled when drafter_data publishes a dataset (the `drafter_dataset` Asset) OR on the deployment's
 retraining cron (then it trains on the newest dataset of the target); also triggered from the UI.
 A rejected candidate short-circuits at the gate: benchmark and promote are skipped, and the gate's
-log, its alert and the stored decision record say why. A promotion is alerted by the promote task's
-success callback; failures and overrunning runs by drafter_support (the deployment's `notifiers`).
+log, its alert and the stored decision record say why. A benchmark that could not tell whether the
+candidate is faster promotes nothing and is no failure: the promote task returns that outcome, and its
+success callback sends the `inconclusive` alert with what to do, as it alerts a promotion; a slower
+candidate fails the promote task. Failures and overrunning runs are alerted by drafter_support (the
+deployment's `notifiers`).
 The report (plots + report.html in runs/<run_id>/report/) is rendered however the run went; its
 address is in the report task's log and its "Run report" link.
 """
@@ -142,11 +145,11 @@ def drafter_train():
 
     @stage_task("promote", on_success_callback=notify_promotion)
     def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict) -> dict:
-        from pipeline.tasks import run_stage
+        from pipeline.tasks import promotion_outcome
 
         inputs = {"train_uri": trained["uri"], "eval_uri": evaluation["uri"], "gate_uri": gated["uri"]}
-        return run_stage(
-            "promote", run["config"], run["run_id"], rates=run["rates"], bench_uri=bench["uri"], **inputs
+        return promotion_outcome(
+            run["config"], run["run_id"], rates=run["rates"], bench_uri=bench["uri"], **inputs
         )
 
     @worker_task("report")

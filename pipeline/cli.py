@@ -17,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE
+from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, EXIT_INCONCLUSIVE
 from pipeline.stages import TABLE
 
 
@@ -200,15 +200,16 @@ def dispatch(args) -> int:
     store = open_store(config.storage)
     target = getattr(args, "target", None) or config.target.name
     if args.command == "run":
-        from pipeline.run import format_table, new_run_id, run_all
+        from pipeline.run import exit_code, format_table, new_run_id, run_all
 
         summary, location = run_all(config, args.run_id or new_run_id(), store)
         print(format_table(summary))
-        if summary.failure:
-            logging.getLogger("drafter").error("%s", summary.failure)
+        if summary.failure:  # an inconclusive benchmark is no error: the table says what to do
+            level = logging.WARNING if summary.next_step else logging.ERROR
+            logging.getLogger("drafter").log(level, "%s", summary.failure)
         print(f"report={summary.report}")
         print(f"summary={location}")
-        return {"gate failed": EXIT_GATE, "promotion refused": EXIT_FAILED}.get(summary.outcome, 0)
+        return exit_code(summary)
     if args.command == "pull":
         return _pull(args, config, store, target)
     if args.command == "rollback":
@@ -359,12 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.data.capture_contract import ContractMismatch
     from pipeline.ids import InvalidIdError
     from pipeline.stages.gate import GateFailed
+    from pipeline.stages.promote import BenchmarkInconclusive
 
     try:
         return dispatch(args)
     except GateFailed as failure:
         logging.getLogger("drafter").error("%s", failure)
         return EXIT_GATE
+    except BenchmarkInconclusive as unsure:  # an outcome, not an error: one line with what to do
+        logging.getLogger("drafter").warning("%s", unsure)
+        return EXIT_INCONCLUSIVE
     except (ConfigError, InvalidIdError, ContractMismatch) as bad:
         logging.getLogger("drafter").error("%s", bad)
         return EXIT_BAD_INPUT

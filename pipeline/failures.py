@@ -1,9 +1,10 @@
 """Which failures a retry cannot fix, and how a task process reports them to its scheduler.
 
-A bad config, a capture-contract mismatch, a failed parity check, a rejected gate or a refused
-promotion fail the same way however often they are retried, so schedulers fail them at once and
-retry only what can pass on a second try (servers down, throttling, a preempted node). A task that
-runs as its own process (a Kubernetes pod) says which kind it was through its exit code.
+A bad config, a capture-contract mismatch, a failed parity check, a rejected gate, a refused
+promotion or a promotion an inconclusive benchmark stopped (its stored record decides) fail the same way
+however often they are retried, so schedulers fail them at once and retry only what can pass on a
+second try (servers down, throttling, a preempted node). A task that runs as its own process (a
+Kubernetes pod) says which kind it was through its exit code.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import sys
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_GATE = 3
-PERMANENT_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_GATE})
+# the benchmark could not tell whether the candidate is faster: nothing promoted, and not a refusal
+EXIT_INCONCLUSIVE = 4
+PERMANENT_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_GATE, EXIT_INCONCLUSIVE})
 POD_EXIT_CODES_ENV = "DRAFTER_PERMANENT_EXIT_CODES"
 
 
@@ -36,7 +39,12 @@ def _rejection_types() -> tuple[type[BaseException], ...]:
 
 
 def exit_code_for(error: BaseException) -> int:
-    """EXIT_BAD_INPUT for input no retry can fix, EXIT_GATE for a rejected candidate, else EXIT_FAILED."""
+    """EXIT_BAD_INPUT for input no retry can fix, EXIT_GATE for a rejected candidate, EXIT_INCONCLUSIVE for
+    a benchmark that could not tell, else EXIT_FAILED."""
+    from pipeline.stages.promote import BenchmarkInconclusive
+
+    if isinstance(error, BenchmarkInconclusive):
+        return EXIT_INCONCLUSIVE
     if isinstance(error, _rejection_types()):
         return EXIT_GATE
     if isinstance(error, _bad_input_types()):
@@ -54,6 +62,11 @@ def exit_code_meaning(code: int) -> str:
         return "bad input (a config, capture contract, id, parity check or target that no retry can fix)"
     if code == EXIT_GATE:
         return "a rejected candidate (the gate, or a refused promotion)"
+    if code == EXIT_INCONCLUSIVE:
+        return (
+            "an inconclusive benchmark (it could not tell whether the candidate is faster; nothing "
+            "promoted: rerun on a quiet machine or with a larger benchmark budget)"
+        )
     return "a failure a retry may fix"
 
 

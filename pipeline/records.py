@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.config import DEFAULT_DOMAIN, GateConfig, RunConfig
 from pipeline.data.capture_contract import CaptureContract
@@ -433,9 +433,46 @@ class TimedSetting(Record):
     vs_fastest: RatioInterval | None = None  # over the fastest setting's (None: the fastest)
 
 
+class UndecidedSpeedup(Record):
+    """A speedup whose interval holds its threshold and is wider than benchmark.ci_rel_width: the benchmark
+    stopped (its budget or rounds spent) before it could tell. Widths are relative, (ci_high - ci_low) /
+    ratio, as benchmark.ci_rel_width is; `width_needed` is the widest interval around the same ratio on
+    which the promotion rule decides (pipeline.stages.benchmark.width_to_decide)."""
+
+    comparison: str  # as the decision's reasons name it: "candidate/baseline", "... at batch 4"
+    method: str
+    batch_size: int
+    ratio: float
+    ci_low: float
+    ci_high: float
+    rounds: int
+    required: float
+    width_reached: float
+    width_needed: float
+
+
+# faster: promotable; slower: some interval under its threshold (or behind the incumbent); inconclusive:
+# none decided against, some too wide to tell; refused: otherwise (a batch size the rule needs was not
+# measured, or an interval as narrow as benchmark.ci_rel_width still holds its threshold)
+BenchVerdict = Literal["faster", "slower", "inconclusive", "refused"]
+# how a run stopped by its benchmark ends (`drafter run`'s summary, the report, `drafter status`)
+BENCH_OUTCOMES: dict[str, str] = {"slower": "refused: slower", "inconclusive": "inconclusive, not promoted"}
+
+
 class BenchDecision(Record):
     promotable: bool
     reasons: list[str]
+    verdict: BenchVerdict
+    undecided: list[UndecidedSpeedup] = Field(default_factory=list)  # when inconclusive
+    next_step: str | None = None  # when inconclusive: how a rerun can decide
+
+    @model_validator(mode="before")
+    @classmethod
+    def _verdict_of_earlier_records(cls, data: Any) -> Any:
+        """A decision recorded before verdicts were: promotable, or refused."""
+        if isinstance(data, dict) and "verdict" not in data:
+            return {**data, "verdict": "faster" if data.get("promotable") else "refused"}
+        return data
 
 
 class SampledBench(Record):
@@ -639,6 +676,9 @@ class RunSummary(FileRecord):
     registry_uri: str | None = None
     pulled_to: str | None = None
     failure: str | None = None
+    next_step: str | None = (
+        None  # an inconclusive benchmark: how a rerun can decide (BenchDecision.next_step)
+    )
     cost: RunCost | None = None  # what the run's tasks held and cost, per stage
 
 

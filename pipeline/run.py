@@ -8,18 +8,35 @@ from typing import Any
 
 from pipeline import layout
 from pipeline.config import RunConfig
+from pipeline.failures import EXIT_FAILED, EXIT_GATE, EXIT_INCONCLUSIVE
 from pipeline.manifest import read_manifest
 from pipeline.ops import registry
 from pipeline.ops.usage import Rates, cost_rows, metered, read_usage, run_cost, usage_rates
-from pipeline.records import BenchRecord, EvalRecord, RunSummary, read_dataset, read_record
+from pipeline.records import (
+    BENCH_OUTCOMES,
+    BenchDecision,
+    BenchRecord,
+    EvalRecord,
+    RunSummary,
+    read_dataset,
+    read_record,
+)
 from pipeline.stages import TABLE, StageOutput, run_stage
 from pipeline.stages.gate import GateFailed
+from pipeline.stages.promote import BenchmarkInconclusive, PromotionRefused
 from pipeline.stages.promote import Output as PromoteOutput
-from pipeline.stages.promote import PromotionRefused
 from pipeline.stages.report import Output as ReportOutput
 from pipeline.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
+Stop = GateFailed | PromotionRefused | BenchmarkInconclusive
+# `drafter run`'s exit code by its outcome (README, "Exit codes"); any other outcome exits 0
+RUN_EXIT_CODES = {
+    "gate failed": EXIT_GATE,
+    "promotion refused": EXIT_FAILED,
+    BENCH_OUTCOMES["slower"]: EXIT_FAILED,
+    BENCH_OUTCOMES["inconclusive"]: EXIT_INCONCLUSIVE,
+}
 
 
 def new_run_id() -> str:
@@ -38,10 +55,10 @@ def summary_location(uri: str) -> str:
 
 def run_stages(
     config: RunConfig, run_id: str, store: ObjectStore
-) -> tuple[dict[str, StageOutput], GateFailed | PromotionRefused | None]:
+) -> tuple[dict[str, StageOutput], Stop | None]:
     """Every stage of the table that `drafter run` runs, in order, up to the report: their outputs,
-    and the failed gate or refused promotion that stopped the run early, if one did. What each stage
-    held is recorded (pipeline.ops.usage), as the deployment config places it."""
+    and the failed gate, refused promotion or inconclusive benchmark that stopped the run early, if one
+    did. What each stage held is recorded (pipeline.ops.usage), as the deployment config places it."""
     outputs: dict[str, StageOutput] = {}
     rates = local_rates(config)
     for entry in TABLE:
@@ -50,7 +67,7 @@ def run_stages(
         try:
             with metered(store, run_id, entry.name, entry.name, rates):
                 outputs[entry.name] = run_stage(entry.name, config, run_id, store)
-        except (GateFailed, PromotionRefused) as stopped:
+        except (GateFailed, PromotionRefused, BenchmarkInconclusive) as stopped:
             return outputs, stopped
     return outputs, None
 
@@ -128,11 +145,25 @@ def _promotion_summary(config: RunConfig, run_id: str, store: ObjectStore, promo
     }
 
 
+def promote_stop(stop: PromotionRefused | BenchmarkInconclusive, decision: BenchDecision) -> dict[str, Any]:
+    """The summary's outcome of a run its promote stage stopped (`decision`: the benchmark's): inconclusive,
+    with what to do; refused as slower; or refused otherwise (the promotion rule's other reasons)."""
+    if isinstance(stop, BenchmarkInconclusive):
+        return {"outcome": BENCH_OUTCOMES["inconclusive"], "failure": str(stop), "next_step": stop.next_step}
+    return {"outcome": BENCH_OUTCOMES.get(decision.verdict, "promotion refused"), "failure": str(stop)}
+
+
+def exit_code(summary: RunSummary) -> int:
+    """`drafter run`'s exit code: a failed gate, a slower candidate and an inconclusive benchmark apart."""
+    return RUN_EXIT_CODES.get(summary.outcome, 0)
+
+
 def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) -> tuple[RunSummary, str]:
     """Run prompts -> ... -> promote -> pull, then the report; returns (summary, summary location).
 
-    A failed gate or a refused promotion ends the run early but still writes the summary; its
-    "outcome" says which, and "failure" carries every reason.
+    A failed gate, a refused promotion or an inconclusive benchmark ends the run early but still writes
+    the summary; its "outcome" says which, "failure" carries every reason, and for an inconclusive
+    benchmark "next_step" says how a rerun can decide.
     """
     from pipeline.tasks import store_trigger
 
@@ -145,8 +176,9 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
     else:
         summary["gate_passed"] = True
         summary.update(_bench_summary(store, outputs["benchmark"].uri))
-    if isinstance(failure, PromotionRefused):
-        summary.update({"outcome": "promotion refused", "failure": str(failure)})
+    if isinstance(failure, PromotionRefused | BenchmarkInconclusive):
+        decision = read_record(store, outputs["benchmark"].uri, BenchRecord).decision
+        summary.update(promote_stop(failure, decision))
     elif failure is None:
         summary.update(_promotion_summary(config, run_id, store, outputs["promote"]))
     summary["cost"] = run_cost(
@@ -187,6 +219,7 @@ def format_table(summary: RunSummary) -> str:
         ("chosen epoch (from 0)", summary.chosen_epoch),
         ("held-out tau by epoch", summary.heldout_tau_by_epoch),
         ("outcome", summary.outcome),
+        *([("what to do", summary.next_step)] if summary.next_step else []),
         ("tau simulated", summary.tau_simulated),
         ("tau measured", summary.tau_measured),
         ("baseline tok/s", summary.baseline_tok_s),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, load_config
@@ -17,6 +18,7 @@ SHARD_STAGES = ("generate", "capture")
 # A task pod runs a script that imports this module and calls one function of it; a permanent failure
 # there must end the pod with its own exit code so the scheduler does not retry it.
 report_permanent_failures_by_exit_code()
+log = logging.getLogger(__name__)
 
 
 def run_stage(
@@ -56,6 +58,43 @@ def gate_decision(
         return run_stage("gate", config, run_id, overrides, **inputs)
     except GateFailed as failed:
         return {"passed": False, "reasons": failed.reasons}
+
+
+def promotion_outcome(
+    config: RunConfig | str | dict[str, Any],
+    run_id: str,
+    overrides: list[str] | None = None,
+    **inputs: Any,
+) -> dict[str, Any]:
+    """The promote stage with an inconclusive benchmark as an outcome instead of an error, as `gate_decision`
+    takes a rejection: nothing is promoted, and the result says why and what to do (`inconclusive_notice`
+    alerts it). A slower candidate still fails the task (PromotionRefused)."""
+    from pipeline.stages.promote import BenchmarkInconclusive
+
+    try:
+        return run_stage("promote", config, run_id, overrides, **inputs)
+    except BenchmarkInconclusive as unsure:
+        log.warning("%s", unsure)
+        return {"promoted": False, **unsure.outcome()}
+
+
+def inconclusive_notice(run: dict[str, Any], promoted: dict[str, Any]) -> dict[str, Any] | None:
+    """The alert for a benchmark that could not tell whether the candidate is faster (None for any other
+    outcome of the promote task). `promoted`: what `promotion_outcome` returned."""
+    from pipeline.ops.alerts import inconclusive_alert
+    from pipeline.records import BENCH_OUTCOMES
+
+    if promoted.get("outcome") != BENCH_OUTCOMES["inconclusive"]:
+        return None
+    config = _as_config(run["config"], None)
+    alert = inconclusive_alert(
+        run["run_id"],
+        config.target.name,
+        promoted["next_step"],
+        promoted.get("undecided") or [],
+        _report_address(config, run),
+    )
+    return dataclasses.asdict(alert)
 
 
 def rejection_notice(run: dict[str, Any], decision: dict[str, Any]) -> dict[str, Any]:

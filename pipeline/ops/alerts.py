@@ -1,6 +1,7 @@
-"""What a drafter alert says: a failed task, a rejected candidate, a promoted version, a run past its
-deadline. Plain data here; the DAGs deliver it through Airflow's notifiers (Slack webhook, SMTP email, a
-generic webhook) as the deployment config names them (pipeline.ops.deployment.NotifierConfig).
+"""What a drafter alert says: a failed task, a rejected candidate, a promoted version, a benchmark that
+could not tell whether the candidate is faster, a run past its deadline. Plain data here; the DAGs deliver
+it through Airflow's notifiers (Slack webhook, SMTP email, a generic webhook) as the deployment config
+names them (pipeline.ops.deployment.NotifierConfig).
 
 An alert carries no secret: an error's text has every URL's user and password masked, and notifiers
 take their addresses and credentials from Airflow connections, never from here."""
@@ -13,8 +14,8 @@ from typing import Any, Literal
 
 from pipeline.config import without_credentials
 
-AlertEvent = Literal["failure", "rejection", "promotion", "deadline"]
-ALERT_EVENTS: tuple[AlertEvent, ...] = ("failure", "rejection", "promotion", "deadline")
+AlertEvent = Literal["failure", "rejection", "promotion", "inconclusive", "deadline"]
+ALERT_EVENTS: tuple[AlertEvent, ...] = ("failure", "rejection", "promotion", "inconclusive", "deadline")
 ERROR_CHARS = 600  # of a failed task's error in its alert (the task log holds all of it)
 
 
@@ -70,6 +71,37 @@ def rejection_alert(run_id: str, target: str, reasons: list[str], report_uri: st
         f"drafter: the gate rejected the {target} candidate of run {run_id}",
         lines,
         {"run_id": run_id, "target": target, "reasons": reasons, "report": report_uri},
+    )
+
+
+def inconclusive_alert(
+    run_id: str, target: str, next_step: str, undecided: list[dict[str, Any]], report_uri: str
+) -> Alert:
+    """The benchmark could not tell whether the candidate is faster (its intervals stayed too wide):
+    nothing is promoted. Neither a failure nor a slower candidate: `next_step` says how a rerun decides."""
+    lines = [
+        f"run {run_id}",
+        *(
+            f"{entry['comparison']}: {entry['ratio']:.3f} (interval {entry['ci_low']:.3f}-"
+            f"{entry['ci_high']:.3f}, {entry['rounds']} rounds) holds the required {entry['required']}"
+            for entry in undecided
+        ),
+        "production is unchanged",
+        f"what to do: {next_step}",
+        f"report: {report_uri}",
+    ]
+    return Alert(
+        "inconclusive",
+        f"drafter: the benchmark could not tell whether the {target} candidate of run {run_id} is faster: "
+        "not promoted",
+        lines,
+        {
+            "run_id": run_id,
+            "target": target,
+            "next_step": next_step,
+            "undecided": undecided,
+            "report": report_uri,
+        },
     )
 
 

@@ -200,7 +200,7 @@ class NotifierConfig(Strict):
     events: list[AlertEvent] = Field(
         default_factory=lambda: list(ALERT_EVENTS),
         min_length=1,
-        description="which alerts: failure, rejection, promotion, deadline (default: all)",
+        description="which alerts: failure, rejection, promotion, inconclusive, deadline (default: all)",
     )
     to: list[str] = Field(default_factory=list, description="email: the recipients")
     from_email: str | None = Field(None, description="email: the sender (default: the connection's)")
@@ -249,7 +249,8 @@ class DeploymentConfig(Strict):
     kubernetes: KubernetesPlacement | None = None
     notifiers: list[NotifierConfig] = Field(
         default_factory=list,
-        description="where alerts go: failed tasks, gate rejections, promotions, runs past their deadline",
+        description="where alerts go: failed tasks, gate rejections, promotions, inconclusive benchmarks, "
+        "runs past their deadline",
     )
     deadline_minutes: dict[str, float] = Field(
         default_factory=dict,

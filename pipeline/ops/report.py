@@ -1,7 +1,8 @@
 """Run reports: PNG plots and one self-contained report.html in runs/<run_id>/report/, built from what
 the run's stages published (train, eval, gate, bench, promote manifests), plus the `drafter status`
-table of aliases and recent runs. A run that stopped early (a rejected gate, a refused promotion) still
-gets a report; the sections it never reached say so.
+table of aliases and recent runs. A run that stopped early (a rejected gate, a refused promotion, an
+inconclusive benchmark) still gets a report; the sections it never reached say so, and an inconclusive
+benchmark's says what to do.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.ops import registry
 from pipeline.ops.usage import USAGE_DIR, cost_rows, read_usage, run_cost
 from pipeline.records import (
+    BENCH_OUTCOMES,
     AcceptanceMetrics,
     AliasRecord,
     BenchMethods,
@@ -82,7 +84,7 @@ class RunRecord:
         if self.gate is not None and not self.gate.passed:
             return "gate rejected"
         if self.bench is not None and not self.bench.decision.promotable:
-            return "benchmark refused"
+            return BENCH_OUTCOMES.get(self.bench.decision.verdict, "benchmark refused")
         if not self.stages and self.cost is not None:  # a data run: its stages recorded their usage
             return f"no training ({', '.join(row.stage for row in self.cost.stages)})"
         return "incomplete" if self.stages else "no artifacts"
@@ -443,6 +445,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
     result = train.get("result") or {}
     return [
         ("outcome", record.outcome),
+        *next_step_rows(record),
         ("target", ((record.config or {}).get("target") or {}).get("name")),
         ("dataset", train.get("dataset")),
         *trigger_rows(record.trigger),
@@ -468,6 +471,13 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         *(sampled_rows(bench) if bench else []),
         ("promoted version", promote.version if promote and promote.promoted else None),
     ]
+
+
+def next_step_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """What to do about a run whose benchmark could not tell whether the candidate is faster."""
+    promoted = record.promote is not None and record.promote.promoted
+    step = record.bench.decision.next_step if record.bench is not None else None
+    return [("what to do", step)] if step and not promoted else []
 
 
 def _measured(methods: BenchMethods | Mapping[str, MeasuredAcceptance]) -> str:
@@ -642,6 +652,7 @@ def render_html(record: RunRecord, images: dict[str, bytes], flags: tuple[list[s
             cost=cost_rows(record.cost) if record.cost else [],
             flags=flags[0],
             flags_source=flags[1],
+            verdicts=BENCH_OUTCOMES,
             contract_text=json.dumps(contract, indent=2) if contract else "not recorded",
             config_text=yaml.safe_dump(record.config, sort_keys=False) if record.config else "not recorded",
         )
@@ -739,6 +750,7 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
         )
         lines += [f"      {name}: {text}" for name, text in trigger_rows(run.trigger)]
         lines += [f"      {name}: {text}" for name, text in init_rows(run.train or {})]
+        lines += [f"      {name}: {text}" for name, text in next_step_rows(run)]
         if run.eval is not None and isinstance(run.eval.incumbent, IncumbentEval):
             lines.append(f"      {standing_vs_incumbent(run.eval, run.eval.incumbent)}")
     evaluated = next((run for run in runs if run.eval is not None), None)

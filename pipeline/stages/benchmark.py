@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import statistics
 import time
@@ -80,6 +81,7 @@ from pipeline.records import (
     BenchDecision,
     BenchMethods,
     BenchRecord,
+    BenchVerdict,
     Calibration,
     DraftSetting,
     EvalRecord,
@@ -95,6 +97,7 @@ from pipeline.records import (
     SettingChoice,
     SpeedModel,
     TimedSetting,
+    UndecidedSpeedup,
     publish_record,
     read_record,
 )
@@ -747,6 +750,86 @@ def interval(estimate: RatioEstimate) -> RatioInterval:
 
 
 SLOWER_THAN_INCUMBENT = "; upper bound < 1: measurably slower than the incumbent, never promoted"
+Compared = Literal["faster", "slower", "undecided"]
+
+
+def compared(ci_low: float, ci_high: float, required: float, incumbent: bool) -> Compared:
+    """What one speedup interval decides by the promotion rule: faster when its lower bound clears
+    `required` (against the incumbent, also not wholly under 1); slower when its upper bound is under
+    `required`, or under 1 against the incumbent; undecided while it holds the threshold."""
+    if incumbent and ci_high < 1.0:
+        return "slower"
+    if ci_low >= required:
+        return "faster"
+    return "slower" if ci_high < required else "undecided"
+
+
+def width_to_decide(ratio: float, required: float, incumbent: bool) -> float:
+    """The widest relative interval around `ratio` on which the promotion rule (`compared`) decides.
+    pipeline.spread's intervals lie at ratio * e^(+-h), of relative width 2 sinh(h): the rule decides once
+    the interval no longer reaches a threshold it held, so the candidates for h are the distances from the
+    ratio to each threshold (`required`, and 1 against the incumbent), the widest that decides wins.
+    0 when the ratio sits on a threshold (no interval decides)."""
+    thresholds = {required, 1.0} if incumbent else {required}
+    for distance in sorted((abs(math.log(ratio / t)) for t in thresholds if t > 0), reverse=True):
+        half = distance * (1 - 1e-9)  # just inside: the bound no longer touches the threshold
+        if compared(ratio * math.exp(-half), ratio * math.exp(half), required, incumbent) != "undecided":
+            return 2 * math.sinh(half)
+    return 0.0
+
+
+def undecided_speedup(
+    comparison: str, method: str, batch: int, speedup: RatioInterval, required: float
+) -> UndecidedSpeedup:
+    return UndecidedSpeedup(
+        comparison=comparison,
+        method=method,
+        batch_size=batch,
+        ratio=speedup.ratio,
+        ci_low=speedup.ci_low,
+        ci_high=speedup.ci_high,
+        rounds=speedup.rounds,
+        required=required,
+        width_reached=(speedup.ci_high - speedup.ci_low) / speedup.ratio,
+        width_needed=width_to_decide(speedup.ratio, required, method == "incumbent"),
+    )
+
+
+def more_measurement(settings: BenchmarkConfig) -> str:
+    """How this engine's benchmark measures more rounds (and so narrower intervals) on a rerun."""
+    if settings.engine == "sglang" and settings.sglang is not None:
+        return (
+            f"rerun while its servers serve nothing else, or raise benchmark.sglang.rounds (now "
+            f"{settings.sglang.rounds}) and benchmark.num_prompts to fill them"
+        )
+    if settings.engine == "vllm" and not (settings.vllm or VllmBenchConfig()).engines_at_once:
+        return (
+            f"rerun on a quiet machine, or raise benchmark.repeats (now {settings.repeats}; each engine "
+            "runs max(3, repeats) passes)"
+        )
+    return f"rerun on a quiet machine, or raise benchmark.budget_s (now {settings.budget_s:g} s)"
+
+
+def next_step(settings: BenchmarkConfig, undecided: list[UndecidedSpeedup]) -> str:
+    """What to do about an inconclusive benchmark: the widths it reached and needed, and how to measure
+    more. An interval narrows about as 1/sqrt(rounds) at the same noise."""
+    widths = "; ".join(
+        f"{entry.comparison}: relative width {entry.width_reached:.3f} reached, "
+        f"{entry.width_needed:.3f} needed"
+        for entry in undecided
+    )
+    return f"the speedup intervals stayed too wide to decide ({widths}): {more_measurement(settings)}"
+
+
+def speedup_reason(name: str, speedup: RatioInterval, required: float, against_incumbent: bool) -> str:
+    """One reason of the promotion decision: the interval, and whether its lower bound clears `required`."""
+    ok = speedup.ci_low >= required
+    behind = against_incumbent and speedup.ci_high < 1.0
+    return (
+        f"{name} {speedup.ratio:.3f} ({speedup.confidence:.0%} interval {speedup.ci_low:.3f}-"
+        f"{speedup.ci_high:.3f}, {speedup.rounds} rounds): lower bound {'>=' if ok else '<'} "
+        f"required {required}" + (SLOWER_THAN_INCUMBENT if behind else "")
+    )
 
 
 def promotion_decision(
@@ -758,7 +841,13 @@ def promotion_decision(
     benchmark.promote_at_batch_sizes names: a candidate is faster only when the noise of the measurement
     cannot explain it. Whatever min_speedup_vs_incumbent allows, a candidate measurably slower than the
     incumbent (the interval's UPPER bound below 1) never promotes. `speedups` are the headline batch
-    size's, `batches` the other measured sizes'."""
+    size's, `batches` the other measured sizes'.
+
+    The verdict tells a slower candidate from one the benchmark could not judge: slower when an interval
+    lies under its threshold; inconclusive when none does but some still holds its threshold while wider
+    than benchmark.ci_rel_width (the budget ran out first: the record keeps the widths reached and needed,
+    and `next_step` says how to rerun); an interval that reached benchmark.ci_rel_width and still holds its
+    threshold is not measurably faster, a refusal."""
     required = {
         "baseline": settings.min_speedup_vs_baseline,
         "ngram": settings.min_speedup_vs_ngram,
@@ -767,26 +856,40 @@ def promotion_decision(
     measured = {settings.headline_batch_size(): speedups, **(batches or {})}
     gated = settings.gated_batch_sizes()
     named = gated != [settings.headline_batch_size()]
-    reasons, passed = [], True
+    reasons: list[str] = []
+    seen: set[str] = set()
+    undecided: list[UndecidedSpeedup] = []
     for batch in gated:
         at = f" at batch {batch}" if named else ""
         if batch not in measured:
-            passed = False
+            seen.add("refused")
             reasons.append(
                 f"candidate speed{at}: not measured, and benchmark.promote_at_batch_sizes needs it"
             )
             continue
         for other, speedup in measured[batch].items():
-            ok = speedup.ci_low >= required[other]
-            behind = other == "incumbent" and speedup.ci_high < 1.0
-            passed &= ok and not behind
+            against_incumbent = other == "incumbent"
             reasons.append(
-                f"candidate/{other} speed{at} {speedup.ratio:.3f} ({speedup.confidence:.0%} interval "
-                f"{speedup.ci_low:.3f}-{speedup.ci_high:.3f}, {speedup.rounds} rounds): lower bound "
-                f"{'>=' if ok else '<'} required {required[other]}"
-                + (SLOWER_THAN_INCUMBENT if behind else "")
+                speedup_reason(f"candidate/{other} speed{at}", speedup, required[other], against_incumbent)
             )
-    return BenchDecision(promotable=passed, reasons=reasons)
+            outcome = compared(speedup.ci_low, speedup.ci_high, required[other], against_incumbent)
+            if outcome != "undecided":
+                seen.add(outcome)
+                continue
+            entry = undecided_speedup(f"candidate/{other}{at}", other, batch, speedup, required[other])
+            # wider than the benchmark aims for: its budget ran out first; as narrow: not measurably faster
+            too_wide = entry.width_reached > settings.ci_rel_width
+            seen.add("inconclusive" if too_wide else "refused")
+            undecided += [entry] if too_wide else []
+    verdict: BenchVerdict = next((v for v in ("slower", "refused", "inconclusive") if v in seen), "faster")
+    inconclusive = verdict == "inconclusive"
+    return BenchDecision(
+        promotable=verdict == "faster",
+        reasons=reasons,
+        verdict=verdict,
+        undecided=undecided if inconclusive else [],
+        next_step=next_step(settings, undecided) if inconclusive else None,
+    )
 
 
 def record_decision(record: BenchRecord, settings: BenchmarkConfig) -> BenchDecision:
@@ -1542,4 +1645,6 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         record.tau_measured,
         record.tau_simulated,
     )
+    if record.decision.verdict == "inconclusive":
+        log.warning("benchmark inconclusive: %s", record.decision.next_step)
     return Output(uri=store.uri(prefix), kind=manifest["kind"])

@@ -25,7 +25,7 @@ DELIVER = """
 import asyncio, json, sys
 sys.path.insert(0, "dags")
 from drafter_support import DEPLOYMENT, deadline_alerts, send_alert
-from pipeline.ops.alerts import failure_alert, promotion_alert, rejection_alert
+from pipeline.ops.alerts import failure_alert, inconclusive_alert, promotion_alert, rejection_alert
 from airflow.triggers.callback import CallbackTrigger
 
 send_alert(failure_alert("drafter_train", "run-f", "train", 2, RuntimeError("no route to s3://k:pw@b/x"), "http://af/log"))
@@ -33,6 +33,10 @@ send_alert(rejection_alert("run-r", "tiny-test", ["tau_simulated 1.4 < 50"], "fi
 promoted = {"version": "v0007-aa", "alias": "production", "registry_uri": "s3://b/drafters/tiny-test/versions/v0007-aa",
             "speedups": {"baseline": 1.8}, "pull_command": "drafter pull --alias v0007-aa"}
 send_alert(promotion_alert("run-p", "tiny-test", promoted, "file:///r.html"))
+undecided = [{"comparison": "candidate/baseline", "ratio": 1.503, "ci_low": 0.5, "ci_high": 4.52, "rounds": 3,
+              "required": 1.0}]
+todo = "rerun on a quiet machine, or raise benchmark.budget_s (now 90 s)"
+send_alert(inconclusive_alert("run-i", "tiny-test", todo, undecided, "file:///i.html"))
 
 async def late(alerts):
     run = {"dag_id": "drafter_data", "dag_run_id": "run-late", "queued_at": "2026-12-02T10:00:00Z"}
@@ -100,17 +104,24 @@ def test_alerts_reach_slack_email_and_webhook_through_airflows_notifiers(tmp_pat
     hooks = alert_sinks.requests("/hooks/")[before_hooks:]
     webhook = [json.loads(r["body"]) for r in hooks]
     mail = alert_sinks.emails()[before_mail:]
-    assert len(slack) == len(webhook) == len(mail) == 4  # failure, rejection, promotion, deadline
+    # failure, rejection, promotion, inconclusive, deadline
+    assert len(slack) == len(webhook) == len(mail) == 5
     assert all(r["path"] == f"/slack/{SLACK_TOKEN}" for r in slack_requests)
     assert all(r["path"] == "/hooks/drafter" for r in hooks)
     assert all(r["headers"]["Authorization"] == f"Bearer {WEBHOOK_TOKEN}" for r in hooks)
 
-    failure, rejection, promotion, deadline = slack
+    failure, rejection, promotion, inconclusive, deadline = slack
     assert failure.startswith("*drafter: drafter_train task train failed*")
     assert "error: RuntimeError: no route to s3://***@b/x" in failure and "pw@" not in failure
     assert "reason: tau_simulated 1.4 < 50" in rejection and "production is unchanged" in rejection
     assert "version v0007-aa is now production" in promotion and "speedup vs baseline: 1.80x" in promotion
     assert "pull: drafter pull --alias v0007-aa" in promotion
+    assert inconclusive.startswith(
+        "*drafter: the benchmark could not tell whether the tiny-test candidate of run run-i is faster: not "
+        "promoted*"
+    )
+    assert "what to do: rerun on a quiet machine, or raise benchmark.budget_s (now 90 s)" in inconclusive
+    assert "candidate/baseline: 1.503 (interval 0.500-4.520, 3 rounds) holds the required 1.0" in inconclusive
     assert deadline.startswith("*drafter: drafter_data run run-late is past its deadline*")
     assert "deadline: 0.1 minutes after it was queued (2026-12-02T10:00:06Z)" in deadline
 
@@ -118,17 +129,27 @@ def test_alerts_reach_slack_email_and_webhook_through_airflows_notifiers(tmp_pat
         "drafter: drafter_train task train failed",
         "drafter: the gate rejected the tiny-test candidate of run run-r",
         "drafter: tiny-test version v0007-aa promoted",
+        "drafter: the benchmark could not tell whether the tiny-test candidate of run run-i is faster: "
+        "not promoted",
         "drafter: drafter_data run run-late is past its deadline",
     ]
     assert {(m["from"], m["to"]) for m in mail} == {("drafter@example.com", "ml-infra@example.com")}
     assert "<li>reason: tau_simulated 1.4 &lt; 50</li>" in mail[1]["body"]
     assert "<li>pull: drafter pull --alias v0007-aa</li>" in mail[2]["body"]
-    assert "queued at 2026-12-02T10:00:00Z, state running" in mail[3]["body"]
+    assert "<li>production is unchanged</li>" in mail[3]["body"]
+    assert "queued at 2026-12-02T10:00:00Z, state running" in mail[4]["body"]
 
-    assert [hook["event"] for hook in webhook] == ["failure", "rejection", "promotion", "deadline"]
+    assert [hook["event"] for hook in webhook] == [
+        "failure",
+        "rejection",
+        "promotion",
+        "inconclusive",
+        "deadline",
+    ]
     assert webhook[0]["task_id"] == "train" and webhook[1]["reasons"] == ["tau_simulated 1.4 < 50"]
     assert webhook[2]["version"] == "v0007-aa" and webhook[2]["speedups"] == {"baseline": 1.8}
-    assert webhook[3]["run_id"] == "run-late" and webhook[3]["deadline_minutes"] == 0.1
+    assert webhook[3]["next_step"].endswith("(now 90 s)") and webhook[3]["undecided"][0]["rounds"] == 3
+    assert webhook[4]["run_id"] == "run-late" and webhook[4]["deadline_minutes"] == 0.1
 
     assert "failure alert through the webhook notifier (connection drafter_down) failed" in logs
     for secret in (SLACK_TOKEN, WEBHOOK_TOKEN, AlertSinks.SMTP_PASSWORD, "pw@"):

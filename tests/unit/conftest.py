@@ -7,6 +7,7 @@ import socket
 import subprocess
 
 import pytest
+import urllib3  # noqa: F401  imported before the limits below: its import probes IPv6 by binding a socket
 
 from pipeline.engines import tiny_target
 

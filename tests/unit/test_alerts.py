@@ -138,3 +138,46 @@ def test_a_deadline_must_name_a_dag_and_be_positive(tmp_path, deadlines, problem
     path.write_text(yaml.safe_dump({"deadline_minutes": deadlines}))
     with pytest.raises(ConfigError, match=problem):
         load_deployment(path)
+
+
+def test_an_inconclusive_benchmark_has_its_own_alert_not_a_failure_or_a_refusal(tmp_path):
+    from pipeline.config import BenchmarkConfig
+    from pipeline.failures import EXIT_INCONCLUSIVE, PERMANENT_EXIT_CODES, exit_code_for, exit_code_meaning
+    from pipeline.records import RatioInterval
+    from pipeline.stages.benchmark import promotion_decision
+    from pipeline.stages.promote import BenchmarkInconclusive
+    from pipeline.tasks import inconclusive_notice, promotion_notice
+
+    run = _run(tmp_path)
+    wide = RatioInterval(ratio=1.503, ci_low=0.50, ci_high=4.52, confidence=0.95, rounds=3)
+    decision = promotion_decision({"baseline": wide}, BenchmarkConfig(budget_s=90))
+    stopped = BenchmarkInconclusive(decision)
+    unsure = {"promoted": False, **stopped.outcome()}
+    alert = inconclusive_notice(run, unsure)
+    assert alert["event"] == "inconclusive"
+    assert alert["subject"] == (
+        f"drafter: the benchmark could not tell whether the tiny-test candidate of run {run['run_id']} "
+        "is faster: not promoted"
+    )
+    assert (
+        f"what to do: {decision.next_step}" in alert["lines"] and "production is unchanged" in alert["lines"]
+    )
+    assert "benchmark.budget_s (now 90 s)" in alert["facts"]["next_step"]
+    assert alert["facts"]["undecided"][0]["comparison"] == "candidate/baseline"
+    assert not any("failed" in line for line in [alert["subject"], *alert["lines"]])
+    # neither a promotion nor a failure: its own event, and an exit code of its own that no retry changes
+    assert promotion_notice(run, unsure) is None
+    assert inconclusive_notice(run, {"promoted": False}) is None
+    assert exit_code_for(stopped) == EXIT_INCONCLUSIVE == 4 and EXIT_INCONCLUSIVE in PERMANENT_EXIT_CODES
+    assert exit_code_meaning(EXIT_INCONCLUSIVE).startswith("an inconclusive benchmark")
+
+
+def test_a_notifier_can_take_inconclusive_benchmarks(tmp_path):
+    from pipeline.ops.deployment import load_deployment
+
+    path = tmp_path / "deployment.yaml"
+    path.write_text(
+        yaml.safe_dump({"notifiers": [{"kind": "webhook", "conn_id": "w", "events": ["inconclusive"]}]})
+    )
+    assert [n.conn_id for n in load_deployment(path).notifiers_for("inconclusive")] == ["w"]
+    assert load_deployment(path).notifiers_for("failure") == []

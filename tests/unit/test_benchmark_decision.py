@@ -3,8 +3,12 @@ its speedup clears the threshold."""
 
 from __future__ import annotations
 
+import math
+
+import pytest
+
 from pipeline.config import BenchmarkConfig
-from pipeline.records import RatioInterval
+from pipeline.records import BenchDecision, RatioInterval
 from pipeline.spread import ratio_from_samples
 from pipeline.stages.benchmark import interval, promotion_decision
 
@@ -149,3 +153,101 @@ def test_a_candidate_measurably_slower_than_the_incumbent_never_promotes_whateve
     # an upper bound under 1 against baseline or n-gram is for their thresholds alone
     lenient = BenchmarkConfig(min_speedup_vs_baseline=0.5, min_speedup_vs_incumbent=0.0)
     assert promotion_decision({"baseline": speedup(0.9, 0.85, 0.95)}, lenient).promotable
+
+
+def test_an_interval_too_wide_to_decide_is_inconclusive_with_the_width_it_reached_and_needed():
+    # issue 41: a busy machine, the budget spent after 3 rounds, candidate/baseline 0.50-4.52
+    settings = BenchmarkConfig(min_speedup_vs_baseline=1.0, min_speedup_vs_ngram=0.0, budget_s=90)
+    wide = RatioInterval(ratio=1.503, ci_low=0.50, ci_high=4.52, confidence=0.95, rounds=3)
+    decision = promotion_decision({"baseline": wide, "ngram": speedup(1.1, 0.9, 1.3)}, settings)
+    assert not decision.promotable and decision.verdict == "inconclusive"
+    [undecided] = decision.undecided
+    assert (undecided.comparison, undecided.method, undecided.required) == (
+        "candidate/baseline",
+        "baseline",
+        1.0,
+    )
+    assert undecided.width_reached == pytest.approx((4.52 - 0.50) / 1.503)
+    # the rule promotes once the lower bound clears 1.0: an interval ratio*e^(+-h) decides for h < ln(1.503)
+    assert undecided.width_needed == pytest.approx(1.503 - 1 / 1.503)
+    assert "rerun on a quiet machine" in decision.next_step
+    assert "raise benchmark.budget_s (now 90 s)" in decision.next_step
+    assert "candidate/baseline: relative width 2.675 reached, 0.838 needed" in decision.next_step
+    # the reasons stay the rule's own, one per comparison
+    assert [reason.split(" ")[0] for reason in decision.reasons] == ["candidate/baseline", "candidate/ngram"]
+
+
+@pytest.mark.parametrize("ratio, required", [(1.503, 1.0), (0.7, 1.0), (1.05, 1.2), (0.93, 0.85)])
+def test_the_width_needed_is_where_the_promotion_rule_starts_to_decide(ratio, required):
+    settings = BenchmarkConfig(min_speedup_vs_baseline=0.0, min_speedup_vs_incumbent=required)
+
+    def around(width: float) -> RatioInterval:
+        half = math.asinh(width / 2)  # pipeline.spread's intervals: ratio*e^(+-h), relative width 2 sinh(h)
+        return RatioInterval(
+            ratio=ratio,
+            ci_low=ratio * math.exp(-half),
+            ci_high=ratio * math.exp(half),
+            confidence=0.95,
+            rounds=5,
+        )
+
+    base = {"baseline": speedup(1.6, 1.5, 1.7)}
+    [undecided] = promotion_decision({**base, "incumbent": around(5.0)}, settings).undecided
+    needed = undecided.width_needed
+    assert needed > 0
+    assert (
+        promotion_decision({**base, "incumbent": around(needed * 0.999)}, settings).verdict != "inconclusive"
+    )
+    assert (
+        promotion_decision({**base, "incumbent": around(needed * 1.001)}, settings).verdict == "inconclusive"
+    )
+
+
+def test_a_narrow_interval_below_the_threshold_is_refused_as_slower():
+    settings = BenchmarkConfig(min_speedup_vs_baseline=1.0)
+    decision = promotion_decision(
+        {"baseline": speedup(0.8, 0.76, 0.84), "ngram": speedup(1.1, 1.0, 1.2)}, settings
+    )
+    assert not decision.promotable and decision.verdict == "slower"
+    assert decision.undecided == [] and decision.next_step is None
+    # slower somewhere decides, however wide another interval is
+    also_wide = {"baseline": speedup(0.8, 0.76, 0.84), "incumbent": speedup(1.2, 0.5, 2.9)}
+    assert promotion_decision(also_wide, settings).verdict == "slower"
+
+
+def test_a_narrow_interval_above_the_threshold_is_promotable():
+    settings = BenchmarkConfig(min_speedup_vs_baseline=1.0)
+    decision = promotion_decision(
+        {"baseline": speedup(1.5, 1.45, 1.55), "ngram": speedup(1.2, 1.1, 1.3)}, settings
+    )
+    assert decision.promotable and decision.verdict == "faster"
+    assert decision.undecided == [] and decision.next_step is None
+
+
+def test_an_interval_as_narrow_as_the_benchmark_aims_that_holds_the_threshold_is_a_refusal():
+    # measured to benchmark.ci_rel_width and still on the threshold: not faster; no more rounds are asked for
+    settings = BenchmarkConfig(min_speedup_vs_baseline=1.0, ci_rel_width=0.1)
+    decision = promotion_decision({"baseline": speedup(1.0, 0.97, 1.03)}, settings)
+    assert not decision.promotable and decision.verdict == "refused" and decision.next_step is None
+
+
+@pytest.mark.parametrize(
+    "engine, knob",
+    [
+        (
+            {"engine": "sglang", "sglang": {"launch": ["x"], "model_path": "/m", "rounds": 6}},
+            "benchmark.sglang.rounds (now 6)",
+        ),
+        ({"engine": "vllm", "repeats": 4, "vllm": {"engines_at_once": False}}, "benchmark.repeats (now 4"),
+        ({"engine": "vllm", "budget_s": 300}, "benchmark.budget_s (now 300 s)"),
+    ],
+)
+def test_an_inconclusive_benchmark_names_what_would_measure_more_on_its_engine(engine, knob):
+    settings = BenchmarkConfig.model_validate({"min_speedup_vs_baseline": 1.0, **engine})
+    decision = promotion_decision({"baseline": speedup(1.2, 0.7, 2.0)}, settings)
+    assert decision.verdict == "inconclusive" and knob in decision.next_step
+
+
+def test_a_decision_recorded_before_verdicts_reads_as_its_outcome():
+    assert BenchDecision(promotable=True, reasons=[]).verdict == "faster"
+    assert BenchDecision.model_validate({"promotable": False, "reasons": ["x"]}).verdict == "refused"
