@@ -11,7 +11,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pipeline.config import without_credentials
+from pipeline.credentials import without_credentials
 
 AlertEvent = Literal["failure", "rejection", "promotion", "deadline"]
 ALERT_EVENTS: tuple[AlertEvent, ...] = ("failure", "rejection", "promotion", "deadline")
