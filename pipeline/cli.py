@@ -40,6 +40,9 @@ def quiet_libraries() -> None:
 
 
 def _setup_logging(verbose: bool) -> None:
+    from pipeline.credentials import install_log_masking
+
+    install_log_masking()
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
         stream=sys.stderr,
@@ -271,8 +274,11 @@ def _verify(args) -> int:
 
 
 def _pull(args, config, store, target: str) -> int:
+    from pipeline.drafter.servable import given_target_config
     from pipeline.ops import registry
 
+    if args.target_config:  # a mistake in it is bad input, told before anything is downloaded
+        given_target_config(args.target_config)
     dest = registry.pull(store, target, args.alias, args.dest, args.target_config, args.engine)
     manifest = json.loads((dest / "manifest.json").read_text())
     serving = manifest["serving"]

@@ -7,6 +7,7 @@ setting.
 from __future__ import annotations
 
 import copy
+import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,12 +22,22 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.credentials import refuse_credentials, without_credentials
 from pipeline.ids import validate_id
 from pipeline.sglang_ngram_rules import launch_from_args, refusals, silent_changes
 
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used."""
+
+
+_S3_CREDENTIALS = (
+    "S3 credentials belong in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, the "
+    "pod's role) or the deployment's Airflow connection (aws_conn_id)"
+)
+_SERVER_CREDENTIALS = (
+    "a server's credentials belong in connections and the environment, never in a URL of the run config"
+)
 
 
 class Strict(BaseModel):
@@ -54,7 +65,12 @@ class StorageConfig(Strict):
     def _known_scheme(cls, root: str) -> str:
         if "://" in root and not root.startswith(("file://", "s3://")):
             raise ValueError(f"storage.root must be file:// or s3://, got {root!r}")
-        return root
+        return refuse_credentials(root, "storage.root", _S3_CREDENTIALS)
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
+        return url if url is None else refuse_credentials(url, "storage.endpoint_url", _S3_CREDENTIALS)
 
 
 class TinyDeepseekV3Shape(Strict):
@@ -192,6 +208,11 @@ class PromptSource(Strict):
     def _domain_is_an_id(cls, domain: str) -> str:
         return validate_id(domain, "prompts.sources[].domain")
 
+    @field_validator("path")
+    @classmethod
+    def _path_without_credentials(cls, path: str | None) -> str | None:
+        return path if path is None else refuse_credentials(path, "prompts.sources[].path", _S3_CREDENTIALS)
+
     @model_validator(mode="after")
     def _path_for_files(self) -> PromptSource:
         if self.kind != "demo" and not self.path:
@@ -242,6 +263,15 @@ class SGLangClientConfig(Strict):
     timeout_s: float = Field(600.0, gt=0)
     retries: int = Field(3, ge=0)
 
+    @field_validator("urls", "last_hidden_urls")
+    @classmethod
+    def _urls_without_credentials(cls, urls: list[str] | None) -> list[str] | None:
+        return (
+            urls
+            if urls is None
+            else [refuse_credentials(u, "an SGLang URL", _SERVER_CREDENTIALS) for u in urls]
+        )
+
 
 class VllmEngineConfig(Strict):
     """One vLLM engine (pipeline.engines.vllm), run by the Python of vLLM's own virtualenv. The defaults
@@ -291,6 +321,11 @@ class VllmServerClientConfig(Strict):
     concurrency: PositiveInt = 8
     timeout_s: float = Field(600.0, gt=0)
     retries: int = Field(3, ge=0)
+
+    @field_validator("urls")
+    @classmethod
+    def _urls_without_credentials(cls, urls: list[str]) -> list[str]:
+        return [refuse_credentials(url, "a vLLM server URL", _SERVER_CREDENTIALS) for url in urls]
 
 
 class GenerateConfig(Strict):
@@ -1033,14 +1068,8 @@ class TrackingConfig(Strict):
     @field_validator("mlflow_uri")
     @classmethod
     def _no_credentials_in_uri(cls, uri: str | None) -> str | None:
-        from urllib.parse import urlsplit
-
-        if uri is not None and (urlsplit(uri).username or urlsplit(uri).password):
-            raise ValueError(
-                "tracking.mlflow_uri must not hold credentials (they would reach configs, manifests and "
-                "logs): set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN"
-            )
-        return uri
+        instead = "set MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN"
+        return uri if uri is None else refuse_credentials(uri, "tracking.mlflow_uri", instead)
 
 
 # what `drafter plan` assumes: most figures are positive; prices and load times may be zero
@@ -1185,6 +1214,111 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return ids
 
 
+# A run config has a few hundred YAML nodes. Aliases let a few lines expand into billions ("billion
+# laughs"), which validation, error messages and config.json would each walk in full: refused beforehand.
+MAX_YAML_NODES = 100_000
+
+
+def _refuse_expanding_aliases(root: yaml.Node, source: str) -> None:
+    """ConfigError when the node tree, with every alias expanded, holds more than MAX_YAML_NODES nodes.
+    Stops counting there, so a bomb (or an alias that refers to itself) costs at most that many steps."""
+    pending, count = [root], 0
+    while pending:
+        node = pending.pop()
+        count += 1
+        if count > MAX_YAML_NODES:
+            raise ConfigError(
+                f"{source} expands to more than {MAX_YAML_NODES} YAML nodes (anchors and aliases repeating "
+                "one another, or an alias inside itself): refused unread"
+            )
+        if isinstance(node, yaml.SequenceNode):
+            pending.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            pending.extend(part for pair in node.value for part in pair)
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where (PyYAML's own text quotes the input over several)."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem:
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        return f"{err.context + ', ' if err.context else ''}{err.problem}{where}"
+    return " ".join(str(err).split())
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """The YAML document in `text`, safely loaded (bounded as _refuse_expanding_aliases says); ConfigError
+    naming `source` when it is not YAML."""
+    loader = None
+    try:
+        loader = yaml.SafeLoader(text)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_expanding_aliases(node, source)
+        return loader.construct_document(node)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{source} is not valid YAML: {_yaml_problem(err)}") from err
+    except RecursionError as err:
+        raise ConfigError(f"{source} nests its YAML too deeply") from err
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
+    """The YAML document of a config file: ConfigError naming it when it is missing, a directory, not
+    UTF-8 text or not YAML."""
+    location = resolve_project_path(str(path))
+    try:
+        raw = location.read_bytes()
+    except FileNotFoundError as err:
+        raise ConfigError(f"{what} not found: {path}") from err
+    except IsADirectoryError as err:
+        raise ConfigError(f"{what} {path} is a directory; give a YAML file") from err
+    except OSError as err:
+        raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from err
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{what} {path} is not UTF-8 text (byte {err.start} is {raw[err.start : err.start + 1]!r}); "
+            "save it as UTF-8"
+        ) from err
+    return parse_yaml(text, f"{what} {path}")
+
+
+class _ShortRepr(reprlib.Repr):
+    """Reprs cut short at every level, of strings masked before they are cut (a cut could split a URL
+    from the "@" that marks its password)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother = 2, 80, 80
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = 4
+
+    def repr_str(self, x: str, level: int) -> str:
+        return super().repr_str(without_credentials(x), level)
+
+
+def _shortened(text: str, most: int = 500) -> str:
+    text = without_credentials(text)
+    return text if len(text) <= most else text[:most] + "..."
+
+
+def validation_problems(err: ValidationError, most: int = 20) -> str:
+    """What a ValidationError says, bounded whatever the input (values and messages cut short, at most
+    `most` problems listed; str(err) would write out a whole expanded input), credentials masked."""
+    problems = err.errors(include_url=False, include_context=False)
+    lines = [f"{len(problems)} validation error{'s' if len(problems) != 1 else ''} for {err.title}"]
+    for problem in problems[:most]:
+        lines.append(_shortened(".".join(str(part) for part in problem["loc"]) or "(top level)"))
+        lines.append(f"  {_shortened(problem['msg'])} [input: {_ShortRepr().repr(problem.get('input'))}]")
+    if len(problems) > most:
+        lines.append(f"... and {len(problems) - most} more")
+    return "\n".join(lines)
+
+
 def apply_override(tree: dict[str, Any], dotted: str) -> None:
     """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (numbers, lists, null)."""
     if "=" not in dotted:
@@ -1201,7 +1335,7 @@ def apply_override(tree: dict[str, Any], dotted: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
         node = child
-    node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    node[keys[-1]] = parse_yaml(raw, f"the value of override {path.strip()}") if raw.strip() else None
 
 
 def load_config(
@@ -1210,15 +1344,7 @@ def load_config(
     """Load a RunConfig from a YAML file (or a dict) and dotted overrides."""
     if (path is None) == (data is None):
         raise ConfigError("give exactly one of a config path or a config dict")
-    if path is not None:
-        try:
-            tree = yaml.safe_load(resolve_project_path(str(path)).read_text()) or {}
-        except FileNotFoundError as err:
-            raise ConfigError(f"config file not found: {path}") from err
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
-    else:
-        tree = copy.deepcopy(data)
+    tree = (read_yaml_file(path) or {}) if path is not None else copy.deepcopy(data)
     if not isinstance(tree, dict):
         raise ConfigError(f"config {path or '<dict>'} must be a mapping at the top level")
     for dotted in overrides or []:
@@ -1226,11 +1352,4 @@ def load_config(
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(f"invalid config {path or '<dict>'}:\n{without_credentials(str(err))}") from err
-
-
-def without_credentials(text: str) -> str:
-    """`text` with the user and password of every URL in it masked (a refused value is echoed in errors)."""
-    import re
-
-    return re.sub(r"(\b[a-z][a-z0-9+.-]*://)[^/\s@'\"]+@", r"\1***@", text)
+        raise ConfigError(f"invalid config {path or '<dict>'}:\n{validation_problems(err)}") from err

@@ -8,20 +8,22 @@ multi-object artifacts are published data first, manifest last (see pipeline.man
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from filelock import FileLock
 
 from pipeline.config import StorageConfig
+from pipeline.credentials import without_credentials
 from pipeline.ids import validate_key
 from pipeline.retrying import retrying
 
@@ -314,6 +316,35 @@ class FileStore(ObjectStore):
         return hashlib.sha256(data).hexdigest()
 
 
+S3Call = TypeVar("S3Call", bound=Callable[..., Any])
+
+
+def _reaching_the_endpoint(method: S3Call) -> S3Call:
+    """An S3 request that botocore could not make (an endpoint unreachable once its retries ran out, a
+    storage.endpoint_url it cannot use) fails as a StorageError naming the endpoint, on one line, instead of
+    botocore's traceback. Missing credentials stay botocore's NoCredentialsError, which callers name."""
+
+    @functools.wraps(method)
+    def call(self: S3Store, *args: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, NoCredentialsError
+        from botocore.exceptions import ConnectionError as Unreachable
+
+        try:
+            return method(self, *args, **kwargs)
+        except NoCredentialsError:
+            raise
+        except BotoCoreError as err:
+            endpoint = self.client.meta.endpoint_url
+            problem = (
+                f"cannot reach the S3 endpoint {endpoint} (retried {self.max_attempts} times)"
+                if isinstance(err, Unreachable)
+                else f"S3 request to {endpoint} failed"
+            )
+            raise StorageError(without_credentials(f"{problem}: {err}")) from err
+
+    return cast(S3Call, call)
+
+
 class S3Store(ObjectStore):
     def __init__(
         self,
@@ -345,10 +376,12 @@ class S3Store(ObjectStore):
     def _key(self, key: str) -> str:
         return _join(self.prefix, validate_key(key))
 
+    @_reaching_the_endpoint
     def put_bytes(self, key: str, data: bytes) -> ObjectInfo:
         self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
         return ObjectInfo(key, len(data), hashlib.sha256(data).hexdigest())
 
+    @_reaching_the_endpoint
     def put_file(self, key: str, path: str | Path) -> ObjectInfo:
         sha = sha256_file(path)
         self.client.upload_file(str(path), self.bucket, self._key(key), Config=self.transfer)
@@ -358,6 +391,7 @@ class S3Store(ObjectStore):
         code = getattr(err, "response", {}).get("Error", {}).get("Code", "")
         return code in ("NoSuchKey", "404", "NotFound")
 
+    @_reaching_the_endpoint
     def get_bytes(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         from botocore.exceptions import ClientError
 
@@ -383,6 +417,7 @@ class S3Store(ObjectStore):
         except _stream_errors() as err:
             raise StorageError(f"reading {self.uri(key)} failed {self.max_attempts} times: {err}") from err
 
+    @_reaching_the_endpoint
     def get_file(self, key: str, dest: str | Path) -> None:
         from botocore.exceptions import ClientError
 
@@ -393,6 +428,7 @@ class S3Store(ObjectStore):
                 raise ObjectMissingError(f"no object at {self.uri(key)}") from err
             raise
 
+    @_reaching_the_endpoint
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
 
@@ -412,14 +448,17 @@ class S3Store(ObjectStore):
             for item in page.get("Contents", []):
                 yield item["Key"][len(self.prefix) + 1 :] if self.prefix else item["Key"]
 
+    @_reaching_the_endpoint
     def list(self, prefix: str = "") -> list[str]:
         if prefix:
             validate_key(prefix)
         return sorted(self._iter_keys(prefix))
 
+    @_reaching_the_endpoint
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
+    @_reaching_the_endpoint
     def read_with_tag(self, key: str) -> tuple[bytes, str] | None:
         from botocore.exceptions import ClientError
 
@@ -431,6 +470,7 @@ class S3Store(ObjectStore):
             raise
         return response["Body"].read(), response["ETag"]
 
+    @_reaching_the_endpoint
     def put_if(self, key: str, data: bytes, expected_tag: str | None) -> str:
         """S3 conditional writes: If-Match on the tag read, or If-None-Match: * for a new object."""
         from botocore.exceptions import ClientError

@@ -10,13 +10,16 @@ import logging
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.credentials import install_log_masking
 from pipeline.failures import report_permanent_failures_by_exit_code
 from pipeline.storage import open_store
 
 SHARD_STAGES = ("generate", "capture")
 
-# A task pod runs a script that imports this module and calls one function of it; a permanent failure
-# there must end the pod with its own exit code so the scheduler does not retry it.
+# A task pod runs a script that imports this module and calls one function of it: what it logs, and the
+# traceback of what it does not catch, show no URL's credentials; a permanent failure there must end the
+# pod with its own exit code so the scheduler does not retry it (that hook prints through the masking one).
+install_log_masking()
 report_permanent_failures_by_exit_code()
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ target_config.json, so a pulled or synced copy can be checked without the target
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -49,13 +50,7 @@ def target_config_for(drafter_dir: Path, target_config: str | Path | None) -> Pa
     """The target config to check a drafter against: the one given (a model directory or its config.json),
     else the one recorded at export."""
     if target_config is not None:
-        path = Path(target_config)
-        config = path / "config.json" if path.is_dir() else path
-        if not config.is_file():
-            raise NoTargetConfig(
-                f"target config {target_config} is neither a config.json nor a directory with one"
-            )
-        return config
+        return given_target_config(target_config)
     recorded = drafter_dir / TARGET_CONFIG_NAME
     if not recorded.is_file():
         raise NoTargetConfig(
@@ -63,7 +58,41 @@ def target_config_for(drafter_dir: Path, target_config: str | Path | None) -> Pa
             "recorded their target), so whether SGLang would serve it is unknown; give the target's config "
             "(--target-config DIR_OR_CONFIG_JSON)"
         )
-    return recorded
+    return _a_target_config(recorded)
+
+
+def given_target_config(target_config: str | Path) -> Path:
+    """The config.json of a target config given (`--target-config`: a model directory or its config.json);
+    NoTargetConfig naming it when there is none, or it is not a model's config.json."""
+    path = Path(target_config)
+    config = path / "config.json" if path.is_dir() else path
+    if not config.is_file():
+        raise NoTargetConfig(
+            f"target config {target_config} is neither a config.json nor a directory with one"
+        )
+    return _a_target_config(config)
+
+
+# the sizes the checks read from a target's config.json (from its text_config in a multimodal one)
+TARGET_SIZES = ("num_hidden_layers", "hidden_size", "vocab_size")
+
+
+def _a_target_config(config: Path) -> Path:
+    """`config`, or NoTargetConfig naming it when it is not a model's config.json (JSON text, an object with
+    the sizes the checks read): a file given by mistake would otherwise fail deep inside the checks."""
+    try:
+        top = json.loads(config.read_bytes())
+    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8 text
+        raise NoTargetConfig(f"target config {config} is not a readable JSON config.json: {err}") from err
+    text = top.get("text_config", top) if isinstance(top, dict) else None
+    if not isinstance(text, dict):
+        raise NoTargetConfig(f"target config {config} holds no JSON object, as a model's config.json does")
+    missing = [key for key in TARGET_SIZES if not isinstance(text.get(key), int)]
+    if missing:
+        raise NoTargetConfig(
+            f"target config {config} is not a model's config.json: it has no integer {', '.join(missing)}"
+        )
+    return config
 
 
 @contextmanager

@@ -26,6 +26,7 @@ import orjson
 import torch
 
 from pipeline.config import SGLangClientConfig
+from pipeline.credentials import without_credentials
 from pipeline.data.spilled_rows import SpilledRows
 from pipeline.engines import (
     DEFAULT_TEACHER,
@@ -217,7 +218,7 @@ class SGLangEngine:
         try:
             return client.get_from(url, "/server_info")
         except Exception as err:  # any failure to reach the server is fatal here, with its reason
-            raise EngineError(f"cannot reach SGLang at {url}: {err}") from err
+            raise EngineError(without_credentials(f"cannot reach SGLang at {url}: {err}")) from err
 
     def verify_capture_servers(
         self,

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from pipeline.config import VllmServerClientConfig
+from pipeline.credentials import without_credentials
 from pipeline.engine_requests import post_json
 from pipeline.engines import (
     RETRYABLE_STATUS,
@@ -71,7 +72,9 @@ class OpenAIClient:
                 return orjson.loads(response.content)
             except Exception as err:  # any failure: try the next server, and report them all
                 reasons.append(f"{base}{path}: {err}")
-        raise EngineUnavailable("cannot reach any vLLM server:\n  " + "\n  ".join(reasons))
+        raise EngineUnavailable(
+            without_credentials("cannot reach any vLLM server:\n  " + "\n  ".join(reasons))
+        )
 
     def post(self, path: str, payload: dict[str, Any]) -> Any:
         """The parsed body of a successful POST, retried on transient failures within the deadline; requests

@@ -12,7 +12,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pipeline.config import without_credentials
+from pipeline.credentials import without_credentials
 
 AlertEvent = Literal["failure", "rejection", "promotion", "inconclusive", "deadline"]
 ALERT_EVENTS: tuple[AlertEvent, ...] = ("failure", "rejection", "promotion", "inconclusive", "deadline")

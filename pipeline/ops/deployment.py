@@ -12,10 +12,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipeline.config import ConfigError, Strict, resolve_project_path
+from pipeline.config import ConfigError, Strict, read_yaml_file, resolve_project_path, validation_problems
 from pipeline.ops.alerts import ALERT_EVENTS, AlertEvent
 from pipeline.ops.fleets import ServerFleet
 from pipeline.ops.watch import RetrainWatch
@@ -461,10 +460,8 @@ def _volume(k8s, name: str, mount: PodMount):
 
 def load_deployment(path: str | Path | None = None) -> DeploymentConfig:
     location = resolve_project_path(str(path or os.environ.get("DRAFTER_DEPLOYMENT", DEFAULT_DEPLOYMENT)))
+    data = read_yaml_file(location, "deployment config") or {}
     try:
-        data = yaml.safe_load(location.read_text()) or {}
         return DeploymentConfig.model_validate(data)
-    except FileNotFoundError as err:
-        raise ConfigError(f"deployment config not found: {location}") from err
-    except (yaml.YAMLError, ValidationError) as err:
-        raise ConfigError(f"invalid deployment config {location}:\n{err}") from err
+    except ValidationError as err:
+        raise ConfigError(f"invalid deployment config {location}:\n{validation_problems(err)}") from err

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit, urlunsplit
 
 import requests
-from pydantic import Field, HttpUrl, model_validator
+from pydantic import Field, HttpUrl, field_validator, model_validator
 
 from pipeline.config import Strict
+from pipeline.credentials import refuse_credentials
 from pipeline.layout import WatchName, watch_state_key
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 GENERATED = "sglang:generation_tokens_total"
 VERIFY_CALLS = "sglang:spec_verify_calls_total"
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+# the triggerer scrapes servers without credentials: they would reach the deployment config and its logs
+_METRICS_CREDENTIALS = "the serving fleet's /metrics and /server_info are read without credentials"
 
 
 class WatchError(RuntimeError):
@@ -64,6 +67,14 @@ class ServedAcceptanceWatch(Strict):
         86400.0, ge=0, description="after a trigger, none again for this long (the retraining runs)"
     )
 
+    @field_validator("metrics_urls", "replicas_url")
+    @classmethod
+    def _urls_without_credentials(cls, urls: Any) -> Any:
+        for url in urls if isinstance(urls, list) else [urls]:
+            if url is not None:
+                refuse_credentials(str(url), "a watched replica's URL", _METRICS_CREDENTIALS)
+        return urls
+
     @model_validator(mode="after")
     def _replicas_one_way(self) -> ServedAcceptanceWatch:
         if bool(self.metrics_urls) == (self.replicas_url is not None):
@@ -82,6 +93,12 @@ class TargetRevisionWatch(Strict):
         "and logs a warning at each call)"
     )
     poll_s: float = Field(300.0, gt=0)
+
+    @field_validator("server_info_url")
+    @classmethod
+    def _url_without_credentials(cls, url: HttpUrl) -> HttpUrl:
+        refuse_credentials(str(url), "watch.target_revision.server_info_url", _METRICS_CREDENTIALS)
+        return url
 
 
 class RetrainWatch(Strict):

@@ -18,6 +18,7 @@ import orjson
 
 from pipeline import layout
 from pipeline.config import PromptsConfig, PromptSource, RunConfig, StorageConfig
+from pipeline.credentials import without_credentials
 from pipeline.data.conversations import BadRecord, normalize_conversation
 from pipeline.data.dedup import ExactDuplicateFilter, NearDuplicateFilter
 from pipeline.data.jsonl import conversation_id, write_jsonl
@@ -160,8 +161,8 @@ def _s3_source_files(uri: str, kind: str, storage: StorageConfig) -> list[Source
         ]
         _download_missing(client, bucket, objects, files, storage.max_attempts)
         return files
-    except (BotoCoreError, ClientError) as err:
-        raise PromptSourceError(f"cannot read prompt source {uri}: {err}") from err
+    except (BotoCoreError, ClientError) as err:  # botocore's messages name the endpoint
+        raise PromptSourceError(without_credentials(f"cannot read prompt source {uri}: {err}")) from err
 
 
 def _local_source_files(path: str, kind: str) -> list[SourceFile]:
@@ -193,11 +194,13 @@ def _open_lines(path: Path) -> IO[bytes]:
 def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
     """One record per non-blank line; a line that is not JSON becomes a BadRecord, so the rest still
     counts."""
+    records = 0
     try:
         with _open_lines(file.path) as handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
+                records += 1
                 where = f"{file.name}:{number}"
                 try:
                     yield SourceRecord(where, orjson.loads(line))
@@ -205,12 +208,22 @@ def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
                     yield SourceRecord(where, BadRecord("malformed_json", f"{err.msg} at column {err.colno}"))
     except (OSError, EOFError, zlib.error) as err:  # EOFError, zlib.error: a gzip file cut short or corrupt
         raise PromptSourceError(f"cannot read prompt file {file.name}: {err}") from err
+    if records == 0:
+        raise PromptSourceError(_empty_file(file))
+
+
+def _empty_file(file: SourceFile) -> str:
+    # a file that was meant to hold prompts and holds none (a failed export, a truncated upload)
+    return f"prompt file {file.name} is empty: it holds no records (remove it from the source, or fill it)"
 
 
 def _iter_with_datasets(files: list[SourceFile], source: PromptSource) -> Iterator[SourceRecord]:
     """JSON documents and tables, streamed by `datasets`; an unreadable file fails the source, named."""
     import datasets
 
+    empty = [file for file in files if file.path.stat().st_size == 0]
+    if empty:
+        raise PromptSourceError(_empty_file(empty[0]))
     try:
         stream = datasets.load_dataset(
             DATASETS_BUILDER[source.kind],
@@ -382,6 +395,13 @@ class ShardWriter:
             self.flush(key)
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for: the longest spelling in the vocabulary. Byte-level
+    vocabularies spell a token with one character per byte and piece vocabularies with its text, so no
+    token covers more characters of a prompt than this (at least 1)."""
+    return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+
+
 class PromptFilter:
     """Decides whether conversations are kept; rejections name their reason.
 
@@ -392,6 +412,19 @@ class PromptFilter:
         self.settings, self.tokenizer = settings, tokenizer
         self.exact = ExactDuplicateFilter()
         self.near = NearDuplicateFilter() if settings.near_dedup else None
+        self.max_prompt_chars = settings.max_prompt_tokens * longest_token_chars(tokenizer)
+
+    def _too_long_to_tokenize(self, prompt: list[dict[str, str]]) -> BadRecord | None:
+        """A prompt with more characters than max_prompt_tokens tokens can spell is too long, known without
+        templating and tokenizing it (a 45 MB line took 98 s and 6 GB to tokenize)."""
+        chars = sum(len(message["content"]) for message in prompt)
+        if chars <= self.max_prompt_chars:
+            return None
+        return BadRecord(
+            "too_long",
+            f"{chars} characters, more than prompts.max_prompt_tokens={self.settings.max_prompt_tokens} "
+            f"tokens can hold ({self.max_prompt_chars})",
+        )
 
     def judge(self, records: list[Any]) -> list[tuple[str, list[dict[str, str]]] | BadRecord]:
         """Per record: (sample id, messages) when kept, else the BadRecord saying why not."""
@@ -411,6 +444,10 @@ class PromptFilter:
                 verdicts.append(BadRecord("duplicate"))
                 continue
             first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            too_long = self._too_long_to_tokenize(messages[: first_user + 1])
+            if too_long is not None:
+                verdicts.append(too_long)
+                continue
             verdicts.append((sample_id, messages))
             candidates.append((len(verdicts) - 1, messages[: first_user + 1]))
         texts = [

@@ -21,6 +21,7 @@ from typing import Any
 
 from pipeline import layout
 from pipeline.config import RunConfig
+from pipeline.credentials import without_credentials
 from pipeline.data.capture_contract import require_same_contract
 from pipeline.drafter.export import DRAFTER_FILES, read_drafter_dir
 from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
@@ -259,7 +260,10 @@ def worker_spec(
 def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
     """Writes the run's config beside its artifacts, then trains (or reuses a published training)."""
     dataset_uri = inputs.dataset_uri
-    store.put_bytes(layout.run_file_key(run_id, "config.json"), json.dumps(config.dump(), indent=2).encode())
+    record = without_credentials(
+        json.dumps(config.dump(), indent=2)
+    )  # configs refuse them; masked all the same
+    store.put_bytes(layout.run_file_key(run_id, "config.json"), record.encode())
     dataset_prefix = store.key_for(dataset_uri)
     dataset = read_dataset(store, dataset_prefix)
     contract = dataset.contract.model_dump(mode="json")

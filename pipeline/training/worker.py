@@ -613,10 +613,12 @@ def read_worker_spec(location: str) -> WorkerSpec:
 
 
 def worker_main(spec_location: str) -> None:
+    from pipeline.credentials import install_log_masking
     from pipeline.processes import die_with_parent
 
     # the launcher (torchrun) starts workers in their own sessions; they must not outlive it
     die_with_parent()
+    install_log_masking()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = read_worker_spec(spec_location)
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")

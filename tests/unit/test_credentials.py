@@ -1,0 +1,106 @@
+"""Credentials in URLs: the one masking function, and the log masking the CLI, workers and tasks install."""
+
+from __future__ import annotations
+
+import io
+import logging
+import sys
+
+import pytest
+
+from pipeline.credentials import holds_credentials, install_log_masking, without_credentials
+
+
+@pytest.mark.parametrize(
+    "text, masked",
+    [
+        ("HTTP://u:p@h", "HTTP://***@h"),
+        ("S3://AKIA:secret@bucket/key", "S3://***@bucket/key"),
+        ("http://admin:p@ss/w0rd@127.0.0.1:9000/x", "http://***@127.0.0.1:9000/x"),
+        ("https://token@github.com/org/repo", "https://***@github.com/org/repo"),
+        ("http://:only-a-password@host", "http://***@host"),
+        (
+            "tried http://a:one@h1/x, HTTP://b:two@h2 and 'https://c:th/ree@h3:8'; gave up",
+            "tried http://***@h1/x, HTTP://***@h2 and 'https://***@h3:8'; gave up",
+        ),
+        ("http://a:one@h1,http://b:two@h2", "http://***@h1,http://***@h2"),
+        ("['http://a:one@h1', \"http://b:two@h2\"]", "['http://***@h1', \"http://***@h2\"]"),
+        (
+            'Could not connect to the endpoint URL: "http://k:s@10.0.0.1:9/b?x=1"',
+            'Could not connect to the endpoint URL: "http://***@10.0.0.1:9/b?x=1"',
+        ),
+    ],
+)
+def test_every_urls_user_and_password_are_masked(text, masked):
+    assert without_credentials(text) == masked
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "http://127.0.0.1:9000/bucket/key",
+        "s3://bucket/prefix/key@v2",
+        "https://host/users/@me",
+        "git@github.com:org/repo.git",
+        "no URL at all: a@b, c://",
+    ],
+)
+def test_text_without_credentials_is_left_as_it_is(text):
+    assert without_credentials(text) == text and not holds_credentials(text)
+
+
+def test_masking_a_huge_text_takes_linear_time():
+    """A refused value is echoed in errors whatever its size; nested scanning would take hours here."""
+    huge = "http://" + "a" * 2_000_000 + "://" * 200_000 + "http://u:p@h"
+    assert without_credentials(huge).endswith("http://***@h")
+
+
+@pytest.fixture
+def masked_logging():
+    """Log masking installed for one test; Python's record factory and excepthook put back after it."""
+    factory, hook = logging.getLogRecordFactory(), sys.excepthook
+    sys.excepthook = sys.__excepthook__
+    install_log_masking()
+    yield
+    logging.setLogRecordFactory(factory)
+    sys.excepthook = hook
+
+
+def test_log_lines_and_their_tracebacks_show_no_credentials(masked_logging):
+    shown = io.StringIO()
+    handler = logging.StreamHandler(shown)
+    logger = logging.getLogger("credentials-test")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.error("cannot reach SGLang at %s: refused", "HTTP://admin:p@ss/w0rd@10.0.0.1:30000")
+        try:
+            raise ConnectionError("endpoint http://AKIA:top/secret@127.0.0.1:9 refused")
+        except ConnectionError:
+            logger.exception("S3 request failed")
+    finally:
+        logger.removeHandler(handler)
+    text = shown.getvalue()
+    assert "cannot reach SGLang at HTTP://***@10.0.0.1:30000: refused" in text
+    assert "endpoint http://***@127.0.0.1:9 refused" in text and "Traceback" in text
+    assert not any(secret in text for secret in ("p@ss", "w0rd", "admin", "top/secret", "AKIA"))
+
+
+def test_an_uncaught_errors_traceback_shows_no_credentials(masked_logging, capsys):
+    try:
+        raise RuntimeError("cannot reach http://u:pa55@host:1")
+    except RuntimeError:
+        sys.excepthook(*sys.exc_info())
+    printed = capsys.readouterr().err
+    assert "RuntimeError: cannot reach http://***@host:1" in printed and "pa55" not in printed
+
+
+def test_installing_twice_masks_once_and_keeps_an_exit_code_hook(masked_logging):
+    def exit_code_hook(kind, error, trace) -> None:
+        raise AssertionError("not called here")
+
+    sys.excepthook = exit_code_hook
+    install_log_masking()
+    assert sys.excepthook is exit_code_hook
+    record = logging.getLogRecordFactory()("x", logging.INFO, __file__, 1, "at %s", ("http://u:p@h",), None)
+    assert record.getMessage() == "at http://***@h"
