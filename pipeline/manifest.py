@@ -78,13 +78,15 @@ def read_manifest(store: ObjectStore, prefix: str, kind: str | None = None) -> d
         ) from err
     try:
         manifest = json.loads(raw)
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ManifestError(f"manifest {store.uri(key)} is not valid JSON: {err}") from err
-    if not isinstance(manifest, dict) or "objects" not in manifest:
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("objects"), list):
         raise ManifestError(f"manifest {store.uri(key)} has no object list")
     if kind is not None and manifest.get("kind") != kind:
         raise ManifestError(f"{store.uri(key)} is a {manifest.get('kind')!r} manifest, expected {kind!r}")
     for entry in manifest["objects"]:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise ManifestError(f"manifest {store.uri(key)} lists an object without a name: {entry!r:.200}")
         validate_key(entry["name"])
     return manifest
 

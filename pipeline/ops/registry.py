@@ -6,26 +6,33 @@ drafters/<target>/versions/<version>/   config.json, model.safetensors, capture_
                                         engines it was verified in and how, sha256 of every file)
 drafters/<target>/aliases/<alias>.json  {"version": ...}
 drafters/<target>/history/<time>-<alias>.json   one record per alias move (append-only)
+
+A pulled directory holds the version's files, its manifest.json and PULL_MARKER, which says what the pull
+wrote: a later pull replaces only a directory that is empty or holds nothing else.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import json
 import logging
 import os
+import re
+import secrets
 import shlex
 import shutil
-import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from pipeline import layout
 from pipeline.config import TargetConfig
 from pipeline.drafter.export import (
-    CONFIG_NAME,
     DRAFTER_FILES,
     ENGINE_NAMES,
+    REQUIRED_FILES,
     WEIGHTS_NAME,
     exported_for,
     read_drafter_dir,
@@ -35,12 +42,15 @@ from pipeline.drafter.export import (
 from pipeline.drafter.servable import require_servable
 from pipeline.engines.layer_ids import ENGINES, Engine
 from pipeline.engines.sglang_draft_checks import SGLANG_VERSION
-from pipeline.ids import validate_id
-from pipeline.manifest import MANIFEST_NAME, manifest_exists, now_iso, publish, read_manifest
+from pipeline.ids import InvalidIdError, validate_id
+from pipeline.manifest import MANIFEST_NAME, ManifestError, manifest_exists, now_iso, publish, read_manifest
 from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atomic_write, sha256_file
 
 log = logging.getLogger(__name__)
 README_NAME = "README.md"
+# what `drafter pull` writes into every directory it pulls: the store, target and version, and the files it
+# wrote (a dotfile: servers load config.json and *.safetensors, and ignore it)
+PULL_MARKER = ".drafter-pull.json"
 SHOWN_ALIASES = ("production", "previous", "candidate")  # what `drafter list` and `drafter status` show
 # how the engines a version was verified in are named in its model card (benchmark engines included)
 ENGINE_TITLES: dict[str, str] = {**ENGINE_NAMES, "local": "reference decoder (local engine)"}
@@ -296,7 +306,17 @@ def model_card(
 
 
 def _version_id(weights_sha: str) -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S") + f"-{weights_sha[:10]}"
+    """<UTC time>-<the weights' sha256, 10 hex>-<8 random hex>. The random part gives each publish a prefix
+    of its own: two publishes of the same weights in the same second never write into one version, so a
+    version's objects never change once its manifest exists."""
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{weights_sha[:10]}-{secrets.token_hex(4)}"
+
+
+def _weights_part(version: str) -> str | None:
+    """The weights' sha256 prefix a version id carries (ids with and without the per-publish part)."""
+    parts = version.split("-")
+    return parts[2] if len(parts) >= 3 else None
 
 
 class AliasConflict(RegistryError):
@@ -308,7 +328,26 @@ ANY_VERSION = object()  # move_alias without an expectation about the alias's cu
 
 def read_alias(store: ObjectStore, target: str, alias: str) -> dict[str, Any] | None:
     found = store.read_with_tag(layout.alias_key(target, alias))
-    return json.loads(found[0]) if found else None
+    return _parse_alias(store, target, alias, found[0]) if found else None
+
+
+def _parse_alias(store: ObjectStore, target: str, alias: str, data: bytes) -> dict[str, Any]:
+    """An alias record: a JSON object whose "version" is a valid id; RegistryError naming the alias file
+    otherwise, and where its moves are recorded (what to restore it from)."""
+    where = f"alias file {store.uri(layout.alias_key(target, alias))}"
+    history = store.uri(layout.registry_prefix(target, "history"))
+    restore = f"restore or delete it (its moves are recorded under {history})"
+    try:
+        record = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise RegistryError(f"{where} is not JSON ({err}); {restore}") from err
+    if not isinstance(record, dict) or "version" not in record:
+        raise RegistryError(f'{where} has no "version"; {restore}')
+    try:
+        validate_id(record["version"], "version")
+    except InvalidIdError as err:
+        raise RegistryError(f"{where}: {err}; {restore}") from err
+    return record
 
 
 def _record_history(store: ObjectStore, target: str, alias: str, record: dict[str, Any]) -> None:
@@ -332,7 +371,7 @@ def move_alias(
         raise RegistryError(f"cannot point {alias} at {version}: no such version of {target}")
     key = layout.alias_key(target, alias)
     found = store.read_with_tag(key)
-    current = json.loads(found[0])["version"] if found else None
+    current = _parse_alias(store, target, alias, found[0])["version"] if found else None
     if expected is not ANY_VERSION and current != expected:
         raise AliasConflict(
             f"{target} {alias} is at {current}, not {expected}: another promotion or rollback "
@@ -367,7 +406,7 @@ def earlier_attempt(
         {
             key.split("/")[depth]
             for key in store.list(prefix)
-            if key.split("/")[depth].endswith(f"-{weights_sha[:10]}")
+            if _weights_part(key.split("/")[depth]) == weights_sha[:10]
         }
     )
     for version in candidates:
@@ -490,22 +529,36 @@ def rollback(store: ObjectStore, target: str) -> dict[str, Any]:
 
 
 def list_versions(store: ObjectStore, target: str) -> list[dict[str, Any]]:
+    """Every published version of `target`, oldest first. A version whose manifest cannot be read is listed
+    with "unreadable" (the reason) instead of its lineage: one damaged version must not hide the others."""
     prefix = layout.registry_prefix(target, "versions")
     versions = sorted({key.split("/")[len(prefix.split("/"))] for key in store.list(prefix)})
-    rows = []
-    for version in versions:
-        version_prefix = layout.drafter_version_prefix(target, version)
-        if manifest_exists(store, version_prefix):
-            manifest = read_manifest(store, version_prefix, kind="drafter")
-            rows.append(
-                {
-                    "version": version,
-                    "created_at": manifest["created_at"],
-                    "run_id": manifest["lineage"].get("run_id"),
-                    "tau_simulated": manifest["lineage"].get("eval", {}).get("tau_simulated"),
-                }
-            )
-    return rows
+    rows = (_version_row(store, target, version) for version in versions)
+    return [row for row in rows if row is not None]
+
+
+def _version_row(store: ObjectStore, target: str, version: str) -> dict[str, Any] | None:
+    """A version's row in list_versions; None for a prefix without a manifest (a publish that did not
+    finish)."""
+    try:
+        prefix = layout.drafter_version_prefix(target, version)
+        if not manifest_exists(store, prefix):
+            return None
+        manifest = read_manifest(store, prefix, kind="drafter")
+    except (ManifestError, InvalidIdError) as err:
+        return {"version": version, "unreadable": str(err)}
+    problems = _drafter_manifest_problems(manifest)
+    if problems:
+        where = store.uri(f"{prefix}/{MANIFEST_NAME}")
+        return {"version": version, "unreadable": f"manifest {where} " + "; ".join(problems)}
+    lineage = manifest.get("lineage") or {}
+    evaluation = lineage.get("eval")
+    return {
+        "version": version,
+        "created_at": manifest.get("created_at"),
+        "run_id": lineage.get("run_id"),
+        "tau_simulated": evaluation.get("tau_simulated") if isinstance(evaluation, dict) else None,
+    }
 
 
 def resolve(store: ObjectStore, target: str, alias_or_version: str) -> str:
@@ -517,14 +570,91 @@ def resolve(store: ObjectStore, target: str, alias_or_version: str) -> str:
     raise RegistryError(f"{target} has no alias or version named {alias_or_version!r}")
 
 
+def _drafter_manifest_problems(manifest: Any) -> list[str]:
+    """What makes a drafter version's manifest unusable to pull, verify or list from: its shape (verify_dir
+    checks the files against it). Empty when it is usable."""
+    if not isinstance(manifest, dict):
+        return ["is not a JSON object"]
+    objects = manifest.get("objects")
+    if not isinstance(objects, list):
+        return ['has no "objects" list']
+    problems = [
+        f"lists an object that is not a file name with its bytes and sha256: {json.dumps(entry)[:200]}"
+        for entry in objects
+        if not _listed_file(entry)
+    ]
+    for name in (entry["name"] for entry in objects if _listed_file(entry)):
+        try:
+            validate_id(name, "file name")
+        except InvalidIdError as err:
+            problems.append(f"lists {err}")
+    if not isinstance(manifest.get("lineage", {}), dict):
+        problems.append('has a "lineage" that is not an object')
+    serving = manifest.get("serving")
+    if serving is not None and not (isinstance(serving, dict) and isinstance(serving.get("steps"), int)):
+        problems.append('has a "serving" setting without its "steps"')
+    return problems
+
+
+def _listed_file(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("bytes"), int)
+        and isinstance(entry.get("sha256"), str)
+    )
+
+
+def _read_dir_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest.json of a drafter directory; RegistryError naming the file when it cannot be used."""
+    path = directory / MANIFEST_NAME
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise RegistryError(f"{directory} has no readable {MANIFEST_NAME}: {err}") from err
+    except UnicodeDecodeError as err:
+        raise RegistryError(f"manifest {path} is not valid JSON: {err}") from err
+    try:
+        manifest = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise RegistryError(f"manifest {path} is not valid JSON: {err}") from err
+    problems = _drafter_manifest_problems(manifest)
+    if problems:
+        raise RegistryError(f"manifest {path} " + "; ".join(problems))
+    return manifest
+
+
+def _directory_problems(directory: Path, manifest: dict[str, Any]) -> list[str]:
+    """The directory against its manifest, both ways: every listed file present with its size and sha256,
+    every file a drafter cannot do without listed, and nothing in the directory the manifest does not list
+    (an engine loads every *.safetensors it finds) but manifest.json itself and PULL_MARKER."""
+    problems = []
+    for entry in manifest["objects"]:
+        path = directory / entry["name"]
+        if not path.is_file():
+            problems.append(f"missing {entry['name']}")
+        elif path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
+            problems.append(f"checksum mismatch for {entry['name']}")
+    listed = {entry["name"] for entry in manifest["objects"]}
+    unlisted_required = [name for name in REQUIRED_FILES if name not in listed]
+    problems += [f"{name} is not listed in {MANIFEST_NAME}" for name in unlisted_required]
+    allowed = {*listed, *unlisted_required, MANIFEST_NAME, PULL_MARKER}
+    problems += [
+        f"{name} is in the directory but not listed in {MANIFEST_NAME}"
+        for name in sorted(path.name for path in directory.iterdir())
+        if name not in allowed
+    ]
+    return problems
+
+
 def verify_dir(
     directory: str | Path, target_config: str | Path | None = None, engine: Engine = "sglang"
 ) -> dict[str, Any]:
-    """Check every file listed by the directory's manifest.json against its sha256 and size, the drafter's
-    format (each engine's aux layer ids name the trained layers, read_drafter_dir), and that the target's
-    SGLang server would serve it with the version's flags: checked against target_config (a model directory or
-    its config.json) when given, else the target config recorded at export (DraftModelRefused names SGLang's
-    reasons).
+    """Check the directory against its manifest.json both ways (_directory_problems: every listed file against
+    its sha256 and size, the required files listed, nothing unlisted), the drafter's format (each engine's aux
+    layer ids name the trained layers, read_drafter_dir), and that the target's SGLang server would serve it
+    with the version's flags: checked against target_config (a model directory or its config.json) when
+    given, else the target config recorded at export (DraftModelRefused names SGLang's reasons).
 
     engine "vllm": the drafter must carry vLLM's aux layer ids (EngineNotExported, saying to re-export,
     otherwise); SGLang's checks then run without SGLang's speculative flags, as the check that the drafter
@@ -532,17 +662,8 @@ def verify_dir(
     if engine not in ENGINES:
         raise RegistryError(f"unknown engine {engine!r}; known: {', '.join(ENGINES)}")
     directory = Path(directory)
-    try:
-        manifest = json.loads((directory / MANIFEST_NAME).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise RegistryError(f"{directory} has no readable {MANIFEST_NAME}: {err}") from err
-    problems = []
-    for entry in manifest.get("objects", []):
-        path = directory / validate_id(entry["name"], "file name")
-        if not path.is_file():
-            problems.append(f"missing {entry['name']}")
-        elif path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
-            problems.append(f"checksum mismatch for {entry['name']}")
+    manifest = _read_dir_manifest(directory)
+    problems = _directory_problems(directory, manifest)
     if problems:
         raise RegistryError(f"drafter directory {directory} failed verification: " + "; ".join(problems))
     config, _, _ = read_drafter_dir(directory)
@@ -562,27 +683,154 @@ def pull(
 ) -> Path:
     """Download a version to dest atomically; on any mismatch, a drafter the target's SGLang server would
     refuse, or one without `engine`'s aux layer ids (verify_dir; target_config as there), dest is left as it
-    was."""
+    was.
+
+    A pull never deletes what it did not write: dest must be missing, an empty directory or an earlier pull
+    holding nothing but what it wrote (PULL_MARKER says what), else it is refused. Pulls into one dest take
+    turns, and each first removes what killed pulls into it left behind (_pull_lock). What it writes gets
+    the process's umask (0755 and 0644 under the usual 022): a server running as another user reads it."""
     version = resolve(store, target, alias_or_version)
     prefix = layout.drafter_version_prefix(target, version)
-    manifest = read_manifest(store, prefix, kind="drafter")
     dest = Path(dest).resolve()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.pull-"))
     try:
-        for entry in manifest["objects"]:
-            store.get_file_verified(f"{prefix}/{entry['name']}", staging / entry["name"], entry["sha256"])
-        (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        verify_dir(staging, target_config, engine)
-        _swap_into_place(staging, dest)
-    except (StorageError, RegistryError, ValueError) as err:
+        manifest = read_manifest(store, prefix, kind="drafter")
+        problems = _drafter_manifest_problems(manifest)
+        if problems:
+            raise RegistryError(f"manifest {store.uri(f'{prefix}/{MANIFEST_NAME}')} " + "; ".join(problems))
+        _require_replaceable(dest)  # before anything is downloaded
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with _pull_lock(dest):
+            _remove_dead_pulls(dest)
+            staging = dest.with_name(f".{dest.name}.pull-{os.getpid()}-{secrets.token_hex(4)}")
+            staging.mkdir(mode=0o777)  # less the umask, as every file written into it
+            try:
+                _download(store, prefix, manifest, staging)
+                _write_marker(staging, store, target, version, manifest)
+                verify_dir(staging, target_config, engine)
+                _swap_into_place(staging, dest)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    except (StorageError, RegistryError, ValueError, OSError) as err:  # OSError: a dest it cannot write
         raise RegistryError(
             f"pull of {target}:{alias_or_version} ({version}) refused, {dest} unchanged: {err}"
         ) from err
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     log.info("pulled %s version %s into %s", target, version, dest)
     return dest
+
+
+def _download(store: ObjectStore, prefix: str, manifest: dict[str, Any], staging: Path) -> None:
+    for entry in manifest["objects"]:
+        store.get_file_verified(f"{prefix}/{entry['name']}", staging / entry["name"], entry["sha256"])
+    (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+def _write_marker(
+    directory: Path, store: ObjectStore, target: str, version: str, manifest: dict[str, Any]
+) -> None:
+    """PULL_MARKER: which registry version was pulled, and every file the pull wrote besides the marker."""
+    files = sorted({*(entry["name"] for entry in manifest["objects"]), MANIFEST_NAME})
+    marker = {
+        "store": store.root_uri,
+        "target": target,
+        "version": version,
+        "pulled_at": now_iso(),
+        "files": files,
+    }
+    (directory / PULL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _pulled_files(directory: Path) -> set[str] | None:
+    """The files an earlier pull wrote into directory, as its PULL_MARKER lists them; None without one."""
+    try:
+        marker = json.loads((directory / PULL_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not isinstance(files, list) or not all(isinstance(name, str) for name in files):
+        return None
+    return set(files)
+
+
+def _require_replaceable(dest: Path) -> None:
+    """dest is missing, an empty directory, or an earlier pull holding nothing it did not write; else
+    RegistryError naming dest (and what pull did not write)."""
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise RegistryError(f"{dest} is not a directory; refusing to replace it")
+    present = {path.name for path in dest.iterdir()}
+    if not present:
+        return
+    written = _pulled_files(dest)
+    if written is None:
+        raise RegistryError(
+            f"{dest} is not empty and was not written by `drafter pull` (it has no {PULL_MARKER}); refusing "
+            "to replace it: pull into a new or empty directory"
+        )
+    foreign = sorted(present - written - {PULL_MARKER})
+    if foreign:
+        raise RegistryError(
+            f"{dest} holds {', '.join(foreign)}, which `drafter pull` did not write; refusing to replace it: "
+            "move them out first"
+        )
+
+
+@contextmanager
+def _pull_lock(dest: Path) -> Iterator[None]:
+    """Pulls into one dest take turns: each holds an exclusive flock on .<dest>.pull.lock beside dest from
+    staging to swap. The kernel releases it when its holder dies (SIGKILL included), so whoever holds it knows
+    that any staging copy of dest is a dead pull's, never a live one's. The holder removes the lock file
+    before releasing it; a waiter that then gets the lock of a removed file takes the new one instead."""
+    path = dest.with_name(f".{dest.name}.pull.lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            _flock_waiting(fd, dest)
+            if _same_file(fd, path):
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _flock_waiting(fd: int, dest: Path) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.info("waiting for another pull into %s to finish", dest)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+        return False
+
+
+def _leftover_pattern(dest: Path) -> re.Pattern[str]:
+    """The names of what pulls into dest make beside it: staging copies (.<dest>.pull-<pid>-<8 hex>; 8 random
+    characters without the pid, as pulls named them before) and an earlier pull retired during the swap."""
+    name = re.escape(dest.name)
+    return re.compile(rf"\.{name}\.(pull-(\d+-[0-9a-f]{{8}}|[a-z0-9_]{{8}})|old-\d+)")
+
+
+def _remove_dead_pulls(dest: Path) -> None:
+    """What killed pulls into dest left beside it; called with the dest's _pull_lock held."""
+    pattern = _leftover_pattern(dest)
+    for path in dest.parent.iterdir():
+        if pattern.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
+            log.info("removing %s, left by a pull into %s that did not finish", path, dest)
+            try:
+                shutil.rmtree(path)
+            except OSError as err:  # another user's, say: in the way of nothing but disk space
+                log.warning("could not remove %s: %s", path, err)
 
 
 def pull_incumbent(
@@ -599,11 +847,11 @@ def pull_incumbent(
 
 
 def _swap_into_place(staging: Path, dest: Path) -> None:
+    """staging becomes dest; a dest there (an earlier pull or an empty directory) is retired, then removed."""
+    _require_replaceable(dest)  # again: what changed there while this pull downloaded
     if not dest.exists():
         os.replace(staging, dest)
         return
-    if not dest.is_dir() or (not (dest / CONFIG_NAME).exists() and any(dest.iterdir())):
-        raise RegistryError(f"{dest} exists and is not a drafter directory; refusing to replace it")
     retired = dest.with_name(f".{dest.name}.old-{os.getpid()}")
     os.replace(dest, retired)
     os.replace(staging, dest)

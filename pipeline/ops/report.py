@@ -729,6 +729,8 @@ def status_table(store: ObjectStore, target: str, limit: int = 10) -> str:
         )
     versions = registry.list_versions(store, target)
     lines.append(f"  {len(versions)} version(s)")
+    unreadable = [row for row in versions if "unreadable" in row]
+    lines += [f"    {row['version']} unreadable: {row['unreadable']}" for row in unreadable]
     runs = list_runs(store, limit)
     lines += [
         "",

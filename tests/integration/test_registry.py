@@ -56,6 +56,7 @@ def test_promote_then_pull_and_verify(store, tmp_path):
         "target_config.json",
         "README.md",
         "manifest.json",
+        ".drafter-pull.json",  # what the pull wrote (registry.PULL_MARKER)
     }
     card = (dest / "README.md").read_text()
     assert "--speculative-algorithm EAGLE3" in card and "--speculative-num-steps 3" in card
