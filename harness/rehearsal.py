@@ -91,11 +91,12 @@ FLEETS = {"generate": "sglang-generate", "capture": "sglang-capture-aux"}
 # rank per node), from the run-config volume where the train pod reads it
 TRAINER_JOB = "drafter-trainer"
 TRAINER_MANIFEST = "/etc/drafter/trainer-workers.yaml"
+# the trigger form's overrides; the node pods' manifest (TRAINER_MANIFEST) is the run config's
+# train.kubernetes_job, as a form may not name the pods' commands (pipeline.config.CODE_SETTINGS)
 MULTI_NODE = [
     "train.nodes=2",
     "train.nproc=1",
     "train.launcher=kubernetes",
-    f"train.kubernetes_job={TRAINER_MANIFEST}",
 ]
 SERVING_PORT = 30000
 # a second drafter_data run captures in-process (capture.engine inprocess): the target in the capture pod,

@@ -4,7 +4,8 @@
 
 Stage inputs default to the artifacts of the same run id in the configured store, so stages can be
 run one by one; explicit --prompts/--dataset/... URIs override that. Each stage prints its output
-as one JSON line on stdout.
+as one JSON line on stdout. A run id continues only under the config it was made with: a rerun with
+another config is refused (pipeline.config_records); --new-run starts a new run under a fresh run id.
 """
 
 from __future__ import annotations
@@ -60,6 +61,16 @@ def _common(parser: argparse.ArgumentParser, run_id: bool = True) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=2")
 
 
+def _new_run_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--new-run",
+        action="store_true",
+        help="start a new run under a fresh run id (--run-id with the time appended) instead of continuing "
+        "--run-id: a run id continues only under the config it was made with, and a rerun with another "
+        "config is refused, naming the settings that differ",
+    )
+
+
 def _input_option(parser: argparse.ArgumentParser, name: str) -> None:
     """`--dataset URI` for the input `dataset_uri`; `--captures URI [URI ...]` for `capture_uris`."""
     stem, suffix = name.rsplit("_", 1)
@@ -85,10 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drafter", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
-    _common(sub.add_parser("run", help="run every stage for a config and print a summary table"))
+    p = sub.add_parser("run", help="run every stage for a config and print a summary table")
+    _common(p)
+    _new_run_option(p)
     for entry in TABLE:
         p = sub.add_parser(entry.name, help=entry.help)
         _common(p)
+        _new_run_option(p)
         for name in entry.reads:
             _input_option(p, name)
     p = sub.add_parser("pull", help="download a drafter version, verified, into a directory")
@@ -177,9 +191,20 @@ def _load(args):
 
 
 def _require_run_id(args) -> str:
+    if getattr(args, "new_run", False):
+        return _new_run_id(args)
     if not args.run_id:
         raise SystemExit("this stage needs --run-id")
     return args.run_id
+
+
+def _new_run_id(args) -> str:
+    """--new-run's fresh run id, told on stderr (stdout carries the stage's output)."""
+    from pipeline.run import new_run_id
+
+    run_id = new_run_id(args.run_id)
+    logging.getLogger("drafter").info("a new run: run id %s", run_id)
+    return run_id
 
 
 def dispatch(args) -> int:
@@ -205,7 +230,8 @@ def dispatch(args) -> int:
     if args.command == "run":
         from pipeline.run import exit_code, format_table, new_run_id, run_all
 
-        summary, location = run_all(config, args.run_id or new_run_id(), store)
+        run_id = _new_run_id(args) if args.new_run else args.run_id or new_run_id()
+        summary, location = run_all(config, run_id, store)
         print(format_table(summary))
         if summary.failure:  # an inconclusive benchmark is no error: the table says what to do
             level = logging.WARNING if summary.next_step else logging.ERROR

@@ -1195,6 +1195,36 @@ class RunConfig(Strict):
         return self.model_dump(mode="json")
 
 
+# Settings that name an executable, a command, or code that runs (a directory whose Python files run, a
+# manifest of pods and their commands): an operator sets them in a run config file or on the command line;
+# a scheduler's trigger form may not (pipeline.tasks.refuse_code_overrides).
+CODE_SETTINGS = (
+    "target.model_path",  # its Python files (auto_map) run with target.trust_remote_code
+    "target.trust_remote_code",
+    "generate.vllm.python",
+    "generate.vllm.extra_engine_args",  # vllm.LLM arguments: worker classes, remote code, ...
+    "benchmark.vllm.python",
+    "benchmark.vllm.extra_engine_args",
+    "benchmark.sglang.launch",
+    "benchmark.sglang.extra_args",  # the servers' command line: --trust-remote-code, loaders, ...
+    "benchmark.sglang.model_path",
+    "train.kubernetes_job",  # the node pods' image and command
+    # the tiny target's code is built there and run; training checkpoints and their digests are kept there
+    "storage.local_cache",
+)
+
+
+def overridden_code_settings(override: str) -> list[str]:
+    """The CODE_SETTINGS a dotted override `key.path=value` sets: the setting itself, one inside it, or
+    a section that holds it (which the value replaces whole)."""
+    path = override.split("=", 1)[0].strip()
+    return [
+        setting
+        for setting in CODE_SETTINGS
+        if setting == path or setting.startswith(f"{path}.") or path.startswith(f"{setting}.")
+    ]
+
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -27,8 +27,9 @@ def _bad_input_types() -> tuple[type[BaseException], ...]:
     from pipeline.engines.parity import ParityFailed
     from pipeline.engines.target import TargetError
     from pipeline.ids import InvalidIdError
+    from pipeline.training.checkpoint_digests import CheckpointRefused
 
-    return ConfigError, ContractMismatch, InvalidIdError, ParityFailed, TargetError
+    return ConfigError, ContractMismatch, InvalidIdError, ParityFailed, TargetError, CheckpointRefused
 
 
 def _rejection_types() -> tuple[type[BaseException], ...]:

@@ -73,9 +73,15 @@ def run_stage_prefix(run_id: str, stage: RunStage) -> str:
 
 
 def run_file_key(run_id: str, name: RunFile) -> str:
-    """The run's resolved config (written by train), `drafter run`'s summary, or what started the run
-    (pipeline.tasks.record_trigger)."""
+    """The run's resolved config (recorded by train: pipeline.config_records), `drafter run`'s summary, or
+    what started the run (pipeline.tasks.record_trigger)."""
     return f"{run_prefix(run_id)}/{name}"
+
+
+def config_record_key(prefix: str) -> str:
+    """The config the prompts, responses or captures under `prefix` are made with (pipeline.config_records;
+    a training run's is its run file config.json)."""
+    return f"{prefix}/run_config.json"
 
 
 def train_worker_spec_key(run_id: str) -> str:

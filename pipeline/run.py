@@ -8,6 +8,7 @@ from typing import Any
 
 from pipeline import layout
 from pipeline.config import RunConfig
+from pipeline.config_records import artifact_record, require_same, run_record
 from pipeline.failures import EXIT_FAILED, EXIT_GATE, EXIT_INCONCLUSIVE
 from pipeline.manifest import read_manifest
 from pipeline.ops import registry
@@ -39,8 +40,24 @@ RUN_EXIT_CODES = {
 }
 
 
-def new_run_id() -> str:
-    return dt.datetime.now(dt.UTC).strftime("run-%Y%m%d-%H%M%S")
+def new_run_id(stem: str | None = None) -> str:
+    """A fresh run id: `stem` (default "run") and the time, e.g. run-20261205-151500."""
+    return f"{stem or 'run'}-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}"
+
+
+def require_unchanged(config: RunConfig, run_id: str, store: ObjectStore) -> None:
+    """A rerun of `drafter run` continues its run id only under the config it was made with (each stage
+    checks what it makes or reuses: pipeline.config_records); checked here before anything of the run is
+    written (its trigger record, its usage)."""
+    target = config.target.name
+    made = {
+        "prompts snapshot": layout.prompts_prefix(run_id),
+        "responses": layout.responses_prefix(target, run_id),
+        "captures": layout.captures_prefix(target, run_id),
+    }
+    for kind, prefix in made.items():
+        require_same(store, artifact_record(store, prefix, kind), config)
+    require_same(store, run_record(run_id), config)
 
 
 def write_summary(store: ObjectStore, run_id: str, summary: RunSummary) -> str:
@@ -168,6 +185,7 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
     from pipeline.tasks import store_trigger
 
     store = store or open_store(config.storage)
+    require_unchanged(config, run_id, store)
     store_trigger(store, run_id, {"kind": "command line", "reason": "drafter run"}, None)
     outputs, failure = run_stages(config, run_id, store)
     summary = _data_summary(store, run_id, config)

@@ -9,7 +9,7 @@ import json
 import logging
 from typing import Any
 
-from pipeline.config import ConfigError, RunConfig, load_config
+from pipeline.config import ConfigError, RunConfig, load_config, overridden_code_settings
 from pipeline.credentials import install_log_masking
 from pipeline.failures import report_permanent_failures_by_exit_code
 from pipeline.storage import open_store
@@ -182,9 +182,24 @@ PARAM_OVERRIDES = {
 }
 
 
+def refuse_code_overrides(overrides: list[str], source: str) -> None:
+    """A trigger form (or what a scheduler was handed) may not set settings that name executables, commands
+    or code (pipeline.config.CODE_SETTINGS): they run in the task pods with the pipeline's own identity."""
+    refused = sorted({setting for override in overrides for setting in overridden_code_settings(override)})
+    if refused:
+        keys = [override.split("=", 1)[0] for override in overrides if overridden_code_settings(override)]
+        raise ConfigError(
+            f"{source} may not set settings that name executables, commands or code to run: "
+            f"{', '.join(refused)} (set by the overrides of {', '.join(keys)}); set them in the run config "
+            "file, or with `drafter ... key=value` where the operator runs it"
+        )
+
+
 def param_overrides(params: dict[str, Any]) -> list[str]:
     """Dotted overrides from a scheduler's trigger form: the named fields that were filled in, then
-    the free-form `overrides` list (which wins)."""
+    the free-form `overrides` list (which wins; none may name code: `refuse_code_overrides`)."""
+    free = list(params.get("overrides") or [])
+    refuse_code_overrides(free, "the trigger form's config overrides")
     overrides = []
     for name, path in PARAM_OVERRIDES.items():
         value = params.get(name)
@@ -193,7 +208,7 @@ def param_overrides(params: dict[str, Any]) -> list[str]:
         if name == "min_cond_acc_0":
             value = [value]
         overrides.append(f"{path}={json.dumps(value)}")
-    return overrides + list(params.get("overrides") or [])
+    return overrides + free
 
 
 def plan_run(params: dict[str, Any], scheduler_run_id: str, default_config: str) -> dict[str, Any]:
@@ -339,8 +354,11 @@ def plan_training(
     datasets = [extra for extra in asset_extras if extra.get("dataset_uri")]
     if datasets and not plan["dataset_uri"]:
         made_by = datasets[-1]
+        made_with = list(made_by.get("overrides") or [])
+        # an asset event's extra can be posted through Airflow's REST API too, not only by drafter_data
+        refuse_code_overrides(made_with, f"the overrides of the dataset event for {made_by['dataset_uri']}")
         plan["config_path"] = made_by.get("config", plan["config_path"])
-        plan["overrides"] = list(made_by.get("overrides") or []) + plan["overrides"]
+        plan["overrides"] = made_with + plan["overrides"]
         plan["dataset_uri"] = made_by["dataset_uri"]
     return plan
 

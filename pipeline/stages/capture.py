@@ -24,6 +24,7 @@ import torch
 
 from pipeline import layout
 from pipeline.config import DEFAULT_DOMAIN, RunConfig, default_aux_layer_ids
+from pipeline.config_records import artifact_record, claim, require_same
 from pipeline.data.activation_outliers import merge_channel_amax, outlier_summary
 from pipeline.data.capture_contract import CaptureContract, build_contract, require_same_contract
 from pipeline.data.capture_shards import EncodingReport
@@ -375,6 +376,8 @@ class ShardParts:
 def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
     """Every response shard captured (finished shards reused), the engine checked first."""
     prefix = layout.captures_prefix(config.target.name, inputs.snapshot)
+    record = artifact_record(store, prefix, "captures")
+    require_same(store, record, config)  # finished shards are reused only under their config
     if published := already_published(store, prefix, "capture"):
         return published
     if needs_rank_job(config.capture):  # every rank runs this function; rank 0 publishes
@@ -403,6 +406,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             if marker is None:
                 records = decode_jsonl(read_listed(store, in_prefix, responses, shard["name"]))
                 job = ShardJob(store, prefix, shard, records, progress)
+                claim(store, record, config)  # recorded before the first part made with it
                 marker = _capture_shard(job, engine, tokenizer, config, target, contract, tmp)
             else:
                 progress.update(shard["samples"])
@@ -418,6 +422,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         return Output(uri=store.uri(prefix), kind="capture")
     if not shards:
         raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
+    claim(store, record, config)
     manifest = publish_with_left_out(
         store,
         prefix,
@@ -537,8 +542,10 @@ def run_shard(
 ) -> dict[str, Any]:
     """One response shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
-    in_prefix, responses, shard = listed_shard(store, responses_uri, "responses", shard_name)
     prefix = layout.captures_prefix(config.target.name, snapshot)
+    record = artifact_record(store, prefix, "captures")
+    require_same(store, record, config)  # a finished shard is reused only under its config
+    in_prefix, responses, shard = listed_shard(store, responses_uri, "responses", shard_name)
     if needs_rank_job(config.capture):
         args = ["--responses", responses_uri, "--snapshot", snapshot, "--shard", shard_name]
         launch_rank_job(config.capture.inprocess.tp_size, args, config.dump())
@@ -553,6 +560,7 @@ def run_shard(
         if marker is None:
             progress = Progress(total=shard["samples"], desc=f"capture {shard_name}", unit="sample")
             records = decode_jsonl(read_listed(store, in_prefix, responses, shard_name))
+            claim(store, record, config)  # recorded before the first part made with it
             marker = _capture_shard(
                 ShardJob(store, prefix, shard, records, progress),
                 engine,

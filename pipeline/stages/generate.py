@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline import layout
 from pipeline.config import DEFAULT_DOMAIN, RunConfig
+from pipeline.config_records import artifact_record, claim, require_same
 from pipeline.data.conversations import prompt_ids, user_turn_count
 from pipeline.data.jsonl import decode_jsonl, encode_jsonl
 from pipeline.engines import EngineError, EngineUnavailable, GenerationEngine, SamplingParams, engine_servers
@@ -234,8 +235,10 @@ def run_shard(
 ) -> dict[str, Any]:
     """One prompt shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
-    in_prefix, prompts, shard = listed_shard(store, prompts_uri, "prompts", shard_name)
     prefix = layout.responses_prefix(config.target.name, snapshot)
+    record = artifact_record(store, prefix, "responses")
+    require_same(store, record, config)  # finished shards and parts are reused only under their config
+    in_prefix, prompts, shard = listed_shard(store, prompts_uri, "prompts", shard_name)
     marker = finished_shard(store, prefix, shard_name)
     if marker is not None:
         _delete_parts(store, prefix, shard_name)
@@ -245,9 +248,11 @@ def run_shard(
         progress = Progress(total=shard["samples"], desc=f"generate {shard_name}", unit="conv")
         records = decode_jsonl(read_listed(store, in_prefix, prompts, shard_name))
         with ExitStack() as lifetime:
+            engine = started_engine(config, lifetime)
+            claim(store, record, config)
             marker = generate_shard(
                 ShardJob(store, prefix, shard, records, progress),
-                started_engine(config, lifetime),
+                engine,
                 load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code),
                 config,
             )
@@ -269,6 +274,8 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     in_prefix = store.key_for(prompts_uri)
     prompts = read_manifest(store, in_prefix, kind="prompts")
     prefix = layout.responses_prefix(config.target.name, snapshot)
+    record = artifact_record(store, prefix, "responses")
+    require_same(store, record, config)  # finished shards and parts are reused only under their config
     if published := already_published(store, prefix, "responses"):
         return published
     from pipeline.engines.target import load_tokenizer
@@ -291,6 +298,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             else:
                 engine = engine or started_engine(config, lifetime)
                 records = decode_jsonl(read_listed(store, in_prefix, prompts, shard["name"]))
+                claim(store, record, config)  # recorded before the first part made with it
                 marker = generate_shard(
                     ShardJob(store, prefix, shard, records, progress), engine, tokenizer, config
                 )
@@ -302,6 +310,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     progress.close()
     if totals["succeeded"] + totals["skipped"] == 0:
         raise GenerationFailed(f"generation produced no responses: {totals}")
+    claim(store, record, config)
     manifest = publish_with_left_out(
         store,
         prefix,

@@ -18,6 +18,7 @@ import orjson
 
 from pipeline import layout
 from pipeline.config import PromptsConfig, PromptSource, RunConfig, StorageConfig
+from pipeline.config_records import artifact_record, claim, require_same
 from pipeline.credentials import without_credentials
 from pipeline.data.conversations import BadRecord, normalize_conversation
 from pipeline.data.dedup import ExactDuplicateFilter, NearDuplicateFilter
@@ -531,6 +532,8 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     """The snapshot `inputs.snapshot` of the configured prompt sources (reused when published)."""
     snapshot = inputs.snapshot
     prefix = layout.prompts_prefix(snapshot)
+    record = artifact_record(store, prefix, "prompts snapshot")
+    require_same(store, record, config)  # a rerun of its run id reuses the snapshot only under its config
     if manifest_exists(store, prefix):
         log.info("prompts snapshot %s already published; reusing it", store.uri(prefix))
         return _output(store, prefix, read_manifest(store, prefix, kind="prompts"))
@@ -587,6 +590,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         writer.close()
     if counts["kept"] == 0:
         raise PromptSourceError(f"no usable conversations in the prompt sources; counts: {dict(counts)}")
+    claim(store, record, config)  # nothing of an earlier attempt is reused: recorded as it is published
     manifest = publish(
         store,
         prefix,

@@ -21,7 +21,7 @@ from typing import Any
 
 from pipeline import layout
 from pipeline.config import RunConfig
-from pipeline.credentials import without_credentials
+from pipeline.config_records import claim, require_same, run_record
 from pipeline.data.capture_contract import require_same_contract
 from pipeline.drafter.export import DRAFTER_FILES, read_drafter_dir
 from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
@@ -38,6 +38,7 @@ from pipeline.records import (
 from pipeline.stages import StageInputs, StageOutput, already_published
 from pipeline.stages.capture import contract_for
 from pipeline.storage import ObjectStore
+from pipeline.training.checkpoint_digests import CHECKPOINTS_DIR, resume_point
 from pipeline.training.init_choice import (
     decide_auto,
     fixed_choice,
@@ -258,12 +259,10 @@ def worker_spec(
 
 
 def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
-    """Writes the run's config beside its artifacts, then trains (or reuses a published training)."""
+    """Trains (or reuses a published training) and records the run's config beside its artifacts, once it
+    trains with it; a rerun of the run id with another config than recorded is refused first."""
     dataset_uri = inputs.dataset_uri
-    record = without_credentials(
-        json.dumps(config.dump(), indent=2)
-    )  # configs refuse them; masked all the same
-    store.put_bytes(layout.run_file_key(run_id, "config.json"), record.encode())
+    require_same(store, run_record(run_id), config)
     dataset_prefix = store.key_for(dataset_uri)
     dataset = read_dataset(store, dataset_prefix)
     contract = dataset.contract.model_dump(mode="json")
@@ -280,6 +279,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             open_mlflow_run(config.tracking, run_id)
         except TrackingUnavailable as err:
             raise TrainingFailed(str(err)) from err
+    claim(store, run_record(run_id), config)  # what its checkpoints and results are made with
     spec_object, workdir, attempts = _train(config, store, dataset, run_id, workdir)
     earlier = _store_attempt_metrics(store, prefix, attempts)
     return _publish(
@@ -327,6 +327,9 @@ def _attempt(
     init: tuple[Path | None, InitChoice],
 ) -> tuple[Any, dict[str, Any]]:
     """One training attempt in its own work dir: the worker spec's object and rank 0's result."""
+    # a checkpoint to resume from that is not what the run committed is refused here, naming the file,
+    # before any node starts (each node checks again before it loads anything)
+    resume_point(workdir / CHECKPOINTS_DIR)
     spec = worker_spec(config, store, dataset, run_id, workdir, init)
     spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), spec.to_json())
     (workdir / "train_result.json").unlink(missing_ok=True)

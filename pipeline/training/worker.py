@@ -32,6 +32,12 @@ from pipeline.engines.target import load_frozen_tensors, text_config
 from pipeline.progress import Progress
 from pipeline.records import DrafterSource, WorkerSpec, parse_record
 from pipeline.storage import atomic_write
+from pipeline.training.checkpoint_digests import (
+    CHECKPOINTS_DIR,
+    CheckpointRefused,
+    record_commit,
+    resume_point,
+)
 from pipeline.training.init_choice import gate_step0_bar, warm_plateau_reached
 from pipeline.training.stream import (
     ShardCache,
@@ -279,6 +285,8 @@ def _save_checkpoint(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], ra
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state, save_latest=False)
     if rank == 0:
         committed = _committed_tags(ckpt_dir) + [tag]
+        # what a resume checks before it unpickles anything (pipeline.training.checkpoint_digests)
+        record_commit(ckpt_dir, tag, committed[-CHECKPOINTS_KEPT:])
         _write_atomically(ckpt_dir / COMMITTED_FILE, json.dumps(committed[-CHECKPOINTS_KEPT:]))
         _write_atomically(ckpt_dir / "latest", tag)
         for old in ckpt_dir.iterdir():
@@ -297,9 +305,42 @@ def _committed_tags(ckpt_dir: Path) -> list[str]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
-    """Training state from the last committed checkpoint (model, optimizer and scheduler are restored
-    by DeepSpeed)."""
+def _checked_resume_point(engine, ckpt_dir: Path, rank: int) -> str | None:
+    """The committed tag to resume from, once rank 0 has checked its files against the digests recorded at
+    commit (every node sees the same volume, so one reading is enough). Rank 0 hands the tag it checked to
+    every rank, so none reads another; all refuse together, before any of them unpickles anything."""
+    refused, tag = None, None
+    if rank == 0:
+        try:
+            tag = resume_point(ckpt_dir)
+        except CheckpointRefused as error:
+            refused = error
+    verdict, tag = _from_rank_0(engine.device, 2 if refused is not None else int(tag is not None), tag or "")
+    if refused is not None:
+        raise refused
+    if verdict == 2:
+        raise CheckpointRefused(
+            f"rank 0 refused the checkpoint in {ckpt_dir} (its log names the file); nothing was loaded"
+        )
+    return tag if verdict == 1 else None
+
+
+def _from_rank_0(device, verdict: int, tag: str) -> tuple[int, str]:
+    """Rank 0's verdict (0 nothing to resume, 1 resume, 2 refused) and tag, on every rank."""
+    import torch.distributed as dist
+
+    encoded = tag.encode()  # a tag is an id: at most 128 bytes
+    message = torch.zeros(2 + 128, dtype=torch.int64, device=device)
+    message[0], message[1] = verdict, len(encoded)
+    message[2 : 2 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.int64)
+    dist.broadcast(message, src=0)
+    length = int(message[1])
+    return int(message[0]), bytes(message[2 : 2 + length].tolist()).decode()
+
+
+def _resume(engine, ckpt_dir: Path, rank: int) -> dict[str, Any]:
+    """Training state from the last committed checkpoint, once its files are what the run committed (model,
+    optimizer and scheduler are restored by DeepSpeed)."""
     state = {
         "epoch": 0,
         "batch_in_epoch": 0,
@@ -311,8 +352,8 @@ def _resume(engine, ckpt_dir: Path) -> dict[str, Any]:
         # (global step, training cond_acc_0) of every log interval: a warm start's step plateau check
         "intervals": [],
     }
-    if (ckpt_dir / "latest").exists():
-        tag = (ckpt_dir / "latest").read_text().strip()
+    tag = _checked_resume_point(engine, ckpt_dir, rank)
+    if tag is not None:
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if client is None:
             raise RuntimeError(
@@ -343,7 +384,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         torch.manual_seed(settings.seed)
         self.workdir = Path(spec.workdir)
-        self.ckpt_dir = self.workdir / "checkpoints"
+        self.ckpt_dir = self.workdir / CHECKPOINTS_DIR
         self.shards = [ShardRef.from_manifest(entry) for entry in spec.train_shards]
         store = open_store(self.config.storage)
         cache = ShardCache(store, Path(spec.shard_cache), int(settings.cache_gb * (1 << 30)))
@@ -374,7 +415,7 @@ class Trainer:
         self.heldout = (
             self._heldout_set(spec, cache, frozen["lm_head"].to(self.dtype)) if spec.eval_shards else None
         )
-        self.state = _resume(self.engine, self.ckpt_dir)
+        self.state = _resume(self.engine, self.ckpt_dir, self.rank)
         self.metrics = MetricsLog(self.workdir / "metrics.jsonl", self.rank == 0)
         self.metrics.truncate_after(self.state["global_step"])
         self.curves = TrainingCurves(

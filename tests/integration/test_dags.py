@@ -473,12 +473,12 @@ def test_configure_refuses_local_paths_no_pod_mounts():
     moved = plan_run(
         {
             "config": str(KIMI_CONFIG),
-            "overrides": ["target.model_path=/mnt/weights/Kimi-K2.5"],
+            "overrides": ["train.deepspeed_config=/mnt/deepspeed/zero3.json"],
         },
         "r1",
         deployment.run_config,
     )
-    with pytest.raises(ConfigError, match="/mnt/weights/Kimi-K2.5"):
+    with pytest.raises(ConfigError, match="/mnt/deepspeed/zero3.json"):
         configure_run(moved, mounts)
     configure_run(moved, None)  # tasks in the worker: nothing to check
 

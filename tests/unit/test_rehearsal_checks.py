@@ -68,6 +68,7 @@ REHEARSAL_SIZES = {
     "train.warmup_ratio",
     "train.precision",
     "train.deepspeed_config",  # no bf16 on this CPU
+    "train.kubernetes_job",  # its node pods: one CPU rank each, not 8 GPUs
     "evaluate.micro_batch_size",
     "gate.min_cond_acc",
     "gate.min_tau_simulated",

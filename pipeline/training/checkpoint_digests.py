@@ -1,0 +1,114 @@
+"""What a run's checkpoints held when it committed them, checked before it resumes from one.
+
+DeepSpeed's load_checkpoint unpickles its files (torch.load with weights_only=False), and they lie on a
+volume every training node mounts: a file changed or added there after the commit would run as code in every
+rank. So the rank that commits a checkpoint records the sha256 of each of its files (DIGESTS_FILE, beside the
+checkpoints in the run's work dir, written atomically after the files and before `latest` names the tag), and
+a resume first checks the tag `latest` names against that record, reading the files as bytes only: a file
+that differs, is missing or is not listed, or a checkpoint without a record, is refused, naming it, before
+anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pipeline.ids import InvalidIdError, validate_id
+from pipeline.storage import atomic_write, sha256_file
+
+CHECKPOINTS_DIR = "checkpoints"  # in a training attempt's work dir
+DIGESTS_FILE = "committed_sha256.json"  # {tag: {file path under the tag's directory: sha256}}
+LATEST_FILE = "latest"  # DeepSpeed's pointer to the tag to resume from
+
+
+class CheckpointRefused(ValueError):
+    """A checkpoint that is not what the run committed: resuming from it would unpickle unchecked files."""
+
+
+def checkpoint_files(checkpoint: Path) -> dict[str, Path]:
+    """Every file under a checkpoint directory by its path there; a link or anything else that is not a plain
+    file is refused (what it points to was never recorded)."""
+    files: dict[str, Path] = {}
+    for root, dirs, names in os.walk(checkpoint):
+        for name in dirs + names:
+            path = Path(root) / name
+            where = path.relative_to(checkpoint).as_posix()
+            if path.is_symlink() or not (path.is_dir() or path.is_file()):
+                raise CheckpointRefused(
+                    f"checkpoint {checkpoint}: {where} is not a plain file or directory; nothing was loaded"
+                )
+            if name in names:
+                files[where] = path
+    return files
+
+
+def record_commit(ckpt_dir: Path, tag: str, kept: list[str]) -> None:
+    """Record the digest of every file of checkpoint `tag` (all ranks' files written: call after
+    save_checkpoint's closing barrier), keeping the records of the tags in `kept` only."""
+    try:
+        recorded = read_digests(ckpt_dir) or {}
+    except CheckpointRefused:  # an unreadable record vouches for nothing: the new checkpoint's replaces it
+        recorded = {}
+    recorded[tag] = {
+        where: sha256_file(path) for where, path in sorted(checkpoint_files(ckpt_dir / tag).items())
+    }
+    with atomic_write(ckpt_dir / DIGESTS_FILE) as partial:
+        partial.write_text(json.dumps({name: recorded[name] for name in kept if name in recorded}, indent=1))
+
+
+def read_digests(ckpt_dir: Path) -> dict[str, dict[str, str]] | None:
+    path = ckpt_dir / DIGESTS_FILE
+    if not path.exists():
+        return None
+    try:
+        recorded = json.loads(path.read_text())
+    except ValueError as err:
+        raise CheckpointRefused(
+            f"the checkpoint digests {path} are not JSON ({err}); nothing was loaded"
+        ) from err
+    if not isinstance(recorded, dict):
+        raise CheckpointRefused(f"the checkpoint digests {path} are not a record of tags; nothing was loaded")
+    return recorded
+
+
+def resume_point(ckpt_dir: Path) -> str | None:
+    """The committed tag to resume from, every file of it checked against the digests recorded when it was
+    committed (CheckpointRefused, naming the file, when one does not match); None when none was committed."""
+    latest = ckpt_dir / LATEST_FILE
+    if not latest.exists():
+        return None
+    tag = latest.read_text().strip()
+    try:
+        validate_id(tag, "checkpoint tag")
+    except InvalidIdError as err:
+        raise CheckpointRefused(
+            f"{latest} names {tag!r}, not a checkpoint of {ckpt_dir}; nothing was loaded"
+        ) from err
+    recorded = (read_digests(ckpt_dir) or {}).get(tag)
+    if not isinstance(recorded, dict):
+        raise CheckpointRefused(
+            f"checkpoint {ckpt_dir / tag} has no record of its files in {ckpt_dir / DIGESTS_FILE} (written "
+            "when the run commits a checkpoint); nothing was loaded. Delete the checkpoints directory "
+            f"{ckpt_dir} to train from the start"
+        )
+    _require_recorded(ckpt_dir, tag, recorded)
+    return tag
+
+
+def _require_recorded(ckpt_dir: Path, tag: str, recorded: dict[str, str]) -> None:
+    found = checkpoint_files(ckpt_dir / tag)
+    problems = [f"{where}: not among the files committed" for where in sorted(found.keys() - recorded.keys())]
+    problems += [f"{where}: missing" for where in sorted(recorded.keys() - found.keys())]
+    problems += [
+        f"{where}: its sha256 differs from the one recorded at commit"
+        for where in sorted(found.keys() & recorded.keys())
+        if sha256_file(found[where]) != recorded[where]
+    ]
+    if problems:
+        raise CheckpointRefused(
+            f"checkpoint {ckpt_dir / tag} is not what the run committed ({ckpt_dir / DIGESTS_FILE}): "
+            + "; ".join(problems)
+            + f"; nothing was loaded. Delete the checkpoints directory {ckpt_dir} to train from the start"
+        )
