@@ -5,6 +5,7 @@
     captures/<target>/<snapshot>/           hidden-state shards
     datasets/<target>/<dataset>/            a dataset's manifest
     runs/<run_id>/<stage>/                  what a run-scoped stage published (RUN_STAGES)
+    runs/<run_id>/train/checkpoints/        the digests of every checkpoint training committed
     runs/<run_id>/<file>                    the run's config and summary (RUN_FILES)
     drafters/<target>/versions/<version>/   the registry's immutable versions
     drafters/<target>/aliases/<alias>.json  what an alias points at
@@ -87,6 +88,13 @@ def config_record_key(prefix: str) -> str:
 def train_worker_spec_key(run_id: str) -> str:
     """What every training node reads first: no filesystem is shared for it."""
     return f"{run_stage_prefix(run_id, 'train')}/worker_spec.json"
+
+
+def checkpoint_digests_key(run_id: str, attempt: str, tag: str) -> str:
+    """The sha256 of every file of checkpoint `tag` of a training attempt (its work dir's name), recorded
+    when the run committed it: what a resume checks the shared checkpoint volume against."""
+    attempt_id, tag_id = validate_id(attempt, "training attempt"), validate_id(tag, "checkpoint tag")
+    return f"{run_stage_prefix(run_id, 'train')}/checkpoints/{attempt_id}/{tag_id}.json"
 
 
 def shard_marker_key(prefix: str, shard_name: str) -> str:

@@ -38,7 +38,7 @@ from pipeline.records import (
 from pipeline.stages import StageInputs, StageOutput, already_published
 from pipeline.stages.capture import contract_for
 from pipeline.storage import ObjectStore
-from pipeline.training.checkpoint_digests import CHECKPOINTS_DIR, resume_point
+from pipeline.training.checkpoint_digests import CHECKPOINTS_DIR, DigestRecords, resume_point
 from pipeline.training.init_choice import (
     decide_auto,
     fixed_choice,
@@ -329,7 +329,7 @@ def _attempt(
     """One training attempt in its own work dir: the worker spec's object and rank 0's result."""
     # a checkpoint to resume from that is not what the run committed is refused here, naming the file,
     # before any node starts (each node checks again before it loads anything)
-    resume_point(workdir / CHECKPOINTS_DIR)
+    resume_point(workdir / CHECKPOINTS_DIR, DigestRecords(store, run_id, workdir.name))
     spec = worker_spec(config, store, dataset, run_id, workdir, init)
     spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), spec.to_json())
     (workdir / "train_result.json").unlink(missing_ok=True)

@@ -2,29 +2,72 @@
 
 DeepSpeed's load_checkpoint unpickles its files (torch.load with weights_only=False), and they lie on a
 volume every training node mounts: a file changed or added there after the commit would run as code in every
-rank. So the rank that commits a checkpoint records the sha256 of each of its files (DIGESTS_FILE, beside the
-checkpoints in the run's work dir, written atomically after the files and before `latest` names the tag), and
-a resume first checks the tag `latest` names against that record, reading the files as bytes only: a file
-that differs, is missing or is not listed, or a checkpoint without a record, is refused, naming it, before
-anything is loaded.
+rank. So the rank that commits a checkpoint records the sha256 of each of its files in the run's object store
+(DigestRecords: layout.checkpoint_digests_key, written after the files and before `latest` names the tag), and
+a resume first checks the tag `latest` names against the store's record, reading the files as bytes only: a
+file that differs, is missing or is not listed, or a checkpoint without a record, is refused, naming it,
+before anything is loaded. The record is kept off the volume because whoever can swap a file there can also
+rewrite a record beside it; the copy there (DIGESTS_FILE) is for people and is never trusted.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import layout
 from pipeline.ids import InvalidIdError, validate_id
-from pipeline.storage import atomic_write, sha256_file
+from pipeline.storage import ObjectMissingError, ObjectStore, atomic_write, sha256_file
 
 CHECKPOINTS_DIR = "checkpoints"  # in a training attempt's work dir
-DIGESTS_FILE = "committed_sha256.json"  # {tag: {file path under the tag's directory: sha256}}
+# {tag: {file path under the tag's directory: sha256}}: a copy for people, not what a resume trusts
+DIGESTS_FILE = "committed_sha256.json"
 LATEST_FILE = "latest"  # DeepSpeed's pointer to the tag to resume from
 
 
 class CheckpointRefused(ValueError):
     """A checkpoint that is not what the run committed: resuming from it would unpickle unchecked files."""
+
+
+@dataclass(frozen=True)
+class DigestRecords:
+    """Where one training attempt's commits record their digests: the run's object store, which the
+    checkpoint volume's users cannot rewrite. `attempt` is the attempt's work dir name (a run's attempts
+    use the same tags)."""
+
+    store: ObjectStore
+    run_id: str
+    attempt: str
+
+    def uri(self, tag: str) -> str:
+        return self.store.uri(layout.checkpoint_digests_key(self.run_id, self.attempt, tag))
+
+    def write(self, tag: str, digests: dict[str, str]) -> None:
+        # a plain put: a tag is committed again after a kill between this record and `latest`, or when
+        # training restarts after its checkpoints were deleted, and the files it then has are the ones
+        # to check
+        key = layout.checkpoint_digests_key(self.run_id, self.attempt, tag)
+        self.store.put_bytes(key, json.dumps(digests, indent=1, sort_keys=True).encode())
+
+    def read(self, tag: str) -> dict[str, str] | None:
+        """The digests recorded when `tag` was committed; None when it never was."""
+        try:
+            raw = self.store.get_bytes(layout.checkpoint_digests_key(self.run_id, self.attempt, tag))
+        except ObjectMissingError:
+            return None
+        try:
+            recorded = json.loads(raw)
+        except ValueError as err:
+            raise CheckpointRefused(
+                f"the checkpoint digests {self.uri(tag)} are not JSON ({err}); nothing was loaded"
+            ) from err
+        if not isinstance(recorded, dict) or not all(isinstance(v, str) for v in recorded.values()):
+            raise CheckpointRefused(
+                f"the checkpoint digests {self.uri(tag)} are not a record of files; nothing was loaded"
+            )
+        return recorded
 
 
 def checkpoint_files(checkpoint: Path) -> dict[str, Path]:
@@ -44,16 +87,17 @@ def checkpoint_files(checkpoint: Path) -> dict[str, Path]:
     return files
 
 
-def record_commit(ckpt_dir: Path, tag: str, kept: list[str]) -> None:
+def record_commit(ckpt_dir: Path, tag: str, kept: list[str], records: DigestRecords) -> None:
     """Record the digest of every file of checkpoint `tag` (all ranks' files written: call after
-    save_checkpoint's closing barrier), keeping the records of the tags in `kept` only."""
+    save_checkpoint's closing barrier) in the run's store, and a copy beside the checkpoints keeping the
+    records of the tags in `kept` only."""
+    digests = {where: sha256_file(path) for where, path in sorted(checkpoint_files(ckpt_dir / tag).items())}
+    records.write(tag, digests)
     try:
         recorded = read_digests(ckpt_dir) or {}
-    except CheckpointRefused:  # an unreadable record vouches for nothing: the new checkpoint's replaces it
+    except CheckpointRefused:  # an unreadable copy: the new checkpoint's replaces it
         recorded = {}
-    recorded[tag] = {
-        where: sha256_file(path) for where, path in sorted(checkpoint_files(ckpt_dir / tag).items())
-    }
+    recorded[tag] = digests
     with atomic_write(ckpt_dir / DIGESTS_FILE) as partial:
         partial.write_text(json.dumps({name: recorded[name] for name in kept if name in recorded}, indent=1))
 
@@ -73,9 +117,10 @@ def read_digests(ckpt_dir: Path) -> dict[str, dict[str, str]] | None:
     return recorded
 
 
-def resume_point(ckpt_dir: Path) -> str | None:
-    """The committed tag to resume from, every file of it checked against the digests recorded when it was
-    committed (CheckpointRefused, naming the file, when one does not match); None when none was committed."""
+def resume_point(ckpt_dir: Path, records: DigestRecords) -> str | None:
+    """The committed tag to resume from, every file of it checked against the digests the store recorded
+    when it was committed (CheckpointRefused, naming the file, when one does not match); None when none was
+    committed."""
     latest = ckpt_dir / LATEST_FILE
     if not latest.exists():
         return None
@@ -86,18 +131,20 @@ def resume_point(ckpt_dir: Path) -> str | None:
         raise CheckpointRefused(
             f"{latest} names {tag!r}, not a checkpoint of {ckpt_dir}; nothing was loaded"
         ) from err
-    recorded = (read_digests(ckpt_dir) or {}).get(tag)
-    if not isinstance(recorded, dict):
+    recorded = records.read(tag)
+    if recorded is None:
         raise CheckpointRefused(
-            f"checkpoint {ckpt_dir / tag} has no record of its files in {ckpt_dir / DIGESTS_FILE} (written "
-            "when the run commits a checkpoint); nothing was loaded. Delete the checkpoints directory "
-            f"{ckpt_dir} to train from the start"
+            f"checkpoint {ckpt_dir / tag} has no record of its files at {records.uri(tag)}: this run did "
+            "not commit it (it was written before checkpoints were recorded, or by something else), so it "
+            "is never loaded; nothing was loaded. To go on, delete the directory "
+            f"{ckpt_dir}: the training then restarts from the start of run {records.run_id} (epoch 0, "
+            "step 0) and records the checkpoints it writes"
         )
-    _require_recorded(ckpt_dir, tag, recorded)
+    _require_recorded(ckpt_dir, tag, recorded, records)
     return tag
 
 
-def _require_recorded(ckpt_dir: Path, tag: str, recorded: dict[str, str]) -> None:
+def _require_recorded(ckpt_dir: Path, tag: str, recorded: dict[str, str], records: DigestRecords) -> None:
     found = checkpoint_files(ckpt_dir / tag)
     problems = [f"{where}: not among the files committed" for where in sorted(found.keys() - recorded.keys())]
     problems += [f"{where}: missing" for where in sorted(recorded.keys() - found.keys())]
@@ -108,7 +155,7 @@ def _require_recorded(ckpt_dir: Path, tag: str, recorded: dict[str, str]) -> Non
     ]
     if problems:
         raise CheckpointRefused(
-            f"checkpoint {ckpt_dir / tag} is not what the run committed ({ckpt_dir / DIGESTS_FILE}): "
+            f"checkpoint {ckpt_dir / tag} is not what the run committed ({records.uri(tag)}): "
             + "; ".join(problems)
             + f"; nothing was loaded. Delete the checkpoints directory {ckpt_dir} to train from the start"
         )

@@ -35,6 +35,7 @@ from pipeline.storage import atomic_write
 from pipeline.training.checkpoint_digests import (
     CHECKPOINTS_DIR,
     CheckpointRefused,
+    DigestRecords,
     record_commit,
     resume_point,
 )
@@ -272,7 +273,9 @@ def selection_summary(history: list[dict[str, Any]], best: dict[str, Any] | None
     }
 
 
-def _save_checkpoint(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int) -> None:
+def _save_checkpoint(
+    engine, ckpt_dir: Path, tag: str, state: dict[str, Any], rank: int, records: DigestRecords
+) -> None:
     """Save on every rank, then commit: `latest` names the tag only once all ranks' files are written.
 
     DeepSpeed's own `latest` is written by rank 0 before the other ranks finish theirs, and not atomically,
@@ -286,7 +289,7 @@ def _save_checkpoint(engine, ckpt_dir: Path, tag: str, state: dict[str, Any], ra
     if rank == 0:
         committed = _committed_tags(ckpt_dir) + [tag]
         # what a resume checks before it unpickles anything (pipeline.training.checkpoint_digests)
-        record_commit(ckpt_dir, tag, committed[-CHECKPOINTS_KEPT:])
+        record_commit(ckpt_dir, tag, committed[-CHECKPOINTS_KEPT:], records)
         _write_atomically(ckpt_dir / COMMITTED_FILE, json.dumps(committed[-CHECKPOINTS_KEPT:]))
         _write_atomically(ckpt_dir / "latest", tag)
         for old in ckpt_dir.iterdir():
@@ -305,17 +308,23 @@ def _committed_tags(ckpt_dir: Path) -> list[str]:
     return json.loads(path.read_text()) if path.exists() else []
 
 
-def _checked_resume_point(engine, ckpt_dir: Path, rank: int) -> str | None:
+def rank_0_verdict(ckpt_dir: Path, records: DigestRecords) -> tuple[int, str, BaseException | None]:
+    """Rank 0's check of the resume point as what it broadcasts: (0 nothing to resume, 1 resume, 2 refused),
+    the tag, and the error to raise once it is broadcast. Any error is a refusal (an OSError reading
+    `latest` too): a rank 0 that raised before broadcasting would leave the others waiting in it."""
+    try:
+        tag = resume_point(ckpt_dir, records)
+    except Exception as error:  # noqa: BLE001 - re-raised by the caller, after the broadcast
+        return 2, "", error
+    return (0, "", None) if tag is None else (1, tag, None)
+
+
+def _checked_resume_point(engine, ckpt_dir: Path, rank: int, records: DigestRecords) -> str | None:
     """The committed tag to resume from, once rank 0 has checked its files against the digests recorded at
     commit (every node sees the same volume, so one reading is enough). Rank 0 hands the tag it checked to
     every rank, so none reads another; all refuse together, before any of them unpickles anything."""
-    refused, tag = None, None
-    if rank == 0:
-        try:
-            tag = resume_point(ckpt_dir)
-        except CheckpointRefused as error:
-            refused = error
-    verdict, tag = _from_rank_0(engine.device, 2 if refused is not None else int(tag is not None), tag or "")
+    verdict, tag, refused = rank_0_verdict(ckpt_dir, records) if rank == 0 else (0, "", None)
+    verdict, tag = _from_rank_0(engine.device, verdict, tag)
     if refused is not None:
         raise refused
     if verdict == 2:
@@ -338,7 +347,7 @@ def _from_rank_0(device, verdict: int, tag: str) -> tuple[int, str]:
     return int(message[0]), bytes(message[2 : 2 + length].tolist()).decode()
 
 
-def _resume(engine, ckpt_dir: Path, rank: int) -> dict[str, Any]:
+def _resume(engine, ckpt_dir: Path, rank: int, records: DigestRecords) -> dict[str, Any]:
     """Training state from the last committed checkpoint, once its files are what the run committed (model,
     optimizer and scheduler are restored by DeepSpeed)."""
     state = {
@@ -352,7 +361,7 @@ def _resume(engine, ckpt_dir: Path, rank: int) -> dict[str, Any]:
         # (global step, training cond_acc_0) of every log interval: a warm start's step plateau check
         "intervals": [],
     }
-    tag = _checked_resume_point(engine, ckpt_dir, rank)
+    tag = _checked_resume_point(engine, ckpt_dir, rank, records)
     if tag is not None:
         _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
         if client is None:
@@ -387,6 +396,8 @@ class Trainer:
         self.ckpt_dir = self.workdir / CHECKPOINTS_DIR
         self.shards = [ShardRef.from_manifest(entry) for entry in spec.train_shards]
         store = open_store(self.config.storage)
+        # where commits record their checkpoints' digests, off the volume the checkpoints are on
+        self.digests = DigestRecords(store, spec.run_id, self.workdir.name)
         cache = ShardCache(store, Path(spec.shard_cache), int(settings.cache_gb * (1 << 30)))
         self.stream = StreamingShards(self.shards, cache, settings.max_length, settings.prefetch_shards)
         frozen = load_frozen_tensors(Path(spec.target_dir))
@@ -415,7 +426,7 @@ class Trainer:
         self.heldout = (
             self._heldout_set(spec, cache, frozen["lm_head"].to(self.dtype)) if spec.eval_shards else None
         )
-        self.state = _resume(self.engine, self.ckpt_dir, self.rank)
+        self.state = _resume(self.engine, self.ckpt_dir, self.rank, self.digests)
         self.metrics = MetricsLog(self.workdir / "metrics.jsonl", self.rank == 0)
         self.metrics.truncate_after(self.state["global_step"])
         self.curves = TrainingCurves(
@@ -540,7 +551,12 @@ class Trainer:
             ):
                 state["epoch_counts"] = _all_reduce(epoch_counts.clone()).tolist()
                 _save_checkpoint(
-                    self.engine, self.ckpt_dir, f"step-{state['global_step']:08d}", state, self.rank
+                    self.engine,
+                    self.ckpt_dir,
+                    f"step-{state['global_step']:08d}",
+                    state,
+                    self.rank,
+                    self.digests,
                 )
         summary = MetricCounts.from_tensor(_all_reduce(epoch_counts.clone())).summary()
         heldout = self.heldout_summary()
@@ -566,7 +582,7 @@ class Trainer:
                 settings.plateau.window_epochs,
             )
         state.update({"epoch": epoch + 1, "batch_in_epoch": 0, "epoch_counts": None})
-        _save_checkpoint(self.engine, self.ckpt_dir, f"epoch-{epoch:04d}", state, self.rank)
+        _save_checkpoint(self.engine, self.ckpt_dir, f"epoch-{epoch:04d}", state, self.rank, self.digests)
         if self.rank == 0:
             prune_best_weights(self.workdir / BEST_EPOCH_DIR, state["best"])
 

@@ -195,18 +195,39 @@ def _planted_pickle(checkpoint: Path, marker: Path, name: str) -> str:
     return name
 
 
-def _drop_record(checkpoint: Path) -> str:
+def _drop_record(store, run_id: str, checkpoint: Path) -> str:
+    """What a checkpoint written before digests were recorded looks like: no record in the run's store
+    (the copy on the volume stays, and vouches for nothing)."""
+    key = layout.checkpoint_digests_key(run_id, checkpoint.parent.parent.name, checkpoint.name)
+    store.delete(key)
+    return store.uri(key)
+
+
+def _forge_local_digests(checkpoint: Path, marker: Path) -> str:
+    """A checkpoint file swapped for a code-running pickle, and the digests file beside the checkpoints
+    rewritten to match it: all that someone who can write the shared volume can do."""
+    from pipeline.storage import sha256_file
     from pipeline.training.checkpoint_digests import DIGESTS_FILE
 
-    (checkpoint.parent / DIGESTS_FILE).unlink()
-    return DIGESTS_FILE
+    name = _planted_pickle(checkpoint, marker, "mp_rank_00_model_states.pt")
+    local = checkpoint.parent / DIGESTS_FILE
+    recorded = json.loads(local.read_text())
+    recorded[checkpoint.name][name] = sha256_file(checkpoint / name)
+    local.write_text(json.dumps(recorded))
+    return name
 
 
 def _copy_of_committed(committed: dict, run_id: str) -> tuple[Path, Path]:
-    """The committed training's work dir as `run_id`'s, and the checkpoint its `latest` names."""
+    """The committed training's work dir as `run_id`'s, with the digests its commits recorded in the store,
+    and the checkpoint its `latest` names."""
+    store = committed["store"]
     workdir = _workdir(committed, run_id)
     shutil.rmtree(workdir, ignore_errors=True)
     shutil.copytree(_workdir(committed, "committed"), workdir)
+    recorded = f"{layout.run_stage_prefix('committed', 'train')}/checkpoints"
+    for key in store.list(recorded):
+        copy = f"{layout.run_stage_prefix(run_id, 'train')}/checkpoints{key[len(recorded) :]}"
+        store.put_bytes(copy, store.get_bytes(key))
     checkpoints = workdir / "checkpoints"
     return workdir, checkpoints / (checkpoints / "latest").read_text().strip()
 
@@ -217,22 +238,30 @@ def _copy_of_committed(committed: dict, run_id: str) -> tuple[Path, Path]:
         (
             "tampered-byte",
             "a byte flipped in a committed checkpoint file",
-            lambda ckpt, marker: _tamper_byte(ckpt),
+            lambda ckpt, marker, store: _tamper_byte(ckpt),
         ),
         (
             "tampered-pickle",
             "a committed checkpoint file replaced by a pickle that runs code",
-            lambda ckpt, marker: _planted_pickle(ckpt, marker, "mp_rank_00_model_states.pt"),
+            lambda ckpt, marker, store: _planted_pickle(ckpt, marker, "mp_rank_00_model_states.pt"),
         ),
         (
             "tampered-extra",
             "an extra pickle dropped into the committed checkpoint",
-            lambda ckpt, marker: _planted_pickle(ckpt, marker, "zero_pp_rank_2_mp_rank_00_optim_states.pt"),
+            lambda ckpt, marker, store: _planted_pickle(
+                ckpt, marker, "zero_pp_rank_2_mp_rank_00_optim_states.pt"
+            ),
+        ),
+        (
+            "tampered-forged",
+            "a committed checkpoint file replaced by a code-running pickle, with the digests file beside "
+            "the checkpoints rewritten to match it",
+            lambda ckpt, marker, store: _forge_local_digests(ckpt, marker),
         ),
         (
             "tampered-unrecorded",
-            "a committed checkpoint without its digest record",
-            lambda ckpt, marker: _drop_record(ckpt),
+            "a checkpoint without a digest record in the run's store (written before digests existed)",
+            lambda ckpt, marker, store: _drop_record(store, "tampered-unrecorded", ckpt),
         ),
     ],
 )
@@ -244,7 +273,7 @@ def test_resume_refuses_a_checkpoint_that_is_not_what_the_run_committed(
     workdir, checkpoint = _copy_of_committed(committed, run_id)
     log_before = (workdir / "train.log").read_bytes()
     marker = tmp_path / "code-ran"
-    named = damage(checkpoint, marker)
+    named = damage(checkpoint, marker, committed["store"])
     with pytest.raises((ValueError, RuntimeError), match=re.escape(named)) as refused:
         run_stage("train", committed["config"], run_id, committed["store"], dataset_uri=committed["dataset"])
     assert "nothing was loaded" in str(refused.value)
