@@ -40,6 +40,15 @@ _SERVER_CREDENTIALS = (
 )
 
 
+def http_url(url: str, field: str, instead: str) -> str:
+    """`url`, or ValueError naming `field` when it holds credentials or does not start with http:// or
+    https://: clients given one without a scheme (botocore, requests) echo it whole in their errors."""
+    refuse_credentials(url, field, instead)
+    if not url.lower().startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        raise ValueError(f"{field} must start with http:// or https:// and name a host")
+    return url
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -70,7 +79,7 @@ class StorageConfig(Strict):
     @field_validator("endpoint_url")
     @classmethod
     def _endpoint_without_credentials(cls, url: str | None) -> str | None:
-        return url if url is None else refuse_credentials(url, "storage.endpoint_url", _S3_CREDENTIALS)
+        return url if url is None else http_url(url, "storage.endpoint_url", _S3_CREDENTIALS)
 
 
 class TinyDeepseekV3Shape(Strict):
@@ -266,11 +275,7 @@ class SGLangClientConfig(Strict):
     @field_validator("urls", "last_hidden_urls")
     @classmethod
     def _urls_without_credentials(cls, urls: list[str] | None) -> list[str] | None:
-        return (
-            urls
-            if urls is None
-            else [refuse_credentials(u, "an SGLang URL", _SERVER_CREDENTIALS) for u in urls]
-        )
+        return urls if urls is None else [http_url(u, "an SGLang URL", _SERVER_CREDENTIALS) for u in urls]
 
 
 class VllmEngineConfig(Strict):
@@ -325,7 +330,7 @@ class VllmServerClientConfig(Strict):
     @field_validator("urls")
     @classmethod
     def _urls_without_credentials(cls, urls: list[str]) -> list[str]:
-        return [refuse_credentials(url, "a vLLM server URL", _SERVER_CREDENTIALS) for url in urls]
+        return [http_url(url, "a vLLM server URL", _SERVER_CREDENTIALS) for url in urls]
 
 
 class GenerateConfig(Strict):

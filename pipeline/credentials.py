@@ -19,6 +19,8 @@ MASK = "***"
 
 # where a URL ends: whitespace, a quote or a bracket (a repr, JSON, a log line), or the next URL
 _URL_END = re.compile(r"[\s'\"<>`]")
+# a word that may be a URL without a scheme: a run of what _URL_END does not end, not opening with a bracket
+_WORD = re.compile(r"[^\s'\"<>`(\[{][^\s'\"<>`]*")
 _SCHEME_CHARS = frozenset(string.ascii_letters + string.digits + "+.-")
 
 
@@ -37,9 +39,14 @@ def _is_userinfo(text: str) -> bool:
 
 def without_credentials(text: str) -> str:
     """`text` with the user and password of every URL in it masked: `HTTP://u:p@ss/w@host` becomes
-    `HTTP://***@host`. A URL's user and password run to its last "@", since a password may hold "@" and "/"
-    that were not percent-encoded; so an "@" further along a URL with a ":" before it masks the host too.
-    Linear in the text's length (it may be a huge refused value)."""
+    `HTTP://***@host`, and `u:p@host` without a scheme `***@host`. A URL's user and password run to its last
+    "@", since a password may hold "@" and "/" that were not percent-encoded; so an "@" further along a URL
+    with a ":" before it masks the host too. Linear in the text's length (it may be a huge refused value)."""
+    return _without_schemeless_credentials(_without_schemed_credentials(text))
+
+
+def _without_schemed_credentials(text: str) -> str:
+    """The users and passwords after a "scheme://" masked."""
     parts, done = [], 0
     separator = text.find("://")
     while separator != -1:
@@ -52,6 +59,25 @@ def without_credentials(text: str) -> str:
             parts += [text[done:authority], MASK]
             done = last_at
         separator = following
+    parts.append(text[done:])
+    return "".join(parts)
+
+
+def _without_schemeless_credentials(text: str) -> str:
+    """`user:password@host` without a scheme masked, as botocore ("Invalid endpoint: u:p@host") and requests
+    ("No connection adapters were found for 'u:p@host'") echo an endpoint given without one. Read per word
+    (up to whitespace, a quote or a bracket, a leading opening bracket left out); a word's part before its
+    first "scheme://" (masked already) and its last "@" is a user and password when it holds a ":". An e-mail
+    address has none, so prose keeps it; "mailto:a@b" or "10:30@x" are masked too, which is harmless."""
+    parts, done = [], 0
+    for word in _WORD.finditer(text):
+        start, end = word.span()
+        separator = text.find("://", start, end)
+        before_scheme = end if separator == -1 else _scheme_start(text, separator, start)
+        last_at = text.rfind("@", start, before_scheme)
+        if last_at != -1 and text.find(":", start, last_at) != -1:
+            parts += [text[done:start], MASK]
+            done = last_at
     parts.append(text[done:])
     return "".join(parts)
 

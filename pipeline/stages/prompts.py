@@ -195,13 +195,11 @@ def _open_lines(path: Path) -> IO[bytes]:
 def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
     """One record per non-blank line; a line that is not JSON becomes a BadRecord, so the rest still
     counts."""
-    records = 0
     try:
         with _open_lines(file.path) as handle:
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
-                records += 1
                 where = f"{file.name}:{number}"
                 try:
                     yield SourceRecord(where, orjson.loads(line))
@@ -209,22 +207,56 @@ def _iter_json_lines(file: SourceFile) -> Iterator[SourceRecord]:
                     yield SourceRecord(where, BadRecord("malformed_json", f"{err.msg} at column {err.colno}"))
     except (OSError, EOFError, zlib.error) as err:  # EOFError, zlib.error: a gzip file cut short or corrupt
         raise PromptSourceError(f"cannot read prompt file {file.name}: {err}") from err
-    if records == 0:
-        raise PromptSourceError(_empty_file(file))
 
 
-def _empty_file(file: SourceFile) -> str:
-    # a file that was meant to hold prompts and holds none (a failed export, a truncated upload)
-    return f"prompt file {file.name} is empty: it holds no records (remove it from the source, or fill it)"
+def _iter_json_line_files(files: list[SourceFile], source: PromptSource) -> Iterator[SourceRecord]:
+    """The records of every file; an empty one among others is skipped (Spark writes a part per partition,
+    empty ones too), a source with no record at all fails naming its empty files."""
+    empty = []
+    for file in files:
+        records = 0
+        for item in _iter_json_lines(file):
+            records += 1
+            yield item
+        if records == 0:
+            empty.append(file)
+            if len(files) > 1:
+                log.warning(_skipping_empty(file, source))
+    if len(empty) == len(files):
+        raise PromptSourceError(_empty_source(source, empty))
+
+
+def _skipping_empty(file: SourceFile, source: PromptSource) -> str:
+    return (
+        f"prompt file {file.name} is empty: skipping it (the other files of source {source.path!r} are read)"
+    )
+
+
+def _empty_source(source: PromptSource, empty: list[SourceFile]) -> str:
+    # files that were meant to hold prompts and hold none (a failed export, a truncated upload)
+    if len(empty) == 1:
+        return (
+            f"prompt file {empty[0].name} is empty: it holds no records "
+            "(remove it from the source, or fill it)"
+        )
+    shown = ", ".join(file.name for file in empty[:5]) + (", ..." if len(empty) > 5 else "")
+    return (
+        f"prompt source {source.path!r} is empty: none of its {len(empty)} files holds a record ({shown}); "
+        "point it at files that hold prompts"
+    )
 
 
 def _iter_with_datasets(files: list[SourceFile], source: PromptSource) -> Iterator[SourceRecord]:
-    """JSON documents and tables, streamed by `datasets`; an unreadable file fails the source, named."""
+    """JSON documents and tables, streamed by `datasets`; an unreadable file fails the source, named. Empty
+    files are treated as _iter_json_line_files treats them (`datasets` fails on a 0-byte one)."""
     import datasets
 
     empty = [file for file in files if file.path.stat().st_size == 0]
-    if empty:
-        raise PromptSourceError(_empty_file(empty[0]))
+    if len(empty) == len(files):
+        raise PromptSourceError(_empty_source(source, empty))
+    for file in empty:
+        log.warning(_skipping_empty(file, source))
+    files = [file for file in files if file not in empty]
     try:
         stream = datasets.load_dataset(
             DATASETS_BUILDER[source.kind],
@@ -269,8 +301,7 @@ def _iter_raw(source: PromptSource, storage: StorageConfig) -> Iterator[SourceRe
         return
     files = _source_files(source, storage)
     if source.kind == "jsonl":
-        for file in files:
-            yield from _iter_json_lines(file)
+        yield from _iter_json_line_files(files, source)
     else:
         yield from _iter_with_datasets(files, source)
 
@@ -415,16 +446,24 @@ class PromptFilter:
         self.near = NearDuplicateFilter() if settings.near_dedup else None
         self.max_prompt_chars = settings.max_prompt_tokens * longest_token_chars(tokenizer)
 
-    def _too_long_to_tokenize(self, prompt: list[dict[str, str]]) -> BadRecord | None:
+    def _too_long_to_tokenize(self, messages: list[dict[str, str]], first_user: int) -> BadRecord | None:
         """A prompt with more characters than max_prompt_tokens tokens can spell is too long, known without
-        templating and tokenizing it (a 45 MB line took 98 s and 6 GB to tokenize)."""
-        chars = sum(len(message["content"]) for message in prompt)
-        if chars <= self.max_prompt_chars:
-            return None
+        templating and tokenizing it (a 45 MB line took 98 s and 6 GB to tokenize): the first one (the
+        messages up to the first user turn) and every later user or system turn, which near-dedup hashes and
+        generate tokenizes with the history. Assistant turns are neither: generate replaces them."""
+        chars = sum(len(message["content"]) for message in messages[: first_user + 1])
+        if chars > self.max_prompt_chars:
+            return self._too_long(chars, "")
+        for turn, message in enumerate(messages[first_user + 1 :], start=first_user + 1):
+            if message["role"] != "assistant" and len(message["content"]) > self.max_prompt_chars:
+                return self._too_long(len(message["content"]), f" in message {turn} ({message['role']})")
+        return None
+
+    def _too_long(self, chars: int, where: str) -> BadRecord:
         return BadRecord(
             "too_long",
-            f"{chars} characters, more than prompts.max_prompt_tokens={self.settings.max_prompt_tokens} "
-            f"tokens can hold ({self.max_prompt_chars})",
+            f"{chars} characters{where}, more than prompts.max_prompt_tokens="
+            f"{self.settings.max_prompt_tokens} tokens can hold ({self.max_prompt_chars})",
         )
 
     def judge(self, records: list[Any]) -> list[tuple[str, list[dict[str, str]]] | BadRecord]:
@@ -440,14 +479,14 @@ class PromptFilter:
             except BadRecord as bad:
                 verdicts.append(bad)
                 continue
+            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
+            too_long = self._too_long_to_tokenize(messages, first_user)
+            if too_long is not None:  # before either dedup: neither hashes a huge text
+                verdicts.append(too_long)
+                continue
             sample_id = conversation_id(messages)
             if self.exact.check_and_add(sample_id):
                 verdicts.append(BadRecord("duplicate"))
-                continue
-            first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-            too_long = self._too_long_to_tokenize(messages[: first_user + 1])
-            if too_long is not None:
-                verdicts.append(too_long)
                 continue
             verdicts.append((sample_id, messages))
             candidates.append((len(verdicts) - 1, messages[: first_user + 1]))

@@ -49,6 +49,41 @@ def test_text_without_credentials_is_left_as_it_is(text):
     assert without_credentials(text) == text and not holds_credentials(text)
 
 
+@pytest.mark.parametrize(
+    "text, masked",
+    [
+        ("Invalid endpoint: user:pw@minio:9000", "Invalid endpoint: ***@minio:9000"),
+        (
+            "No connection adapters were found for 'admin:p@ss/w0rd@host:30000/generate'",
+            "No connection adapters were found for '***@host:30000/generate'",
+        ),
+        ("[\"a:one@h1\", 'b:two@h2']", "[\"***@h1\", '***@h2']"),
+        ("a:one@h1,http://b:two@h2", "***@h1,http://***@h2"),
+        ("endpoint (AKIA:top/secret@10.0.0.1:9)", "endpoint (***@10.0.0.1:9)"),
+    ],
+)
+def test_a_user_and_password_without_a_scheme_are_masked(text, masked):
+    assert without_credentials(text) == masked and holds_credentials(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "write to ops@example.com or bob.smith@example.org at 10:30",
+        "@field_validator('root')",
+        "weights@v2: loaded 3 of 3",
+    ],
+)
+def test_e_mail_addresses_and_at_signs_in_prose_are_left_as_they_are(text):
+    assert without_credentials(text) == text
+
+
+def test_masking_a_huge_schemeless_text_takes_linear_time():
+    huge = ":" * 1_000_000 + "@" * 1_000_000 + " a:b@c" * 200_000
+    masked = without_credentials(huge)
+    assert masked.endswith(" ***@c") and "a:b" not in masked
+
+
 def test_masking_a_huge_text_takes_linear_time():
     """A refused value is echoed in errors whatever its size; nested scanning would take hours here."""
     huge = "http://" + "a" * 2_000_000 + "://" * 200_000 + "http://u:p@h"
