@@ -83,8 +83,9 @@ standard-sets: $(BASE_STAMP)
 # `drafter run` exits 4 when the benchmark could not tell whether the candidate is faster (on a busy
 # machine its intervals can stay too wide within benchmark.budget_s): every stage ran, nothing was
 # promoted, and the summary says "inconclusive, not promoted" and what to do. That is an honest outcome of
-# a demo, not a broken pipeline, so the demo exits 0 there. A slower candidate ("refused: slower", 1), a
-# failed gate (3) and every error still fail it.
+# a demo, not a broken pipeline, so the demo exits 0 there. Its outcomes: "promoted" (0), "inconclusive, not
+# promoted" (4, exits 0 here), "refused: slower" (1) and "refused: not measurably faster" (1); a refusal, a
+# failed gate (3) and every error fail it.
 demo: $(BASE_STAMP)
 	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml || { rc=$$?; [ $$rc -eq 4 ] || exit $$rc; }
 

@@ -5,7 +5,8 @@
 Stage inputs default to the artifacts of the same run id in the configured store, so stages can be
 run one by one; explicit --prompts/--dataset/... URIs override that. Each stage prints its output
 as one JSON line on stdout. A run id continues only under the config it was made with: a rerun with
-another config is refused (pipeline.config_records); --new-run starts a new run under a fresh run id.
+another config is refused (pipeline.config_records); `run` and `prompts` take --new-run for a fresh run id
+(the other stages a new --run-id with their inputs named).
 """
 
 from __future__ import annotations
@@ -71,13 +72,38 @@ def _new_run_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Where --new-run works: `drafter run` makes every input itself, and prompts reads only the config's sources.
+# Every other stage's inputs default to its run id's own artifacts, which a fresh run id does not have.
+NEW_RUN_COMMANDS = ("run", "prompts")
+
+
+def _input_flag(name: str) -> str:
+    """`--dataset` for the input `dataset_uri`; `--captures` for `capture_uris`."""
+    stem, suffix = name.rsplit("_", 1)
+    return f"--{stem}s" if suffix == "uris" else f"--{stem}"
+
+
 def _input_option(parser: argparse.ArgumentParser, name: str) -> None:
     """`--dataset URI` for the input `dataset_uri`; `--captures URI [URI ...]` for `capture_uris`."""
-    stem, suffix = name.rsplit("_", 1)
-    if suffix == "uris":
-        parser.add_argument(f"--{stem}s", dest=name, nargs="+", metavar="URI", help="default: this run's")
+    if name.endswith("_uris"):
+        parser.add_argument(
+            _input_flag(name), dest=name, nargs="+", metavar="URI", help="default: this run's"
+        )
     else:
-        parser.add_argument(f"--{stem}", dest=name, metavar="URI", help="default: this run's")
+        parser.add_argument(_input_flag(name), dest=name, metavar="URI", help="default: this run's")
+
+
+def new_run_hint(command: str) -> str:
+    """How to start `command` as a new run from the command line, for a refused rerun of its run id."""
+    if command in NEW_RUN_COMMANDS:
+        return f"on the command line, `drafter {command} ... --new-run` starts a new run under a fresh run id"
+    reads = next((entry.reads for entry in TABLE if entry.name == command), ())
+    inputs = "".join(f" {_input_flag(name)} URI" for name in reads)
+    return f"on the command line, `drafter {command} --run-id NEW_RUN_ID{inputs}` starts a new run" + (
+        " on the inputs named (they default to the new run id's own artifacts, which it has none of)"
+        if inputs
+        else ""
+    )
 
 
 _TARGET_CONFIG_HELP = (
@@ -102,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     for entry in TABLE:
         p = sub.add_parser(entry.name, help=entry.help)
         _common(p)
-        _new_run_option(p)
+        if entry.name in NEW_RUN_COMMANDS:
+            _new_run_option(p)
         for name in entry.reads:
             _input_option(p, name)
     p = sub.add_parser("pull", help="download a drafter version, verified, into a directory")
@@ -389,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_libraries()
     _setup_logging(args.verbose)
     from pipeline.config import ConfigError
+    from pipeline.config_records import ConfigChanged
     from pipeline.data.capture_contract import ContractMismatch
     from pipeline.ids import InvalidIdError
     from pipeline.stages.gate import GateFailed
@@ -402,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     except BenchmarkInconclusive as unsure:  # an outcome, not an error: one line with what to do
         logging.getLogger("drafter").warning("%s", unsure)
         return EXIT_INCONCLUSIVE
+    except ConfigChanged as changed:  # a rerun of a run id under another config: say how to start anew
+        logging.getLogger("drafter").error("%s; %s", changed, new_run_hint(args.command))
+        return EXIT_BAD_INPUT
     except (ConfigError, InvalidIdError, ContractMismatch) as bad:
         logging.getLogger("drafter").error("%s", bad)
         return EXIT_BAD_INPUT

@@ -151,8 +151,8 @@ def require_same(store: ObjectStore, record: Record, config: RunConfig) -> bool:
             f"{what} was made with another config than this one (recorded in {store.uri(key)}); refusing "
             "to continue or reuse it under this one. The settings that differ (recorded -> now):\n  "
             + "\n  ".join(changed)
-            + "\nRerun with the recorded config to continue it, or start a new run: `--new-run` on the "
-            "command line gives a fresh run id (in Airflow, trigger a new DAG run)"
+            + "\nRerun with the recorded config to continue it, or start a new run under a new run id (in "
+            "Airflow, trigger a new DAG run)"
         )
     return True
 

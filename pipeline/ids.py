@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_ID_LENGTH = 128
+_ID = re.compile(rf"^[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_ID_LENGTH - 1}}}$")
 
 
 class InvalidIdError(ValueError):

@@ -456,7 +456,13 @@ class UndecidedSpeedup(Record):
 # measured, or an interval as narrow as benchmark.ci_rel_width still holds its threshold)
 BenchVerdict = Literal["faster", "slower", "inconclusive", "refused"]
 # how a run stopped by its benchmark ends (`drafter run`'s summary, the report, `drafter status`)
-BENCH_OUTCOMES: dict[str, str] = {"slower": "refused: slower", "inconclusive": "inconclusive, not promoted"}
+# `drafter run`'s outcome by the benchmark's verdict. "refused": an interval as narrow as the benchmark
+# aims for (benchmark.ci_rel_width) still holds the required speedup, so more rounds would not tell either.
+BENCH_OUTCOMES: dict[str, str] = {
+    "slower": "refused: slower",
+    "refused": "refused: not measurably faster",
+    "inconclusive": "inconclusive, not promoted",
+}
 
 
 class BenchDecision(Record):

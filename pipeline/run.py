@@ -10,6 +10,7 @@ from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.config_records import artifact_record, require_same, run_record
 from pipeline.failures import EXIT_FAILED, EXIT_GATE, EXIT_INCONCLUSIVE
+from pipeline.ids import MAX_ID_LENGTH
 from pipeline.manifest import read_manifest
 from pipeline.ops import registry
 from pipeline.ops.usage import Rates, cost_rows, metered, read_usage, run_cost, usage_rates
@@ -36,13 +37,16 @@ RUN_EXIT_CODES = {
     "gate failed": EXIT_GATE,
     "promotion refused": EXIT_FAILED,
     BENCH_OUTCOMES["slower"]: EXIT_FAILED,
+    BENCH_OUTCOMES["refused"]: EXIT_FAILED,
     BENCH_OUTCOMES["inconclusive"]: EXIT_INCONCLUSIVE,
 }
 
 
 def new_run_id(stem: str | None = None) -> str:
-    """A fresh run id: `stem` (default "run") and the time, e.g. run-20261205-151500."""
-    return f"{stem or 'run'}-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}"
+    """A fresh run id: `stem` (default "run") and the time, e.g. run-20261205-151500. A stem cut short so
+    that the id stays within MAX_ID_LENGTH (a run id at the maximum gets a valid new one)."""
+    suffix = f"-{dt.datetime.now(dt.UTC):%Y%m%d-%H%M%S}"
+    return f"{(stem or 'run')[: MAX_ID_LENGTH - len(suffix)]}{suffix}"
 
 
 def require_unchanged(config: RunConfig, run_id: str, store: ObjectStore) -> None:
@@ -164,7 +168,8 @@ def _promotion_summary(config: RunConfig, run_id: str, store: ObjectStore, promo
 
 def promote_stop(stop: PromotionRefused | BenchmarkInconclusive, decision: BenchDecision) -> dict[str, Any]:
     """The summary's outcome of a run its promote stage stopped (`decision`: the benchmark's): inconclusive,
-    with what to do; refused as slower; or refused otherwise (the promotion rule's other reasons)."""
+    with what to do; refused as slower, or as not measurably faster; or refused otherwise (a gate that did not
+    pass)."""
     if isinstance(stop, BenchmarkInconclusive):
         return {"outcome": BENCH_OUTCOMES["inconclusive"], "failure": str(stop), "next_step": stop.next_step}
     return {"outcome": BENCH_OUTCOMES.get(decision.verdict, "promotion refused"), "failure": str(stop)}

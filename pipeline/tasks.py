@@ -211,6 +211,29 @@ def param_overrides(params: dict[str, Any]) -> list[str]:
     return overrides + free
 
 
+RUN_CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def deployed_run_config(path: str, default_config: str, source: str) -> str:
+    """`path` when it is one of the deployment's run configs: the default itself, or a .yaml/.yml file in
+    the default's directory or the project's configs/, once symlinks and `..` are resolved. A trigger form
+    or a dataset event could otherwise name any YAML the pods can read (a cached prompt file, say) and set
+    through it the code settings that their overrides may not (`refuse_code_overrides`)."""
+    from pipeline.config import PROJECT_ROOT, resolve_project_path
+
+    resolved = resolve_project_path(path).resolve()
+    default = resolve_project_path(default_config)
+    directories = [default.parent.resolve(), (PROJECT_ROOT / "configs").resolve()]
+    if resolved == default.resolve():
+        return path
+    if resolved.suffix in RUN_CONFIG_SUFFIXES and any(resolved.is_relative_to(d) for d in directories):
+        return path
+    raise ConfigError(
+        f"{source} names run config {path} (resolved: {resolved}), which is not one of the deployment's run "
+        f"configs: a .yaml or .yml file in {' or '.join(str(d) for d in directories)}"
+    )
+
+
 def plan_run(params: dict[str, Any], scheduler_run_id: str, default_config: str) -> dict[str, Any]:
     """What a run asks for, from its trigger form (a scheduled run's form holds the defaults): the run
     config to load, its overrides and a safe run id. Reads no file: `configure_run` loads the config
@@ -220,7 +243,9 @@ def plan_run(params: dict[str, Any], scheduler_run_id: str, default_config: str)
     if params.get("num_shards") and params.get("shard_size"):
         raise ConfigError("give either a shard size or a number of shards, not both")
     return {
-        "config_path": params.get("config") or default_config,
+        "config_path": deployed_run_config(params["config"], default_config, "the trigger form")
+        if params.get("config")
+        else default_config,
         "overrides": param_overrides(params),
         "num_shards": params.get("num_shards"),
         "run_id": safe_id(scheduler_run_id),
@@ -357,7 +382,9 @@ def plan_training(
         made_with = list(made_by.get("overrides") or [])
         # an asset event's extra can be posted through Airflow's REST API too, not only by drafter_data
         refuse_code_overrides(made_with, f"the overrides of the dataset event for {made_by['dataset_uri']}")
-        plan["config_path"] = made_by.get("config", plan["config_path"])
+        if made_by.get("config"):
+            source = f"the dataset event for {made_by['dataset_uri']}"
+            plan["config_path"] = deployed_run_config(made_by["config"], default_config, source)
         plan["overrides"] = made_with + plan["overrides"]
         plan["dataset_uri"] = made_by["dataset_uri"]
     return plan

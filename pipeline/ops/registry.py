@@ -8,7 +8,8 @@ drafters/<target>/aliases/<alias>.json  {"version": ...}
 drafters/<target>/history/<time>-<alias>.json   one record per alias move (append-only)
 
 A pulled directory holds the version's files, its manifest.json and PULL_MARKER, which says what the pull
-wrote: a later pull replaces only a directory that is empty or holds nothing else.
+wrote: a later pull replaces only a directory that is empty or holds nothing else (or, pulled by the tool's
+earlier versions, which wrote no marker, exactly the files its manifest.json lists and manifest.json).
 """
 
 from __future__ import annotations
@@ -686,7 +687,8 @@ def pull(
     was.
 
     A pull never deletes what it did not write: dest must be missing, an empty directory or an earlier pull
-    holding nothing but what it wrote (PULL_MARKER says what), else it is refused. Pulls into one dest take
+    holding nothing but what it wrote (PULL_MARKER says what; a pull by an earlier version of the tool, which
+    wrote none, holds just the files its manifest.json lists), else it is refused. Pulls into one dest take
     turns, and each first removes what killed pulls into it left behind (_pull_lock). What it writes gets
     the process's umask (0755 and 0644 under the usual 022): a server running as another user reads it."""
     version = resolve(store, target, alias_or_version)
@@ -751,6 +753,20 @@ def _pulled_files(directory: Path) -> set[str] | None:
     return set(files)
 
 
+def _pulled_before_markers(directory: Path, present: set[str]) -> set[str] | None:
+    """What a pull by the tool's earlier versions wrote (they wrote no PULL_MARKER): the files directory's
+    own manifest.json lists, and manifest.json. None unless directory holds exactly those, as plain files."""
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+        listed = {entry["name"] for entry in manifest["objects"]} | {MANIFEST_NAME}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if not all(isinstance(name, str) for name in listed) or listed != present:
+        return None
+    plain = all((directory / name).is_file() and not (directory / name).is_symlink() for name in listed)
+    return listed if plain else None
+
+
 def _require_replaceable(dest: Path) -> None:
     """dest is missing, an empty directory, or an earlier pull holding nothing it did not write; else
     RegistryError naming dest (and what pull did not write)."""
@@ -763,9 +779,12 @@ def _require_replaceable(dest: Path) -> None:
         return
     written = _pulled_files(dest)
     if written is None:
+        written = _pulled_before_markers(dest, present)
+    if written is None:
         raise RegistryError(
-            f"{dest} is not empty and was not written by `drafter pull` (it has no {PULL_MARKER}); refusing "
-            "to replace it: pull into a new or empty directory"
+            f"{dest} is not empty and was not written by `drafter pull` (it has no {PULL_MARKER}, nor "
+            f"just the files its {MANIFEST_NAME} lists); refusing to replace it: pull into a new or empty "
+            "directory"
         )
     foreign = sorted(present - written - {PULL_MARKER})
     if foreign:

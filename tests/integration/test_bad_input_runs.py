@@ -48,7 +48,7 @@ def test_a_rerun_of_a_run_id_with_another_config_is_refused_naming_what_differs(
         run_stage("prompts", changed, "rerun")
     message = str(refused.value)
     assert "prompts.num_samples: 16 -> 24" in message and "train.epochs: 3 -> 5" in message, message
-    assert "prompts/rerun" in message and "--new-run" in message
+    assert "prompts/rerun" in message and "start a new run under a new run id" in message
     assert is_permanent(refused.value)  # a scheduler does not retry it
     assert store.get_bytes("prompts/rerun/manifest.json") == manifest  # nothing replaced or reused
     assert json.loads(store.get_bytes("prompts/rerun/run_config.json"))["prompts"]["num_samples"] == 16
@@ -369,4 +369,85 @@ def test_a_dataset_event_cannot_carry_overrides_that_name_code(record):
         "bad input",
         "a dataset event whose overrides set generate.vllm.python",
         "the training run's plan refuses it, naming the setting",
+    )
+
+
+def test_a_trigger_form_or_dataset_event_can_name_only_the_deployments_run_configs(tmp_path, record):
+    """A config path from the trigger form or a dataset event is one of the deployment's run configs: in the
+    default config's directory or the project's configs/. Any other YAML the pods can read (here a cached
+    prompt source that sets generate.vllm.python) would set code that the free overrides may not."""
+    from pipeline.tasks import plan_run, plan_training
+
+    deployed = tmp_path / "etc-drafter"
+    deployed.mkdir()
+    default = deployed / "kimi-k2.5.yaml"
+    default.write_text("{}\n")
+    (deployed / "other.yaml").write_text("{}\n")
+    cache = tmp_path / "cache" / "prompts"
+    cache.mkdir(parents=True)
+    cached = cache / "source.yaml"
+    cached.write_text(yaml.safe_dump({"generate": {"vllm": {"python": "/tmp/evil/bin/python"}}}))
+    (deployed / "linked.yaml").symlink_to(cached)
+    (deployed / "notes.txt").write_text("{}\n")
+    refused = [
+        str(cached),
+        str(deployed / ".." / "cache" / "prompts" / "source.yaml"),
+        str(deployed / "linked.yaml"),
+        str(deployed / "notes.txt"),
+        str(REPO / "configs" / ".." / "tests" / "data.yaml"),
+    ]
+    for path in refused:
+        with pytest.raises(ConfigError) as error:
+            plan_run({"config": path}, "manual__1", str(default))
+        message = str(error.value)
+        assert path in message and str(deployed) in message and str(REPO / "configs") in message, message
+    event = {"dataset_uri": "file:///store/datasets/t/d", "config": str(cached), "overrides": []}
+    with pytest.raises(ConfigError, match=re.escape(str(cached))):
+        plan_training({}, "asset_triggered__1", [event], str(default), "asset_triggered")
+    # the deployment's own run configs and the project's still go through, relative or absolute
+    allowed = [
+        str(default),
+        str(deployed / "other.yaml"),
+        "configs/local.yaml",
+        str(REPO / "configs/kimi-k2.5.yaml"),
+    ]
+    for path in allowed:
+        assert plan_run({"config": path}, "manual__1", str(default))["config_path"] == path
+        taken = plan_training(
+            {}, "asset_triggered__1", [{**event, "config": path}], str(default), "asset_triggered"
+        )
+        assert taken["config_path"] == path
+    assert plan_run({}, "manual__1", "configs/local.yaml")["config_path"] == "configs/local.yaml"
+    record(
+        "bad input",
+        "a trigger form's or dataset event's config path naming a cached prompt file (YAML that sets "
+        "generate.vllm.python), a .. or symlink escape, or a file not .yaml",
+        "the plan refuses it, naming the path and the directories run configs may come from",
+        tried=len(refused) + 1,
+    )
+
+
+def test_a_changed_rerun_of_a_stage_suggests_a_new_run_that_finds_its_inputs(tmp_path, record):
+    """`drafter train --new-run` would look for a dataset of the new run id, which does not exist: the refusal
+    suggests a new --run-id with the stage's inputs named, and --new-run only where it works."""
+    from pipeline.config_records import claim, run_record
+
+    data = _prompts_config(tmp_path)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(data))
+    loaded = load_config(data=data)
+    claim(open_store(loaded.storage), run_record("trained"), loaded)  # what train records when it starts
+    refused = _drafter("train", "--config", str(config), "--run-id", "trained", "train.epochs=5")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "train.epochs: 3 -> 5" in refused.stderr and "Traceback" not in refused.stderr
+    assert "`drafter train --run-id NEW_RUN_ID --dataset URI`" in refused.stderr, refused.stderr
+    assert "--new-run" not in refused.stderr
+    rerun = _drafter("run", "--config", str(config), "--run-id", "trained", "train.epochs=5")
+    assert rerun.returncode == 2 and "`drafter run ... --new-run`" in rerun.stderr, rerun.stderr[-2000:]
+    record(
+        "bad input",
+        "`drafter train` and `drafter run` rerun on a run id with train.epochs changed",
+        "exit 2 naming train.epochs 3 -> 5; train suggests a new --run-id with --dataset named (not "
+        "--new-run, whose run has no dataset of its own), run suggests --new-run",
+        tried=2,
     )

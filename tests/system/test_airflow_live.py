@@ -497,12 +497,13 @@ def test_a_rejected_candidate_and_a_failed_task_are_alerted(live_airflow, live_c
     assert "&lt; 50" in rejected["email"]["body"]
 
     # a run whose config does not exist: configure fails for good, and says so
-    failed_run = client.trigger("drafter_train", {"config": str(live_config["path"]) + ".missing"})
+    missing = live_config["path"].with_name("missing.yaml")  # where run configs may be, but none is
+    failed_run = client.trigger("drafter_train", {"config": str(missing)})
     run = client.wait_for_run("drafter_train", failed_run, timeout_s=300)
     assert run["state"] == "failed"
     failed = _alerts(sinks, "failure", failed_run)
     assert failed["webhook"]["task_id"] == "configure" and failed["webhook"]["dag_id"] == "drafter_train"
-    assert "ConfigError" in failed["webhook"]["error"] and ".missing" in failed["webhook"]["error"]
+    assert "ConfigError" in failed["webhook"]["error"] and "missing.yaml" in failed["webhook"]["error"]
     assert failed["webhook"]["log_url"].endswith("/tasks/configure?try_number=1")
     assert failed["email"]["subject"] == "drafter: drafter_train task configure failed"
     _scan_for_secrets(home)

@@ -10,12 +10,18 @@ import yaml
 from tests.conftest import storage_config, tiny_config_dict
 
 
-def test_both_dags_run_end_to_end_with_dag_test(migrated_db, dagbag, tmp_path_factory, tiny_target_dir):
+def test_both_dags_run_end_to_end_with_dag_test(
+    migrated_db, dagbag, tmp_path_factory, tiny_target_dir, monkeypatch
+):
+    import drafter_support  # what the parsed DAGs imported
+
     tmp = tmp_path_factory.mktemp("dag-test")
     data = tiny_config_dict(storage_config("file", tmp, None))
     data["benchmark"]["num_prompts"] = 2
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(data))
+    # the deployment's run config: a trigger form may name only the deployment's run configs
+    monkeypatch.setattr(drafter_support.DEPLOYMENT, "run_config", str(config_path))
     run = dagbag.dags["drafter_data"].test(
         run_conf={"config": str(config_path), "num_samples": 48, "shard_size": 16}
     )

@@ -83,7 +83,7 @@ def test_a_run_record_is_written_once_and_another_config_is_refused(tmp_path):
     samples = config.prompts.num_samples
     with pytest.raises(ConfigChanged, match=rf"prompts\.num_samples: {samples} -> 7") as refused:
         claim(store, record, load_config(LOCAL, ["prompts.num_samples=7"]))
-    assert "prompts/r1" in str(refused.value) and "--new-run" in str(refused.value)
+    assert "prompts/r1" in str(refused.value) and "a new run id" in str(refused.value)
     assert store.get_bytes("prompts/r1/run_config.json") == written
     claim(store, record, load_config(LOCAL, ["tracking.tensorboard=false"]))  # exempt
 

@@ -111,6 +111,35 @@ def test_an_earlier_pull_holding_a_file_pull_did_not_write_is_refused(store, pro
     assert snapshot(dest) == before
 
 
+def _pulled_before_the_marker(dest):
+    """dest as the tool's earlier versions left a pull: the version's files and its manifest.json, no
+    PULL_MARKER."""
+    (dest / registry.PULL_MARKER).unlink()
+    return dest
+
+
+def test_a_pull_made_before_pulls_wrote_a_marker_is_replaced(store, promoted, tmp_path):
+    """A retry after an upgrade pulls again into workdir/incumbent_drafter, pulled by the previous version."""
+    dest = _pulled_before_the_marker(pull(store, TARGET, "production", tmp_path / "incumbent_drafter"))
+    second = promote(store, TARGET, drafter_dir(tmp_path, 2), {"run_id": "r2"}, "production", SERVING)
+    pull(store, TARGET, "production", dest)
+    assert verify_dir(dest)["version"] == second["version"] != promoted
+    assert json.loads((dest / registry.PULL_MARKER).read_text())["version"] == second["version"]
+
+
+def test_a_markerless_dest_holding_more_than_its_manifest_lists_is_refused(store, promoted, tmp_path):
+    dest = _pulled_before_the_marker(pull(store, TARGET, "production", tmp_path / "pulled_drafter"))
+    (dest / "notes.txt").write_text("written by hand after the pull\n")
+    before = snapshot(dest)
+    with pytest.raises(RegistryError, match=f"{dest} is not empty and was not written by `drafter pull`"):
+        pull(store, TARGET, "production", dest)
+    assert snapshot(dest) == before
+    (dest / "notes.txt").unlink()
+    (dest / "config.json").unlink()  # less than its manifest lists: not what a pull left either
+    with pytest.raises(RegistryError, match="was not written by `drafter pull`"):
+        pull(store, TARGET, "production", dest)
+
+
 # ---- leftovers and modes ---------------------------------------------------------------------------------
 
 

@@ -51,3 +51,18 @@ def test_the_other_outcomes_keep_their_exit_codes():
     assert exit_code(summary(outcome="not promoted (registry.promote is false)")) == 0
     assert exit_code(summary(outcome="gate failed")) == EXIT_GATE
     assert exit_code(summary(outcome="promotion refused")) == EXIT_FAILED
+
+
+def test_a_candidate_not_measurably_faster_at_the_benchmarks_precision_is_refused_and_says_so():
+    """An interval as narrow as benchmark.ci_rel_width that still holds the threshold: more rounds would not
+    tell, so it is a refusal, and the summary names why (not a bare "promotion refused")."""
+    level = promotion_decision({"baseline": interval(1.0, 0.99, 1.01, rounds=40)}, SETTINGS)
+    assert level.verdict == "refused" and not level.undecided
+    fields = promote_stop(PromotionRefused("the benchmark does not show the candidate faster: x"), level)
+    assert fields == {
+        "outcome": "refused: not measurably faster",
+        "failure": "the benchmark does not show the candidate faster: x",
+    }
+    assert exit_code(summary(**fields)) == EXIT_FAILED == 1
+    rows = format_table(summary(**fields)).splitlines()
+    assert any(row.split() == ["outcome", "refused:", "not", "measurably", "faster"] for row in rows)
