@@ -137,12 +137,7 @@ def restart(home: Path, name: str, env: dict[str, str | None] | None = None, gra
     recorded = json.loads((home / "pids.json").read_text())
     pid = recorded["pids"][name]
     sessions = [pid] if _ours(pid, recorded["started"].get(name)) else []
-    _signal_sessions(sessions, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _left(sessions):
-        time.sleep(0.2)
-    _signal_sessions(sessions, signal.SIGKILL)
-    _left(sessions)
+    _stop_sessions(sessions, grace_s)
     new = _start_component(name, home, recorded["port"], airflow_env(home, recorded["port"], env))
     recorded["pids"][name], recorded["started"][name] = new, start_time(new)
     (home / "pids.json").write_text(json.dumps(recorded))
@@ -159,13 +154,18 @@ def down(home: Path, grace_s: float = 20.0) -> None:
     recorded = json.loads(pid_file.read_text())
     started = recorded.get("started") or {}
     sessions = [pid for name, pid in recorded["pids"].items() if _ours(pid, started.get(name))]
+    _stop_sessions(sessions, grace_s)
+    pid_file.unlink()
+
+
+def _stop_sessions(sessions: list[int], grace_s: float) -> None:
+    """SIGTERM every process of these sessions, then SIGKILL what is left after grace_s."""
     _signal_sessions(sessions, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and _left(sessions):
         time.sleep(0.2)
     _signal_sessions(sessions, signal.SIGKILL)
     _left(sessions)
-    pid_file.unlink()
 
 
 def _ours(pid: int, recorded_start: int | None) -> bool:
