@@ -260,15 +260,15 @@ SLOW_PULL = """
 import sys, time
 from pipeline.storage import FileStore
 
-download = FileStore.get_file
+download = FileStore.get_file_verified
 
 
-def slowly(self, key, dest):
-    download(self, key, dest)
+def slowly(self, key, dest, sha256):  # the file in place under its name, then the pause
+    download(self, key, dest, sha256)
     time.sleep(float(sys.argv[1]))
 
 
-FileStore.get_file = slowly
+FileStore.get_file_verified = slowly
 from pipeline.cli import main
 
 sys.exit(main(sys.argv[2:]))
@@ -276,7 +276,7 @@ sys.exit(main(sys.argv[2:]))
 
 
 def slow_pull(store_root, dest, pause_s):
-    """`drafter pull` in its own process, pausing pause_s after each file it downloads."""
+    """`drafter pull` in its own process, pausing pause_s after each file it puts in place."""
     argv = ["pull", "--config", str(LOCAL), f"storage.root={store_root}", f"target.name={TARGET}"]
     return subprocess.Popen(
         [sys.executable, "-c", SLOW_PULL, str(pause_s), *argv, "--dest", str(dest)],
