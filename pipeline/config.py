@@ -144,6 +144,17 @@ class TinyTargetRecipe(Strict):
         return self
 
 
+class TargetMlaShape(Strict):
+    """The MLA sizes of a DeepSeek-family target's attention, as its config.json names them."""
+
+    q_lora_rank: PositiveInt
+    kv_lora_rank: PositiveInt
+    qk_nope_head_dim: PositiveInt
+    qk_rope_head_dim: PositiveInt
+    v_head_dim: PositiveInt
+    num_attention_heads: PositiveInt
+
+
 class TargetConfig(Strict):
     name: str = Field(description="target id used in storage paths, e.g. kimi-k2.5")
     source: Literal["tiny", "hf"] = "tiny"
@@ -159,6 +170,11 @@ class TargetConfig(Strict):
     num_layers: int | None = Field(None, description="expected; checked against the model config")
     hidden_size: int | None = None
     vocab_size: int | None = None
+    mla: TargetMlaShape | None = Field(
+        None,
+        description="a DeepSeek-family target's MLA sizes, declared for `drafter plan` like hidden_size (its "
+        "config.json's are used where the model directory is at hand)",
+    )
     tensor_parallel: PositiveInt = 1
 
     @field_validator("name")
@@ -474,6 +490,11 @@ TARGET_DERIVED_DRAFTER_SETTINGS = ("max_position_embeddings", "rope_theta", "rop
 
 
 class DrafterConfig(Strict):
+    architecture: Literal["eagle3", "eagle3.1", "eagle3-mla"] = Field(
+        "eagle3",
+        description="the draft model's architecture: eagle3 (Llama-style layer), eagle3.1 (EAGLE-3.1's "
+        "norms), eagle3-mla (an MLA layer, DeepSeek-family targets)",
+    )
     draft_vocab_size: int = Field(32000, ge=2, description="at most the target's vocabulary")
     num_heads: int | None = None
     num_kv_heads: int | None = None
@@ -1141,7 +1162,22 @@ class PlanAssumptions(Strict):
     )
     s3_write_mb_s: Positive = Field(500, description="MB/s one capture process uploads to the object store")
     s3_read_mb_s_per_node: Positive = Field(1000, description="MB/s one training node reads captures")
-    train_tok_s_per_gpu: Positive = Field(2500, description="trained tok/s per GPU, all TTT steps included")
+    train_tok_s_per_gpu: Positive | None = Field(
+        None,
+        description="trained tok/s per GPU, all TTT steps included, as a pilot run measures it; unset: the "
+        "drafter architecture's training FLOPs per token over train_gpu_peak_flop_s x train_mfu",
+    )
+    train_gpu_peak_flop_s: Positive = Field(
+        989e12,
+        description="one training GPU's dense BF16 peak: an H200 SXM's 989 TFLOP/s (NVIDIA's datasheet)",
+    )
+    train_mfu: float = Field(
+        0.3,
+        gt=0,
+        le=1,
+        description="the share of that peak a one-layer drafter's training sustains (stated, not measured: "
+        "its matmuls are a single layer's and the head's; `--measured-from` a pilot run replaces the rate)",
+    )
     train_nodes: PositiveInt = Field(1, description="nodes planned for when train.nodes is 1")
     server_load_minutes: NonNegative = Field(
         20,

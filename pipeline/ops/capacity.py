@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import PlanAssumptions, RunConfig
+from pipeline.drafter.sizes import ARCHITECTURES, DraftShape, MlaShape, architecture_costs
 from pipeline.engines import engine_servers
 
 if TYPE_CHECKING:
@@ -48,6 +49,81 @@ def target_shape(config: RunConfig) -> TargetShape:
     if target.hidden_size is None or target.vocab_size is None:
         raise PlanError("planning needs target.hidden_size and target.vocab_size in the config")
     return TargetShape(target.hidden_size, target.vocab_size, target.tensor_parallel)
+
+
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def _target_attention(config: RunConfig) -> dict[str, Any]:
+    """What the plan knows of the target's attention and MLP: its config.json where the model directory is
+    at hand, else the tiny recipe, else the sizes the config declares (target.mla)."""
+    target = config.target
+    if target.source == "tiny" and target.tiny is not None:
+        tiny = target.tiny
+        known: dict[str, Any] = {
+            "num_attention_heads": tiny.num_heads,
+            "intermediate_size": tiny.intermediate_size,
+        }
+        if tiny.deepseek_v3 is not None:
+            known.update({key: getattr(tiny.deepseek_v3, key) for key in MLA_KEYS})
+        return known
+    if target.model_path and (Path(target.model_path) / "config.json").is_file():
+        from pipeline.engines.target import text_config
+
+        return text_config(Path(target.model_path))
+    return target.mla.model_dump() if target.mla is not None else {}
+
+
+def draft_shape(config: RunConfig) -> DraftShape:
+    """The drafter's sizes as training would build them (pipeline.training.worker.drafter_arch): drafter.*
+    settings first, else the target's own."""
+    shape, settings = target_shape(config), config.drafter
+    known = _target_attention(config)
+    heads = settings.num_heads or known.get("num_attention_heads")
+    intermediate = settings.intermediate_size or known.get("intermediate_size")
+    if heads is None or intermediate is None:
+        missing = "drafter.num_heads" if heads is None else "drafter.intermediate_size"
+        raise PlanError(
+            f"planning the drafter's training needs {missing} (or the target's config.json at "
+            "target.model_path)"
+        )
+    mla = None
+    if all(known.get(key) for key in MLA_KEYS):
+        mla = MlaShape(**{key: int(known[key]) for key in MLA_KEYS})
+    return DraftShape(
+        hidden_size=shape.hidden_size,
+        num_heads=int(heads),
+        num_kv_heads=int(settings.num_kv_heads or known.get("num_key_value_heads") or heads),
+        head_dim=int(settings.head_dim or known.get("head_dim") or shape.hidden_size // int(heads)),
+        intermediate_size=int(intermediate),
+        draft_vocab_size=settings.draft_vocab_size,
+        mla=mla,
+    )
+
+
+def architectures(config: RunConfig, assumptions: PlanAssumptions, context_tokens: float) -> dict[str, Any]:
+    """Each draft architecture at the target's width: parameters, exported bytes, training FLOPs per token
+    and the tok/s one GPU trains at the stated rate (train_gpu_peak_flop_s x train_mfu)."""
+    shape = draft_shape(config)
+    gpu_flop_s = assumptions.train_gpu_peak_flop_s * assumptions.train_mfu
+    width = 2 if config.drafter.export_dtype == "bfloat16" else 4
+    costs = architecture_costs(shape, config.train.ttt_steps, context_tokens, width, gpu_flop_s)
+    chosen = config.drafter.architecture
+    if costs[chosen]["train_tok_s_per_gpu"] is None:
+        raise PlanError(
+            f"drafter.architecture {chosen} needs a DeepSeek-family target's MLA sizes: the target's "
+            "config.json or target.mla"
+        )
+    return {
+        "chosen": chosen,
+        "costs": costs,
+        "gpu_flop_s": gpu_flop_s,
+        "ttt_steps": config.train.ttt_steps,
+        "context_tokens": round(context_tokens, 1),
+        "export_dtype": config.drafter.export_dtype,
+        "hidden_size": shape.hidden_size,
+        "draft_vocab_size": shape.draft_vocab_size,
+    }
 
 
 @functools.lru_cache(maxsize=64)
@@ -190,7 +266,12 @@ def plan(
     if assumptions.capture_tok_s_per_server is not None:  # an end-to-end rate, measured or set
         capture_rate = assumptions.capture_tok_s_per_server
         capture_bound = f"its end-to-end rate ({_source('capture_tok_s_per_server', measured, transport)})"
-    train_bound = _train_bottleneck(assumptions, train_gpus, nodes, stored_bytes_per_token)
+    drafts = architectures(config, assumptions, tokens_per_sample)
+    train_rate = assumptions.train_tok_s_per_gpu  # a pilot run's, or the config's
+    if train_rate is None:  # neither: the architecture's FLOPs at the stated GPU rate
+        train_rate = float(drafts["costs"][drafts["chosen"]]["train_tok_s_per_gpu"])
+        assumptions = assumptions.model_copy(update={"train_tok_s_per_gpu": train_rate})
+    train_bound = _train_bottleneck(assumptions, train_rate * train_gpus, nodes, stored_bytes_per_token)
     stages = {
         "generate": _gpu_stage(
             generated_tokens,
@@ -233,7 +314,7 @@ def plan(
         "rates": {
             "generate_tok_s_per_server": round(assumptions.generate_tok_s_per_server, 2),
             "capture_tok_s_per_server": round(capture_rate, 2),
-            "train_tok_s_per_gpu": round(assumptions.train_tok_s_per_gpu, 2),
+            "train_tok_s_per_gpu": round(train_rate, 2),
         },
         "rates_source": {
             key: _source(key, measured, transport, config)
@@ -252,6 +333,7 @@ def plan(
             "s3_usd": s3,
             "usd": round(gpu_hours * assumptions.gpu_hour_usd + s3["total_usd"]),
         },
+        "architectures": drafts,
         "assumptions": assumptions.model_dump(),
         "torchspec": (
             _torchspec_line(config, servers, train_nodes, measured, transport) if compare else None
@@ -316,6 +398,8 @@ def _source(
         and config.plan.capture_tok_s_per_server is None
     ):
         return "modelled"
+    if key == "train_tok_s_per_gpu" and config is not None and config.plan.train_tok_s_per_gpu is None:
+        return "FLOPs per token at the stated GPU rate"
     return "configured"
 
 
@@ -427,11 +511,11 @@ def _bound_by(name: str, limits: dict[str, float], gpu_rate: float) -> dict[str,
 
 
 def _train_bottleneck(
-    assumptions: PlanAssumptions, gpus: int, nodes: int, stored_bytes_per_token: float
+    assumptions: PlanAssumptions, gpus_tok_s: float, nodes: int, stored_bytes_per_token: float
 ) -> dict[str, Any]:
-    """Training's rate: its GPUs', unless reading the captures from the object store is slower."""
+    """Training's rate: its GPUs' (gpus_tok_s), unless reading the captures from S3 is slower."""
     limits = {
-        "training": assumptions.train_tok_s_per_gpu * gpus,
+        "training": gpus_tok_s,
         "S3 bandwidth": nodes * assumptions.s3_read_mb_s_per_node * 1e6 / stored_bytes_per_token,
     }
     bottleneck = min(limits, key=lambda name: limits[name])
@@ -628,6 +712,7 @@ def format_plan(report: dict[str, Any]) -> str:
             f"{stage['bottleneck']}"
         )
     total, s3 = report["total"], report["total"]["s3_usd"]
+    lines += ["", *_architecture_lines(report["architectures"], report["assumptions"])]
     lines += [
         "",
         f"total: {total['gpu_hours']:,} GPU-hours (${total['gpu_usd']:,}), {total['wall_hours']:,} h wall "
@@ -655,6 +740,29 @@ def format_plan(report: dict[str, Any]) -> str:
     if report.get("torchspec"):
         lines.append(_torchspec_text(report["torchspec"]))
     return "\n".join(lines)
+
+
+def _architecture_lines(drafts: dict[str, Any], assumptions: dict[str, Any]) -> list[str]:
+    lines = [
+        f"draft architectures at the target's width (hidden {drafts['hidden_size']:,}, draft vocabulary "
+        f"{drafts['draft_vocab_size']:,}, {drafts['ttt_steps']} TTT steps, "
+        f"{drafts['context_tokens']:,.0f}-token sequences), trained at {drafts['gpu_flop_s'] / 1e12:,.0f} "
+        f"TFLOP/s per GPU (a {assumptions['train_gpu_peak_flop_s'] / 1e12:,.0f} TFLOP/s peak x "
+        f"{assumptions['train_mfu']:g}, stated):",
+        f"  {'architecture':<14}{'parameters':>14}{'GB (' + drafts['export_dtype'] + ')':>16}"
+        f"{'train GFLOP/token':>19}{'tok/s per GPU':>15}",
+    ]
+    for name in ARCHITECTURES:
+        cost = drafts["costs"][name]
+        mark = "  <- drafter.architecture" if name == drafts["chosen"] else ""
+        if cost["parameters"] is None:
+            lines.append(f"  {name:<14}  not for this target: it has no MLA sizes")
+            continue
+        lines.append(
+            f"  {name:<14}{cost['parameters']:>14,}{cost['bytes'] / GB:>16,.3g}"
+            f"{cost['train_flops_per_token'] / 1e9:>19,.3g}{cost['train_tok_s_per_gpu']:>15,.0f}{mark}"
+        )
+    return lines
 
 
 # A task's timeout kills its pod and loses what it did since its last checkpoint; each retry starts the

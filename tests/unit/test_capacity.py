@@ -121,9 +121,11 @@ def with_plan(config, **values):
 
 def test_each_stage_names_what_binds_it(kimi, kimi_plan):
     stages, paths = kimi_plan["stages"], kimi_plan["capture_paths"]
-    assert (
-        stages["generate"]["bottleneck"] == "GPU (decoding)" and stages["train"]["bottleneck"] == "training"
-    )
+    # a drafter trains faster than one node reads Kimi's captures from S3 (its FLOPs at the stated rate)
+    assert stages["generate"]["bottleneck"] == "GPU (decoding)"
+    assert stages["train"]["bottleneck"] == "S3 bandwidth"
+    fast_read = plan(with_plan(kimi, s3_read_mb_s_per_node=1e6), 1000)["stages"]["train"]
+    assert fast_read["bottleneck"] == "training"
     # over SGLang's JSON each server moves far fewer tokens than its GPUs prefill: no client fleet fixes that
     http = paths["http"]
     assert http["bottleneck"] == "transport" and not http["gpu_bound"]
@@ -165,7 +167,7 @@ def test_the_plan_stands_beside_torchspecs_published_run(kimi, kimi_plan):
 
 def test_the_kubernetes_deployment_lets_the_pilot_finish(kimi):
     """One train attempt covers the 37K pilot's planned training with room, and no DAG's deadline alerts
-    before the plan's hours are up (a train timeout of 72 h against 218 h planned could never finish)."""
+    before the plan's hours are up (a train timeout shorter than the planned training could never finish)."""
     checks = deployment_fit(plan(kimi, 37_000), load_deployment(REPO / "configs/deployment/kubernetes.yaml"))
     assert [check["limit"] for check in checks] == [
         "stages.train.timeout_minutes",
@@ -174,17 +176,19 @@ def test_the_kubernetes_deployment_lets_the_pilot_finish(kimi):
     ]
     assert all(check["fits"] for check in checks), checks
     train = checks[0]
-    assert train["hours"] >= 1.2 * train["planned_hours"] > 200
+    assert train["hours"] >= 1.2 * train["planned_hours"] > 10
 
 
 def test_a_limit_shorter_than_the_plan_is_named(kimi):
+    pilot = plan(kimi, 37_000)
+    train_hours = pilot["stages"]["train"]["wall_hours"]
     short = DeploymentConfig.model_validate(
-        {"stages": {"train": {"timeout_minutes": 4320}}, "deadline_minutes": {"drafter_data": 6000}}
+        {"stages": {"train": {"timeout_minutes": 12 * 60}}, "deadline_minutes": {"drafter_data": 6000}}
     )
-    checks = deployment_fit(plan(kimi, 37_000), short)
+    checks = deployment_fit(pilot, short)
     assert [(check["limit"], check["fits"]) for check in checks] == [
         ("stages.train.timeout_minutes", False),
         ("deadline_minutes.drafter_data", False),
     ]
     text = format_fit(checks, "short.yaml")
-    assert "stages.train.timeout_minutes" in text and "72.0 h  planned 218.0 h: TOO SHORT" in text
+    assert f"12.0 h  planned {train_hours:.1f} h: TOO SHORT" in text

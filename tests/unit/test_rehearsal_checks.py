@@ -51,6 +51,7 @@ REHEARSAL_SIZES = {
     "target.hidden_size",
     "target.num_layers",
     "target.vocab_size",
+    "target.mla.*",  # the MLA sizes the plan assumes: the tiny target's config.json is at hand in its pods
     "drafter.draft_vocab_size",
     "drafter.head_dim",
     "drafter.intermediate_size",
