@@ -145,6 +145,36 @@ def exported_for(config: dict[str, Any]) -> list[Engine]:
     return [engine for engine in ENGINES if written_layer_ids(config, engine) is not None]
 
 
+# vLLM 0.32.0 on CPU (the only vLLM here) cannot run an MLA drafter at the sizes the project trains: it
+# registers the class, but its CPU MLA backend runs only DeepSeek's 576-wide latents.
+VLLM_MLA_REFUSAL = (
+    "vLLM 0.32.0 registers Eagle3DeepseekV2ForCausalLM (vllm/model_executor/models/registry.py:672-673), but "
+    "on CPU it runs MLA only with DeepSeek's 576-wide latents: the CPU_MLA backend supports head size 576 "
+    "(kv_lora_rank 512 + qk_rope_head_dim 64), v_head_dim 512 and block size 16 "
+    "(vllm/v1/attention/backends/mla/cpu_mla.py:24-26, 61-72), and MLA's metadata refuses head sizes other "
+    "than 320, 512 and 576 (vllm/model_executor/layers/attention/mla_attention.py:1600-1602, 1714-1717)"
+)
+SGLANG_NOT_HERE = (
+    "SGLang 0.5.23 serves it (Eagle3DeepseekV2ForCausalLM, models/kimi_k25_eagle3.py) but needs a GPU, so "
+    "here only its load-time checks (pipeline.engines.sglang_draft_checks) and the stand-in run"
+)
+
+
+def engine_refusals(architecture: str) -> dict[Engine, str]:
+    """Why an engine installed here cannot load a drafter of this drafter.architecture (empty: both can)."""
+    if architecture == "eagle3-mla":
+        return {"vllm": VLLM_MLA_REFUSAL}
+    return {}
+
+
+def no_engine_here(architecture: str) -> str | None:
+    """For a drafter no engine here loads (eagle3-mla), the sentence that says so and why; None otherwise."""
+    refusals = engine_refusals(architecture)
+    if "vllm" not in refusals:
+        return None
+    return f"no engine here loads an {architecture} drafter: {refusals['vllm']}; {SGLANG_NOT_HERE}"
+
+
 class EngineNotExported(DrafterFormatError):
     """The drafter directory carries no aux layer ids for this engine."""
 
