@@ -501,6 +501,23 @@ class DrafterConfig(Strict):
     head_dim: int | None = None
     intermediate_size: int | None = None
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    architecture: Literal["eagle3", "eagle3.1", "eagle3-mla"] = Field(
+        "eagle3",
+        description="the draft model's architecture: eagle3 (Llama-style layer), eagle3.1 (EAGLE-3.1's "
+        "norms), eagle3-mla (an MLA layer, DeepSeek-family targets)",
+    )
+
+    @model_validator(mode="after")
+    def _mla_sizes_from_target(self) -> DrafterConfig:
+        given = [key for key in ("num_kv_heads", "head_dim") if getattr(self, key) is not None]
+        if self.architecture == "eagle3-mla" and given:
+            raise ValueError(
+                f"drafter.{given[0]} does not apply to drafter.architecture eagle3-mla: an MLA layer's "
+                "key/value heads and head dims come from the target's config.json (q_lora_rank, "
+                "kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim); remove "
+                f"drafter.{', drafter.'.join(given)}"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

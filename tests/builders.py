@@ -16,7 +16,7 @@ import torch
 from pipeline.config import SGLangBenchConfig, load_config
 from pipeline.data.capture_shards import CaptureSample
 from pipeline.drafter.export import export_drafter
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape
 from pipeline.engines.tiny_target import KIMI_MAX_POSITION_EMBEDDINGS, KIMI_ROPE_PARAMETERS
 from pipeline.ops.watch import ServedAcceptanceWatch
 from pipeline.records import EvalRecord, IncumbentSkipped
@@ -56,6 +56,41 @@ def small_drafter(seed=0, vocab=50, hidden=16, aux_layer_ids=(1, 2, 3)) -> Eagle
         vocab_size=vocab,
         draft_vocab_size=vocab,
         aux_layer_ids=list(aux_layer_ids),
+    )
+    model = Eagle3Drafter(arch, torch.randn(vocab, hidden))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return _identity_vocab(model, vocab)
+
+
+# MLA sizes of a DeepSeek-family target small_mla_drafter fits: v_head_dim differs from q/k's width (6 + 4)
+SMALL_MLA = {
+    "q_lora_rank": 12,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 6,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 12,
+}
+
+
+def small_mla_drafter(seed=0, vocab=50, hidden=16, rope_scaling=None) -> Eagle3Drafter:
+    """A randomly initialised eagle3-mla drafter (2 heads, SMALL_MLA sizes), weights wide enough to predict
+    something; rope_scaling: the target's (e.g. Kimi's YaRN), None for plain RoPE."""
+    torch.manual_seed(seed)
+    arch = DrafterArch(
+        hidden_size=hidden,
+        num_heads=2,
+        num_kv_heads=2,
+        head_dim=SMALL_MLA["qk_nope_head_dim"] + SMALL_MLA["qk_rope_head_dim"],
+        intermediate_size=32,
+        vocab_size=vocab,
+        draft_vocab_size=vocab,
+        aux_layer_ids=[1, 2, 3],
+        rope_theta=50000.0 if rope_scaling else 10000.0,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=KIMI_MAX_POSITION_EMBEDDINGS if rope_scaling else 2048,
+        architecture="eagle3-mla",
+        mla=MlaShape(**SMALL_MLA),
     )
     model = Eagle3Drafter(arch, torch.randn(vocab, hidden))
     for p in model.parameters():

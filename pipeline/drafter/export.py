@@ -1,4 +1,5 @@
-"""The drafter directory (LlamaForCausalLMEagle3) that SGLang and vLLM load: write, validate, load.
+"""The drafter directory (LlamaForCausalLMEagle3, or Eagle3DeepseekV2ForCausalLM for eagle3-mla) that SGLang
+and vLLM load: write, validate, load.
 
 A directory holds config.json, model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d; never
 embed_tokens), capture_contract.json and target_config.json (the target's config.json, which gives the
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape
 from pipeline.drafter.servable import TARGET_CONFIG_NAME, record_target_config, require_servable
 from pipeline.engines.layer_ids import (
     ENGINES,
@@ -55,6 +56,29 @@ REQUIRED_CONFIG_KEYS = (
     "draft_vocab_size",
     "tie_word_embeddings",
     "eagle_config",
+)
+# eagle3-mla: SGLang 0.5.23's MLA draft class (models/kimi_k25_eagle3.py:523), which vLLM 0.32.0 registers
+# too (model_executor/models/registry.py:672-673). model_type deepseek_v2: transformers parses it (SGLang's
+# kimi_k2 alias is SGLang-only) and vLLM leaves it alone (it rewrites deepseek_v3 drafts to MTP,
+# config/speculative.py:679-694). transformers' DeepseekV2Config fills every MLA key the file lacks with
+# DeepSeek-V2's sizes, so each is written and required.
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+MLA_MODEL_TYPE = "deepseek_v2"
+MLA_CONFIG_KEYS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+)
+MLA_REQUIRED_CONFIG_KEYS = (
+    *(key for key in REQUIRED_CONFIG_KEYS if key not in ("num_key_value_heads", "head_dim")),
+    *MLA_CONFIG_KEYS,
+    "target_hidden_size",
+)
+ARCHITECTURE_KEY = (
+    "drafter_architecture"  # drafter.architecture, recorded in config.json by non-eagle3 exports
 )
 
 
@@ -121,6 +145,36 @@ def exported_for(config: dict[str, Any]) -> list[Engine]:
     return [engine for engine in ENGINES if written_layer_ids(config, engine) is not None]
 
 
+# vLLM 0.32.0 on CPU (the only vLLM here) cannot run an MLA drafter at the sizes the project trains: it
+# registers the class, but its CPU MLA backend runs only DeepSeek's 576-wide latents.
+VLLM_MLA_REFUSAL = (
+    "vLLM 0.32.0 registers Eagle3DeepseekV2ForCausalLM (vllm/model_executor/models/registry.py:672-673), but "
+    "on CPU it runs MLA only with DeepSeek's 576-wide latents: the CPU_MLA backend supports head size 576 "
+    "(kv_lora_rank 512 + qk_rope_head_dim 64), v_head_dim 512 and block size 16 "
+    "(vllm/v1/attention/backends/mla/cpu_mla.py:24-26, 61-72), and MLA's metadata refuses head sizes other "
+    "than 320, 512 and 576 (vllm/model_executor/layers/attention/mla_attention.py:1600-1602, 1714-1717)"
+)
+SGLANG_NOT_HERE = (
+    "SGLang 0.5.23 serves it (Eagle3DeepseekV2ForCausalLM, models/kimi_k25_eagle3.py) but needs a GPU, so "
+    "here only its load-time checks (pipeline.engines.sglang_draft_checks) and the stand-in run"
+)
+
+
+def engine_refusals(architecture: str) -> dict[Engine, str]:
+    """Why an engine installed here cannot load a drafter of this drafter.architecture (empty: both can)."""
+    if architecture == "eagle3-mla":
+        return {"vllm": VLLM_MLA_REFUSAL}
+    return {}
+
+
+def no_engine_here(architecture: str) -> str | None:
+    """For a drafter no engine here loads (eagle3-mla), the sentence that says so and why; None otherwise."""
+    refusals = engine_refusals(architecture)
+    if "vllm" not in refusals:
+        return None
+    return f"no engine here loads an {architecture} drafter: {refusals['vllm']}; {SGLANG_NOT_HERE}"
+
+
 class EngineNotExported(DrafterFormatError):
     """The drafter directory carries no aux layer ids for this engine."""
 
@@ -146,7 +200,10 @@ def drafter_config(
     ones; vllm_layer_ids None: no top-level key, an SGLang-only directory). Writing other ids (e.g. SGLang's
     at the top level too, how a drafter exported for SGLang alone loads in vLLM) makes a directory that
     read_drafter_dir refuses; experiments that need one use copy_with_layer_ids."""
-    config = sglang_config(arch, dtype, sglang_layer_ids)
+    if arch.architecture == "eagle3-mla":
+        config = mla_sglang_config(arch, dtype, sglang_layer_ids)
+    else:
+        config = sglang_config(arch, dtype, sglang_layer_ids)
     if vllm_layer_ids is not None:
         config[LAYER_IDS_KEY] = list(vllm_layer_ids)
     return config
@@ -181,23 +238,82 @@ def sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int]) -> 
     }
 
 
+def mla_sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int]) -> dict[str, Any]:
+    """The eagle3-mla drafter's config.json as Eagle3DeepseekV2ForCausalLM reads it
+    (models/kimi_k25_eagle3.py:78-99, 137-149, 199-255): every MLA size written, one layer, a dense silu MLP,
+    the RoPE it trained with, and the aux ids in eagle_config, where the target reads them
+    (spec_aux_hidden_state.py:185-196)."""
+    if arch.mla is None:
+        raise DrafterFormatError("an eagle3-mla drafter has no MLA sizes (DrafterArch.mla)")
+    m = arch.mla
+    return {
+        "architectures": [MLA_ARCHITECTURE],
+        "model_type": MLA_MODEL_TYPE,
+        ARCHITECTURE_KEY: arch.architecture,
+        "hidden_size": arch.hidden_size,
+        "num_attention_heads": arch.num_heads,
+        "num_key_value_heads": arch.num_heads,
+        "q_lora_rank": m.q_lora_rank,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "rope_interleave": m.rope_interleave,
+        "intermediate_size": arch.intermediate_size,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_theta": arch.rope_theta,
+        "rope_scaling": arch.rope_scaling,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "hidden_act": arch.hidden_act,
+        "vocab_size": arch.vocab_size,
+        "num_hidden_layers": 1,
+        "draft_vocab_size": arch.draft_vocab_size,
+        "tie_word_embeddings": False,
+        "target_hidden_size": arch.target_hidden_size or arch.hidden_size,
+        "torch_dtype": dtype,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def is_mla_config(config: dict[str, Any]) -> bool:
+    return config.get("architectures") == [MLA_ARCHITECTURE]
+
+
+def architecture_of(config: dict[str, Any]) -> str:
+    """drafter.architecture of an exported config.json: recorded, else told by its draft class."""
+    return config.get(ARCHITECTURE_KEY) or ("eagle3-mla" if is_mla_config(config) else "eagle3")
+
+
+def mla_attention_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The MLA attention tensors, unfused, as Eagle3DeepseekV2ForCausalLM.load_weights pairs and splits them
+    (models/kimi_k25_eagle3.py:467-492, 503-520)."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    q_lora, kv_lora = config["q_lora_rank"], config["kv_lora_rank"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    return {
+        "midlayer.self_attn.q_a_proj.weight": (q_lora, 2 * hidden),
+        "midlayer.self_attn.q_a_layernorm.weight": (q_lora,),
+        "midlayer.self_attn.q_b_proj.weight": (heads * (nope + rope), q_lora),
+        "midlayer.self_attn.kv_a_proj_with_mqa.weight": (kv_lora + rope, 2 * hidden),
+        "midlayer.self_attn.kv_a_layernorm.weight": (kv_lora,),
+        "midlayer.self_attn.kv_b_proj.weight": (heads * (nope + v), kv_lora),
+        "midlayer.self_attn.o_proj.weight": (hidden, heads * v),
+    }
+
+
 def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, heads, kv_heads = (
-        config["hidden_size"],
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-    )
-    head_dim, inter = config["head_dim"], config["intermediate_size"]
+    attention = mla_attention_shapes(config) if is_mla_config(config) else _llama_attention_shapes(config)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
     target_hidden = config.get("target_hidden_size") or hidden
     return {
         "fc.weight": (hidden, 3 * target_hidden),
         "midlayer.hidden_norm.weight": (hidden,),
         "midlayer.input_layernorm.weight": (hidden,),
         "midlayer.post_attention_layernorm.weight": (hidden,),
-        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
-        "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        **attention,
         "midlayer.mlp.gate_proj.weight": (inter, hidden),
         "midlayer.mlp.up_proj.weight": (inter, hidden),
         "midlayer.mlp.down_proj.weight": (hidden, inter),
@@ -208,13 +324,35 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _llama_attention_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, heads, kv_heads = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
+    head_dim = config["head_dim"]
+    return {
+        "midlayer.self_attn.q_proj.weight": (heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * head_dim, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": (hidden, heads * head_dim),
+    }
+
+
 def validate_config(config: dict[str, Any]) -> None:
-    missing = [key for key in REQUIRED_CONFIG_KEYS if key not in config]
+    required = MLA_REQUIRED_CONFIG_KEYS if is_mla_config(config) else REQUIRED_CONFIG_KEYS
+    missing = [key for key in required if key not in config]
     if missing:
         raise DrafterFormatError(f"drafter config.json misses {missing}")
-    if config["architectures"] != [ARCHITECTURE]:
+    if config["architectures"] not in ([ARCHITECTURE], [MLA_ARCHITECTURE]):
         raise DrafterFormatError(
-            f"drafter architectures must be [{ARCHITECTURE!r}], got {config['architectures']}"
+            f"drafter architectures must be [{ARCHITECTURE!r}] or [{MLA_ARCHITECTURE!r}] (eagle3-mla), got "
+            f"{config['architectures']}"
+        )
+    if is_mla_config(config) and config.get("q_lora_rank") is None:
+        raise DrafterFormatError(
+            "an eagle3-mla drafter's q_lora_rank is null; SGLang refuses it "
+            "(models/kimi_k25_eagle3.py:114-117)"
         )
     if config["num_hidden_layers"] != 1:
         raise DrafterFormatError("an EAGLE-3 drafter has exactly one hidden layer")
@@ -384,11 +522,14 @@ def copy_with_layer_ids(source: str | Path, dest: str | Path, engine: Engine, la
 
 
 def arch_from_config(config: dict[str, Any]) -> DrafterArch:
+    mla = None
+    if is_mla_config(config):
+        mla = MlaShape(**{key: config[key] for key in MLA_CONFIG_KEYS})
     return DrafterArch(
         hidden_size=config["hidden_size"],
         num_heads=config["num_attention_heads"],
-        num_kv_heads=config["num_key_value_heads"],
-        head_dim=config["head_dim"],
+        num_kv_heads=config["num_attention_heads"] if mla else config["num_key_value_heads"],
+        head_dim=mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else config["head_dim"],
         intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"],
         draft_vocab_size=config["draft_vocab_size"],
@@ -399,6 +540,8 @@ def arch_from_config(config: dict[str, Any]) -> DrafterArch:
         max_position_embeddings=config["max_position_embeddings"],
         hidden_act=config["hidden_act"],
         target_hidden_size=config.get("target_hidden_size"),
+        architecture=architecture_of(config),
+        mla=mla,
     )
 
 

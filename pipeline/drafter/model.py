@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,23 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pipeline.drafter.rope import rope_cos_sin
+
+if TYPE_CHECKING:
+    from pipeline.drafter.mla import MLAAttention
+
+ARCHITECTURES = ("eagle3", "eagle3.1", "eagle3-mla")
+
+
+@dataclass
+class MlaShape:
+    """The sizes of an MLA attention layer (DeepSeek-V2/V3's names), taken from a DeepSeek-family target."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # GPT-J pairs, as SGLang's default (models/deepseek_v2.py:2166)
 
 
 @dataclass
@@ -41,6 +59,8 @@ class DrafterArch:
     hidden_act: str = "silu"
     target_hidden_size: int | None = None
     extra: dict = field(default_factory=dict)
+    architecture: str = "eagle3"
+    mla: MlaShape | None = None  # eagle3-mla: the attention's sizes (pipeline.drafter.mla)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,7 +130,8 @@ def ttt_attention(
 ) -> torch.Tensor:
     """EAGLE-3 training-time-test attention, memory linear in sequence length.
 
-    q: [B, h, L, d] queries of step i = len(keys) - 1. keys/values: per step [B, h, L, d].
+    q: [B, h, L, d] queries of step i = len(keys) - 1. keys: per step [B, h, L, d]; values: per step
+    [B, h, L, dv], dv may differ from d (MLA).
     A query at position t attends causally to step-0 keys s <= t and only to position t of each
     later step. Queries are processed in chunks under activation checkpointing, so no [L, L]
     score matrix outlives its chunk, forward or backward.
@@ -195,6 +216,20 @@ class DrafterAttention(nn.Module):
         return self.o_proj(attended.transpose(1, 2).reshape(batch, length, -1))
 
 
+def attention_for(arch: DrafterArch) -> DrafterAttention | MLAAttention:
+    """The draft layer's attention: Llama-style, or MLA for eagle3-mla; both give project(x, positions) ->
+    q, k, v [B, heads, T, d] (v may be narrower or wider than q and k) and out(attended)."""
+    if arch.architecture not in ARCHITECTURES:
+        raise ValueError(
+            f"unknown drafter architecture {arch.architecture!r}; known: {', '.join(ARCHITECTURES)}"
+        )
+    if arch.architecture == "eagle3-mla":
+        from pipeline.drafter.mla import MLAAttention
+
+        return MLAAttention(arch)
+    return DrafterAttention(arch)
+
+
 class DrafterMLP(nn.Module):
     def __init__(self, arch: DrafterArch):
         super().__init__()
@@ -214,7 +249,7 @@ class DrafterLayer(nn.Module):
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = DrafterAttention(arch)
+        self.self_attn: DrafterAttention | MLAAttention = attention_for(arch)
         self.mlp = DrafterMLP(arch)
 
     def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

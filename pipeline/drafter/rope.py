@@ -184,3 +184,99 @@ def draft_rope(text_config: dict[str, Any], context_length: int) -> tuple[float,
     if rope_type_of(scaling) in REPRODUCED_ROPE_TYPES:
         return theta, scaling, int(text_config.get("max_position_embeddings") or context_length)
     return theta, None, context_length
+
+
+# ---- the MLA drafter (eagle3-mla): SGLang's DeepseekV2AttentionMLA ------------------------------
+# Eagle3DeepseekV2ForCausalLM (models/kimi_k25_eagle3.py:80-88) hands DeepseekV2AttentionMLA the draft
+# config's rope_parameters whole, or None when its rope_type is "default". DeepseekV2AttentionMLA rewrites
+# any such rope_type to "deepseek_yarn" (models/deepseek_v2.py:2065-2066) and builds
+# get_rope(qk_rope_head_dim, ..., is_neox_style=not rope_interleave) (deepseek_v2.py:2165-2174;
+# rope_interleave defaults to True: GPT-J pairs), whose "deepseek_yarn" branch
+# (layers/rotary_embedding/factory.py:371-401) builds DeepseekScalingRotaryEmbedding
+# (layers/rotary_embedding/rope_variant.py:335-421) from `factor`, `original_max_position_embeddings`
+# (default: max_position_embeddings) and only extrapolation_factor, attn_factor, beta_fast, beta_slow,
+# mscale and mscale_all_dim: `truncate` is not forwarded, so the correction range is always truncated
+# (yarn.py:27-40). Then the softmax scale (qk_nope + qk_rope)^-0.5 is multiplied by mscale^2
+# (deepseek_v2.py:2059, 2176-2178; configs/model_config.py:2623-2648).
+DEEPSEEK_YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "extrapolation_factor",
+    "attn_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+
+
+def mla_rope_frequencies(
+    rope_dim: int, theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int
+) -> torch.Tensor:
+    """The [rope_dim / 2] frequencies of the MLA drafter's rotary dims: plain RoPE, or
+    DeepseekScalingRotaryEmbedding._compute_inv_freq (rope_variant.py:380-404) for any other rope type."""
+    plain = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    if rope_type_of(rope_scaling) == "default":
+        return plain
+    assert rope_scaling is not None
+    settings = {key: value for key, value in rope_scaling.items() if key in DEEPSEEK_YARN_KEYS}
+    return _yarn_frequencies(plain, rope_dim, theta, settings, max_position_embeddings)
+
+
+def mla_cos_sin_scale(rope_scaling: dict[str, Any] | None) -> float:
+    """What DeepseekScalingRotaryEmbedding multiplies cos and sin by (rope_variant.py:364-368): mscale's over
+    mscale_all_dim's yarn_get_mscale (defaults 1 and 0, yarn.py:60-63), times attn_factor; 1 for plain
+    RoPE."""
+    if rope_type_of(rope_scaling) == "default":
+        return 1.0
+    assert rope_scaling is not None
+    factor = float(rope_scaling.get("factor", 1.0))
+    mscale = _yarn_mscale(factor, float(rope_scaling.get("mscale", 1)))
+    return (
+        mscale
+        / _yarn_mscale(factor, float(rope_scaling.get("mscale_all_dim", 0)))
+        * float(rope_scaling.get("attn_factor", 1))
+    )
+
+
+def mla_softmax_multiplier(rope_scaling: dict[str, Any] | None) -> float:
+    """compute_mla_mscale_scaling (configs/model_config.py:2623-2648): the factor on (qk_nope + qk_rope)^-0.5,
+    yarn_get_mscale(factor, mscale_all_dim)^2 unless apply_yarn_scaling or apply_scale is false."""
+    if rope_type_of(rope_scaling) == "default":
+        return 1.0
+    assert rope_scaling is not None
+    if not rope_scaling.get("apply_yarn_scaling", True) or not rope_scaling.get("apply_scale", True):
+        return 1.0
+    mscale = _yarn_mscale(
+        float(rope_scaling.get("factor", 1.0)), float(rope_scaling.get("mscale_all_dim", 0))
+    )
+    return mscale * mscale
+
+
+def mla_cos_sin(
+    positions: torch.Tensor,
+    rope_dim: int,
+    theta: float,
+    dtype: torch.dtype,
+    rope_scaling: dict[str, Any] | None = None,
+    max_position_embeddings: int = 2048,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., rope_dim / 2], one per rotated pair, as the MLA drafter's cos_sin_cache holds them
+    (rope_variant.py:406-416): computed in float32, scaled, then cast."""
+    inv_freq = mla_rope_frequencies(rope_dim, theta, rope_scaling, max_position_embeddings)
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    scale = mla_cos_sin_scale(rope_scaling)
+    return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+
+
+def apply_pair_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """Rotate x [..., d] by per-pair cos/sin [..., d / 2] (layers/rotary_embedding/utils.py:36-62): pairs are
+    (x[2i], x[2i+1]) when interleaved (GPT-J style), else (x[i], x[i + d/2]) (neox style)."""
+    if interleaved:
+        x1, x2 = x[..., ::2], x[..., 1::2]
+    else:
+        x1, x2 = x.chunk(2, dim=-1)
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    if interleaved:
+        return torch.stack((o1, o2), dim=-1).flatten(-2)
+    return torch.cat((o1, o2), dim=-1)

@@ -14,7 +14,9 @@ Each message says what is wrong, what SGLang does with it, and where SGLang does
   checkpoint does not fill keeps its uninitialized memory (load_weights skips what is absent), or the
   target captures other layers than the drafter was trained on.
 
-Only the draft class the project exports, LlamaForCausalLMEagle3 (models/llama_eagle3.py), is modelled.
+The draft classes the project exports are modelled: LlamaForCausalLMEagle3 (models/llama_eagle3.py) and, for
+eagle3-mla drafters, Eagle3DeepseekV2ForCausalLM (models/kimi_k25_eagle3.py; its config reading and
+load_weights in pipeline.engines.sglang_mla_checks).
 Not checked, because they depend on the GPU, the attention backend or flags the pipeline does not set:
 tensor-parallel divisibility of heads (models/llama.py:183-193), topk > 1 with page_size > 1 on backends
 other than flashinfer/fa3/triton (arg_groups/speculative_hook.py:1268-1282), trtllm_mha with topk > 1
@@ -44,7 +46,8 @@ from pipeline.engines.layer_ids import (
 SGLANG_VERSION = "0.5.23"
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # models/kimi_k25_eagle3.py:523 registers the other EAGLE-3 draft class of 0.5.23 (MLA attention)
-OTHER_EAGLE3_ARCHITECTURES = ("Eagle3DeepseekV2ForCausalLM",)
+MLA_DRAFT_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
+DRAFT_ARCHITECTURES = (DRAFT_ARCHITECTURE, MLA_DRAFT_ARCHITECTURE)
 # configs/model_config.py / utils/hf_transformers/common.py:668-674, in SGLang's order of preference
 CONTEXT_LENGTH_KEYS = (
     "max_sequence_length",
@@ -86,8 +89,20 @@ class TargetFacts:
 
 
 @dataclass(frozen=True)
+class MlaSizes:
+    """The MLA attention sizes Eagle3DeepseekV2ForCausalLM reads (models/kimi_k25_eagle3.py:93-99)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class DraftShape:
-    """What LlamaForCausalLMEagle3 builds from a draft config (models/llama_eagle3.py:122-320)."""
+    """What LlamaForCausalLMEagle3 builds from a draft config (models/llama_eagle3.py:122-320), or, with mla,
+    Eagle3DeepseekV2ForCausalLM (pipeline.engines.sglang_mla_checks)."""
 
     hidden: int
     heads: int
@@ -106,6 +121,7 @@ class DraftShape:
     tied: bool
     lm_head_from_target: bool
     shares_target_embedding: bool
+    mla: MlaSizes | None = None
 
 
 @dataclass(frozen=True)
@@ -165,12 +181,21 @@ def draft_model_problems(
     except _Unbuildable as unbuildable:
         return problems + [str(unbuildable)]
     problems += config_problems(config)
+    if shape.mla is not None:
+        from pipeline.engines.sglang_mla_checks import mla_config_problems
+
+        problems += mla_config_problems(json.loads((draft_dir / "config.json").read_text()), config)
     problems += target_fit_problems(target, shape)
     problems += aux_layer_problems(target, config, shape, _trained_aux_layer_ids(draft_dir))
     tensors, files_problems = read_weight_header(draft_dir)
     if files_problems:
         return problems + files_problems
-    problems += weight_problems(shape, tensors)
+    if shape.mla is not None:
+        from pipeline.engines.sglang_mla_checks import mla_weight_problems
+
+        problems += mla_weight_problems(shape, tensors)
+    else:
+        problems += weight_problems(shape, tensors)
     problems += hot_token_problems(shape, tensors, _d2t_values(draft_dir, tensors), target.vocab_size)
     return problems
 
@@ -349,18 +374,13 @@ def _require_draft_architecture(config: Any) -> None:
                 "sglang/srt/configs/model_config.py:699",
             )
         )
-    if architectures[0] in OTHER_EAGLE3_ARCHITECTURES:
-        raise _Unbuildable(
-            f"draft architecture {architectures[0]}: SGLang {SGLANG_VERSION} loads it with "
-            f"models/kimi_k25_eagle3.py, which these checks (and the stand-in) do not model; "
-            f"the project exports {DRAFT_ARCHITECTURE}"
-        )
-    if architectures[0] != DRAFT_ARCHITECTURE:
+    if architectures[0] not in DRAFT_ARCHITECTURES:
         # the registry takes architectures[0] first (models/registry.py:98-104); only the EAGLE-3 draft
         # classes carry the hot_token_id the EAGLE3 worker reads (llama_eagle3.py:323)
         raise _Unbuildable(
             _problem(
-                f"draft architectures {list(architectures)} do not start with {DRAFT_ARCHITECTURE}",
+                f"draft architectures {list(architectures)} do not start with "
+                f"{' or '.join(DRAFT_ARCHITECTURES)}",
                 "fails when the EAGLE3 worker reads the draft's hot_token_id",
                 "sglang/srt/models/registry.py:98-104",
                 "sglang/srt/speculative/eagle_worker_v2.py:366",
@@ -404,6 +424,10 @@ def draft_shape(config: Any) -> DraftShape:
     """The parameter shapes LlamaForCausalLMEagle3 allocates; raises _Unbuildable when it cannot be built."""
     _require_draft_architecture(config)
     eagle = _eagle_config(config)
+    if config.architectures[0] == MLA_DRAFT_ARCHITECTURE:
+        from pipeline.engines.sglang_mla_checks import mla_draft_shape
+
+        return mla_draft_shape(config, eagle)
     hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     draft_vocab, head_from_target = _draft_vocab(config, tied)
@@ -447,7 +471,7 @@ def config_problems(config: Any) -> list[str]:
             _problem(
                 f"draft hidden_act {config.hidden_act!r}",
                 "fails building the draft MLP: only silu is supported",
-                "sglang/srt/models/llama.py:116-119",
+                "sglang/srt/models/llama.py:116-119 (MLA: sglang/srt/models/deepseek_v2.py:330-333)",
             )
         )
     if getattr(config, "tie_word_embeddings", False):

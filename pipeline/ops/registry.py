@@ -35,6 +35,8 @@ from pipeline.drafter.export import (
     ENGINE_NAMES,
     REQUIRED_FILES,
     WEIGHTS_NAME,
+    architecture_of,
+    engine_refusals,
     exported_for,
     read_drafter_dir,
     require_exported_for,
@@ -213,6 +215,8 @@ def verified_engines(
             f"config.json gives vLLM the aux layer ids {written_layer_ids(config, 'vllm')}, which capture "
             f"the trained layers {contract.get('aux_layer_ids')} (pipeline.engines.layer_ids); not run"
         )
+    for refused, reason in engine_refusals(architecture_of(config)).items():
+        verified[refused] = f"not loadable here: {reason}"
     bench = lineage.get("bench") or {}
     engine = bench.get("engine")
     if engine in verified:
@@ -669,6 +673,11 @@ def verify_dir(
         raise RegistryError(f"drafter directory {directory} failed verification: " + "; ".join(problems))
     config, _, _ = read_drafter_dir(directory)
     if engine == "vllm":
+        refusal = engine_refusals(architecture_of(config)).get("vllm")
+        if refusal is not None:
+            raise RegistryError(
+                f"drafter directory {directory} is an {architecture_of(config)} drafter: {refusal}"
+            )
         require_exported_for(config, "vllm")  # "this drafter": pull verifies a staging directory
     require_servable(directory, target_config, manifest.get("serving") if engine == "sglang" else None)
     return manifest

@@ -22,6 +22,7 @@ import jinja2
 import yaml
 
 from pipeline import layout
+from pipeline.drafter.export import no_engine_here
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.ops import registry
 from pipeline.ops.usage import USAGE_DIR, cost_rows, read_usage, run_cost
@@ -447,6 +448,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         ("outcome", record.outcome),
         *next_step_rows(record),
         ("target", ((record.config or {}).get("target") or {}).get("name")),
+        *architecture_rows(record),
         ("dataset", train.get("dataset")),
         *trigger_rows(record.trigger),
         ("training stop", result.get("stop_reason")),
@@ -471,6 +473,16 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         *(sampled_rows(bench) if bench else []),
         ("promoted version", promote.version if promote and promote.promoted else None),
     ]
+
+
+def architecture_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """A drafter architecture other than the default, and for one no engine here loads (eagle3-mla), that and
+    why."""
+    architecture = ((record.config or {}).get("drafter") or {}).get("architecture", "eagle3")
+    if architecture == "eagle3":
+        return []
+    unloadable = no_engine_here(architecture)
+    return [("drafter architecture", architecture)] + ([("engines here", unloadable)] if unloadable else [])
 
 
 def next_step_rows(record: RunRecord) -> list[tuple[str, str]]:

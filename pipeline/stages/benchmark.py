@@ -63,8 +63,10 @@ from pipeline.decoding.speedup import (
 )
 from pipeline.drafter.export import (
     CONFIG_NAME,
+    architecture_of,
     copy_with_layer_ids,
     engine_layer_ids,
+    engine_refusals,
     load_drafter,
     read_drafter_dir,
     require_exported_for,
@@ -1166,6 +1168,11 @@ def served_beside_reference(
             settings.python,
         )
         return None
+    architecture = architecture_of(json.loads((drafter_dir / CONFIG_NAME).read_text()))
+    refusal = engine_refusals(architecture).get("vllm")
+    if refusal is not None:
+        log.info("benchmark: the %s candidate is not also served by vLLM: %s", architecture, refusal)
+        return None
     served_dir = vllm_loadable("candidate", drafter_dir, config.storage.run_workdir(run_id))
     aux_layer_ids = read_drafter_dir(drafter_dir)[2]["aux_layer_ids"]
     eos = load_tokenizer(target_dir, config.target.trust_remote_code).eos_token_id
@@ -1467,8 +1474,16 @@ def vllm_loadable(name: str, drafter_dir: Path, workdir: Path) -> Path:
     """The drafter directory vLLM loads. Without vLLM's aux layer ids vLLM would read SGLang's and feed the
     drafter other layers than it was trained on: a candidate must carry them (EngineNotExported), an incumbent
     promoted before drafters were exported with them is benchmarked from a local copy given the ids its
-    contract takes (pipeline.drafter.export.engine_layer_ids)."""
+    contract takes (pipeline.drafter.export.engine_layer_ids). A drafter vLLM cannot load here (eagle3-mla)
+    is refused with the reason, before vLLM starts."""
     config = json.loads((drafter_dir / CONFIG_NAME).read_text())
+    refusal = engine_refusals(architecture_of(config)).get("vllm")
+    if refusal is not None:
+        raise BenchmarkFailed(
+            f"benchmark.engine vllm cannot benchmark the {name} drafter {drafter_dir}, an "
+            f"{architecture_of(config)} drafter: {refusal}. Benchmark it with benchmark.engine local (the "
+            "project's reference decoder) or sglang"
+        )
     if name == "candidate" or written_layer_ids(config, "vllm") is not None:
         require_exported_for(config, "vllm", drafter_dir)
         return drafter_dir

@@ -21,7 +21,8 @@ import torch
 from pipeline import layout
 from pipeline.config import RunConfig, resolve_project_path
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.drafter.export import export_drafter, read_drafter_dir
+from pipeline.drafter.export import architecture_of, export_drafter, read_drafter_dir
+from pipeline.drafter.mla import mla_shape_of_target
 from pipeline.drafter.model import DrafterArch, Eagle3Drafter
 from pipeline.drafter.objective import DraftObjective, choose_teacher
 from pipeline.drafter.rope import draft_rope
@@ -73,11 +74,20 @@ def drafter_arch(
             f"({target_dir / 'config.json'}); lower drafter.draft_vocab_size"
         )
     rope_theta, rope_scaling, max_position_embeddings = draft_rope(target, derived_context_length(target))
+    mla = None
+    if settings.architecture == "eagle3-mla":  # refused, with the reason, for a target without MLA
+        mla = mla_shape_of_target(target, str(target_dir / "config.json"))
     return DrafterArch(
         hidden_size=hidden,
         num_heads=heads,
-        num_kv_heads=settings.num_kv_heads or int(target.get("num_key_value_heads") or heads),
-        head_dim=settings.head_dim or int(target.get("head_dim") or hidden // heads),
+        num_kv_heads=heads
+        if mla
+        else settings.num_kv_heads or int(target.get("num_key_value_heads") or heads),
+        head_dim=(
+            mla.qk_nope_head_dim + mla.qk_rope_head_dim
+            if mla
+            else settings.head_dim or int(target.get("head_dim") or hidden // heads)
+        ),
         intermediate_size=settings.intermediate_size or int(target["intermediate_size"]),
         vocab_size=vocab_size,
         draft_vocab_size=draft_vocab_size,
@@ -86,6 +96,8 @@ def drafter_arch(
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_position_embeddings,
+        architecture=settings.architecture,
+        mla=mla,
     )
 
 
@@ -114,7 +126,12 @@ def build_model(config: RunConfig, spec: DrafterSource, frozen: dict[str, torch.
     model.set_vocab_mapping(mapping.d2t, mapping.t2d)
     with torch.no_grad():
         if spec.init_dir:
-            _, tensors, _ = read_drafter_dir(spec.init_dir)
+            init_config, tensors, _ = read_drafter_dir(spec.init_dir)
+            if architecture_of(init_config) != arch.architecture:
+                raise ContractMismatch(
+                    f"refusing warm start: the initial drafter {spec.init_dir} is a "
+                    f"{architecture_of(init_config)} drafter and drafter.architecture is {arch.architecture}"
+                )
             if not torch.equal(tensors["d2t"], mapping.d2t):
                 raise ContractMismatch("the warm-start drafter's vocabulary mapping differs from the spec's")
             model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})

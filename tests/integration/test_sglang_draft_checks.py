@@ -296,7 +296,9 @@ def test_sglang_fills_in_and_adjusts_speculative_flags():
         (
             {"architectures": ["Eagle3DeepseekV2ForCausalLM"]},
             (),
-            "which these checks (and the stand-in) do not model",
+            # a Llama config under the MLA class: LlamaConfig has no MLA sizes
+            "draft config has no q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: "
+            "SGLang 0.5.23 fails building the MLA attention",
         ),
         ({"model_type": "no_such_model"}, (), "draft config.json does not load"),
         ({"hidden_act": "gelu"}, (), "only silu is supported"),

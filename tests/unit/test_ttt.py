@@ -12,7 +12,10 @@ from pipeline.drafter.ttt import (
     ttt_loss_and_counts,
 )
 from pipeline.drafter.vocab import build_mapping, mapping_from_d2t
-from tests.builders import small_drafter
+from pipeline.engines.tiny_target import KIMI_ROPE_PARAMETERS
+from tests.builders import small_drafter, small_mla_drafter
+
+KIMI_YARN = {key: value for key, value in KIMI_ROPE_PARAMETERS.items() if key != "rope_theta"}
 
 
 @pytest.mark.parametrize("steps", [1, 2, 4])
@@ -31,9 +34,13 @@ def test_ttt_attention_matches_a_dense_reference_values_and_gradients(steps):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_training_unroll_equals_serving_time_chain_drafting():
-    """TTT step k at anchor t must compute what the drafter computes at serving time, k steps into a chain."""
-    model = small_drafter().eval()
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle3-mla"])
+def test_training_unroll_equals_serving_time_chain_drafting(architecture):
+    """TTT step k at anchor t must compute what the drafter computes at serving time, k steps into a chain
+    (eagle3-mla: MLA attention with values wider than queries and keys, and YaRN RoPE)."""
+    model = (
+        small_drafter() if architecture == "eagle3" else small_mla_drafter(rope_scaling=KIMI_YARN)
+    ).eval()
     length = 9
     aux = torch.randn(1, length, 48)
     ids = torch.randint(0, 50, (1, length))
