@@ -474,6 +474,11 @@ TARGET_DERIVED_DRAFTER_SETTINGS = ("max_position_embeddings", "rope_theta", "rop
 
 
 class DrafterConfig(Strict):
+    architecture: Literal["eagle3", "eagle3.1", "eagle3-mla"] = Field(
+        "eagle3",
+        description="the draft model's architecture: eagle3 (Llama-style layer), eagle3.1 (EAGLE-3.1's "
+        "norms), eagle3-mla (an MLA layer, DeepSeek-family targets)",
+    )
     draft_vocab_size: int = Field(32000, ge=2, description="at most the target's vocabulary")
     num_heads: int | None = None
     num_kv_heads: int | None = None

@@ -21,8 +21,8 @@ import torch
 from pipeline import layout
 from pipeline.config import RunConfig, resolve_project_path
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.drafter.export import export_drafter, read_drafter_dir
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.export import arch_from_config, export_drafter, read_drafter_dir
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter, architecture_norms
 from pipeline.drafter.objective import DraftObjective, choose_teacher
 from pipeline.drafter.rope import draft_rope
 from pipeline.drafter.ttt import MetricCounts
@@ -73,6 +73,7 @@ def drafter_arch(
             f"({target_dir / 'config.json'}); lower drafter.draft_vocab_size"
         )
     rope_theta, rope_scaling, max_position_embeddings = draft_rope(target, derived_context_length(target))
+    fc_norm, norm_output = architecture_norms(settings.architecture)
     return DrafterArch(
         hidden_size=hidden,
         num_heads=heads,
@@ -86,6 +87,9 @@ def drafter_arch(
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=max_position_embeddings,
+        architecture=settings.architecture,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
     )
 
 
@@ -104,6 +108,18 @@ def check_warm_start_contract(init_contract: dict[str, Any], data_contract: dict
         )
 
 
+def check_warm_start_architecture(init_config: dict[str, Any], architecture: str) -> None:
+    """A warm start needs a drafter with the same layers (an eagle3 drafter has no fc_norm weights, and its
+    carried state is another one); init_config is the initial drafter's config.json."""
+    init = arch_from_config(init_config)
+    if (init.fc_norm, init.norm_output) != architecture_norms(architecture):
+        raise ContractMismatch(
+            f"refusing warm start: the initial drafter is a {init.architecture} drafter "
+            f"(fc_norm {init.fc_norm}, norm_output {init.norm_output}) and drafter.architecture is "
+            f"{architecture}"
+        )
+
+
 def build_model(config: RunConfig, spec: DrafterSource, frozen: dict[str, torch.Tensor]) -> Eagle3Drafter:
     """The drafter, its draft vocabulary from the spec, warm-started from the spec's init_dir when given."""
     target_dir = Path(spec.target_dir)
@@ -114,7 +130,8 @@ def build_model(config: RunConfig, spec: DrafterSource, frozen: dict[str, torch.
     model.set_vocab_mapping(mapping.d2t, mapping.t2d)
     with torch.no_grad():
         if spec.init_dir:
-            _, tensors, _ = read_drafter_dir(spec.init_dir)
+            init_config, tensors, _ = read_drafter_dir(spec.init_dir)
+            check_warm_start_architecture(init_config, arch.architecture)
             if not torch.equal(tensors["d2t"], mapping.d2t):
                 raise ContractMismatch("the warm-start drafter's vocabulary mapping differs from the spec's")
             model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})

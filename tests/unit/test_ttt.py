@@ -31,9 +31,11 @@ def test_ttt_attention_matches_a_dense_reference_values_and_gradients(steps):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_training_unroll_equals_serving_time_chain_drafting():
-    """TTT step k at anchor t must compute what the drafter computes at serving time, k steps into a chain."""
-    model = small_drafter().eval()
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle3.1"])
+def test_training_unroll_equals_serving_time_chain_drafting(architecture):
+    """TTT step k at anchor t must compute what the drafter computes at serving time, k steps into a chain
+    (eagle3.1: both carry norm(h_out) from step to step and apply fc_norm)."""
+    model = small_drafter(architecture=architecture).eval()
     length = 9
     aux = torch.randn(1, length, 48)
     ids = torch.randint(0, 50, (1, length))
