@@ -14,7 +14,11 @@ Each message says what is wrong, what SGLang does with it, and where SGLang does
   checkpoint does not fill keeps its uninitialized memory (load_weights skips what is absent), or the
   target captures other layers than the drafter was trained on.
 
-Only the draft class the project exports, LlamaForCausalLMEagle3 (models/llama_eagle3.py), is modelled.
+Only the draft class the project exports, LlamaForCausalLMEagle3 (models/llama_eagle3.py), is modelled, with
+EAGLE-3.1's flags (fc_norm or the legacy use_aux_norm, norm_output: top level only, :184-187 and :207;
+norm_before_fc: eagle_config first, :169-175), the fc_norm.{i} parameters fc_norm creates (:188-196) and the
+legacy aux_norm_{low,mid,high} names load_weights maps onto them (:337-348). A tensor load_weights has no
+parameter for is a problem too: it drops it silently (:362-378), so a trained weight would not be served.
 Not checked, because they depend on the GPU, the attention backend or flags the pipeline does not set:
 tensor-parallel divisibility of heads (models/llama.py:183-193), topk > 1 with page_size > 1 on backends
 other than flashinfer/fa3/triton (arg_groups/speculative_hook.py:1268-1282), trtllm_mha with topk > 1
