@@ -501,11 +501,6 @@ class DrafterConfig(Strict):
     head_dim: int | None = None
     intermediate_size: int | None = None
     export_dtype: Literal["float32", "bfloat16"] = "bfloat16"
-    architecture: Literal["eagle3", "eagle3.1", "eagle3-mla"] = Field(
-        "eagle3",
-        description="the draft model's architecture: eagle3 (Llama-style layer), eagle3.1 (EAGLE-3.1's "
-        "norms), eagle3-mla (an MLA layer, DeepSeek-family targets)",
-    )
 
     @model_validator(mode="after")
     def _mla_sizes_from_target(self) -> DrafterConfig:

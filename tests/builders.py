@@ -16,7 +16,7 @@ import torch
 from pipeline.config import SGLangBenchConfig, load_config
 from pipeline.data.capture_shards import CaptureSample
 from pipeline.drafter.export import export_drafter
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape, architecture_norms
 from pipeline.engines.tiny_target import KIMI_MAX_POSITION_EMBEDDINGS, KIMI_ROPE_PARAMETERS
 from pipeline.ops.watch import ServedAcceptanceWatch
 from pipeline.records import EvalRecord, IncumbentSkipped
@@ -44,9 +44,13 @@ def _identity_vocab(model: Eagle3Drafter, vocab: int) -> Eagle3Drafter:
     return model
 
 
-def small_drafter(seed=0, vocab=50, hidden=16, aux_layer_ids=(1, 2, 3)) -> Eagle3Drafter:
-    """A randomly initialised drafter for SMALL_TARGET, weights wide enough to predict something."""
+def small_drafter(
+    seed=0, vocab=50, hidden=16, aux_layer_ids=(1, 2, 3), architecture="eagle3"
+) -> Eagle3Drafter:
+    """A randomly initialised drafter for SMALL_TARGET, weights wide enough to predict something (its norm
+    weights too, so that every norm an architecture adds changes what it computes)."""
     torch.manual_seed(seed)
+    fc_norm, norm_output = architecture_norms(architecture)
     arch = DrafterArch(
         hidden_size=hidden,
         num_heads=2,
@@ -56,6 +60,9 @@ def small_drafter(seed=0, vocab=50, hidden=16, aux_layer_ids=(1, 2, 3)) -> Eagle
         vocab_size=vocab,
         draft_vocab_size=vocab,
         aux_layer_ids=list(aux_layer_ids),
+        architecture=architecture,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
     )
     model = Eagle3Drafter(arch, torch.randn(vocab, hidden))
     for p in model.parameters():

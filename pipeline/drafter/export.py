@@ -1,8 +1,8 @@
 """The drafter directory (LlamaForCausalLMEagle3, or Eagle3DeepseekV2ForCausalLM for eagle3-mla) that SGLang
 and vLLM load: write, validate, load.
 
-A directory holds config.json, model.safetensors (fc, midlayer.*, norm, lm_head, d2t, t2d; never
-embed_tokens), capture_contract.json and target_config.json (the target's config.json, which gives the
+A directory holds config.json, model.safetensors (fc, [fc_norm.{i}], midlayer.*, norm, lm_head, d2t, t2d;
+never embed_tokens), capture_contract.json and target_config.json (the target's config.json, which gives the
 drafter its context length, RoPE and vocabulary). Export refuses a model missing any tensor SGLang needs,
 and one the target's SGLang server would refuse, because SGLang would otherwise fail to start or silently
 serve a broken draft.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape
+from pipeline.drafter.model import ARCHITECTURE_NORMS, NUM_AUX_STATES, DrafterArch, Eagle3Drafter, MlaShape
 from pipeline.drafter.servable import TARGET_CONFIG_NAME, record_target_config, require_servable
 from pipeline.engines.layer_ids import (
     ENGINES,
@@ -77,13 +77,26 @@ MLA_REQUIRED_CONFIG_KEYS = (
     *MLA_CONFIG_KEYS,
     "target_hidden_size",
 )
-ARCHITECTURE_KEY = (
-    "drafter_architecture"  # drafter.architecture, recorded in config.json by non-eagle3 exports
-)
 
 
 class DrafterFormatError(ValueError):
     pass
+
+
+# EAGLE-3.1's flags, written at config.json's top level for every architecture (false for eagle3): SGLang
+# 0.5.23 reads fc_norm and norm_output only there (models/llama_eagle3.py:184-187, :207) and norm_before_fc
+# from eagle_config, else the top level (:169-175); vLLM 0.32.0 likewise
+# (model_executor/models/llama_eagle3.py:231, :252, :184-188). Recording all three says which a drafter was
+# trained with: drafters trained before a fix in them do not match what vLLM serves (issue 42). The project
+# never trains norm_before_fc's input_norm.
+NORM_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+# SGLang's legacy name for fc_norm (llama_eagle3.py:184-187); vLLM does not read it, so the engines would
+# disagree about a config that sets it
+LEGACY_FC_NORM_FLAG = "use_aux_norm"
+# The project's architecture name (pipeline.config DrafterConfig.architecture), recorded in config.json rather
+# than in capture_contract.json: it describes the model, which config.json holds and arch_from_config reads,
+# while the contract describes the features it reads; engines ignore the unknown key.
+ARCHITECTURE_KEY = "drafter_architecture"
 
 
 # Where config.json gives each engine the target layers to capture (the drafter's aux layer ids).
@@ -231,6 +244,10 @@ def sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int]) -> 
         "tie_word_embeddings": False,
         "target_hidden_size": arch.target_hidden_size or arch.hidden_size,
         "torch_dtype": dtype,
+        ARCHITECTURE_KEY: arch.architecture,
+        "fc_norm": arch.fc_norm,
+        "norm_before_fc": False,
+        "norm_output": arch.norm_output,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids),
             "use_aux_hidden_state": True,
@@ -271,6 +288,10 @@ def mla_sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int])
         "tie_word_embeddings": False,
         "target_hidden_size": arch.target_hidden_size or arch.hidden_size,
         "torch_dtype": dtype,
+        # read at the top level as in the Llama class (kimi_k25_eagle3.py:230-232, :255); off for eagle3-mla
+        "fc_norm": arch.fc_norm,
+        "norm_before_fc": False,
+        "norm_output": arch.norm_output,
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids),
             "use_aux_hidden_state": True,
@@ -308,8 +329,10 @@ def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     attention = mla_attention_shapes(config) if is_mla_config(config) else _llama_attention_shapes(config)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     target_hidden = config.get("target_hidden_size") or hidden
+    fc_norms = {f"fc_norm.{i}.weight": (target_hidden,) for i in range(NUM_AUX_STATES)}
     return {
-        "fc.weight": (hidden, 3 * target_hidden),
+        **(fc_norms if config.get("fc_norm") else {}),
+        "fc.weight": (hidden, NUM_AUX_STATES * target_hidden),
         "midlayer.hidden_norm.weight": (hidden,),
         "midlayer.input_layernorm.weight": (hidden,),
         "midlayer.post_attention_layernorm.weight": (hidden,),
@@ -362,6 +385,7 @@ def validate_config(config: dict[str, Any]) -> None:
         raise DrafterFormatError(
             "eagle_config needs use_aux_hidden_state: true and 3 eagle_aux_hidden_state_layer_ids"
         )
+    validate_norm_flags(config)
     vllm_ids = written_layer_ids(config, "vllm")
     if vllm_ids is not None and (
         not isinstance(vllm_ids, list)
@@ -374,10 +398,56 @@ def validate_config(config: dict[str, Any]) -> None:
         )
 
 
+def validate_norm_flags(config: dict[str, Any]) -> None:
+    """Refuse EAGLE-3.1 flags this project cannot load or the engines would read differently. Absent flags are
+    false: drafters exported before they were recorded are eagle3."""
+    for flag in NORM_FLAGS:
+        if not isinstance(config.get(flag, False), bool):
+            raise DrafterFormatError(f"config.json's {flag} must be true or false, got {config[flag]!r}")
+    if config.get("norm_before_fc") or (config.get(EAGLE_CONFIG_KEY) or {}).get("norm_before_fc"):
+        raise DrafterFormatError(
+            "config.json sets norm_before_fc: this project's drafters have no input_norm over the whole fc "
+            "input, so it cannot load this drafter (SGLang llama_eagle3.py:169-182, vLLM "
+            "llama_eagle3.py:184-188)"
+        )
+    if LEGACY_FC_NORM_FLAG in config:
+        raise DrafterFormatError(
+            f"config.json sets {LEGACY_FC_NORM_FLAG}: SGLang reads it as fc_norm (llama_eagle3.py:184-187) "
+            "but vLLM ignores it (llama_eagle3.py:231), so the engines would serve different drafters; write "
+            "fc_norm"
+        )
+    architecture = config.get(ARCHITECTURE_KEY)
+    if architecture is None:
+        return
+    if architecture not in ARCHITECTURE_NORMS:
+        raise DrafterFormatError(
+            f"config.json's {ARCHITECTURE_KEY} {architecture!r} is not one this model loads; known: "
+            f"{', '.join(ARCHITECTURE_NORMS)}"
+        )
+    written = (bool(config.get("fc_norm", False)), bool(config.get("norm_output", False)))
+    if written != ARCHITECTURE_NORMS[architecture]:
+        raise DrafterFormatError(
+            f"config.json's {ARCHITECTURE_KEY} {architecture!r} has fc_norm/norm_output "
+            f"{ARCHITECTURE_NORMS[architecture]}, but the flags say {written}"
+        )
+
+
 def validate_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     shapes = expected_shapes(config)
     problems = [f"missing tensor {name}" for name in shapes if name not in tensors]
     problems += [f"unexpected tensor {name}" for name in tensors if name not in shapes]
+    if config.get("fc_norm") and any(name.startswith("fc_norm.") and name not in tensors for name in shapes):
+        problems.append(
+            "config.json sets fc_norm but fc_norm weights are missing: both engines would leave them at "
+            "their initial values (SGLang llama_eagle3.py:345-378, vLLM llama_eagle3.py:420-470 check "
+            "nothing)"
+        )
+    if not config.get("fc_norm") and any(name.startswith("fc_norm.") for name in tensors):
+        problems.append(
+            "the weights hold fc_norm tensors but config.json's fc_norm is not true: SGLang would drop them "
+            "silently (llama_eagle3.py:363, :373) and vLLM fail loading them "
+            "(model_executor/models/utils.py:443)"
+        )
     for name, shape in shapes.items():
         if name in tensors and tuple(tensors[name].shape) != shape:
             problems.append(f"{name} has shape {tuple(tensors[name].shape)}, expected {shape}")
@@ -542,6 +612,8 @@ def arch_from_config(config: dict[str, Any]) -> DrafterArch:
         target_hidden_size=config.get("target_hidden_size"),
         architecture=architecture_of(config),
         mla=mla,
+        fc_norm=bool(config.get("fc_norm", False)),
+        norm_output=bool(config.get("norm_output", False)),
     )
 
 

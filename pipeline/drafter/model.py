@@ -1,5 +1,10 @@
 """The EAGLE-3 drafter: fc over 3 aux states, one Llama decoder layer with a 2H attention input.
 
+Architectures (DrafterArch.architecture): `eagle3` is the classic layer; `eagle3.1` adds EAGLE-3.1's norms,
+`fc_norm` (one RMSNorm per aux state before fc) and `norm_output` (a draft step hands the next one its
+post-final-norm state). Both engines read the two flags from config.json's top level (SGLang 0.5.23
+models/llama_eagle3.py:184-196, :207; vLLM 0.32.0 model_executor/models/llama_eagle3.py:231, :252).
+
 Parameter names match SGLang's LlamaForCausalLMEagle3 checkpoint (fc, midlayer.*, norm, lm_head,
 d2t, t2d), so export is a rename-free save. The target's embedding is a frozen, non-persistent
 buffer: it is never trained, checkpointed or exported (SGLang shares the target's).
@@ -61,6 +66,10 @@ class DrafterArch:
     extra: dict = field(default_factory=dict)
     architecture: str = "eagle3"
     mla: MlaShape | None = None  # eagle3-mla: the attention's sizes (pipeline.drafter.mla)
+    # EAGLE-3.1: an RMSNorm on each aux state before fc (weights fc_norm.{i}, i-th aux layer ascending)
+    fc_norm: bool = False
+    # EAGLE-3.1: the state carried to the next draft step is norm(h_out), not h_out
+    norm_output: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,6 +95,25 @@ class DrafterArch:
             draft_vocab_size=vocab[1],
             aux_layer_ids=aux_layer_ids,
         )
+
+
+# the EAGLE-3.1 norms each draft architecture turns on: (fc_norm, norm_output); eagle3-mla is the MLA layer
+# with EAGLE-3's norms (the public kimi-k2.5-eagle3-mla)
+ARCHITECTURE_NORMS: dict[str, tuple[bool, bool]] = {
+    "eagle3": (False, False),
+    "eagle3.1": (True, True),
+    "eagle3-mla": (False, False),
+}
+
+
+def architecture_norms(architecture: str) -> tuple[bool, bool]:
+    """(fc_norm, norm_output) of a draft architecture; ValueError naming the ones known."""
+    if architecture not in ARCHITECTURE_NORMS:
+        raise ValueError(
+            f"drafter architecture {architecture!r} is not one this model builds; "
+            f"known: {', '.join(ARCHITECTURE_NORMS)}"
+        )
+    return ARCHITECTURE_NORMS[architecture]
 
 
 class RMSNorm(nn.Module):
@@ -260,6 +288,9 @@ class DrafterLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+NUM_AUX_STATES = 3  # fc reads the target's aux states of 3 layers, concatenated in ascending layer order
+
+
 class Eagle3Drafter(nn.Module):
     # buffers registered in __init__; declared here so they type as tensors, not `Tensor | Module`
     embed_weight: torch.Tensor
@@ -274,7 +305,14 @@ class Eagle3Drafter(nn.Module):
                 f"vocab {arch.vocab_size} x hidden {arch.hidden_size}"
             )
         self.arch = arch
-        self.fc = nn.Linear(3 * (arch.target_hidden_size or arch.hidden_size), arch.hidden_size, bias=False)
+        target_hidden = arch.target_hidden_size or arch.hidden_size
+        # absent (not an empty list) when off, so that an eagle3 state dict is what it always was
+        self.fc_norm = (
+            nn.ModuleList([RMSNorm(target_hidden, arch.rms_norm_eps) for _ in range(NUM_AUX_STATES)])
+            if arch.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(NUM_AUX_STATES * target_hidden, arch.hidden_size, bias=False)
         self.midlayer = DrafterLayer(arch)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = nn.Linear(arch.hidden_size, arch.draft_vocab_size, bias=False)
@@ -295,17 +333,45 @@ class Eagle3Drafter(nn.Module):
     def logits(self, h_out: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h_out))
 
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc over the target's aux states [.., 3 * target_hidden], each chunk RMS-normed first with fc_norm
+        (chunk i = the i-th aux layer ascending; SGLang llama_eagle3.py:241-247, vLLM
+        llama_eagle3.py:397-418)."""
+        aux = aux.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(aux)
+
+    def carried(self, h_out: torch.Tensor) -> torch.Tensor:
+        """The state a draft step hands the next one: h_out, or with norm_output its final norm.
+
+        The engines carry norm(h_out) itself (SGLang llama_eagle3.py:263-269, vLLM llama_eagle3.py:283-288
+        with the proposer's llm_base_proposer.py:721, :761) and the next step uses it twice, as the residual
+        and through hidden_norm (SGLang llama_eagle3.py:97-102; vLLM llama_eagle3.py:131-135 with
+        _norm_after_residual :117-122, the default for the plain config.json export writes), never elsewhere.
+        So carrying h_out and normalizing it when the next step starts (`step_input`) computes the same
+        thing, and callers keep handing back the h_out that `logits` takes.
+        """
+        return self.norm(h_out) if self.arch.norm_output else h_out
+
+    def step_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A step's hidden input [.., H]: fc over target aux states, or the previous step's carried state."""
+        if hidden.shape[-1] != self.arch.hidden_size:
+            return self.project_aux(hidden)
+        return self.carried(hidden)
+
     def ttt_forward(
         self, aux: torch.Tensor, input_ids: torch.Tensor, steps: int, chunk: int = 512
     ) -> list[torch.Tensor]:
         """Unrolled training-time test; returns the pre-norm hidden state h_out of every step.
 
-        Step k at anchor t sees feature f_t (for k = 0) or the draft's own h_out (k > 0), takes the
+        Step k at anchor t sees feature f_t (for k = 0) or the draft's own carried state (k > 0), takes the
         ground-truth token x_{t+1+k} at RoPE position t + k, and predicts x_{t+2+k}. Input tokens
         past the end are padded with id 0 and must be masked out by the caller.
         """
         batch, length, _ = aux.shape
-        hidden = self.fc(aux.to(self.fc.weight.dtype))
+        hidden = self.project_aux(aux)
         positions = torch.arange(length, device=aux.device)
         attn = self.midlayer.self_attn
         keys, values, outputs = [], [], []
@@ -316,19 +382,20 @@ class Eagle3Drafter(nn.Module):
             keys.append(k)
             values.append(v)
             attended = ttt_attention(q, keys, values, chunk)
-            hidden = self.midlayer.finish(hidden, attn.out(attended))
-            outputs.append(hidden)
+            h_out = self.midlayer.finish(hidden, attn.out(attended))
+            outputs.append(h_out)
+            hidden = self.carried(h_out)
         return outputs
 
     def decode(
         self, hidden: torch.Tensor, token_ids: torch.Tensor, start_position: int, cache: DraftCache
     ) -> torch.Tensor:
-        """Append T positions to the cache; hidden is [B, T, 3H] aux features or [B, T, H] own h_out.
+        """Append T positions to the cache; hidden is [B, T, 3H] aux features or [B, T, H] own h_out (which
+        `step_input` carries as the architecture does).
 
         Returns h_out [B, T, H] (pre-norm); logits come from `logits(h_out)`.
         """
-        if hidden.shape[-1] != self.arch.hidden_size:
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        hidden = self.step_input(hidden)
         length = token_ids.shape[1]
         positions = torch.arange(start_position, start_position + length, device=token_ids.device)
         attn = self.midlayer.self_attn
@@ -354,8 +421,7 @@ class Eagle3Drafter(nn.Module):
         mask [B, 1, T, L + T] over the past's L columns and the new ones. Returns h_out [B, T, H] and the
         new positions' keys and values [B, h, T, d]; the caller keeps the cache
         (pipeline.decoding.batched)."""
-        if hidden.shape[-1] != self.arch.hidden_size:
-            hidden = self.fc(hidden.to(self.fc.weight.dtype))
+        hidden = self.step_input(hidden)
         attn = self.midlayer.self_attn
         x = self.midlayer.attention_input(self.embed(token_ids), hidden)
         q, k, v = attn.project(x, positions)

@@ -14,8 +14,12 @@ Each message says what is wrong, what SGLang does with it, and where SGLang does
   checkpoint does not fill keeps its uninitialized memory (load_weights skips what is absent), or the
   target captures other layers than the drafter was trained on.
 
-The draft classes the project exports are modelled: LlamaForCausalLMEagle3 (models/llama_eagle3.py) and, for
-eagle3-mla drafters, Eagle3DeepseekV2ForCausalLM (models/kimi_k25_eagle3.py; its config reading and
+The draft classes the project exports are modelled: LlamaForCausalLMEagle3 (models/llama_eagle3.py), with
+EAGLE-3.1's flags (fc_norm or the legacy use_aux_norm, norm_output: top level only, :184-187 and :207;
+norm_before_fc: eagle_config first, :169-175), the fc_norm.{i} parameters fc_norm creates (:188-196) and the
+legacy aux_norm_{low,mid,high} names load_weights maps onto them (:337-348) (a tensor load_weights has no
+parameter for is a problem too: it drops it silently, :362-378, so a trained weight would not be served);
+and, for eagle3-mla drafters, Eagle3DeepseekV2ForCausalLM (models/kimi_k25_eagle3.py; its config reading and
 load_weights in pipeline.engines.sglang_mla_checks).
 Not checked, because they depend on the GPU, the attention backend or flags the pipeline does not set:
 tensor-parallel divisibility of heads (models/llama.py:183-193), topk > 1 with page_size > 1 on backends
@@ -118,6 +122,7 @@ class DraftShape:
     o_proj_bias: bool
     norm_before_fc: bool
     fc_norm: bool
+    norm_output: bool  # no parameter: which state the next draft step gets (llama_eagle3.py:207, :266-269)
     tied: bool
     lm_head_from_target: bool
     shares_target_embedding: bool
@@ -454,7 +459,9 @@ def draft_shape(config: Any) -> DraftShape:
         norm_before_fc=bool(
             eagle.get("norm_before_fc", getattr(config, "norm_before_fc", False))
         ),  # :173-182
-        fc_norm=bool(getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)),  # :185-196
+        # top level only, or the legacy use_aux_norm (:184-187); one RMSNorm per aux state (:188-196)
+        fc_norm=bool(getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)),
+        norm_output=bool(getattr(config, "norm_output", False)),  # top level only (:207)
         tied=tied,
         lm_head_from_target=head_from_target,
         # llama.py:910-916: the target's embedding is shared unless target_hidden_size differs from
@@ -463,9 +470,30 @@ def draft_shape(config: Any) -> DraftShape:
     )
 
 
+# EAGLE-3.1 flags SGLang reads only from config.json's top level (llama_eagle3.py:184-187, :207)
+TOP_LEVEL_ONLY_FLAGS = ("fc_norm", "use_aux_norm", "norm_output")
+
+
 def config_problems(config: Any) -> list[str]:
     """Draft config values SGLang refuses or drops while building the model."""
     problems = []
+    eagle = getattr(config, "eagle_config", None)
+    misplaced = [
+        flag
+        for flag in TOP_LEVEL_ONLY_FLAGS
+        if isinstance(eagle, dict)
+        and flag in eagle
+        and bool(eagle[flag]) != bool(getattr(config, flag, False))
+    ]
+    if misplaced:
+        problems.append(
+            _problem(
+                f"eagle_config sets {', '.join(misplaced)} to other values than config.json's top level",
+                "serves it broken: it reads these flags only at the top level and ignores eagle_config's",
+                "sglang/srt/models/llama_eagle3.py:184-187",
+                "sglang/srt/models/llama_eagle3.py:207",
+            )
+        )
     if config.hidden_act != "silu":
         problems.append(
             _problem(
@@ -775,7 +803,9 @@ def weight_problems(shape: DraftShape, tensors: dict[str, TensorInfo]) -> list[s
             continue
         target = sglang_parameter_for(name, params)
         if target is None:
-            continue  # load_weights drops names it has no parameter for (llama_eagle3.py:362-378)
+            if not (shape.tied and name.startswith("lm_head")):  # a tied lm_head: config_problems says why
+                problems.append(_dropped_tensor(name))
+            continue
         param, shard = target
         shards = params[param].shards
         expected = shards[shard] if shard is not None else _whole_shape(shards)
@@ -795,6 +825,18 @@ def weight_problems(shape: DraftShape, tensors: dict[str, TensorInfo]) -> list[s
         if spec.required and missing:
             problems.append(_missing_parameter(param, missing, shape))
     return problems
+
+
+def _dropped_tensor(name: str) -> str:
+    what = f"tensor {name} has no parameter to load into"
+    if "fc_norm." in name or "aux_norm_" in name:
+        what += " (the fc_norm weights exist only when config.json's top level sets fc_norm or use_aux_norm)"
+    return _problem(
+        what,
+        "serves it broken: load_weights drops it silently, so the draft runs without weights trained for it",
+        "sglang/srt/models/llama_eagle3.py:184-196",
+        "sglang/srt/models/llama_eagle3.py:362-378",
+    )
 
 
 def _whole_shape(shards: dict[Shard, tuple[int, ...]]) -> tuple[int, ...]:

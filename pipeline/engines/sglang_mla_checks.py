@@ -114,6 +114,7 @@ def mla_draft_shape(config: Any, eagle: dict[str, Any]) -> DraftShape:
         o_proj_bias=False,
         norm_before_fc=False,  # not read by this class
         fc_norm=bool(getattr(config, "fc_norm", None) or getattr(config, "use_aux_norm", False)),  # :230-232
+        norm_output=bool(getattr(config, "norm_output", False)),  # :255, :311
         tied=tied,  # :352-353
         lm_head_from_target=not tied and draft_vocab is None,  # :355-358
         shares_target_embedding=target_hidden is None or int(target_hidden) == hidden,  # :404-411

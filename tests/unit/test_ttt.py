@@ -34,12 +34,15 @@ def test_ttt_attention_matches_a_dense_reference_values_and_gradients(steps):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("architecture", ["eagle3", "eagle3-mla"])
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle3.1", "eagle3-mla"])
 def test_training_unroll_equals_serving_time_chain_drafting(architecture):
     """TTT step k at anchor t must compute what the drafter computes at serving time, k steps into a chain
-    (eagle3-mla: MLA attention with values wider than queries and keys, and YaRN RoPE)."""
+    (eagle3.1: both carry norm(h_out) from step to step and apply fc_norm; eagle3-mla: MLA attention with
+    values wider than queries and keys, and YaRN RoPE)."""
     model = (
-        small_drafter() if architecture == "eagle3" else small_mla_drafter(rope_scaling=KIMI_YARN)
+        small_mla_drafter(rope_scaling=KIMI_YARN)
+        if architecture == "eagle3-mla"
+        else small_drafter(architecture=architecture)
     ).eval()
     length = 9
     aux = torch.randn(1, length, 48)
