@@ -31,7 +31,14 @@ from pipeline.drafter.rope import rope_cos_sin
 if TYPE_CHECKING:
     from pipeline.drafter.mla import MLAAttention
 
-ARCHITECTURES = ("eagle3", "eagle3.1", "eagle3-mla")
+# the EAGLE-3.1 norms each draft architecture turns on: (fc_norm, norm_output); eagle3-mla is the MLA layer
+# with EAGLE-3's norms (the public kimi-k2.5-eagle3-mla)
+ARCHITECTURE_NORMS: dict[str, tuple[bool, bool]] = {
+    "eagle3": (False, False),
+    "eagle3.1": (True, True),
+    "eagle3-mla": (False, False),
+}
+ARCHITECTURES = tuple(ARCHITECTURE_NORMS)  # pipeline.config DrafterConfig.architecture's values
 
 
 @dataclass
@@ -95,15 +102,6 @@ class DrafterArch:
             draft_vocab_size=vocab[1],
             aux_layer_ids=aux_layer_ids,
         )
-
-
-# the EAGLE-3.1 norms each draft architecture turns on: (fc_norm, norm_output); eagle3-mla is the MLA layer
-# with EAGLE-3's norms (the public kimi-k2.5-eagle3-mla)
-ARCHITECTURE_NORMS: dict[str, tuple[bool, bool]] = {
-    "eagle3": (False, False),
-    "eagle3.1": (True, True),
-    "eagle3-mla": (False, False),
-}
 
 
 def architecture_norms(architecture: str) -> tuple[bool, bool]:

@@ -19,17 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ARCHITECTURES = ("eagle3", "eagle3.1", "eagle3-mla")
+from pipeline.drafter.model import ARCHITECTURES, MlaShape
+
 TRAIN_PASSES = 3  # forward + backward (twice the forward's matmuls)
-
-
-@dataclass(frozen=True)
-class MlaShape:
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
 
 
 @dataclass(frozen=True)

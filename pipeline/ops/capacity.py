@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import PlanAssumptions, RunConfig
-from pipeline.drafter.sizes import ARCHITECTURES, DraftShape, MlaShape, architecture_costs
+from pipeline.drafter.mla import MLA_KEYS, mla_shape_of_target
+from pipeline.drafter.sizes import ARCHITECTURES, DraftShape, architecture_costs
 from pipeline.engines import engine_servers
 
 if TYPE_CHECKING:
@@ -49,9 +50,6 @@ def target_shape(config: RunConfig) -> TargetShape:
     if target.hidden_size is None or target.vocab_size is None:
         raise PlanError("planning needs target.hidden_size and target.vocab_size in the config")
     return TargetShape(target.hidden_size, target.vocab_size, target.tensor_parallel)
-
-
-MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def _target_attention(config: RunConfig) -> dict[str, Any]:
@@ -88,8 +86,8 @@ def draft_shape(config: RunConfig) -> DraftShape:
             "target.model_path)"
         )
     mla = None
-    if all(known.get(key) for key in MLA_KEYS):
-        mla = MlaShape(**{key: int(known[key]) for key in MLA_KEYS})
+    if all(known.get(key) for key in MLA_KEYS):  # q_lora_rank null too: no MLA drafter (SGLang refuses it)
+        mla = mla_shape_of_target(known, "the target's config")
     return DraftShape(
         hidden_size=shape.hidden_size,
         num_heads=int(heads),

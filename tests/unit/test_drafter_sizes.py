@@ -1,15 +1,16 @@
 """The plan's per-architecture sizes (pipeline/drafter/sizes.py) are the drafter's own: parameters counted
 against a built drafter, FLOPs against torch's FLOP counter on a forward pass."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape, architecture_norms
 from pipeline.drafter.sizes import (
     TRAIN_PASSES,
     DraftShape,
-    MlaShape,
     architecture_costs,
     parameter_count,
     train_flops_per_token,
@@ -26,8 +27,19 @@ SHAPE = DraftShape(
 )
 
 
-def _llama_drafter(shape: DraftShape) -> Eagle3Drafter:
+SHAPE_WITH_MLA = replace(
+    SHAPE,
+    mla=MlaShape(q_lora_rank=24, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=20),
+)
+
+
+def _drafter(shape: DraftShape, architecture: str = "eagle3") -> Eagle3Drafter:
+    fc_norm, norm_output = architecture_norms(architecture)
     arch = DrafterArch(
+        architecture=architecture,
+        fc_norm=fc_norm,
+        norm_output=norm_output,
+        mla=shape.mla,
         hidden_size=shape.hidden_size,
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
@@ -41,9 +53,10 @@ def _llama_drafter(shape: DraftShape) -> Eagle3Drafter:
     return Eagle3Drafter(arch, torch.zeros(100, shape.hidden_size))
 
 
-def test_eagle3_parameters_are_the_built_drafters():
-    drafter = _llama_drafter(SHAPE)
-    assert parameter_count("eagle3", SHAPE) == sum(p.numel() for p in drafter.parameters())
+@pytest.mark.parametrize("architecture", ["eagle3", "eagle3.1", "eagle3-mla"])
+def test_parameters_are_the_built_drafters(architecture):
+    drafter = _drafter(SHAPE_WITH_MLA, architecture)
+    assert parameter_count(architecture, SHAPE_WITH_MLA) == sum(p.numel() for p in drafter.parameters())
 
 
 def test_eagle31_adds_one_norm_per_aux_chunk_and_mla_needs_mla_sizes():
@@ -56,7 +69,7 @@ def test_eagle31_adds_one_norm_per_aux_chunk_and_mla_needs_mla_sizes():
 
 def test_forward_flops_match_torchs_count_of_a_ttt_forward():
     """One TTT forward over a short sequence (attention a small share) against FlopCounterMode's count."""
-    drafter = _llama_drafter(SHAPE)
+    drafter = _drafter(SHAPE)
     length, steps = 8, 3
     aux = torch.randn(1, length, 3 * 48)
     ids = torch.randint(0, 100, (1, length))
