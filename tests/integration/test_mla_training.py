@@ -5,17 +5,22 @@ Eagle3DeepseekV2ForCausalLM that SGLang 0.5.23's load checks accept."""
 import copy
 import json
 
+import pytest
+
+from pipeline.cli import main
 from pipeline.config import load_config
 from pipeline.drafter.export import read_drafter_dir
 from pipeline.engines.sglang_draft_checks import SpeculativeArgs, draft_model_problems
+from pipeline.ops.registry import RegistryError, promote, pull
 from pipeline.records import EvalRecord, read_record
 from pipeline.stages import run_stage
 from pipeline.stages.evaluate import local_drafter_dir
 from pipeline.storage import open_store
+from tests.builders import SERVING
 from tests.conftest import KIMI_TEST_RECIPE, captured_dataset, published, storage_config, tiny_config_dict
 
 
-def test_an_mla_drafter_trains_on_the_tiny_kimi_target_and_is_evaluated(tmp_path, kimi_target_dir):
+def test_an_mla_drafter_trains_on_the_tiny_kimi_target_and_is_evaluated(tmp_path, kimi_target_dir, capsys):
     data = tiny_config_dict(storage_config("file", tmp_path, None))
     data["target"] = {
         "name": "tiny-kimi-mla",
@@ -45,3 +50,18 @@ def test_an_mla_drafter_trains_on_the_tiny_kimi_target_and_is_evaluated(tmp_path
     assert drafter_config["kv_lora_rank"] == target["kv_lora_rank"]
     assert "midlayer.self_attn.kv_b_proj.weight" in tensors
     assert draft_model_problems(kimi_target_dir, drafter_dir, SpeculativeArgs("EAGLE3", 3, 1, 4)) == []
+
+    # published and pulled like any drafter; `drafter verify` says that no engine here loads it, and a pull
+    # for vLLM is refused with the reason
+    promote(store, "tiny-kimi-mla", drafter_dir, {"run_id": "mla"}, "production", SERVING)
+    served = pull(store, "tiny-kimi-mla", "production", tmp_path / "served")
+    capsys.readouterr()
+    assert main(["verify", str(served)]) == 0
+    printed = capsys.readouterr().out
+    assert "SGLang would serve it" in printed
+    assert (
+        "no engine here loads an eagle3-mla drafter: vLLM 0.32.0 registers Eagle3DeepseekV2ForCausalLM"
+        in printed
+    )
+    with pytest.raises(RegistryError, match="576-wide latents"):
+        pull(store, "tiny-kimi-mla", "production", tmp_path / "for-vllm", engine="vllm")
