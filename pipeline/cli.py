@@ -302,7 +302,7 @@ def _watches(args) -> int:
 
 
 def _verify(args) -> int:
-    from pipeline.drafter.export import architecture_of, no_engine_here, written_layer_ids
+    from pipeline.drafter.export import no_engine_here, written_layer_ids
     from pipeline.drafter.servable import target_config_for
     from pipeline.ops import registry
 
@@ -323,9 +323,7 @@ def _verify(args) -> int:
         )
     for engine, how in registry.manifest_verified_engines(manifest).items():
         print(f"verified in {engine}: {how}")
-    unloadable = no_engine_here(
-        architecture_of(json.loads((Path(args.directory) / "config.json").read_text()))
-    )
+    unloadable = no_engine_here(json.loads((Path(args.directory) / "config.json").read_text()))
     if unloadable is not None:
         print(unloadable)
     return 0

@@ -158,34 +158,51 @@ def exported_for(config: dict[str, Any]) -> list[Engine]:
     return [engine for engine in ENGINES if written_layer_ids(config, engine) is not None]
 
 
-# vLLM 0.32.0 on CPU (the only vLLM here) cannot run an MLA drafter at the sizes the project trains: it
-# registers the class, but its CPU MLA backend runs only DeepSeek's 576-wide latents.
-VLLM_MLA_REFUSAL = (
-    "vLLM 0.32.0 registers Eagle3DeepseekV2ForCausalLM (vllm/model_executor/models/registry.py:672-673), but "
-    "on CPU it runs MLA only with DeepSeek's 576-wide latents: the CPU_MLA backend supports head size 576 "
-    "(kv_lora_rank 512 + qk_rope_head_dim 64), v_head_dim 512 and block size 16 "
-    "(vllm/v1/attention/backends/mla/cpu_mla.py:24-26, 61-72), and MLA's metadata refuses head sizes other "
-    "than 320, 512 and 576 (vllm/model_executor/layers/attention/mla_attention.py:1600-1602, 1714-1717)"
-)
+# The MLA latents (kv_lora_rank + qk_rope_head_dim) vLLM 0.32.0 runs: its MLA attention refuses other widths
+# (vllm/model_executor/layers/attention/mla_attention.py:1600-1602, 1714-1717), and its CPU build, the one
+# here, has a decode kernel for 576 only, with block size 16 (vllm/v1/attention/backends/mla/cpu_mla.py:24-26,
+# 61-72). Kimi-K2.5's and DeepSeek-V3's latent is 576 (512 + 64); the tiny targets' are far narrower. From
+# reading vLLM's source: no MLA drafter has been run in vLLM here.
+VLLM_MLA_LATENTS = (320, 512, 576)
+VLLM_CPU_MLA_LATENT = 576
 SGLANG_NOT_HERE = (
     "SGLang 0.5.23 serves it (Eagle3DeepseekV2ForCausalLM, models/kimi_k25_eagle3.py) but needs a GPU, so "
     "here only its load-time checks (pipeline.engines.sglang_draft_checks) and the stand-in run"
 )
 
 
-def engine_refusals(architecture: str) -> dict[Engine, str]:
-    """Why an engine installed here cannot load a drafter of this drafter.architecture (empty: both can)."""
-    if architecture == "eagle3-mla":
-        return {"vllm": VLLM_MLA_REFUSAL}
-    return {}
-
-
-def no_engine_here(architecture: str) -> str | None:
-    """For a drafter no engine here loads (eagle3-mla), the sentence that says so and why; None otherwise."""
-    refusals = engine_refusals(architecture)
-    if "vllm" not in refusals:
+def mla_latent_width(config: dict[str, Any]) -> int | None:
+    """kv_lora_rank + qk_rope_head_dim of an eagle3-mla drafter's config.json; None for other drafters."""
+    if not is_mla_config(config):
         return None
-    return f"no engine here loads an {architecture} drafter: {refusals['vllm']}; {SGLANG_NOT_HERE}"
+    return int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+
+
+def engine_refusals(config: dict[str, Any]) -> dict[Engine, str]:
+    """Why no build of an engine could load this drafter (config.json), by engine; empty when, by its source,
+    each can. vLLM: an MLA latent of a width its MLA attention does not take."""
+    width = mla_latent_width(config)
+    if width is None or width in VLLM_MLA_LATENTS:
+        return {}
+    return {
+        "vllm": f"its MLA latent is {width} wide (kv_lora_rank + qk_rope_head_dim), and vLLM 0.32.0's MLA "
+        "attention takes latents of 320, 512 or 576 only "
+        "(vllm/model_executor/layers/attention/mla_attention.py:1600-1602, 1714-1717)"
+    }
+
+
+def no_engine_here(config: dict[str, Any]) -> str | None:
+    """For a drafter (config.json) that no engine on this machine loads, the sentence that says so and why;
+    None otherwise. Here vLLM is the CPU build, whose MLA runs only VLLM_CPU_MLA_LATENT-wide latents."""
+    width = mla_latent_width(config)
+    if width is None or width == VLLM_CPU_MLA_LATENT:
+        return None
+    vllm = engine_refusals(config).get("vllm") or (
+        f"its MLA latent is {width} wide, and vLLM 0.32.0's CPU build runs MLA only with 576-wide latents "
+        "(kv_lora_rank 512 + qk_rope_head_dim 64), block size 16 (vllm/v1/attention/backends/mla/cpu_mla.py:"
+        "24-26, 61-72)"
+    )
+    return f"no engine here loads this eagle3-mla drafter: {vllm}; {SGLANG_NOT_HERE}"
 
 
 class EngineNotExported(DrafterFormatError):

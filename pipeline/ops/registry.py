@@ -215,8 +215,8 @@ def verified_engines(
             f"config.json gives vLLM the aux layer ids {written_layer_ids(config, 'vllm')}, which capture "
             f"the trained layers {contract.get('aux_layer_ids')} (pipeline.engines.layer_ids); not run"
         )
-    for refused, reason in engine_refusals(architecture_of(config)).items():
-        verified[refused] = f"not loadable here: {reason}"
+    for refused, reason in engine_refusals(config).items():
+        verified[refused] = f"not loadable: {reason}"
     bench = lineage.get("bench") or {}
     engine = bench.get("engine")
     if engine in verified:
@@ -673,7 +673,7 @@ def verify_dir(
         raise RegistryError(f"drafter directory {directory} failed verification: " + "; ".join(problems))
     config, _, _ = read_drafter_dir(directory)
     if engine == "vllm":
-        refusal = engine_refusals(architecture_of(config)).get("vllm")
+        refusal = engine_refusals(config).get("vllm")
         if refusal is not None:
             raise RegistryError(
                 f"drafter directory {directory} is an {architecture_of(config)} drafter: {refusal}"

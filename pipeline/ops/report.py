@@ -22,7 +22,6 @@ import jinja2
 import yaml
 
 from pipeline import layout
-from pipeline.drafter.export import no_engine_here
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.ops import registry
 from pipeline.ops.usage import USAGE_DIR, cost_rows, read_usage, run_cost
@@ -481,7 +480,7 @@ def architecture_rows(record: RunRecord) -> list[tuple[str, str]]:
     architecture = ((record.config or {}).get("drafter") or {}).get("architecture", "eagle3")
     if architecture == "eagle3":
         return []
-    unloadable = no_engine_here(architecture)
+    unloadable = ((record.train or {}).get("result") or {}).get("no_engine_here")  # the train stage's finding
     return [("drafter architecture", architecture)] + ([("engines here", unloadable)] if unloadable else [])
 
 

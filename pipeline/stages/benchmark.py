@@ -68,6 +68,7 @@ from pipeline.drafter.export import (
     engine_layer_ids,
     engine_refusals,
     load_drafter,
+    no_engine_here,
     read_drafter_dir,
     require_exported_for,
     written_layer_ids,
@@ -1168,10 +1169,14 @@ def served_beside_reference(
             settings.python,
         )
         return None
-    architecture = architecture_of(json.loads((drafter_dir / CONFIG_NAME).read_text()))
-    refusal = engine_refusals(architecture).get("vllm")
+    drafter_config = json.loads((drafter_dir / CONFIG_NAME).read_text())
+    refusal = no_engine_here(drafter_config)  # this vLLM is the CPU build: its MLA runs 576-wide latents only
     if refusal is not None:
-        log.info("benchmark: the %s candidate is not also served by vLLM: %s", architecture, refusal)
+        log.info(
+            "benchmark: the %s candidate is not also served by vLLM: %s",
+            architecture_of(drafter_config),
+            refusal,
+        )
         return None
     served_dir = vllm_loadable("candidate", drafter_dir, config.storage.run_workdir(run_id))
     aux_layer_ids = read_drafter_dir(drafter_dir)[2]["aux_layer_ids"]
@@ -1477,7 +1482,7 @@ def vllm_loadable(name: str, drafter_dir: Path, workdir: Path) -> Path:
     contract takes (pipeline.drafter.export.engine_layer_ids). A drafter vLLM cannot load here (eagle3-mla)
     is refused with the reason, before vLLM starts."""
     config = json.loads((drafter_dir / CONFIG_NAME).read_text())
-    refusal = engine_refusals(architecture_of(config)).get("vllm")
+    refusal = engine_refusals(config).get("vllm")
     if refusal is not None:
         raise BenchmarkFailed(
             f"benchmark.engine vllm cannot benchmark the {name} drafter {drafter_dir}, an "

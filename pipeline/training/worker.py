@@ -21,7 +21,13 @@ import torch
 from pipeline import layout
 from pipeline.config import RunConfig, resolve_project_path
 from pipeline.data.capture_contract import ContractMismatch
-from pipeline.drafter.export import arch_from_config, export_drafter, read_drafter_dir
+from pipeline.drafter.export import (
+    CONFIG_NAME,
+    arch_from_config,
+    export_drafter,
+    no_engine_here,
+    read_drafter_dir,
+)
 from pipeline.drafter.mla import mla_shape_of_target
 from pipeline.drafter.model import DrafterArch, Eagle3Drafter, architecture_norms
 from pipeline.drafter.objective import DraftObjective, choose_teacher
@@ -657,6 +663,8 @@ class Trainer:
                 self.config.drafter.export_dtype,
                 target_dir=self.spec.target_dir,  # records its config; refuses what SGLang would refuse
             )
+            exported = json.loads((self.workdir / "drafter" / CONFIG_NAME).read_text())
+            result["no_engine_here"] = no_engine_here(exported)  # the run report says so (None: one does)
             (self.workdir / "train_result.json").write_text(json.dumps(result, indent=2))
         dist.barrier()
         self.stream.close()

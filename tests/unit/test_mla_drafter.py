@@ -260,13 +260,29 @@ def test_the_drafter_format_refuses_a_missing_mla_key(tmp_path):
         read_drafter_dir(directory)
 
 
-def test_no_engine_here_loads_an_mla_drafter_and_vllm_benchmarks_refuse_it(tmp_path):
+def test_vllm_takes_the_mla_latents_its_source_runs_and_no_engine_here_takes_a_tiny_one(tmp_path):
+    """vLLM 0.32.0's MLA takes latents (kv_lora_rank + qk_rope_head_dim) of 320, 512 or 576, its CPU build 576
+    only: Kimi's 512 + 64 loads in both, the tiny drafter's in neither, and a vLLM benchmark refuses it."""
+    import json
+
+    from pipeline.drafter.export import engine_refusals
     from pipeline.stages.benchmark import BenchmarkFailed, vllm_loadable
 
     _, _, directory = exported_mla(tmp_path)
-    assert no_engine_here("eagle3") is None
-    assert "576" in no_engine_here("eagle3-mla") and "cpu_mla.py" in no_engine_here("eagle3-mla")
+    tiny = json.loads((directory / "config.json").read_text())
+    width = tiny["kv_lora_rank"] + tiny["qk_rope_head_dim"]
+    assert no_engine_here({"architectures": ["LlamaForCausalLMEagle3"]}) is None
+    here = no_engine_here(tiny)
+    assert here is not None and here.startswith(
+        f"no engine here loads this eagle3-mla drafter: its MLA latent is {width} wide"
+    )
+    assert "mla_attention.py:1600-1602" in here and "SGLang 0.5.23 serves it" in here
+    assert "320, 512 or 576" in engine_refusals(tiny)["vllm"]
+    kimi = {**tiny, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    assert engine_refusals(kimi) == {} and no_engine_here(kimi) is None
+    gpu_only = {**tiny, "kv_lora_rank": 448, "qk_rope_head_dim": 64}  # 512 wide: not the CPU build's 576
+    assert engine_refusals(gpu_only) == {} and "cpu_mla.py" in (no_engine_here(gpu_only) or "")
     with pytest.raises(
-        BenchmarkFailed, match="cannot benchmark the candidate drafter .* eagle3-mla drafter: vLLM"
+        BenchmarkFailed, match="cannot benchmark the candidate drafter .* eagle3-mla drafter: its MLA latent"
     ):
         vllm_loadable("candidate", directory, tmp_path / "work")
