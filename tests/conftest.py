@@ -25,7 +25,7 @@ BUCKET = "drafter-tests"
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# One OpenMP thread per process: `make test` runs three workers on two cores, and processes that each take a
+# One OpenMP thread per process: `make test` runs two workers on two cores, and processes that each take a
 # thread per core stall at OpenMP barriers. Measured on this machine, two greedy decodes of the tiny target
 # side by side took 10.5 s each with two threads apiece and 3-4 s with one; alone, one thread is 7% slower.
 # Subprocesses (stage CLIs, torchrun, the Airflow components, the rehearsal's pods) inherit it.
