@@ -198,16 +198,7 @@ def draft_rope(text_config: dict[str, Any], context_length: int) -> tuple[float,
 # mscale and mscale_all_dim: `truncate` is not forwarded, so the correction range is always truncated
 # (yarn.py:27-40). Then the softmax scale (qk_nope + qk_rope)^-0.5 is multiplied by mscale^2
 # (deepseek_v2.py:2059, 2176-2178; configs/model_config.py:2623-2648).
-DEEPSEEK_YARN_KEYS = (
-    "factor",
-    "original_max_position_embeddings",
-    "extrapolation_factor",
-    "attn_factor",
-    "beta_fast",
-    "beta_slow",
-    "mscale",
-    "mscale_all_dim",
-)
+DEEPSEEK_YARN_KEYS = tuple(key for key in YARN_KEYS if key != "truncate")
 
 
 def mla_rope_frequencies(
