@@ -93,16 +93,21 @@ def wait_healthy(port: int, timeout_s: float) -> None:
 
 
 def up(
-    home: Path, port: int, timeout_s: float = 300, env: dict[str, str | None] | None = None
+    home: Path,
+    port: int,
+    timeout_s: float = 300,
+    env: dict[str, str | None] | None = None,
+    gpu_pool_slots: int = 1,
 ) -> dict[str, int]:
-    """Start the four components; returns their PIDs (also written to <home>/pids.json)."""
+    """Start the four components; returns their PIDs (also written to <home>/pids.json). The drafter_gpu
+    pool gets `gpu_pool_slots` (one GPU-bound task at a time on a workstation, by default)."""
     home = home.resolve()
     login_file(home)
     component_env = airflow_env(home, port, env)
     (home / "logs").mkdir(parents=True, exist_ok=True)
     subprocess.run([_airflow(), "db", "migrate"], env=component_env, check=True, capture_output=True)
     subprocess.run(
-        [_airflow(), "pools", "set", "drafter_gpu", "1", "GPU-bound drafter tasks"],
+        [_airflow(), "pools", "set", "drafter_gpu", str(gpu_pool_slots), "GPU-bound drafter tasks"],
         env=component_env,
         check=True,
         capture_output=True,

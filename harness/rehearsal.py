@@ -1583,7 +1583,10 @@ def run_dags(
     )
     data = parsed_dag("drafter_data").test(run_conf={"num_shards": 2})
     lines.append(f"drafter_data {data.run_id}: {data.state} {task_states(data)}")
-    _check(str(data.state) == "success", "drafter_data ran every stage task as a pod and succeeded")
+    _check(
+        str(data.state) == "success",
+        f"drafter_data ran every stage task as a pod and succeeded ({data.state} {task_states(data)})",
+    )
     lines.append(check_fleets_followed_their_stages(data, cluster))
     events = dataset_events()
     _check(
@@ -1598,7 +1601,8 @@ def run_dags(
     lines.append(f"drafter_train {first.run_id} ({' '.join(MULTI_NODE)}): {first.state} {task_states(first)}")
     _check(
         str(first.state) == "success" and task_states(first)["promote"] == "success",
-        "drafter_train on the published dataset trained, gated, benchmarked and promoted into S3",
+        "drafter_train on the published dataset trained, gated, benchmarked and promoted into S3 "
+        f"({first.state} {task_states(first)})",
     )
     lines.append(check_multi_node_training(first, node_loss))
     lines.append(check_run_costs(data, first, DEPLOYMENT))
@@ -1628,7 +1632,11 @@ def run_dags(
         f"drafter_data {inprocess.run_id} ({' '.join(IN_PROCESS_CAPTURE)}): {inprocess.state} "
         f"{task_states(inprocess)}"
     )
-    _check(str(inprocess.state) == "success", "drafter_data with in-process capture succeeded in pods")
+    _check(
+        str(inprocess.state) == "success",
+        "drafter_data with in-process capture succeeded in pods "
+        f"({inprocess.state} {task_states(inprocess)})",
+    )
     lines.append(check_in_process_capture(inprocess))
     inprocess_dataset = dataset_events()[-1]["dataset_uri"]
 
@@ -1640,7 +1648,8 @@ def run_dags(
     )
     _check(
         cron.run_id.startswith("scheduled__") and str(cron.state) == "success",
-        "the cron-scheduled drafter_train run (no trigger form) trained with the deployment's run config",
+        "the cron-scheduled drafter_train run (no trigger form) trained with the deployment's run config "
+        f"({cron.run_id}: {cron.state} {task_states(cron)})",
     )
     cron_dataset = _xcom(cron, "configure")["dataset_uri"]
     _check(

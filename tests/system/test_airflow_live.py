@@ -252,7 +252,8 @@ def live_airflow(
         "AWS_PROFILE": None,
     }
     try:
-        airflow_local.up(home, port, env=env)
+        # two GPU-bound tasks at once, as the runbook's pool (docs/RUNBOOK.md): a data run's shards in pairs
+        airflow_local.up(home, port, env=env, gpu_pool_slots=2)
         password = json.loads(airflow_local.login_file(home).read_text())["admin"]
         base = f"http://127.0.0.1:{port}"
         client = AirflowClient(base, password)
