@@ -1453,15 +1453,31 @@ def _writable_layer_bytes(run: ContainerRun) -> int:
 
 
 def _bytes_under(path: Path) -> int:
-    """The bytes of the files under `path` (0 once it is gone)."""
+    """The bytes of the files under `path` on its own filesystem (0 once it is gone), as `du -x` counts them:
+    a mount inside it (the image's files bound into a container's /tmp when the project lives under /tmp)
+    is not what the pod wrote, and the kubelet does not count it."""
+    try:
+        device = path.stat().st_dev
+    except OSError:
+        return 0
     total = 0
-    for directory, _, files in os.walk(path):
+    for directory, subdirectories, files in os.walk(path):
+        subdirectories[:] = [
+            name for name in subdirectories if _on_device(os.path.join(directory, name), device)
+        ]
         for name in files:
             try:
                 total += os.lstat(os.path.join(directory, name)).st_size
             except OSError:
                 pass
     return total
+
+
+def _on_device(path: str, device: int) -> bool:
+    try:
+        return os.lstat(path).st_dev == device
+    except OSError:  # removed meanwhile
+        return False
 
 
 def _running(pod: LocalPod) -> list[ContainerRun]:
