@@ -69,6 +69,7 @@ REHEARSAL_RETRY_DELAY_S = 5
 FLEET_READY_TIMEOUT_S = 240
 REHEARSAL_CONFIG = PROJECT_ROOT / "configs" / "rehearsal.yaml"
 SHIM = Path(__file__).resolve().parent / "sglang_shim"
+WITHOUT_AIRFLOW = Path(__file__).resolve().parent / "image_without_airflow"
 BUCKET = "drafter-pipeline"
 ACCOUNT = "123456789012"
 # the tiny Kimi-like target: DeepSeek-V3 architecture (MLA + MoE), its own code and tiktoken tokenizer
@@ -125,7 +126,8 @@ def _images() -> dict[str, LocalImage]:
     Python it runs on. The SGLang image's `sglang` is the stand-in (harness/sglang_shim); the vLLM
     image's vLLM is vLLM's CPU build at /opt/drafter/.venv-vllm, where docker/vllm.Dockerfile puts its GPU
     build (the rehearsal's Kimi-like target is a model of the project's own that vLLM does not serve, so
-    its runs keep benchmark.engine sglang and no pod runs this image)."""
+    its runs keep benchmark.engine sglang and no pod runs this image). Only the pipeline image has Airflow
+    (its Dockerfile builds FROM apache/airflow): in the others `import airflow` fails, as there."""
     from airflow.providers.cncf.kubernetes.utils.xcom_sidecar import PodDefaults
 
     deployment = yaml.safe_load(DEPLOYMENT.read_text())["kubernetes"]["images"]
@@ -155,25 +157,30 @@ def _images() -> dict[str, LocalImage]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
 
-    def image(name: str) -> LocalImage:  # the project's files, run as the user its Dockerfile names
+    without_airflow = {**files, "/opt/without-airflow": str(WITHOUT_AIRFLOW)}
+
+    def image(name: str, with_airflow: bool) -> LocalImage:  # the project's files, as its Dockerfile's user
         user = dockerfile_user(PROJECT_ROOT / "docker" / f"{name}.Dockerfile")
-        return LocalImage(files, "/opt/drafter", base, masked + not_shipped, user)
+        if with_airflow:
+            return LocalImage(files, "/opt/drafter", base, masked + not_shipped, user)
+        env = {**base, "PYTHONPATH": "/opt/without-airflow"}
+        return LocalImage(without_airflow, "/opt/drafter", env, masked + not_shipped, user)
 
     # SGLang's image: its `sglang` is the shim, which runs the harness's stand-in (in place of SGLang's
     # own package, so this image alone sees the harness)
     sglang = LocalImage(
-        {**files, "/opt/sglang-shim": str(SHIM)},
+        {**without_airflow, "/opt/sglang-shim": str(SHIM)},
         "/opt/drafter",
-        {**base, "PYTHONPATH": f"/opt/sglang-shim:{PROJECT_ROOT}"},
+        {**base, "PYTHONPATH": f"/opt/without-airflow:/opt/sglang-shim:{PROJECT_ROOT}"},
         masked,
         dockerfile_user(PROJECT_ROOT / "docker" / "sglang.Dockerfile"),
     )
     sidecar = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})  # alpine, as root
     return {
-        deployment["pipeline"]: image("pipeline"),
-        deployment["trainer"]: image("trainer"),
+        deployment["pipeline"]: image("pipeline", with_airflow=True),
+        deployment["trainer"]: image("trainer", with_airflow=False),
         deployment["sglang"]: sglang,
-        deployment["vllm"]: image("vllm"),
+        deployment["vllm"]: image("vllm", with_airflow=False),
         PodDefaults.SIDECAR_CONTAINER.image: sidecar,
     }
 
