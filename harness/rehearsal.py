@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -157,30 +158,26 @@ def _images() -> dict[str, LocalImage]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
 
-    without_airflow = {**files, "/opt/without-airflow": str(WITHOUT_AIRFLOW)}
+    def image(name: str, extra_files: dict[str, str], python_path: list[str], hidden: tuple[str, ...]):
+        """The project's files (and `extra_files`), run as its Dockerfile's user, with Airflow only where the
+        Dockerfile installs it: elsewhere harness/image_without_airflow comes first on its PYTHONPATH."""
+        dockerfile = PROJECT_ROOT / "docker" / f"{name}.Dockerfile"
+        if not dockerfile_installs_airflow(dockerfile):
+            extra_files = {"/opt/without-airflow": str(WITHOUT_AIRFLOW), **extra_files}
+            python_path = ["/opt/without-airflow", *python_path]
+        env = {**base, "PYTHONPATH": ":".join(python_path)} if python_path else base
+        return LocalImage({**files, **extra_files}, "/opt/drafter", env, hidden, dockerfile_user(dockerfile))
 
-    def image(name: str, with_airflow: bool) -> LocalImage:  # the project's files, as its Dockerfile's user
-        user = dockerfile_user(PROJECT_ROOT / "docker" / f"{name}.Dockerfile")
-        if with_airflow:
-            return LocalImage(files, "/opt/drafter", base, masked + not_shipped, user)
-        env = {**base, "PYTHONPATH": "/opt/without-airflow"}
-        return LocalImage(without_airflow, "/opt/drafter", env, masked + not_shipped, user)
-
-    # SGLang's image: its `sglang` is the shim, which runs the harness's stand-in (in place of SGLang's
-    # own package, so this image alone sees the harness)
-    sglang = LocalImage(
-        {**without_airflow, "/opt/sglang-shim": str(SHIM)},
-        "/opt/drafter",
-        {**base, "PYTHONPATH": f"/opt/without-airflow:/opt/sglang-shim:{PROJECT_ROOT}"},
-        masked,
-        dockerfile_user(PROJECT_ROOT / "docker" / "sglang.Dockerfile"),
-    )
     sidecar = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})  # alpine, as root
     return {
-        deployment["pipeline"]: image("pipeline", with_airflow=True),
-        deployment["trainer"]: image("trainer", with_airflow=False),
-        deployment["sglang"]: sglang,
-        deployment["vllm"]: image("vllm", with_airflow=False),
+        deployment["pipeline"]: image("pipeline", {}, [], masked + not_shipped),
+        deployment["trainer"]: image("trainer", {}, [], masked + not_shipped),
+        # SGLang's image: its `sglang` is the shim, which runs the harness's stand-in (in place of SGLang's
+        # own package, so this image alone sees the harness)
+        deployment["sglang"]: image(
+            "sglang", {"/opt/sglang-shim": str(SHIM)}, ["/opt/sglang-shim", str(PROJECT_ROOT)], masked
+        ),
+        deployment["vllm"]: image("vllm", {}, [], masked + not_shipped),
         PodDefaults.SIDECAR_CONTAINER.image: sidecar,
     }
 
@@ -215,6 +212,13 @@ def dockerfile_user(path: Path) -> ImageUser:
     if wanted.isdigit():
         return ImageUser(int(wanted), 0, f"uid{wanted}", "/")
     raise RehearsalFailed(f"{path.name}: USER {wanted} is none its Dockerfile or base image creates")
+
+
+def dockerfile_installs_airflow(path: Path) -> bool:
+    """Whether a built image has Apache Airflow: its Dockerfile builds FROM apache/airflow or pip-installs
+    the project's `airflow` extra."""
+    text = path.read_text()
+    return bool(re.search(r"^FROM apache/airflow:", text, re.M) or re.search(r"\.\[[^]]*airflow", text))
 
 
 NODES = (

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -572,21 +574,11 @@ def test_every_pod_runs_as_the_task_pods_user():
     assert f"chown {run_as.uid}:{run_as.gid} {placement.cache_path}" in script
 
 
-def _installs_airflow(dockerfile: Path) -> bool:
-    """Whether an image's Dockerfile gives it Apache Airflow: built FROM apache/airflow, or pip-installing
-    the project's `airflow` extra."""
-    text = dockerfile.read_text()
-    return bool(re.search(r"^FROM apache/airflow:", text, re.M) or re.search(r"\.\[[^]]*airflow", text))
-
-
 def test_the_local_clusters_images_have_airflow_where_their_dockerfiles_install_it():
     """The rehearsal's pods run on this machine's virtualenv, which has Airflow; a pod of an image built
     without it (trainer, SGLang, vLLM) meets harness/image_without_airflow first on its PYTHONPATH, so
     `import airflow` fails there as in the built image and succeeds in the pipeline image's pods."""
-    import subprocess
-    import sys
-
-    from harness.rehearsal import _images
+    from harness.rehearsal import _images, dockerfile_installs_airflow
 
     names = {ref: key for key, ref in K8S_DEPLOYMENT["kubernetes"]["images"].items()}
     has_airflow = {}
@@ -606,6 +598,7 @@ def test_the_local_clusters_images_have_airflow_where_their_dockerfiles_install_
         has_airflow[names[ref]] = out.returncode == 0
         if out.returncode != 0:
             assert "No module named 'airflow'" in out.stderr, out.stderr[-2000:]
-    expected = {name: _installs_airflow(REPO / "docker" / f"{name}.Dockerfile") for name in has_airflow}
+    dockerfiles = {name: REPO / "docker" / f"{name}.Dockerfile" for name in has_airflow}
+    expected = {name: dockerfile_installs_airflow(path) for name, path in dockerfiles.items()}
     assert expected == {"pipeline": True, "trainer": False, "sglang": False, "vllm": False}
     assert has_airflow == expected
