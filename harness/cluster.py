@@ -412,12 +412,23 @@ class ContainerRun:
     def running(self) -> bool:
         return self.finished_at is None
 
+    def first_pid(self) -> int | None:
+        """The host PID of the container's first process (the child `unshare` forked) now; None while
+        `unshare` has not forked it yet, and once it has exited (before `running` turns false: that waits
+        for `unshare` itself to be reaped)."""
+        children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
+        try:
+            listed = children.read_text().split()
+        except OSError:  # `unshare` has exited too
+            return None
+        return int(listed[0]) if listed else None
+
     def init_pid(self) -> int:
-        """The host PID of the container's first process (the child `unshare` forked)."""
+        """The first process's host PID, waiting up to 2 s for a starting container's (what exec enters)."""
         for _ in range(200):
-            children = Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children")
-            if children.exists() and children.read_text().split():
-                return int(children.read_text().split()[0])
+            pid = self.first_pid()
+            if pid is not None:
+                return pid
             time.sleep(0.01)
         raise ClusterError(f"container {self.name} has no running process to exec into")
 
@@ -1442,8 +1453,13 @@ def _local_storage_used(pod: LocalPod) -> dict[str, int]:
 
 def _writable_layer_bytes(run: ContainerRun) -> int:
     """The bytes in a running container's /tmp, its fresh tmpfs (container.py); 0 while its first process
-    has not entered its root yet (its /tmp is then still this machine's, another filesystem)."""
-    tmp = Path(f"/proc/{run.init_pid()}/root/tmp")
+    has not entered its root yet (its /tmp is then still this machine's, another filesystem), and once that
+    process has exited (its tmpfs went with its mount namespace). Never waits: the kubelet's storage walks
+    run every second over every pod, and a container that exits between listing and walking is usual."""
+    pid = run.first_pid()
+    if pid is None:
+        return 0
+    tmp = Path(f"/proc/{pid}/root/tmp")
     try:
         if tmp.stat().st_dev == Path("/tmp").stat().st_dev:
             return 0
