@@ -91,9 +91,11 @@ demo: $(BASE_STAMP)
 
 # The tests, in three tiers by what a test starts (tests/unit, tests/integration, tests/system; see
 # tests/conftest.py), on two pytest-xdist workers, a file at a time on one worker, the system tier's longest
-# modules first. The unit and integration tiers run in an order shuffled by SEED (printed; `make check
-# SEED=N` repeats an order). pytest exits 5 when it collects nothing; that is not a failure here.
-# Three workers were faster (docs/BENCHMARKS.md) but the rehearsal's cron run failed once under them.
+# modules first, then the integration tier's longest. The unit and integration tiers run in an order shuffled
+# by SEED (printed; `make check SEED=N` repeats an order). pytest exits 5 when it collects nothing; that is
+# not a failure here. Not three workers: on two cores they used more CPU for the same tests and were slower
+# in a fresh clone, and the rehearsal's benchmark, timing its servers one after another, measured its cron
+# run's candidate slower than the incumbent under their load (docs/BENCHMARKS.md).
 TEST_WORKERS ?= 2
 # drawn once per make (a plain `?=` would draw again wherever SEED is expanded)
 ifndef SEED

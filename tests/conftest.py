@@ -272,6 +272,9 @@ LONGEST_FIRST = (
     "tests/system/test_airflow_live.py",
     "tests/system/test_vllm_bench.py",
 )
+# the integration tier's longest module (about 200 s on two workers, five times the next), handed out right
+# after the system tier and before the shuffled rest: started last, it would leave the other worker idle
+LONGEST_AFTER_THE_SYSTEM_TIER = ("tests/integration/test_trainer.py",)
 
 
 def require(present: bool, missing: str) -> None:
@@ -329,8 +332,9 @@ def tier_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The system tier first (its longest modules first), then the unit and integration tiers, shuffled
-    by --order-seed when given: the same seed gives every xdist worker the same order."""
+    """The system tier first (its longest modules first), then the integration tier's longest module, then
+    the rest of the unit and integration tiers, shuffled by --order-seed when given (the tests of every
+    module but the system tier's too): the same seed gives every xdist worker the same order."""
     import random
 
     seed = config.getoption("order_seed")
@@ -338,14 +342,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
     system = [m for m in modules if tier_of(m) == "system"]
-    rest = [m for m in modules if tier_of(m) != "system"]
     system.sort(key=lambda m: LONGEST_FIRST.index(m) if m in LONGEST_FIRST else len(LONGEST_FIRST))
+    longest = [m for m in LONGEST_AFTER_THE_SYSTEM_TIER if m in modules]
+    rest = [m for m in modules if tier_of(m) != "system" and m not in longest]
     if seed is not None:
         shuffler = random.Random(seed)
         shuffler.shuffle(rest)
-        for module in rest:
+        for module in longest + rest:
             shuffler.shuffle(modules[module])
-    items[:] = [item for module in system + rest for item in modules[module]]
+    items[:] = [item for module in system + longest + rest for item in modules[module]]
 
 
 class AlertSinks:
