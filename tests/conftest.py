@@ -272,8 +272,8 @@ LONGEST_FIRST = (
     "tests/system/test_airflow_live.py",
     "tests/system/test_vllm_bench.py",
 )
-# the integration tier's longest module (about 200 s on two workers, five times the next), handed out right
-# after the system tier and before the shuffled rest: started last, it would leave the other worker idle
+# the integration tier's longest module (about 200 s on two workers, over three times the next), handed out
+# right after the system tier, before the shuffled rest: started last, it would leave the other worker idle
 LONGEST_AFTER_THE_SYSTEM_TIER = ("tests/integration/test_trainer.py",)
 
 
@@ -333,8 +333,9 @@ def tier_of(nodeid: str) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The system tier first (its longest modules first), then the integration tier's longest module, then
-    the rest of the unit and integration tiers, shuffled by --order-seed when given (the tests of every
-    module but the system tier's too): the same seed gives every xdist worker the same order."""
+    the rest of the unit and integration tiers; with --order-seed those modules in a shuffled order, and the
+    tests within each of them too (the system tier keeps its order): the same seed gives every xdist worker
+    the same order."""
     import random
 
     seed = config.getoption("order_seed")
