@@ -158,26 +158,32 @@ def _images() -> dict[str, LocalImage]:
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
     }
 
-    def image(name: str, extra_files: dict[str, str], python_path: list[str], hidden: tuple[str, ...]):
+    def image(
+        name: str,
+        extra_files: dict[str, str] | None = None,
+        python_path: tuple[str, ...] = (),
+        hidden: tuple[str, ...] = masked + not_shipped,
+    ) -> LocalImage:
         """The project's files (and `extra_files`), run as its Dockerfile's user, with Airflow only where the
         Dockerfile installs it: elsewhere harness/image_without_airflow comes first on its PYTHONPATH."""
+        extra_files = extra_files or {}
         dockerfile = PROJECT_ROOT / "docker" / f"{name}.Dockerfile"
         if not dockerfile_installs_airflow(dockerfile):
             extra_files = {"/opt/without-airflow": str(WITHOUT_AIRFLOW), **extra_files}
-            python_path = ["/opt/without-airflow", *python_path]
+            python_path = ("/opt/without-airflow", *python_path)
         env = {**base, "PYTHONPATH": ":".join(python_path)} if python_path else base
         return LocalImage({**files, **extra_files}, "/opt/drafter", env, hidden, dockerfile_user(dockerfile))
 
     sidecar = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})  # alpine, as root
     return {
-        deployment["pipeline"]: image("pipeline", {}, [], masked + not_shipped),
-        deployment["trainer"]: image("trainer", {}, [], masked + not_shipped),
+        deployment["pipeline"]: image("pipeline"),
+        deployment["trainer"]: image("trainer"),
         # SGLang's image: its `sglang` is the shim, which runs the harness's stand-in (in place of SGLang's
         # own package, so this image alone sees the harness)
         deployment["sglang"]: image(
-            "sglang", {"/opt/sglang-shim": str(SHIM)}, ["/opt/sglang-shim", str(PROJECT_ROOT)], masked
+            "sglang", {"/opt/sglang-shim": str(SHIM)}, ("/opt/sglang-shim", str(PROJECT_ROOT)), hidden=masked
         ),
-        deployment["vllm"]: image("vllm", {}, [], masked + not_shipped),
+        deployment["vllm"]: image("vllm"),
         PodDefaults.SIDECAR_CONTAINER.image: sidecar,
     }
 
