@@ -90,8 +90,9 @@ demo: $(BASE_STAMP)
 	DS_ACCELERATOR=cpu $(VENV)/bin/drafter run --config configs/local.yaml || { rc=$$?; [ $$rc -eq 4 ] || exit $$rc; }
 
 # The tests, in three tiers by what a test starts (tests/unit, tests/integration, tests/system; see
-# tests/conftest.py), on two pytest-xdist workers, a file at a time on one worker, the system tier's longest
-# modules first, then the integration tier's longest. The unit and integration tiers run in an order shuffled
+# tests/conftest.py), on two pytest-xdist workers, a file at a time on one worker, the modules of
+# HANDED_OUT_FIRST there first (the rehearsal, beside it the modules that keep the other core busy, then those
+# that mostly wait), then the rest of the system tier. The unit and integration tiers run in an order shuffled
 # by SEED (printed; `make check SEED=N` repeats an order). pytest exits 5 when it collects nothing; that is
 # not a failure here. Not three workers: on two cores they used more CPU for the same tests and were slower
 # in a fresh clone, and the rehearsal's benchmark, timing its servers one after another, measured its cron

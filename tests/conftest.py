@@ -266,15 +266,25 @@ def vllm_python() -> Path:
 # in `make check` and a failure in `make test` (CI cannot pass without running it).
 STRICT = os.environ.get("DRAFTER_TEST_STRICT") == "1"
 TIERS = ("system", "integration", "unit")
-# the system tier's longest modules, handed to the workers first so no long module starts last
-LONGEST_FIRST = (
+# The modules handed to the two workers first, in this order (xdist deals the first four alternately: the
+# rehearsal and the vLLM benchmark to one worker, one after the other). The rehearsal runs one pod at a time
+# and uses under one core of the two for most of its ~13 min, so the other worker meanwhile gets the modules
+# that keep a core busy or use both (DAG runs in process, multi-node and multi-process training, the stage
+# CLIs); the modules that mostly wait (a live Airflow's scheduler loop, the local cluster's DNS and probe
+# timings) come after, beside the vLLM benchmark. Started beside the rehearsal, they left a core idle for
+# minutes. The rest of the system tier follows in file order, then the shuffled unit and integration tiers.
+HANDED_OUT_FIRST = (
     "tests/system/test_rehearsal.py",
-    "tests/system/test_airflow_live.py",
+    "tests/system/test_dag_runs.py",
     "tests/system/test_vllm_bench.py",
+    "tests/system/test_multinode.py",
+    "tests/system/test_pipeline_e2e.py",
+    "tests/system/test_process_death.py",
+    "tests/system/test_vllm_generate.py",
+    "tests/integration/test_trainer.py",  # the integration tier's longest (about 200 s): never started last
+    "tests/system/test_airflow_live.py",
+    "tests/system/test_local_cluster.py",
 )
-# the integration tier's longest module (about 200 s on two workers, over three times the next), handed out
-# right after the system tier, before the shuffled rest: started last, it would leave the other worker idle
-LONGEST_AFTER_THE_SYSTEM_TIER = ("tests/integration/test_trainer.py",)
 
 
 def require(present: bool, missing: str) -> None:
@@ -332,26 +342,24 @@ def tier_of(nodeid: str) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The system tier first (its longest modules first), then the integration tier's longest module, then
-    the rest of the unit and integration tiers; with --order-seed those modules in a shuffled order, and the
-    tests within each of them too (the system tier keeps its order): the same seed gives every xdist worker
-    the same order."""
+    """HANDED_OUT_FIRST, then the rest of the system tier, then the rest of the unit and integration tiers;
+    with --order-seed those modules in a shuffled order, and the tests within each integration and unit
+    module too (the system tier keeps its order): the same seed gives every xdist worker the same order."""
     import random
 
     seed = config.getoption("order_seed")
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    system = [m for m in modules if tier_of(m) == "system"]
-    system.sort(key=lambda m: LONGEST_FIRST.index(m) if m in LONGEST_FIRST else len(LONGEST_FIRST))
-    longest = [m for m in LONGEST_AFTER_THE_SYSTEM_TIER if m in modules]
-    rest = [m for m in modules if tier_of(m) != "system" and m not in longest]
+    first = [m for m in HANDED_OUT_FIRST if m in modules]
+    system = [m for m in modules if tier_of(m) == "system" and m not in first]
+    rest = [m for m in modules if tier_of(m) != "system" and m not in first]
     if seed is not None:
         shuffler = random.Random(seed)
         shuffler.shuffle(rest)
-        for module in longest + rest:
+        for module in rest + [m for m in first if tier_of(m) != "system"]:
             shuffler.shuffle(modules[module])
-    items[:] = [item for module in system + longest + rest for item in modules[module]]
+    items[:] = [item for module in first + system + rest for item in modules[module]]
 
 
 class AlertSinks:
