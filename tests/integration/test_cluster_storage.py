@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from harness.cluster import ClusterError, ContainerRun, _writable_layer_bytes
+from pipeline.processes import _stat_fields
 
 
 def _run_of(process: subprocess.Popen) -> ContainerRun:
@@ -49,8 +50,7 @@ def test_a_running_first_process_is_found():
         run = _run_of(process)
         first = run.init_pid()
         # the child `sh` forked (its command line may still be sh's until it has exec'd sleep)
-        parent = int(open(f"/proc/{first}/stat").read().rsplit(")", 1)[1].split()[1])
-        assert run.first_pid() == first and parent == process.pid
+        assert run.first_pid() == first and int(_stat_fields(first)[1]) == process.pid  # its parent PID
         assert _writable_layer_bytes(run) == 0  # its /tmp is still this machine's: not a container's layer
     finally:
         subprocess.run(["pkill", "-P", str(process.pid)], check=False)
