@@ -72,7 +72,7 @@ def _environment() -> dict[str, str]:
 def capture_one(url: str, ids: list[int], hidden_size: int, spill_dir: Path):
     """SGLangEngine.capture of one sequence through one worker process; (capture, response bytes, worker
     peak RSS MiB)."""
-    from pipeline.config import SGLangClientConfig
+    from pipeline.engine_settings import SGLangClientConfig
     from pipeline.engines import TeacherRequest
     from pipeline.engines.sglang import SGLangEngine
 

@@ -21,8 +21,8 @@ def main() -> None:
     args = parser.parse_args()
     config = scratch_config()
     from harness.sglang_standin import StandinBackend, serve
-    from pipeline.config import SGLangClientConfig
     from pipeline.data.conversations import prompt_ids
+    from pipeline.engine_settings import SGLangClientConfig
     from pipeline.engines import SamplingParams
     from pipeline.engines.sglang import SGLangEngine
     from pipeline.engines.target import load_tokenizer, resolve_model_dir

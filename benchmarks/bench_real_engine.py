@@ -80,8 +80,9 @@ def main() -> None:
     args = parse_args()
     import logging
 
+    from pipeline.benchmark.settings import BenchmarkConfig, VllmBenchConfig
     from pipeline.cli import quiet_libraries
-    from pipeline.config import BenchmarkConfig, VllmBenchConfig, load_config
+    from pipeline.config import load_config
     from pipeline.drafter.export import load_drafter, read_drafter_dir
     from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer
     from pipeline.engines.vllm import eagle3_speculation

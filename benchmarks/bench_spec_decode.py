@@ -36,7 +36,7 @@ def method_sides(config, store, train_uri: str, prompts_uri: str, record: dict, 
     Each call stores its outputs in `outputs[name]`, so they can be checked against greedy decoding."""
     import torch
 
-    from pipeline.config import NgramLocalSetting
+    from pipeline.benchmark.settings import NgramLocalSetting
     from pipeline.decoding.reference_decoder import TargetRunner, greedy_decode
     from pipeline.drafter.export import load_drafter, read_drafter_dir
     from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.config import PROJECT_ROOT
+from pipeline.config_base import PROJECT_ROOT
 from pipeline.processes import session_members, start_time
 from pipeline.retrying import poll_until
 

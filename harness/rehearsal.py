@@ -60,7 +60,8 @@ import yaml
 
 from harness.cluster import ImageUser, LocalCluster, LocalImage, LocalNode, LocalPod, use_local_cluster
 from harness.json_http import free_port
-from pipeline.config import PROJECT_ROOT, TinyTargetRecipe
+from pipeline.config import TinyTargetRecipe
+from pipeline.config_base import PROJECT_ROOT
 from pipeline.retrying import await_health
 
 log = logging.getLogger("drafter.rehearsal")

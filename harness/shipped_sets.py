@@ -21,7 +21,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import PROJECT_ROOT
+from pipeline.config_base import PROJECT_ROOT
 
 DEFAULT_DEST = PROJECT_ROOT / ".drafter" / "standard-sets"
 

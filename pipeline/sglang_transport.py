@@ -32,7 +32,6 @@ from typing import Any, TypeVar
 import numpy as np
 import orjson
 
-from pipeline.config import SGLangClientConfig
 from pipeline.engine_requests import (
     RETRYABLE_STATUS,
     EngineError,
@@ -42,6 +41,7 @@ from pipeline.engine_requests import (
     post_json,
     retried_request,
 )
+from pipeline.engine_settings import SGLangClientConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -219,7 +219,7 @@ def deployed_run_config(path: str, default_config: str, source: str) -> str:
     the default's directory or the project's configs/, once symlinks and `..` are resolved. A trigger form
     or a dataset event could otherwise name any YAML the pods can read (a cached prompt file, say) and set
     through it the code settings that their overrides may not (`refuse_code_overrides`)."""
-    from pipeline.config import PROJECT_ROOT, resolve_project_path
+    from pipeline.config_base import PROJECT_ROOT, resolve_project_path
 
     resolved = resolve_project_path(path).resolve()
     default = resolve_project_path(default_config)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.config import SGLangBenchConfig, load_config
+from pipeline.benchmark.settings import SGLangBenchConfig
+from pipeline.config import load_config
 from pipeline.data.capture_shards import CaptureSample
 from pipeline.drafter.export import export_drafter
 from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape, architecture_norms

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pipeline.config import Strict, TeacherKind
+from pipeline.config import TeacherKind
+from pipeline.config_base import Strict
 
 LAYER_CONVENTION = "output_of_decoder_layer_k == hf_hidden_states[k+1] == sglang_capture_point[k+1]"
 

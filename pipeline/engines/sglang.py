@@ -25,9 +25,9 @@ import numpy as np
 import orjson
 import torch
 
-from pipeline.config import SGLangClientConfig
 from pipeline.credentials import without_credentials
 from pipeline.data.spilled_rows import SpilledRows
+from pipeline.engine_settings import SGLangClientConfig
 from pipeline.engines import (
     DEFAULT_TEACHER,
     Capture,

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import NgramServerSetting, ServingSampling, SGLangBenchConfig, SGLangClientConfig
+from pipeline.benchmark.settings import NgramServerSetting, ServingSampling, SGLangBenchConfig
+from pipeline.engine_settings import SGLangClientConfig
 from pipeline.engines import EngineError
 from pipeline.ops.registry import sglang_flags
 from pipeline.retrying import await_health

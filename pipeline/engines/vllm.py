@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from pipeline.config import VllmEngineConfig
+from pipeline.engine_settings import VllmEngineConfig
 from pipeline.engines import EngineError
 
 log = logging.getLogger(__name__)

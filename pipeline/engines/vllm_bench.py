@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import BenchmarkConfig, NgramLocalSetting, ServingSampling, VllmEngineConfig
+from pipeline.benchmark.settings import BenchmarkConfig, NgramLocalSetting, ServingSampling
+from pipeline.engine_settings import VllmEngineConfig
 from pipeline.engines.vllm import (
     SpecCounters,
     VllmEngine,

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
 
-from pipeline.config import VllmEngineConfig
+from pipeline.engine_settings import VllmEngineConfig
 from pipeline.engines import EngineError, EngineUnavailable, Generation, SamplingParams
 from pipeline.engines.vllm import VllmError, VllmGeneration, running_engine
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import orjson
 
-from pipeline.config import VllmServerClientConfig
 from pipeline.credentials import without_credentials
 from pipeline.engine_requests import post_json
+from pipeline.engine_settings import VllmServerClientConfig
 from pipeline.engines import (
     RETRYABLE_STATUS,
     EngineError,

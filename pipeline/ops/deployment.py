@@ -14,11 +14,13 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipeline.config import ConfigError, Strict, read_yaml_file, resolve_project_path, validation_problems
+from pipeline.config import ConfigError, validation_problems
+from pipeline.config_base import Strict, resolve_project_path
 from pipeline.ops.alerts import ALERT_EVENTS, AlertEvent
 from pipeline.ops.fleets import ServerFleet
 from pipeline.ops.watch import RetrainWatch
 from pipeline.stages import STAGES
+from pipeline.yaml_files import read_yaml_file
 
 DEFAULT_DEPLOYMENT = "configs/deployment/local.yaml"
 

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 
 from pydantic import Field
 
-from pipeline.config import ConfigError, RunConfig, Strict
+from pipeline.config import ConfigError, RunConfig
+from pipeline.config_base import Strict
 from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError
 from pipeline.retrying import answers_health
 

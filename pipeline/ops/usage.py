@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from pipeline import layout
-from pipeline.config import Strict
+from pipeline.config_base import Strict
 from pipeline.ids import validate_id
 from pipeline.records import RunCost, StageCost
 from pipeline.storage import ObjectStore

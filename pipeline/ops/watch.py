@@ -27,7 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 import requests
 from pydantic import Field, HttpUrl, field_validator, model_validator
 
-from pipeline.config import Strict
+from pipeline.config_base import Strict
 from pipeline.credentials import refuse_credentials
 from pipeline.layout import WatchName, watch_state_key
 

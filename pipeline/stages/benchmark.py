@@ -27,16 +27,15 @@ from typing import TYPE_CHECKING, Literal, TypeVar
 import torch
 
 from pipeline import layout
-from pipeline.config import (
-    DEFAULT_DOMAIN,
+from pipeline.benchmark.settings import (
     BenchmarkConfig,
     NgramLocalSetting,
     NgramServerSetting,
-    RunConfig,
     ServingSampling,
     SGLangBenchConfig,
     VllmBenchConfig,
 )
+from pipeline.config import DEFAULT_DOMAIN, RunConfig
 from pipeline.data.conversations import prompt_ids
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.decoding.batched import BatchedTarget, EagleRows, NgramRows, batched_speculative_decode

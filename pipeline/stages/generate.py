@@ -45,7 +45,7 @@ def make_engine(config: RunConfig) -> GenerationEngine:
 
         return VllmServerEngine(settings.vllm_server)
     if settings.engine == "vllm":
-        from pipeline.config import VllmEngineConfig
+        from pipeline.engine_settings import VllmEngineConfig
         from pipeline.engines.vllm_generate import VllmGenerateEngine
 
         return VllmGenerateEngine(

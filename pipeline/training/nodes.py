@@ -27,7 +27,8 @@ from typing import Any, Protocol
 
 import yaml
 
-from pipeline.config import StorageConfig, TrainConfig, resolve_project_path
+from pipeline.config import StorageConfig, TrainConfig
+from pipeline.config_base import resolve_project_path
 from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError, NotInCluster
 from pipeline.processes import start_process_group, stop_process_group
 

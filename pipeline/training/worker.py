@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from pipeline import layout
-from pipeline.config import RunConfig, resolve_project_path
+from pipeline.config import RunConfig
+from pipeline.config_base import resolve_project_path
 from pipeline.data.capture_contract import ContractMismatch
 from pipeline.drafter.export import (
     CONFIG_NAME,

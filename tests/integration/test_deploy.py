@@ -125,7 +125,7 @@ def test_dockerfiles_pin_what_pyproject_pins():
 
 
 def test_the_vllm_image_keeps_vllm_apart_at_the_version_the_pipeline_was_coded_to():
-    from pipeline.config import VllmEngineConfig
+    from pipeline.engine_settings import VllmEngineConfig
     from pipeline.engines.vllm import VLLM_VERSION
 
     vllm = _dockerfile("vllm")

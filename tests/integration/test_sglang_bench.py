@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pipeline.config import ServingSampling
+from pipeline.benchmark.settings import ServingSampling
 from pipeline.drafter.export import export_drafter
 from pipeline.engines.sglang_bench import (
     SGLangBenchmarkFailed,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from harness.sglang_standin import StandinBackend, serve
-from pipeline.config import SGLangClientConfig
+from pipeline.engine_settings import SGLangClientConfig
 from pipeline.engines import EngineError, SamplingParams, TeacherRequest
 from pipeline.engines.hf import HFEngine
 from pipeline.engines.sglang import SGLangEngine, parse_generation

@@ -89,7 +89,7 @@ def test_tree_drafting_output_equals_greedy(
 
 
 def test_the_ngram_sweep_times_every_setting_and_keeps_the_fastest(tiny_model, tiny_tokenizer, prompts):
-    from pipeline.config import BenchmarkConfig
+    from pipeline.benchmark.settings import BenchmarkConfig
     from pipeline.stages.benchmark import sweep_ngram
 
     settings = BenchmarkConfig(

@@ -284,7 +284,7 @@ def test_vllm_server_generates_what_hf_generates(stage_setup, hf_records, vllm_s
 
 
 def test_vllm_server_samples_reproducibly_per_seed(vllm_server, tiny_tokenizer):
-    from pipeline.config import VllmServerClientConfig
+    from pipeline.engine_settings import VllmServerClientConfig
     from pipeline.engines.vllm_openai import VllmServerEngine
 
     engine = VllmServerEngine(VllmServerClientConfig(**server_settings(vllm_server)))
@@ -306,7 +306,7 @@ def test_vllm_server_samples_reproducibly_per_seed(vllm_server, tiny_tokenizer):
 
 
 def test_vllm_server_refusal_is_an_engine_error_not_retried(vllm_server):
-    from pipeline.config import VllmServerClientConfig
+    from pipeline.engine_settings import VllmServerClientConfig
     from pipeline.engines.vllm_openai import VllmServerEngine
 
     engine = VllmServerEngine(VllmServerClientConfig(**server_settings(vllm_server)))

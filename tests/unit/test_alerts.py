@@ -141,7 +141,7 @@ def test_a_deadline_must_name_a_dag_and_be_positive(tmp_path, deadlines, problem
 
 
 def test_an_inconclusive_benchmark_has_its_own_alert_not_a_failure_or_a_refusal(tmp_path):
-    from pipeline.config import BenchmarkConfig
+    from pipeline.benchmark.settings import BenchmarkConfig
     from pipeline.failures import EXIT_INCONCLUSIVE, PERMANENT_EXIT_CODES, exit_code_for, exit_code_meaning
     from pipeline.records import RatioInterval
     from pipeline.stages.benchmark import promotion_decision

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pipeline.config import BenchmarkConfig
+from pipeline.benchmark.settings import BenchmarkConfig
 from pipeline.records import BenchDecision, RatioInterval
 from pipeline.spread import ratio_from_samples
 from pipeline.stages.benchmark import interval, promotion_decision
@@ -57,7 +57,7 @@ def test_paired_rounds_give_the_recorded_interval():
 
 
 def test_the_candidate_is_compared_with_ngram_at_its_fastest_setting():
-    from pipeline.config import NgramServerSetting
+    from pipeline.benchmark.settings import NgramServerSetting
     from pipeline.engines.sglang_bench import ngram_method_name
     from pipeline.stages.benchmark import paired_speedups, sglang_methods
 

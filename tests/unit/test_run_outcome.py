@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pipeline.config import BenchmarkConfig
+from pipeline.benchmark.settings import BenchmarkConfig
 from pipeline.failures import EXIT_FAILED, EXIT_GATE, EXIT_INCONCLUSIVE
 from pipeline.records import RatioInterval, RunSummary
 from pipeline.run import exit_code, format_table, promote_stop

@@ -4,7 +4,8 @@ tests/integration/test_sglang_bench.py."""
 
 import pytest
 
-from pipeline.config import ConfigError, NgramServerSetting, load_config
+from pipeline.benchmark.settings import NgramServerSetting
+from pipeline.config import ConfigError, load_config
 from pipeline.engines.sglang_bench import (
     SGLangBenchmarkFailed,
     batches,

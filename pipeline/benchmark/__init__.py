@@ -1,0 +1,1 @@
+"""The benchmark: engines behind one interface."""

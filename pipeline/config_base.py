@@ -1,0 +1,59 @@
+"""What every config section is built on: strict models that reject unknown keys, the error a config that
+cannot be used raises, URL checks, and where relative paths in a config are read from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from pipeline.credentials import refuse_credentials
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+SERVER_CREDENTIALS = (
+    "a server's credentials belong in connections and the environment, never in a URL of the run config"
+)
+
+
+def http_url(url: str, field: str, instead: str) -> str:
+    """`url`, or ValueError naming `field` when it holds credentials or does not start with http:// or
+    https://: clients given one without a scheme (botocore, requests) echo it whole in their errors."""
+    refuse_credentials(url, field, instead)
+    if not url.lower().startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        raise ValueError(f"{field} must start with http:// or https:// and name a host")
+    return url
+
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_project_path(path: str) -> Path:
+    """A path from a config: absolute, relative to the working directory, or else to the project root."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate.resolve()
+    return PROJECT_ROOT / candidate
+
+
+def refuse_replaced_keys(data: Any, keys: set[str], where: str, replacement: str) -> Any:
+    """A `mode="before"` check: keys a config section no longer takes are refused with what replaced them."""
+    removed = sorted(keys & set(data)) if isinstance(data, dict) else []
+    if removed:
+        raise ValueError(f"{where}.{removed[0]} was replaced by {replacement}")
+    return data
+
+
+def unique_labels(settings: list[Any], where: str) -> None:
+    labels = [setting.label for setting in settings]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ValueError(f"{where} lists the same setting twice: {repeated}")
