@@ -11,7 +11,8 @@ local copy (pipeline.drafter.export.copy_with_layer_ids, the ids export now writ
 `drafter_vllm_ids=`.
 
 Acceptance: vLLM's own speculative-decoding counters against the reference decoder's chain
-(pipeline.engines.vllm_bench.reference_acceptance: the same drafts, counted the way vLLM counts them).
+(pipeline.benchmark.reference.chain_acceptance with whole_chain: the same drafts, counted the way vLLM
+counts them), as the benchmark stage checks it with benchmark.reference_beside.
 Speed: the candidate and vLLM's plain greedy decoding, both engines alive at once, interleaved pass by pass
 (pipeline.spread.measure) until the 95% interval is --rel-width narrow or --budget-s runs out; prompts one at
 a time (batch size 1). Every output must equal the reference decoder's (its speculative decoding equals
@@ -80,19 +81,15 @@ def main() -> None:
     args = parse_args()
     import logging
 
+    from pipeline.benchmark.figures import histogram_acceptance
+    from pipeline.benchmark.reference import chain_acceptance
     from pipeline.benchmark.settings import BenchmarkConfig, VllmBenchConfig
+    from pipeline.benchmark.vllm import EngineSpec, measure_engines, running_engines, summed_counters
     from pipeline.cli import quiet_libraries
     from pipeline.config import load_config
     from pipeline.drafter.export import load_drafter, read_drafter_dir
     from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer
     from pipeline.engines.vllm import eagle3_speculation
-    from pipeline.engines.vllm_bench import (
-        EngineSpec,
-        measure_engines,
-        reference_acceptance,
-        running_engines,
-        summed_counters,
-    )
     from pipeline.stages.benchmark import heldout_prompts
     from pipeline.storage import open_store
 
@@ -114,8 +111,9 @@ def main() -> None:
         model = load_model(target_dir, trust_remote_code=config.target.trust_remote_code)
         drafter = load_drafter(drafter_dir, load_frozen_tensors(target_dir)["embed"].float())[0]
         aux_layer_ids = read_drafter_dir(drafter_dir)[2]["aux_layer_ids"]
-        reference = reference_acceptance(
-            model, drafter, aux_layer_ids, prompts, args.max_new_tokens, tokenizer.eos_token_id, steps
+        eos = tokenizer.eos_token_id
+        reference_outputs, histogram = chain_acceptance(
+            model, drafter, aux_layer_ids, prompts, args.max_new_tokens, eos, steps, whole_chain=True
         )
 
         settings = config.benchmark.vllm or VllmBenchConfig()
@@ -133,20 +131,20 @@ def main() -> None:
             passes, measured = measure_engines(engines, prompts, bench, [("candidate", "baseline")])
 
     mismatched = {
-        name: sum(o != r for run in runs for o, r in zip(run.outputs, reference.outputs, strict=True))
+        name: sum(o != r for run in runs for o, r in zip(run.outputs, reference_outputs, strict=True))
         for name, runs in passes.items()
     }
     if any(mismatched.values()):
         raise SystemExit(f"vLLM's outputs differ from the reference decoder's greedy outputs: {mismatched}")
     served = summed_counters(passes["candidate"])
     vllm_tau = served.tau() if served is not None else None
-    reference_tau = reference.spec.tau()
-    if served is None or vllm_tau is None or reference_tau is None:
+    reference_tau, reference_positions = histogram_acceptance(histogram)
+    if served is None or vllm_tau is None:
         raise SystemExit("no draft was verified: nothing to compare")
     report(vllm_version=vllm_version, outputs_equal_reference=True)
     report(
         vllm_acceptance_per_position=positions(served.per_position_acceptance()),
-        reference_acceptance_per_position=positions(reference.spec.per_position_acceptance()),
+        reference_acceptance_per_position=positions(reference_positions),
     )
     report(
         vllm_tau=vllm_tau,

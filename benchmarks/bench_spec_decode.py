@@ -36,12 +36,13 @@ def method_sides(config, store, train_uri: str, prompts_uri: str, record: dict, 
     Each call stores its outputs in `outputs[name]`, so they can be checked against greedy decoding."""
     import torch
 
+    from pipeline.benchmark.decoded import eagle_method, ngram_method
     from pipeline.benchmark.settings import NgramLocalSetting
     from pipeline.decoding.reference_decoder import TargetRunner, greedy_decode
     from pipeline.drafter.export import load_drafter, read_drafter_dir
     from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer
     from pipeline.records import DraftSetting
-    from pipeline.stages.benchmark import eagle_method, heldout_prompts, ngram_method
+    from pipeline.stages.benchmark import heldout_prompts
     from pipeline.stages.evaluate import local_drafter_dir
 
     settings = config.benchmark
@@ -63,7 +64,9 @@ def method_sides(config, store, train_uri: str, prompts_uri: str, record: dict, 
     methods = {
         "baseline": lambda p: greedy_decode(plain, p, new_tokens, eos),
         "ngram": ngram_method(plain, best_ngram, new_tokens, eos),
-        "candidate": eagle_method(with_aux, drafter, setting, new_tokens, eos),
+        "candidate": eagle_method(
+            with_aux, drafter, (setting.steps, setting.topk, setting.draft_tokens), new_tokens, eos
+        ),
     }
 
     def side(name: str):

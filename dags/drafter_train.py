@@ -95,17 +95,17 @@ def drafter_train():
 
     @stage_task("train")
     def train(run: dict) -> dict:
-        from pipeline.tasks import run_stage
+        from pipeline.tasks import stage_task
 
-        return run_stage(
+        return stage_task(
             "train", run["config"], run["run_id"], rates=run["rates"], dataset_uri=run["dataset_uri"]
         )
 
     @stage_task("evaluate")
     def evaluate(run: dict, trained: dict) -> dict:
-        from pipeline.tasks import run_stage
+        from pipeline.tasks import stage_task
 
-        return run_stage(
+        return stage_task(
             "evaluate",
             run["config"],
             run["run_id"],
@@ -131,10 +131,10 @@ def drafter_train():
 
     @stage_task("benchmark")
     def benchmark(run: dict, trained: dict, evaluation: dict, gated: dict) -> dict:
-        from pipeline.tasks import run_stage
+        from pipeline.tasks import stage_task
 
         inputs = {"train_uri": trained["uri"], "eval_uri": evaluation["uri"]}
-        return run_stage(
+        return stage_task(
             "benchmark",
             run["config"],
             run["run_id"],
@@ -154,10 +154,10 @@ def drafter_train():
 
     @worker_task("report")
     def report(run: dict | None, ti=None) -> dict:
-        from pipeline.tasks import run_stage
+        from pipeline.tasks import stage_task
 
         run = configured(run)
-        return show_report(ti, run_stage("report", run["config"], run["run_id"], rates=run["rates"]))
+        return show_report(ti, stage_task("report", run["config"], run["run_id"], rates=run["rates"]))
 
     # records what started the run; a cron run with nothing new (the production drafter's own dataset and
     # target) stops here: train and everything after it are skipped, and the log says why

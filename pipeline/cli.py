@@ -19,7 +19,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, EXIT_INCONCLUSIVE
+from pipeline.failures import EXIT_FAILED, EXIT_INCONCLUSIVE, exit_code_for
 from pipeline.stages import TABLE
 
 
@@ -255,17 +255,16 @@ def dispatch(args) -> int:
     store = open_store(config.storage)
     target = getattr(args, "target", None) or config.target.name
     if args.command == "run":
-        from pipeline.run import exit_code, format_table, new_run_id, run_all
+        from pipeline.run import format_table, new_run_id, run_all
 
         run_id = _new_run_id(args) if args.new_run else args.run_id or new_run_id()
-        summary, location = run_all(config, run_id, store)
-        print(format_table(summary))
-        if summary.failure:  # an inconclusive benchmark is no error: the table says what to do
-            level = logging.WARNING if summary.next_step else logging.ERROR
-            logging.getLogger("drafter").log(level, "%s", summary.failure)
-        print(f"report={summary.report}")
-        print(f"summary={location}")
-        return exit_code(summary)
+        result = run_all(config, run_id, store)
+        print(format_table(result.summary))
+        if result.stop is not None:
+            log_failure(args.command, result.stop, result.exit_code())
+        print(f"report={result.summary.report}")
+        print(f"summary={result.location}")
+        return result.exit_code()
     if args.command == "pull":
         return _pull(args, config, store, target)
     if args.command == "rollback":
@@ -405,12 +404,16 @@ def _plan(args, config) -> int:
 
 
 def _stage(args, config) -> int:
-    from pipeline.tasks import run_stage
+    from pipeline.run import local_rates
+    from pipeline.stages import run_stage
+    from pipeline.storage import open_store
 
     run_id = _require_run_id(args)
     entry = next(entry for entry in TABLE if entry.name == args.command)
-    inputs = {name: getattr(args, name) for name in entry.reads}
-    print(json.dumps(run_stage(args.command, config, run_id, **inputs)))
+    inputs = {name: value for name in entry.reads if (value := getattr(args, name)) is not None}
+    store = open_store(config.storage)
+    output = run_stage(args.command, config, run_id, store, rates=local_rates(config), **inputs)
+    print(json.dumps(output.model_dump()))
     return 0
 
 
@@ -418,33 +421,40 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_libraries()
     _setup_logging(args.verbose)
-    from pipeline.config import ConfigError
-    from pipeline.config_records import ConfigChanged
-    from pipeline.data.capture_contract import ContractMismatch
-    from pipeline.ids import InvalidIdError
-    from pipeline.stages.gate import GateFailed
-    from pipeline.stages.promote import BenchmarkInconclusive
-
     try:
         return dispatch(args)
-    except GateFailed as failure:
-        logging.getLogger("drafter").error("%s", failure)
-        return EXIT_GATE
-    except BenchmarkInconclusive as unsure:  # an outcome, not an error: one line with what to do
-        logging.getLogger("drafter").warning("%s", unsure)
-        return EXIT_INCONCLUSIVE
-    except ConfigChanged as changed:  # a rerun of a run id under another config: say how to start anew
-        logging.getLogger("drafter").error("%s; %s", changed, new_run_hint(args.command))
-        return EXIT_BAD_INPUT
-    except (ConfigError, InvalidIdError, ContractMismatch) as bad:
-        logging.getLogger("drafter").error("%s", bad)
-        return EXIT_BAD_INPUT
-    except ValueError as bad:  # malformed files or records handed in: the message names the problem
-        logging.getLogger("drafter").error("%s: %s", type(bad).__name__, bad)
-        return EXIT_BAD_INPUT
-    except RuntimeError as failure:
-        logging.getLogger("drafter").error("%s: %s", type(failure).__name__, failure)
-        return EXIT_FAILED
+    except Exception as failure:
+        code = exit_code_for(failure)
+        if code == EXIT_FAILED and not isinstance(failure, RuntimeError):
+            raise  # not a failure the table knows: a defect, shown whole
+        log_failure(args.command, failure, code)
+        return code
+
+
+def plainly_told() -> tuple[type[BaseException], ...]:
+    """Failures whose message says all there is (no type name before it)."""
+    from pipeline.config import ConfigError
+    from pipeline.data.capture_contract import ContractMismatch
+    from pipeline.ids import InvalidIdError
+    from pipeline.promotion import GateFailed, PromotionRefused
+
+    return GateFailed, PromotionRefused, ConfigError, InvalidIdError, ContractMismatch
+
+
+def log_failure(command: str, failure: BaseException, code: int) -> None:
+    """What stopped the command, at the level its exit code calls for: an inconclusive benchmark is an
+    outcome, not an error; a rerun under another config says how to start anew."""
+    from pipeline.config_records import ConfigChanged
+
+    logger = logging.getLogger("drafter")
+    if code == EXIT_INCONCLUSIVE:
+        logger.warning("%s", failure)
+    elif isinstance(failure, ConfigChanged):
+        logger.error("%s; %s", failure, new_run_hint(command))
+    elif isinstance(failure, plainly_told()):
+        logger.error("%s", failure)
+    else:
+        logger.error("%s: %s", type(failure).__name__, failure)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,17 @@
-"""Which failures a retry cannot fix, and how a task process reports them to its scheduler.
+"""The one table from a failure to its exit code, and how a task process reports it to its scheduler.
 
-A bad config, a capture-contract mismatch, a failed parity check, a rejected gate, a refused
-promotion or a promotion an inconclusive benchmark stopped (its stored record decides) fail the same way
-however often they are retried, so schedulers fail them at once and retry only what can pass on a
-second try (servers down, throttling, a preempted node). A task that runs as its own process (a
-Kubernetes pod) says which kind it was through its exit code.
+`drafter run`, every `drafter <stage>` subcommand and every task pod end a failure with `exit_code_for`:
+
+    1  anything a retry may fix: servers down, throttling, a preempted node, a failed stage
+    2  bad input no retry can fix: a config, capture contract, id, parity check, target, checkpoint, a
+       malformed file or record (a ValueError), a Kubernetes request refused for good
+    3  a rejected candidate: the gate failed, or the promotion was refused (slower, not measurably faster,
+       an acceptance that differs from the reference decoder's)
+    4  an inconclusive benchmark: it could not tell whether the candidate is faster; nothing promoted
+
+Codes 2-4 fail the same way however often they are retried, so schedulers fail them at once and retry only
+what can pass on a second try. A task that runs as its own process (a Kubernetes pod) says which kind it
+was through its exit code (`report_permanent_failures_by_exit_code`).
 """
 
 from __future__ import annotations
@@ -14,45 +21,46 @@ import sys
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
-EXIT_GATE = 3
+EXIT_GATE = 3  # a rejected candidate: the gate, or a refused promotion
 # the benchmark could not tell whether the candidate is faster: nothing promoted, and not a refusal
 EXIT_INCONCLUSIVE = 4
 PERMANENT_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_GATE, EXIT_INCONCLUSIVE})
 POD_EXIT_CODES_ENV = "DRAFTER_PERMANENT_EXIT_CODES"
 
 
-def _bad_input_types() -> tuple[type[BaseException], ...]:
+def failure_table() -> tuple[tuple[tuple[type[BaseException], ...], int], ...]:
+    """Each kind of failure and its exit code, the first row that matches wins; anything else is
+    EXIT_FAILED. (The types are imported here, when a failure is looked up, not when a task module loads.)"""
     from pipeline.config import ConfigError
     from pipeline.data.capture_contract import ContractMismatch
     from pipeline.engines.parity import ParityFailed
     from pipeline.engines.target import TargetError
     from pipeline.ids import InvalidIdError
+    from pipeline.promotion import BenchmarkInconclusive, GateFailed, PromotionRefused
     from pipeline.training.checkpoint_digests import CheckpointRefused
 
-    return ConfigError, ContractMismatch, InvalidIdError, ParityFailed, TargetError, CheckpointRefused
-
-
-def _rejection_types() -> tuple[type[BaseException], ...]:
-    from pipeline.stages.gate import GateFailed
-    from pipeline.stages.promote import PromotionRefused
-
-    return GateFailed, PromotionRefused
+    return (
+        ((BenchmarkInconclusive,), EXIT_INCONCLUSIVE),
+        ((GateFailed, PromotionRefused), EXIT_GATE),
+        (
+            (ConfigError, ContractMismatch, InvalidIdError, ParityFailed, TargetError, CheckpointRefused),
+            EXIT_BAD_INPUT,
+        ),
+        # malformed files or records handed in (pydantic's ValidationError, JSON, encodings): the message
+        # names the problem
+        ((ValueError,), EXIT_BAD_INPUT),
+    )
 
 
 def exit_code_for(error: BaseException) -> int:
-    """EXIT_BAD_INPUT for input no retry can fix, EXIT_GATE for a rejected candidate, EXIT_INCONCLUSIVE for
-    a benchmark that could not tell, else EXIT_FAILED."""
-    from pipeline.stages.promote import BenchmarkInconclusive
-
-    if isinstance(error, BenchmarkInconclusive):
-        return EXIT_INCONCLUSIVE
-    if isinstance(error, _rejection_types()):
-        return EXIT_GATE
-    if isinstance(error, _bad_input_types()):
-        return EXIT_BAD_INPUT
+    """The exit code of a failure: its row of `failure_table`, a Kubernetes request refused for good (RBAC,
+    no such object) as bad input, else EXIT_FAILED."""
+    for kinds, code in failure_table():
+        if isinstance(error, kinds):
+            return code
     from pipeline.ops.kube_api import KubernetesApiError
 
-    if isinstance(error, KubernetesApiError) and not error.transient:  # RBAC refused, no such object
+    if isinstance(error, KubernetesApiError) and not error.transient:
         return EXIT_BAD_INPUT
     return EXIT_FAILED
 
@@ -77,7 +85,7 @@ def is_permanent(error: BaseException) -> bool:
 
 def report_permanent_failures_by_exit_code() -> None:
     """In a task process whose scheduler reads exit codes (a pod: the deployment sets
-    DRAFTER_PERMANENT_EXIT_CODES=1), end an uncaught permanent failure with its exit code instead of
+    DRAFTER_PERMANENT_EXIT_CODES=1), end an uncaught failure with its exit code (`exit_code_for`) instead of
     Python's 1, after printing the traceback as usual."""
     if os.environ.get(POD_EXIT_CODES_ENV) != "1":
         return

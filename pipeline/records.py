@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.config import DEFAULT_DOMAIN, GateConfig, RunConfig
 from pipeline.data.capture_contract import CaptureContract
@@ -453,16 +453,10 @@ class UndecidedSpeedup(Record):
 
 # faster: promotable; slower: some interval under its threshold (or behind the incumbent); inconclusive:
 # none decided against, some too wide to tell; refused: otherwise (a batch size the rule needs was not
-# measured, or an interval as narrow as benchmark.ci_rel_width still holds its threshold)
-BenchVerdict = Literal["faster", "slower", "inconclusive", "refused"]
-# how a run stopped by its benchmark ends (`drafter run`'s summary, the report, `drafter status`)
-# `drafter run`'s outcome by the benchmark's verdict. "refused": an interval as narrow as the benchmark
-# aims for (benchmark.ci_rel_width) still holds the required speedup, so more rounds would not tell either.
-BENCH_OUTCOMES: dict[str, str] = {
-    "slower": "refused: slower",
-    "refused": "refused: not measurably faster",
-    "inconclusive": "inconclusive, not promoted",
-}
+# measured, or an interval as narrow as benchmark.ci_rel_width still holds its threshold); mismatch: the
+# serving engine's acceptance differs from the reference decoder's past benchmark.acceptance_tolerance.
+# What each means to a person: pipeline.promotion.BENCH_OUTCOMES
+BenchVerdict = Literal["faster", "slower", "inconclusive", "refused", "mismatch"]
 
 
 class BenchDecision(Record):
@@ -494,8 +488,9 @@ class SampledBench(Record):
 
 
 class RealEngineFigures(Record):
-    """The local benchmark's candidate also served by a real engine (benchmark.beside_reference): vLLM's
-    acceptance beside the reference decoder's on the same prompts and drafts, and vLLM's own speedup."""
+    """Records written before the serving engine decided (benchmark.vllm_beside_reference): the reference
+    decoder's candidate also served by vLLM, its acceptance beside the reference decoder's and vLLM's own
+    speedup. Read, never written now (BenchSummary.acceptance and BenchRecord.beside took its place)."""
 
     engine: Literal["vllm"]
     engine_version: str
@@ -508,6 +503,23 @@ class RealEngineFigures(Record):
     baseline_tok_s: float
     drafter_tok_s: float
     speedup_vs_baseline: RatioInterval
+
+
+class AcceptanceCheck(Record):
+    """The serving engine's acceptance against the reference decoder's, on the same prompts, drafter and
+    chain, the reference decoder's drafts counted as the serving engine counts them: a relative difference of
+    tau past `tolerance` (benchmark.acceptance_tolerance) refuses the candidate, as the engine would then
+    serve other drafts than the ones the evaluation and the reference decoder judged."""
+
+    engine: str
+    draft_steps: int
+    tau: float  # the serving engine's, of the candidate
+    reference_tau: float
+    rel_diff: float  # |tau - reference_tau| / reference_tau
+    tolerance: float
+    passed: bool
+    acceptance_per_position: list[float]
+    reference_acceptance_per_position: list[float]
 
 
 class BatchFigures(Record):
@@ -535,12 +547,17 @@ class BatchBench(BatchFigures):
     ranked: list[DraftSetting] = Field(default_factory=list)
 
 
-class BenchSummary(Record):
-    """The headline of a benchmark: in the bench manifest and in a promoted version's lineage.
-    `speedup_vs_*` are the point estimates of `speedups` (the candidate over baseline, ngram, incumbent)."""
+# records written before the reference decoder's engine was named "reference"
+LEGACY_ENGINE_NAMES = {"local": "reference"}
 
-    engine: Literal["local", "sglang", "vllm"]
-    engine_version: str | None = None  # the vLLM engine: vLLM's version
+
+class BenchSummary(Record):
+    """The headline of a benchmark: in the bench manifest and in a promoted version's lineage; the figures
+    of the engine whose speed decided (`engine`). `speedup_vs_*` are the point estimates of `speedups` (the
+    candidate over baseline, ngram, incumbent)."""
+
+    engine: str  # a name of pipeline.benchmark.ENGINES
+    engine_version: str | None = None  # a real engine's version (vLLM's, SGLang's)
     draft_steps: int
     topk: int
     draft_tokens: int
@@ -551,22 +568,28 @@ class BenchSummary(Record):
     speedup_vs_baseline: float
     speedup_vs_ngram: float
     speedups: dict[str, RatioInterval]
-    real_engine: RealEngineFigures | None = None  # the local engine with benchmark.vllm_beside_reference
+    # the serving engine's acceptance against the reference decoder's (benchmark.reference_beside)
+    acceptance: AcceptanceCheck | None = None
+    real_engine: RealEngineFigures | None = None  # records written before the serving engine decided
     batch_size: int = 1  # of the figures above: requests in flight on SGLang
     batch_figures: list[BatchFigures] = Field(default_factory=list)  # at the other measured batch sizes
 
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_of_earlier_records(cls, engine: Any) -> Any:
+        return LEGACY_ENGINE_NAMES.get(engine, engine) if isinstance(engine, str) else engine
 
-class BenchRecord(BenchSummary, StageRecord):
-    KIND: ClassVar[str] = "bench"
 
-    run_id: str
+class EngineBench(BenchSummary):
+    """Everything one engine measured (pipeline.benchmark: each engine's `measure`): the headline, every
+    method's figures, and what it measured beside them."""
+
     prompts: int
     max_new_tokens: int
     methods: BenchMethods
-    speed_model: SpeedModel | None = None  # the local engine only
-    decision: BenchDecision
+    speed_model: SpeedModel | None = None  # the reference decoder, when it chose the setting by timing
     ngram_sweep: NgramSweep | None = None  # None in records written before n-gram settings were swept
-    # per held-out domain, every method's figures on that domain's prompts (the local engine; {} elsewhere)
+    # per held-out domain, every method's figures on that domain's prompts (the reference decoder)
     domains: dict[str, BenchMethods] = Field(default_factory=dict)
     sampled: SampledBench | None = None  # at the serving temperature (None: not measured)
     batches: list[BatchBench] = Field(default_factory=list)  # the batch sizes beside the headline's
@@ -584,6 +607,18 @@ class BenchRecord(BenchSummary, StageRecord):
             for batch in self.batches
         ]
         return summary
+
+
+class BenchRecord(EngineBench, StageRecord):
+    """runs/<run_id>/bench/bench.json: the figures of the engine that decided (benchmark.engine), the
+    decision made on them (pipeline.promotion), and what was measured beside them, reported, not decisive
+    (`beside`: the reference decoder's own timing, by engine name)."""
+
+    KIND: ClassVar[str] = "bench"
+
+    run_id: str
+    decision: BenchDecision
+    beside: dict[str, EngineBench] = Field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- promote
@@ -677,7 +712,11 @@ class RunSummary(FileRecord):
     speedup_vs_baseline: float | None = None
     speedup_vs_ngram: float | None = None
     speedups: dict[str, RatioInterval] | None = None  # the speedups' intervals (BenchSummary.speedups)
-    real_engine: RealEngineFigures | None = None  # the candidate served by vLLM (BenchRecord.real_engine)
+    bench_engine: str | None = None  # the engine whose speed decided (BenchSummary.engine)
+    bench_engine_version: str | None = None
+    acceptance: AcceptanceCheck | None = None  # the serving engine's against the reference decoder's
+    # the reference decoder's own speedups, measured beside the serving engine, not decisive
+    reference_speedups: dict[str, RatioInterval] | None = None
     promoted_version: str | None = None
     registry_uri: str | None = None
     pulled_to: str | None = None

@@ -23,26 +23,28 @@ def retrying(
     jitter: bool = False,
     deadline: float | None = None,
     note: Callable[[BaseException, int, float], object] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> Retrying:
     """Call with `retrying(...)(function, *args)`: up to `attempts` calls while `function` raises one of
     `retry_on`; any other error, and the last one once attempts or time run out, is raised as it is.
 
-    The pause doubles from `first_pause_s` up to `max_pause_s`, never reaches past `deadline` (a
-    time.monotonic() value; no attempt is scheduled after it, though a pause may overshoot by the OS's
-    timer slack) and, with `jitter`, is scaled by 0.5 to 1.5 so that
-    clients failing together do not retry together. `note(error, retry_number, pause_s)` runs before each
-    pause (for the log line)."""
+    The pause doubles from `first_pause_s` up to `max_pause_s`, never reaches past `deadline` (a `clock()`
+    value, time.monotonic's by default; no attempt is scheduled after it, though a pause may overshoot by the
+    OS's timer slack) and, with `jitter`, is scaled by 0.5 to 1.5 so that clients failing together do not
+    retry together. `note(error, retry_number, pause_s)` runs before each pause (for the log line); the
+    pauses are `sleep`'s."""
 
     def pause(state: RetryCallState) -> float:
         seconds = min(max_pause_s, first_pause_s * 2 ** (state.attempt_number - 1))
         if deadline is not None:
-            seconds = min(seconds, max(0.0, deadline - time.monotonic()))
+            seconds = min(seconds, max(0.0, deadline - clock()))
         return seconds * (0.5 + random.random()) if jitter else seconds
 
     def stop(state: RetryCallState) -> bool:
         if state.attempt_number >= attempts:
             return True
-        return deadline is not None and time.monotonic() + (state.upcoming_sleep or 0.0) >= deadline
+        return deadline is not None and clock() + (state.upcoming_sleep or 0.0) >= deadline
 
     def before_sleep(state: RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
@@ -55,18 +57,26 @@ def retrying(
         wait=pause,
         before_sleep=before_sleep,
         reraise=True,
+        sleep=sleep,
     )
 
 
-def poll_until(ready: Callable[[], bool], timeout_s: float, poll_s: float) -> bool:
-    """Call `ready()` every `poll_s` until it is true (True) or `timeout_s` has passed (False). An error
-    `ready()` raises ends the wait at once."""
-    deadline = time.monotonic() + timeout_s
+def poll_until(
+    ready: Callable[[], bool],
+    timeout_s: float,
+    poll_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Call `ready()` every `poll_s` until it is true (True) or `timeout_s` has passed on `clock` (False).
+    An error `ready()` raises ends the wait at once."""
+    deadline = clock() + timeout_s
     poller = Retrying(
         retry=retry_if_result(lambda done: not done),
-        stop=lambda state: time.monotonic() >= deadline,
-        wait=lambda state: min(poll_s, max(0.0, deadline - time.monotonic())),
+        stop=lambda state: clock() >= deadline,
+        wait=lambda state: min(poll_s, max(0.0, deadline - clock())),
         retry_error_callback=lambda state: False,
+        sleep=sleep,
     )
     return bool(poller(ready))
 

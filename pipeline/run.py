@@ -4,42 +4,46 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.config_records import artifact_record, require_same, run_record
-from pipeline.failures import EXIT_FAILED, EXIT_GATE, EXIT_INCONCLUSIVE
+from pipeline.failures import exit_code_for
 from pipeline.ids import MAX_ID_LENGTH
 from pipeline.manifest import read_manifest
 from pipeline.ops import registry
-from pipeline.ops.usage import Rates, cost_rows, metered, read_usage, run_cost, usage_rates
-from pipeline.records import (
-    BENCH_OUTCOMES,
-    BenchDecision,
-    BenchRecord,
-    EvalRecord,
-    RunSummary,
-    read_dataset,
-    read_record,
+from pipeline.ops.usage import Rates, cost_rows, read_usage, run_cost, usage_rates
+from pipeline.promotion import (
+    OUTCOMES,
+    BenchmarkInconclusive,
+    GateFailed,
+    PromotionRefused,
+    stop_outcome,
 )
+from pipeline.records import BenchRecord, EvalRecord, RunSummary, read_dataset, read_record
 from pipeline.stages import TABLE, StageOutput, run_stage
-from pipeline.stages.gate import GateFailed
-from pipeline.stages.promote import BenchmarkInconclusive, PromotionRefused
 from pipeline.stages.promote import Output as PromoteOutput
 from pipeline.stages.report import Output as ReportOutput
 from pipeline.storage import ObjectStore, open_store
 
 log = logging.getLogger(__name__)
 Stop = GateFailed | PromotionRefused | BenchmarkInconclusive
-# `drafter run`'s exit code by its outcome (README, "Exit codes"); any other outcome exits 0
-RUN_EXIT_CODES = {
-    "gate failed": EXIT_GATE,
-    "promotion refused": EXIT_FAILED,
-    BENCH_OUTCOMES["slower"]: EXIT_FAILED,
-    BENCH_OUTCOMES["refused"]: EXIT_FAILED,
-    BENCH_OUTCOMES["inconclusive"]: EXIT_INCONCLUSIVE,
-}
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What `drafter run` ended with: its summary, where the summary is, and the failed gate, refused
+    promotion or inconclusive benchmark that stopped it early, if one did."""
+
+    summary: RunSummary
+    location: str
+    stop: Stop | None = None
+
+    def exit_code(self) -> int:
+        """`drafter run`'s exit code: the stop's row of the one table (pipeline.failures), else 0."""
+        return 0 if self.stop is None else exit_code_for(self.stop)
 
 
 def new_run_id(stem: str | None = None) -> str:
@@ -86,8 +90,7 @@ def run_stages(
         if not entry.in_run or entry.name == "report":
             continue
         try:
-            with metered(store, run_id, entry.name, entry.name, rates):
-                outputs[entry.name] = run_stage(entry.name, config, run_id, store)
+            outputs[entry.name] = run_stage(entry.name, config, run_id, store, rates=rates)
         except (GateFailed, PromotionRefused, BenchmarkInconclusive) as stopped:
             return outputs, stopped
     return outputs, None
@@ -129,6 +132,7 @@ def epoch_selection(train_result: dict[str, Any]) -> dict[str, Any]:
 def _bench_summary(store: ObjectStore, bench_uri: str) -> dict[str, Any]:
     bench = read_record(store, bench_uri, BenchRecord)
     headline = bench.summary()
+    reference = bench.beside.get("reference")
     return {
         "tau_simulated": headline.tau_simulated,
         "tau_measured": headline.tau_measured,
@@ -139,7 +143,10 @@ def _bench_summary(store: ObjectStore, bench_uri: str) -> dict[str, Any]:
         "speedups": headline.speedups,
         "ngram_tok_s": bench.methods.ngram.tok_s,
         "ngram_best_setting": bench.ngram_sweep.best if bench.ngram_sweep else None,
-        "real_engine": bench.real_engine,
+        "bench_engine": headline.engine,
+        "bench_engine_version": headline.engine_version,
+        "acceptance": headline.acceptance,
+        "reference_speedups": reference.speedups if reference is not None else None,
     }
 
 
@@ -147,7 +154,7 @@ def _promotion_summary(config: RunConfig, run_id: str, store: ObjectStore, promo
     """The promoted version, pulled back from the registry as a serving engine would pull it."""
     assert isinstance(promoted, PromoteOutput)
     if not promoted.promoted:
-        return {"outcome": "not promoted (registry.promote is false)"}
+        return {"outcome": OUTCOMES["not_promoting"]}
     from pipeline.engines.target import describe_target  # torch: only once a run has promoted
 
     workdir = config.storage.run_workdir(run_id)
@@ -159,29 +166,27 @@ def _promotion_summary(config: RunConfig, run_id: str, store: ObjectStore, promo
         describe_target(config).model_dir,
     )
     return {
-        "outcome": "promoted",
+        "outcome": OUTCOMES["promoted"],
         "promoted_version": promoted.version,
         "registry_uri": promoted.registry_uri,
         "pulled_to": str(pulled),
     }
 
 
-def promote_stop(stop: PromotionRefused | BenchmarkInconclusive, decision: BenchDecision) -> dict[str, Any]:
-    """The summary's outcome of a run its promote stage stopped (`decision`: the benchmark's): inconclusive,
-    with what to do; refused as slower, or as not measurably faster; or refused otherwise (a gate that did not
-    pass)."""
+def stop_summary(stop: Stop) -> dict[str, Any]:
+    """The summary's outcome of a run its gate or promote stage stopped: in pipeline.promotion's words,
+    with every reason, and for an inconclusive benchmark what to do."""
+    fields: dict[str, Any] = {"outcome": stop_outcome(stop), "failure": str(stop)}
+    if isinstance(stop, GateFailed):
+        fields["gate_passed"] = False
     if isinstance(stop, BenchmarkInconclusive):
-        return {"outcome": BENCH_OUTCOMES["inconclusive"], "failure": str(stop), "next_step": stop.next_step}
-    return {"outcome": BENCH_OUTCOMES.get(decision.verdict, "promotion refused"), "failure": str(stop)}
+        fields["next_step"] = stop.next_step
+    return fields
 
 
-def exit_code(summary: RunSummary) -> int:
-    """`drafter run`'s exit code: a failed gate, a slower candidate and an inconclusive benchmark apart."""
-    return RUN_EXIT_CODES.get(summary.outcome, 0)
-
-
-def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) -> tuple[RunSummary, str]:
-    """Run prompts -> ... -> promote -> pull, then the report; returns (summary, summary location).
+def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) -> RunResult:
+    """Run prompts -> ... -> promote -> pull, then the report; returns the summary, where it is, and what
+    stopped the run early.
 
     A failed gate, a refused promotion or an inconclusive benchmark ends the run early but still writes
     the summary; its "outcome" says which, "failure" carries every reason, and for an inconclusive
@@ -192,17 +197,14 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
     store = store or open_store(config.storage)
     require_unchanged(config, run_id, store)
     store_trigger(store, run_id, {"kind": "command line", "reason": "drafter run"}, None)
-    outputs, failure = run_stages(config, run_id, store)
+    outputs, stop = run_stages(config, run_id, store)
     summary = _data_summary(store, run_id, config)
-    if isinstance(failure, GateFailed):
-        summary.update({"gate_passed": False, "outcome": "gate failed", "failure": str(failure)})
-    else:
-        summary["gate_passed"] = True
+    summary["gate_passed"] = not isinstance(stop, GateFailed)
+    if "benchmark" in outputs:
         summary.update(_bench_summary(store, outputs["benchmark"].uri))
-    if isinstance(failure, PromotionRefused | BenchmarkInconclusive):
-        decision = read_record(store, outputs["benchmark"].uri, BenchRecord).decision
-        summary.update(promote_stop(failure, decision))
-    elif failure is None:
+    if stop is not None:
+        summary.update(stop_summary(stop))
+    else:
         summary.update(_promotion_summary(config, run_id, store, outputs["promote"]))
     summary["cost"] = run_cost(
         read_usage(store, run_id), summary.get("baseline_tok_s"), summary.get("drafter_tok_s")
@@ -210,22 +212,29 @@ def run_all(config: RunConfig, run_id: str, store: ObjectStore | None = None) ->
     report = run_stage("report", config, run_id, store)
     assert isinstance(report, ReportOutput)
     record = RunSummary.model_validate({**summary, "report": report.link})
-    return record, summary_location(write_summary(store, run_id, record))
+    return RunResult(record, summary_location(write_summary(store, run_id, record)), stop)
 
 
-def real_engine_rows(summary: RunSummary) -> list[tuple[str, Any]]:
-    """The candidate served by a real engine beside the reference decoder (vllm_beside_reference)."""
-    served = summary.real_engine
-    if served is None:
+def bench_engine_rows(summary: RunSummary) -> list[tuple[str, Any]]:
+    """Which engine's speed decided, its acceptance against the reference decoder's, and the reference
+    decoder's own speedups measured beside it (not decisive)."""
+    if summary.bench_engine is None:
         return []
-    speedup = served.speedup_vs_baseline
-    return [
-        (f"{served.engine} {served.engine_version}: tau (reference)", [served.tau, served.reference_tau]),
-        (f"{served.engine}: acceptance per position", served.acceptance_per_position),
-        ("  reference decoder's", served.reference_acceptance_per_position),
-        (f"{served.engine}: speedup vs its baseline", speedup.ratio),
-        (f"  {speedup.confidence:.0%} interval", [speedup.ci_low, speedup.ci_high]),
-    ]
+    engine = " ".join(filter(None, (summary.bench_engine, summary.bench_engine_version)))
+    rows: list[tuple[str, Any]] = [("speed decided by", engine)]
+    check = summary.acceptance
+    if check is not None:
+        rows += [
+            (f"tau in {check.engine} (reference decoder)", [check.tau, check.reference_tau]),
+            (f"  relative difference (tolerance {check.tolerance})", check.rel_diff),
+            (f"{check.engine}: acceptance per position", check.acceptance_per_position),
+            ("  reference decoder's", check.reference_acceptance_per_position),
+        ]
+    for other, speedup in (summary.reference_speedups or {}).items():
+        rows.append(
+            (f"reference decoder beside: vs {other}", [speedup.ratio, speedup.ci_low, speedup.ci_high])
+        )
+    return rows
 
 
 def format_table(summary: RunSummary) -> str:
@@ -249,12 +258,12 @@ def format_table(summary: RunSummary) -> str:
         ("n-gram tok/s", summary.ngram_tok_s),
         ("n-gram best setting", summary.ngram_best_setting),
         ("drafter tok/s", summary.drafter_tok_s),
+        *bench_engine_rows(summary),
         ("speedup vs baseline", summary.speedup_vs_baseline),
         *[
             (f"  {speedup.confidence:.0%} interval vs {other}", [speedup.ci_low, speedup.ci_high])
             for other, speedup in (summary.speedups or {}).items()
         ],
-        *real_engine_rows(summary),
         ("promoted version", summary.promoted_version),
         ("registry", summary.registry_uri),
         ("pulled to", summary.pulled_to),

@@ -21,13 +21,16 @@ StoppedBy = Literal["width", "decided", "budget", "max_rounds"]
 Decided = Callable[[Mapping[str, Sequence[float]]], bool]
 
 
-def timed(fn: Callable[[], object]) -> Side:
-    """A side that runs `fn` and returns the seconds it took (`time.perf_counter`)."""
+Clock = Callable[[], float]
+
+
+def timed(fn: Callable[[], object], clock: Clock = time.perf_counter) -> Side:
+    """A side that runs `fn` and returns the seconds it took on `clock`."""
 
     def side() -> float:
-        start = time.perf_counter()
+        start = clock()
         fn()
-        return time.perf_counter() - start
+        return clock() - start
 
     return side
 
@@ -183,6 +186,7 @@ def measure(
     max_rounds: int = 1000,
     warmup: int = 1,
     decided: Decided | None = None,
+    clock: Clock = time.perf_counter,
 ) -> Measurement:
     """Measure every side in interleaved rounds until the watched ratios are known well enough.
 
@@ -191,15 +195,15 @@ def measure(
     first `warmup` rounds are discarded. After at least `min_rounds` measured rounds it stops when
     every ratio in `ratios` (numerator, denominator) has a `confidence` interval with
     (ci_high - ci_low) / ratio <= `rel_width` ("width"), at `max_rounds` ("max_rounds"), or once
-    `budget_s` seconds have passed since the start, warm-up included ("budget"). With `decided`, that rule
-    replaces the ratios' widths: it stops once `decided(samples so far)` holds ("decided").
+    `budget_s` seconds have passed since the start on `clock`, warm-up included ("budget"). With `decided`,
+    that rule replaces the ratios' widths: it stops once `decided(samples so far)` holds ("decided").
     """
     _check_args(sides, ratios, min_rounds, max_rounds)
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must lie in (0, 1), got {confidence}")
     if rel_width <= 0 or warmup < 0:
         raise ValueError(f"need rel_width > 0 and warmup >= 0, got rel_width={rel_width}, warmup={warmup}")
-    start = time.perf_counter()
+    start = clock()
     for index in range(warmup):
         _run_round(sides, index)
     samples: dict[str, list[float]] = {name: [] for name in sides}
@@ -210,10 +214,10 @@ def measure(
             samples[name].append(value)
         index += 1
         stopped_by = _stop_reason(samples, ratios, confidence, rel_width, min_rounds, max_rounds, decided)
-        if stopped_by is None and index - warmup >= min_rounds and time.perf_counter() - start >= budget_s:
+        if stopped_by is None and index - warmup >= min_rounds and clock() - start >= budget_s:
             stopped_by = "budget"
     frozen = {name: tuple(values) for name, values in samples.items()}
-    return Measurement(frozen, index - warmup, stopped_by, confidence, time.perf_counter() - start)
+    return Measurement(frozen, index - warmup, stopped_by, confidence, clock() - start)
 
 
 def _rounds(samples: Mapping[str, Sequence[float]]) -> int:

@@ -24,7 +24,7 @@ report_permanent_failures_by_exit_code()
 log = logging.getLogger(__name__)
 
 
-def run_stage(
+def stage_task(
     stage: str,
     config: RunConfig | str | dict[str, Any],
     run_id: str,
@@ -33,18 +33,17 @@ def run_stage(
     rates: dict[str, Any] | None = None,
     **inputs: Any,
 ) -> dict[str, Any]:
-    """Run one stage of the stage table (pipeline.stages); its output as a dict. Inputs not given
-    (or None) default to the artifacts of `snapshot` (data, default: the run id) and `run_id`. With
-    `rates` (the configure step's), what the task held is recorded (pipeline.ops.usage)."""
+    """A scheduler's task of one stage (pipeline.stages.run_stage): the config as a path, a dict (what the
+    configure step resolved) or loaded, and the rates the configure step passed on; the stage's output as a
+    dict. Inputs not given (or None) default to the artifacts of `snapshot` (data, default: the run id) and
+    `run_id`."""
     from pipeline import stages
-    from pipeline.ops.usage import metered, rates_of
+    from pipeline.ops.usage import rates_of
 
     config = _as_config(config, overrides)
     store = open_store(config.storage)
     given = {name: value for name, value in inputs.items() if value is not None}
-    with metered(store, run_id, stage, stage, rates_of(rates)):
-        output = stages.run_stage(stage, config, run_id, store, snapshot, **given)
-    return output.model_dump()
+    return stages.run_stage(stage, config, run_id, store, snapshot, rates_of(rates), **given).model_dump()
 
 
 def gate_decision(
@@ -55,10 +54,10 @@ def gate_decision(
 ) -> dict[str, Any]:
     """The gate as a decision instead of an error: a scheduler skips promotion when `passed` is false.
     The decision record is stored either way."""
-    from pipeline.stages.gate import GateFailed
+    from pipeline.promotion import GateFailed
 
     try:
-        return run_stage("gate", config, run_id, overrides, **inputs)
+        return stage_task("gate", config, run_id, overrides, **inputs)
     except GateFailed as failed:
         return {"passed": False, "reasons": failed.reasons}
 
@@ -72,10 +71,10 @@ def promotion_outcome(
     """The promote stage with an inconclusive benchmark as an outcome instead of an error, as `gate_decision`
     takes a rejection: nothing is promoted, and the result says why and what to do (`inconclusive_notice`
     alerts it). A slower candidate still fails the task (PromotionRefused)."""
-    from pipeline.stages.promote import BenchmarkInconclusive
+    from pipeline.promotion import BenchmarkInconclusive
 
     try:
-        return run_stage("promote", config, run_id, overrides, **inputs)
+        return stage_task("promote", config, run_id, overrides, **inputs)
     except BenchmarkInconclusive as unsure:
         log.warning("%s", unsure)
         return {"promoted": False, **unsure.outcome()}
@@ -85,7 +84,7 @@ def inconclusive_notice(run: dict[str, Any], promoted: dict[str, Any]) -> dict[s
     """The alert for a benchmark that could not tell whether the candidate is faster (None for any other
     outcome of the promote task). `promoted`: what `promotion_outcome` returned."""
     from pipeline.ops.alerts import inconclusive_alert
-    from pipeline.records import BENCH_OUTCOMES
+    from pipeline.promotion import BENCH_OUTCOMES
 
     if promoted.get("outcome") != BENCH_OUTCOMES["inconclusive"]:
         return None

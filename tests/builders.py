@@ -14,13 +14,29 @@ from pathlib import Path
 import torch
 
 from pipeline.benchmark.settings import SGLangBenchConfig
-from pipeline.config import load_config
+from pipeline.config import GateConfig, load_config
 from pipeline.data.capture_shards import CaptureSample
 from pipeline.drafter.export import export_drafter
 from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape, architecture_norms
 from pipeline.engines.tiny_target import KIMI_MAX_POSITION_EMBEDDINGS, KIMI_ROPE_PARAMETERS
 from pipeline.ops.watch import ServedAcceptanceWatch
-from pipeline.records import EvalRecord, IncumbentSkipped
+from pipeline.records import (
+    BenchDecision,
+    BenchMethods,
+    BenchRecord,
+    DraftSetting,
+    EvalRecord,
+    GateCheck,
+    GateRecord,
+    IncumbentSkipped,
+    MeasuredCosts,
+    MethodResult,
+    PredictedVsMeasured,
+    RatioInterval,
+    SpeedModel,
+)
+from pipeline.storage import open_store
+from tests.conftest import storage_config, tiny_config_dict
 
 # the target layers a 6-layer tiny target's drafter reads
 AUX = [1, 2, 3]
@@ -284,3 +300,162 @@ def acceptance_watch(**settings) -> ServedAcceptanceWatch:
         {"metrics_urls": ["http://127.0.0.1:1/metrics"], "floor": 2.0, "window_s": 100, **settings}
         | {"min_verify_calls": settings.get("min_verify_calls", 10)}
     )
+
+
+def gate_record(reasons: list[str] | None = None) -> GateRecord:
+    return GateRecord(
+        run_id="r1",
+        thresholds=GateConfig(min_cond_acc=[0.3], min_tau_simulated=1.3),
+        passed=True,
+        checks=[GateCheck(check="cond_acc_0", value=0.8, threshold=0.3, passed=True)],
+        reasons=reasons or ["cond_acc_0 = 0.8000 >= 0.3000"],
+    )
+
+
+def speculative(seconds: float, tok_s: float, tau: float, histogram: list[int]) -> MethodResult:
+    """A speculative method's figures over 128 tokens in two rounds."""
+    return MethodResult(
+        tokens=128,
+        seconds=seconds,
+        tok_s=tok_s,
+        round_tok_s=[tok_s - 1, tok_s + 1],
+        tau_measured=tau,
+        accepted_histogram=histogram,
+    )
+
+
+def bench_record(decision: BenchDecision | None = None) -> BenchRecord:
+    """A reference-decoder benchmark's record: two draft steps, baseline and n-gram beside the candidate."""
+    setting = DraftSetting(steps=2, topk=1, draft_tokens=3, tau=2.3, tok_s=50.0, speedup=1.6)
+    headline = {"engine": "reference", "draft_steps": 2, "topk": 1, "draft_tokens": 3, "tau_simulated": 2.3}
+    return BenchRecord(
+        **headline,
+        tau_measured=2.1,
+        baseline_tok_s=30.0,
+        drafter_tok_s=48.0,
+        speedup_vs_baseline=1.6,
+        speedup_vs_ngram=1.2,
+        speedups={
+            "baseline": RatioInterval(ratio=1.6, ci_low=1.5, ci_high=1.7, confidence=0.95, rounds=8),
+            "ngram": RatioInterval(ratio=1.2, ci_low=1.1, ci_high=1.3, confidence=0.95, rounds=8),
+        },
+        run_id="r1",
+        prompts=4,
+        max_new_tokens=32,
+        methods=BenchMethods(
+            baseline=MethodResult(tokens=128, seconds=4.0, tok_s=30.0, round_tok_s=[29.0, 31.0]),
+            ngram=speculative(3.2, 40.0, 1.3, [5, 2]),
+            candidate=speculative(2.7, 48.0, 2.1, [3, 4, 5]),
+        ),
+        speed_model=SpeedModel(
+            costs=MeasuredCosts(
+                target_step=0.01, verify_chain={"3": 0.012}, verify_tree={}, draft={"1": 0.002}
+            ),
+            chosen=setting,
+            calibration=[],
+            predicted_vs_measured=PredictedVsMeasured(tau=(2.3, 2.1), speedup=(1.6, 1.6)),
+            ranked=[setting],
+        ),
+        decision=decision
+        or BenchDecision(promotable=True, reasons=["candidate/baseline speed 1.600 >= required 1.0"]),
+    )
+
+
+class TokenizerSpy:
+    """The tiny target's tokenizer, noting the longest text it was asked to template or tokenize."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.longest = 0
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def apply_chat_template(self, messages, **options):
+        self.longest = max(self.longest, sum(len(message["content"]) for message in messages))
+        return self.tokenizer.apply_chat_template(messages, **options)
+
+    def __call__(self, texts, **options):
+        self.longest = max(self.longest, *(len(text) for text in texts))
+        return self.tokenizer(texts, **options)
+
+
+def one_source_prompts_config(tmp_path: Path, source: dict) -> tuple:
+    """A tiny test config whose prompts come from `source` alone (8 samples, none held out), and its store."""
+    data = tiny_config_dict(storage_config("file", tmp_path, None))
+    data["prompts"] = {"sources": [source], "eval_fraction": 0.0, "num_samples": 8}
+    config = load_config(data=data)
+    return config, open_store(config.storage)
+
+
+def failure(kind: str) -> BaseException:
+    """One failure of each kind the exit-code table (pipeline.failures) names, by a name of FAILURE_KINDS:
+    built here so that a test and a pod script it starts raise the same."""
+    from pipeline.benchmark.job import BenchmarkFailed
+    from pipeline.config import ConfigError
+    from pipeline.data.capture_contract import ContractMismatch
+    from pipeline.ids import InvalidIdError
+    from pipeline.ops.kube_api import KubernetesApiError
+    from pipeline.promotion import BenchmarkInconclusive, GateFailed, PromotionRefused
+    from pipeline.records import BenchDecision, RecordError
+    from pipeline.storage import StorageError
+    from pipeline.training.checkpoint_digests import CheckpointRefused
+
+    unsure = BenchDecision(
+        promotable=False,
+        reasons=["candidate/baseline 1.2 (0.5-3.0)"],
+        verdict="inconclusive",
+        next_step="rerun",
+    )
+    made = {
+        "gate rejected": lambda: GateFailed(
+            "gate failed for run r1:\n  cond_acc_0 = 0.1 < 0.3", ["cond_acc_0"]
+        ),
+        "refused: slower": lambda: PromotionRefused("refused: slower: candidate/baseline 0.8", "slower"),
+        "refused: acceptance": lambda: PromotionRefused("refused: acceptance differs", "mismatch"),
+        "inconclusive": lambda: BenchmarkInconclusive(unsure),
+        "config": lambda: ConfigError("benchmark.engine 'x' is none of reference, vllm, sglang"),
+        "contract": lambda: ContractMismatch("aux layer ids [1, 2] != [1, 3]"),
+        "id": lambda: InvalidIdError("run id '../x' is not an id"),
+        "parity": lambda: _parity_failed(),
+        "target": lambda: _target_error(),
+        "checkpoint": lambda: CheckpointRefused("checkpoint tag t1 does not match its digests"),
+        "kubernetes refused": lambda: KubernetesApiError("pods is forbidden", status=403),
+        "malformed record": lambda: RecordError("EvalRecord at file:///e.json: field cond_acc missing"),
+        "storage": lambda: StorageError("s3 endpoint unreachable"),
+        "kubernetes unreachable": lambda: KubernetesApiError("connection refused"),
+        "benchmark failed": lambda: BenchmarkFailed("vLLM's outputs differ from greedy decoding"),
+    }
+    return made[kind]()
+
+
+def _parity_failed() -> BaseException:
+    from pipeline.engines.parity import ParityFailed
+
+    return ParityFailed("the engine's aux states differ from the reference forward by 0.3")
+
+
+def _target_error() -> BaseException:
+    from pipeline.engines.target import TargetError
+
+    return TargetError("target model /models/x has no config.json")
+
+
+# every kind `failure` builds, and the exit code the README's table gives it
+FAILURE_KINDS = {
+    "gate rejected": 3,
+    "refused: slower": 3,
+    "refused: acceptance": 3,
+    "inconclusive": 4,
+    "config": 2,
+    "contract": 2,
+    "id": 2,
+    "parity": 2,
+    "target": 2,
+    "checkpoint": 2,
+    "kubernetes refused": 2,
+    "malformed record": 2,
+    "storage": 1,
+    "kubernetes unreachable": 1,
+    "benchmark failed": 1,
+}

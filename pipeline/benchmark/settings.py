@@ -2,14 +2,16 @@
 intervals, thresholds, batch sizes, sampling) and each engine's own settings (`benchmark.sglang`,
 `benchmark.vllm`; the reference decoder's calibration and n-gram settings).
 
-Imported by pipeline.config, so it imports nothing of the engines themselves (pipeline.benchmark.*)."""
+Imported by pipeline.config, so it imports nothing of the engines themselves (only their table,
+pipeline.benchmark.ENGINES)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PositiveInt, model_validator
+from pydantic import Field, PositiveInt, field_validator, model_validator
 
+from pipeline.benchmark import ENGINE_NAMES
 from pipeline.config_base import Strict, refuse_replaced_keys, unique_labels
 from pipeline.engine_settings import VllmEngineConfig
 from pipeline.sglang_ngram_rules import launch_from_args, refusals, silent_changes
@@ -236,8 +238,16 @@ class ServingSampling(Strict):
     top_k: int = Field(0, ge=0, description="0: every token")
 
 
+# engine names a run config may still hold, and what they are now
+RENAMED_ENGINES = {"local": "reference"}
+
+
 class BenchmarkConfig(Strict):
-    engine: Literal["local", "sglang", "vllm"] = "local"
+    engine: str = Field(
+        "reference",
+        description="the engine the drafter will be served with, whose speed decides (pipeline.benchmark."
+        "ENGINES): reference (the project's reference decoder, where no real engine serves), vllm, sglang",
+    )
     num_prompts: PositiveInt = 16
     max_new_tokens: PositiveInt = 96
     draft_steps: PositiveInt = Field(4, description="the candidate's chain when auto_select is off")
@@ -300,32 +310,65 @@ class BenchmarkConfig(Strict):
     vllm: VllmBenchConfig | None = Field(
         None, description="engine 'vllm': its engines' settings (default: vLLM's CPU build, `make vllm-venv`)"
     )
-    vllm_beside_reference: bool = Field(
+    reference_beside: bool = Field(
         False,
-        description="engine 'local': also serve the candidate in vLLM (benchmark.vllm's settings) beside the "
-        "reference decoder, when vLLM's Python exists (else a log line says how to get it); the figures go "
-        "into the record and the run's summary and do not enter the promotion decision (outputs that "
-        "differ from the reference decoder's fail the stage)",
+        description="engine 'vllm': the reference decoder on this machine beside it, at vLLM's chain and "
+        "fastest n-gram setting: vLLM's greedy outputs must equal its own, and vLLM's acceptance of the "
+        "candidate must match its own (counted as vLLM counts) within acceptance_tolerance, or the "
+        "candidate is refused; its own timing is recorded beside vLLM's, not decisive",
+    )
+    acceptance_tolerance: float = Field(
+        0.02,
+        gt=0,
+        lt=1,
+        description="with reference_beside: the largest relative difference of tau between the serving "
+        "engine and the reference decoder that still promotes",
     )
 
     @model_validator(mode="before")
     @classmethod
-    def _no_removed_ngram_keys(cls, data: Any) -> Any:
-        return refuse_replaced_keys(
+    def _no_removed_keys(cls, data: Any) -> Any:
+        refuse_replaced_keys(
             data,
             {"ngram_max_match", "ngram_min_match"},
             "benchmark",
             "benchmark.ngram_settings: a list of {min_match, max_match, steps}, the fastest of which the "
             "candidate is compared with",
         )
+        return refuse_replaced_keys(
+            data,
+            {"vllm_beside_reference"},
+            "benchmark",
+            "benchmark.engine vllm with benchmark.reference_beside true: vLLM's speed decides, and its "
+            "acceptance must match the reference decoder's",
+        )
+
+    @field_validator("engine")
+    @classmethod
+    def _an_engine_of_the_table(cls, engine: str) -> str:
+        if engine in RENAMED_ENGINES:
+            raise ValueError(f"benchmark.engine {engine!r} is now {RENAMED_ENGINES[engine]!r}")
+        if engine not in ENGINE_NAMES:
+            raise ValueError(f"benchmark.engine {engine!r} is none of {', '.join(ENGINE_NAMES)}")
+        return engine
 
     @model_validator(mode="after")
-    def _sglang_settings(self) -> BenchmarkConfig:
+    def _engine_settings(self) -> BenchmarkConfig:
         unique_labels(self.ngram_settings, "benchmark.ngram_settings")
-
         if self.engine == "sglang" and self.sglang is None:
             raise ValueError(
                 "benchmark.engine 'sglang' needs benchmark.sglang (launch command, model path, ...)"
+            )
+        if self.reference_beside and self.engine != "vllm":
+            why = (
+                "the reference decoder already decides"
+                if self.engine == "reference"
+                else "SGLang counts acceptance per request with the prefill token, and a production target "
+                "does not fit the reference decoder"
+            )
+            raise ValueError(
+                f"benchmark.reference_beside runs the reference decoder beside vLLM, not beside "
+                f"benchmark.engine {self.engine!r}: {why}"
             )
         self._valid_batch_sizes()
         return self

@@ -10,8 +10,8 @@ Every other setting's speed relative to it has a confidence interval from the pa
 
 Among the fastest and the settings tied with it, the simplest wins: a chain before a tree, then fewer draft
 tokens, a narrower tree, fewer steps. So the setting chosen is either the fastest measured or one whose
-measured speed is within its stated noise of the fastest. The same rule picks the local engine's setting
-(pipeline.stages.benchmark) and SGLang's flags (pipeline.engines.sglang_bench).
+measured speed is within its stated noise of the fastest. The same rule picks the reference decoder's setting
+(pipeline.benchmark.calibration) and SGLang's flags (pipeline.benchmark.sglang).
 
 Measuring stops early once every pair is settled: each other setting is out, or its interval relative to
 the fastest is narrower than `resolution` (a lead that small is a tie however long one measures).

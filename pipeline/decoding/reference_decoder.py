@@ -252,6 +252,28 @@ class EagleProposer:
         self._extend(aux[:new], context[start + 1 :], start)
 
 
+class WholeChainProposer:
+    """A chain proposer that drafts all `steps` tokens in every cycle, also when the request needs fewer, as
+    an engine that schedules no partial drafts does (vLLM: "We don't schedule partial draft tokens",
+    vllm/v1/core/sched/scheduler.py:673-676, and it counts every draft accepted, also past max_tokens:
+    scheduler.py:2110-2135, vllm/v1/spec_decode/metrics.py:41-49). Counted so, the reference decoder's
+    acceptance is comparable draft for draft with such an engine's counters."""
+
+    def __init__(self, proposer: Proposer, steps: int):
+        self.proposer = proposer
+        self.steps = steps
+        self.needs_aux = getattr(proposer, "needs_aux", False)
+
+    def start(self, context: list[int], aux: torch.Tensor | None) -> None:
+        self.proposer.start(context, aux)
+
+    def propose(self, context: list[int], steps: int) -> list[int]:
+        return self.proposer.propose(context, self.steps)
+
+    def accept(self, context: list[int], accepted_count: int, aux: torch.Tensor | None) -> None:
+        self.proposer.accept(context, accepted_count, aux)
+
+
 @dataclass
 class TreeNodes:
     """Every node an EAGLE tree expansion drafted, in expansion order: cumulative log-prob, draft-vocabulary

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from pipeline.benchmark import ENGINE_NAMES
 from pipeline.config import ConfigError, validation_problems
 from pipeline.config_base import Strict, resolve_project_path
 from pipeline.ops.alerts import ALERT_EVENTS, AlertEvent
@@ -55,7 +56,7 @@ ENGINE_STAGES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "generate": ("generate", "engine", ("hf", "sglang", "vllm")),
     "parity": ("capture", "engine", ("hf", "sglang", "inprocess")),
     "capture": ("capture", "engine", ("hf", "sglang", "inprocess")),
-    "benchmark": ("benchmark", "engine", ("local", "sglang", "vllm")),
+    "benchmark": ("benchmark", "engine", ENGINE_NAMES),
     "train": ("train", "launcher", ("torchrun", "kubernetes")),
 }
 

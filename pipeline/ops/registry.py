@@ -47,6 +47,7 @@ from pipeline.engines.layer_ids import ENGINES, Engine
 from pipeline.engines.sglang_draft_checks import SGLANG_VERSION
 from pipeline.ids import InvalidIdError, validate_id
 from pipeline.manifest import MANIFEST_NAME, ManifestError, manifest_exists, now_iso, publish, read_manifest
+from pipeline.records import LEGACY_ENGINE_NAMES
 from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atomic_write, sha256_file
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,7 @@ README_NAME = "README.md"
 PULL_MARKER = ".drafter-pull.json"
 SHOWN_ALIASES = ("production", "previous", "candidate")  # what `drafter list` and `drafter status` show
 # how the engines a version was verified in are named in its model card (benchmark engines included)
-ENGINE_TITLES: dict[str, str] = {**ENGINE_NAMES, "local": "reference decoder (local engine)"}
+ENGINE_TITLES: dict[str, str] = {**ENGINE_NAMES, "reference": "the project's reference decoder"}
 
 
 class RegistryError(RuntimeError):
@@ -190,11 +191,9 @@ def bench_description(bench: dict[str, Any]) -> str:
 
 def benchmarked_in(bench: dict[str, Any]) -> str:
     """How a benchmark record says the drafter was run: its engine, with the version when recorded."""
-    engine = bench["engine"]
-    if engine == "local":
-        return (
-            f"benchmarked with the project's reference decoder (the local engine), {bench_description(bench)}"
-        )
+    engine = LEGACY_ENGINE_NAMES.get(bench["engine"], bench["engine"])
+    if engine == "reference":
+        return f"benchmarked with the project's reference decoder, {bench_description(bench)}"
     version = bench.get("engine_version")
     name = ENGINE_TITLES.get(engine, engine) + (f" {version}" if version else "")
     return f"benchmarked in {name} on the target, {bench_description(bench)}"
@@ -205,7 +204,8 @@ def verified_engines(
 ) -> dict[str, str]:
     """Which engines a version was verified in and how, from what publishing found: SGLang's load-time checks
     (require_servable, against checked_against, passed), the aux layer ids config.json carries per engine,
-    and the benchmark in the lineage (lineage["bench"]["engine"]: "local", "sglang" or "vllm")."""
+    and the benchmark in the lineage (lineage["bench"]["engine"]: "reference", "sglang" or "vllm"; with its
+    acceptance checked against the reference decoder's, `acceptance`)."""
     verified = {
         "sglang": f"load-time checks of SGLang {SGLANG_VERSION} (pipeline.engines.sglang_draft_checks) "
         f"passed for the target config {checked_against.name} with the version's flags; not run"
@@ -218,17 +218,29 @@ def verified_engines(
     for refused, reason in engine_refusals(config).items():
         verified[refused] = f"not loadable: {reason}"
     bench = lineage.get("bench") or {}
-    engine = bench.get("engine")
+    engine = LEGACY_ENGINE_NAMES.get(bench.get("engine") or "", bench.get("engine"))
     if engine in verified:
         verified[engine] = verified[engine].removesuffix("; not run") + "; " + benchmarked_in(bench)
     elif engine:
         verified[engine] = benchmarked_in(bench)
-    served = bench.get("real_engine")  # the local benchmark's candidate also served by vLLM
+    check = bench.get("acceptance")  # the serving engine's acceptance against the reference decoder's
+    if check and check.get("engine") in verified:
+        verified[check["engine"]] += "; " + acceptance_matched(check)
+    served = bench.get("real_engine")  # lineages written before the serving engine decided
     if served and served.get("engine") in verified:
         verified[served["engine"]] = (
             verified[served["engine"]].removesuffix("; not run") + "; " + served_in(served)
         )
     return verified
+
+
+def acceptance_matched(check: dict[str, Any]) -> str:
+    """The benchmark's acceptance check, as a version's verified engines tell it (AcceptanceCheck)."""
+    return (
+        f"its acceptance length {check['tau']:.3f} against the reference decoder's "
+        f"{check['reference_tau']:.3f} on the same prompts and chain (relative difference "
+        f"{check['rel_diff']:.4f}, tolerance {check['tolerance']})"
+    )
 
 
 def served_in(served: dict[str, Any]) -> str:

@@ -25,13 +25,15 @@ from pipeline import layout
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.ops import registry
 from pipeline.ops.usage import USAGE_DIR, cost_rows, read_usage, run_cost
+from pipeline.promotion import BENCH_OUTCOMES, deciding_engine, signed, standing_vs_incumbent
+from pipeline.promotion import outcome as promotion_outcome
 from pipeline.records import (
-    BENCH_OUTCOMES,
     AcceptanceMetrics,
     AliasRecord,
     BenchMethods,
     BenchRecord,
     BenchSummary,
+    EngineBench,
     EvalRecord,
     GateRecord,
     IncumbentEval,
@@ -44,7 +46,7 @@ from pipeline.records import (
     StageRecord,
     read_record,
 )
-from pipeline.stages.gate import signed, standing_vs_incumbent
+from pipeline.spread import ratio_from_samples
 from pipeline.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -77,14 +79,14 @@ class RunRecord:
 
     @property
     def outcome(self) -> str:
+        """How the run ended: the promotion rule's words (pipeline.promotion.outcome), the version when one
+        was promoted; else how far it got."""
         if self.trigger is not None and self.trigger.get("skipped"):
             return "skipped: nothing new"
-        if self.promote is not None:
-            return f"promoted {self.promote.version}" if self.promote.promoted else "not promoted"
-        if self.gate is not None and not self.gate.passed:
-            return "gate rejected"
-        if self.bench is not None and not self.bench.decision.promotable:
-            return BENCH_OUTCOMES.get(self.bench.decision.verdict, "benchmark refused")
+        decided = promotion_outcome(self.gate, self.bench, self.promote)
+        if decided is not None:
+            promoted = self.promote is not None and self.promote.promoted
+            return f"{decided} {self.promote.version}" if promoted and self.promote else decided
         if not self.stages and self.cost is not None:  # a data run: its stages recorded their usage
             return f"no training ({', '.join(row.stage for row in self.cost.stages)})"
         return "incomplete" if self.stages else "no artifacts"
@@ -285,24 +287,57 @@ def plot_acceptance(record: RunRecord, path: Path) -> bool:
 
 
 def plot_throughput(record: RunRecord, path: Path) -> bool:
-    methods = _bench_methods(record)
-    order = [name for name in ("baseline", "ngram", "incumbent", "candidate") if name in methods]
-    if not order:
+    """Each method's tokens/s with its interval (from its rounds), the candidate's speedup interval over
+    each other method, per engine: the one that decided first, and what was measured beside it."""
+    bench = record.bench
+    if bench is None:
         return False
-    fig, axes = _figure()
-    ax = axes[0][0]
-    speeds = [methods[name].tok_s for name in order]
-    bars = ax.bar(order, speeds, color=[COLORS[i] for i in range(len(order))])
-    base = methods["baseline"].tok_s if "baseline" in methods else None
-    for bar, speed in zip(bars, speeds, strict=True):
-        label = f"{speed:,.1f}" + (f"\n{speed / base:.2f}x" if base else "")
-        ax.annotate(
-            label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8
-        )
-    ax.set(ylabel="output tokens / s", ylim=(0, max(speeds) * 1.25))
-    ax.grid(alpha=0.3, axis="y")
+    panels: list[tuple[str, EngineBench]] = [(f"decided by {deciding_engine(bench)}", bench)]
+    for name, figures in bench.beside.items():
+        panels.append((f"{ENGINE_LABELS.get(name, name)} beside it (not decisive)", figures))
+    fig, axes = _figure(width=7.5 * len(panels), columns=len(panels))
+    for ax, (title, figures) in zip(axes[0], panels, strict=True):
+        throughput_panel(ax, title, figures)
     _save(fig, path)
     return True
+
+
+# how the report names an engine measured beside the one that decided
+ENGINE_LABELS = {"reference": "reference decoder"}
+
+
+def throughput_panel(ax, title: str, figures: EngineBench) -> None:
+    """One engine's bars: tokens/s, an error bar of the interval its rounds give (at the speedups'
+    confidence), and under each other method the candidate's speedup over it with its interval."""
+    methods = figures.methods.present()
+    order = [name for name in ("baseline", "ngram", "incumbent", "candidate") if name in methods]
+    confidence = next(iter(figures.speedups.values())).confidence if figures.speedups else 0.95
+    speeds = [methods[name].tok_s for name in order]
+    low, high = [], []
+    for name, speed in zip(order, speeds, strict=True):
+        spread = rounds_interval(methods[name].round_tok_s, confidence)
+        low.append(speed - speed * spread[0] if spread else 0.0)
+        high.append(speed * spread[1] - speed if spread else 0.0)
+    bars = ax.bar(order, speeds, yerr=[low, high], capsize=4, color=[COLORS[i] for i in range(len(order))])
+    for name, bar, speed, above in zip(order, bars, speeds, high, strict=True):
+        middle = bar.get_x() + bar.get_width() / 2
+        ax.annotate(f"{speed:,.1f}", (middle, speed + above), ha="center", va="bottom", fontsize=8)
+        speedup = figures.speedups.get(name)
+        if speedup is not None:  # the candidate over this method, paired round by round
+            label = f"candidate\n{speedup.ratio:.2f}x\n[{speedup.ci_low:.2f}, {speedup.ci_high:.2f}]"
+            ax.annotate(label, (middle, speed * 0.04), ha="center", va="bottom", fontsize=7, color="white")
+    ax.set(ylabel="output tokens / s", ylim=(0, max(s + h for s, h in zip(speeds, high, strict=True)) * 1.15))
+    ax.set_title(f"{title} ({confidence:.0%} intervals)", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def rounds_interval(round_tok_s: list[float], confidence: float) -> tuple[float, float] | None:
+    """The interval of a method's speed from its per-round tokens/s, relative to their geometric mean
+    (pipeline.spread's t-interval on the logs): (low, high) factors; None with fewer than 2 rounds."""
+    if len(round_tok_s) < 2 or min(round_tok_s) <= 0:
+        return None
+    estimate = ratio_from_samples(round_tok_s, [1.0] * len(round_tok_s), confidence)
+    return estimate.ci_low / estimate.ratio, estimate.ci_high / estimate.ratio
 
 
 def _predicted_curve(evaluation: AcceptanceMetrics, bench: BenchSummary) -> list[float]:
@@ -458,7 +493,8 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
         ("tau simulated (eval)", evaluation.tau_simulated if evaluation else None),
         *(_domain_rows(evaluation) if evaluation else []),
         *(incumbent_rows(evaluation) if evaluation else []),
-        ("benchmark engine", " ".join(filter(None, (bench.engine, bench.engine_version))) if bench else None),
+        ("speed decided by", deciding_engine(bench) if bench else None),
+        *(acceptance_rows(bench) if bench else []),
         ("tau predicted (bench)", bench.tau_simulated if bench else None),
         ("tau measured (bench)", bench.tau_measured if bench else None),
         ("baseline tok/s", bench.baseline_tok_s if bench else None),
@@ -467,6 +503,7 @@ def _summary_rows(record: RunRecord) -> list[tuple[str, Any]]:
             (f"speedup vs {other} ({speedup.confidence:.0%} interval)", _interval(speedup))
             for other, speedup in (bench.speedups.items() if bench else [])
         ],
+        *(beside_rows(bench) if bench else []),
         *(bench_domain_rows(bench) if bench else []),
         *(batch_rows(bench) if bench else []),
         *(sampled_rows(bench) if bench else []),
@@ -500,6 +537,34 @@ def _measured(methods: BenchMethods | Mapping[str, MeasuredAcceptance]) -> str:
         for name in order
         if name in present and present[name].tau_measured is not None
     )
+
+
+def acceptance_rows(bench: BenchRecord) -> list[tuple[str, Any]]:
+    """The serving engine's acceptance against the reference decoder's, when it was checked."""
+    check = bench.acceptance
+    if check is None:
+        return []
+    verdict = "within" if check.passed else "OUTSIDE"
+    return [
+        (
+            f"acceptance in {check.engine} vs the reference decoder",
+            f"tau {check.tau:.3f} vs {check.reference_tau:.3f} (chain of {check.draft_steps}): relative "
+            f"difference {check.rel_diff:.4f}, {verdict} the tolerance {check.tolerance}; per position "
+            f"{_cell(check.acceptance_per_position)} vs {_cell(check.reference_acceptance_per_position)}",
+        )
+    ]
+
+
+def beside_rows(bench: BenchRecord) -> list[tuple[str, Any]]:
+    """What each engine measured beside the one that decided: its own speedups, not decisive."""
+    return [
+        (
+            f"{ENGINE_LABELS.get(name, name)} beside it (not decisive)",
+            f"candidate {figures.drafter_tok_s:.1f} tok/s, baseline {figures.baseline_tok_s:.1f}; "
+            + "; ".join(f"vs {other} {_interval(speedup)}" for other, speedup in figures.speedups.items()),
+        )
+        for name, figures in bench.beside.items()
+    ]
 
 
 def bench_domain_rows(bench: BenchRecord) -> list[tuple[str, Any]]:
@@ -664,6 +729,7 @@ def render_html(record: RunRecord, images: dict[str, bytes], flags: tuple[list[s
             flags=flags[0],
             flags_source=flags[1],
             verdicts=BENCH_OUTCOMES,
+            decided_by=f"speed decided by {deciding_engine(record.bench)}" if record.bench else "",
             contract_text=json.dumps(contract, indent=2) if contract else "not recorded",
             config_text=yaml.safe_dump(record.config, sort_keys=False) if record.config else "not recorded",
         )

@@ -5,8 +5,9 @@
     run(config, inputs, run_id, store) -> Output
 
 and one entry in TABLE. `drafter run`, the CLI's per-stage commands and the scheduler's tasks
-(pipeline.tasks) all run stages through `run_stage`; inputs not given default to the artifacts of the
-run (and of its data snapshot) in the object store (`default_inputs`, keys from pipeline.layout).
+(pipeline.tasks.stage_task) all run stages through `run_stage`, which records what each held; inputs not
+given default to the artifacts of the run (and of its data snapshot) in the object store (`default_inputs`,
+keys from pipeline.layout).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
+    from pipeline.ops.usage import Rates
     from pipeline.progress import Progress
     from pipeline.storage import ObjectInfo, ObjectStore
 
@@ -220,10 +222,16 @@ def run_stage(
     run_id: str,
     store: ObjectStore,
     snapshot: str | None = None,
+    rates: Rates | None = None,
     **given: Any,
 ) -> StageOutput:
-    """Run one stage of the table with its inputs resolved (`resolve_inputs`)."""
+    """The one stage runner: stage `name` of the table with its inputs resolved (`resolve_inputs`), what its
+    task held recorded under the run (pipeline.ops.usage; nothing without `rates`). `drafter run`, every
+    `drafter <stage>` and the scheduler's tasks (pipeline.tasks.stage_task) run stages through it."""
+    from pipeline.ops.usage import metered
+
     entry = stage(name)
     validate_id(run_id, "run id")
     inputs = resolve_inputs(entry, config, store, run_id, snapshot or run_id, given)
-    return entry.run(config, inputs, run_id, store)
+    with metered(store, run_id, name, name, rates):
+        return entry.run(config, inputs, run_id, store)

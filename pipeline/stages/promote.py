@@ -1,9 +1,9 @@
-"""promote: a gated, benchmarked candidate -> an immutable registry version and a moved alias."""
+"""promote: a gated, benchmarked candidate -> an immutable registry version and a moved alias. Whether it is
+promotable is the stored gate and benchmark decisions' (pipeline.promotion.require_promotable)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 from pydantic import Field
 
@@ -12,10 +12,9 @@ from pipeline.config import RunConfig
 from pipeline.data.capture_contract import CaptureContract
 from pipeline.manifest import code_version, read_manifest
 from pipeline.ops import registry
+from pipeline.promotion import require_promotable
 from pipeline.records import (
-    BENCH_OUTCOMES,
     AliasRecord,
-    BenchDecision,
     BenchRecord,
     EvalRecord,
     GateRecord,
@@ -50,45 +49,11 @@ class Output(StageOutput):
     bench_engine: str | None = None
 
 
-class PromotionRefused(RuntimeError):
-    pass
-
-
-class BenchmarkInconclusive(RuntimeError):
-    """The benchmark could not tell whether the candidate is faster (its intervals stayed too wide): nothing
-    is promoted. Not a PromotionRefused: the candidate was not shown slower, and a rerun on a quieter
-    machine or with a larger budget can decide (`next_step`)."""
-
-    def __init__(self, decision: BenchDecision):
-        super().__init__(
-            f"{BENCH_OUTCOMES['inconclusive']}: the benchmark could not tell whether the candidate is "
-            f"faster; {decision.next_step} (decision: {'; '.join(decision.reasons)})"
-        )
-        self.decision = decision
-        self.next_step = decision.next_step or ""
-
-    def outcome(self) -> dict[str, Any]:
-        """What a scheduler's promote task returns instead of failing (pipeline.tasks.promotion_outcome)."""
-        return {
-            "outcome": BENCH_OUTCOMES["inconclusive"],
-            "reason": str(self),
-            "next_step": self.next_step,
-            "undecided": [entry.model_dump(mode="json") for entry in self.decision.undecided],
-        }
-
-
 def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
     """A gated, benchmarked candidate -> an immutable registry version, and the alias moved to it."""
     gate = read_record(store, inputs.gate_uri, GateRecord)
-    if not gate.passed:
-        raise PromotionRefused("the gate did not pass: " + "; ".join(gate.reasons))
     bench = read_record(store, inputs.bench_uri, BenchRecord)
-    if bench.decision.verdict == "inconclusive":
-        raise BenchmarkInconclusive(bench.decision)
-    if not bench.decision.promotable:
-        raise PromotionRefused(
-            "the benchmark does not show the candidate faster: " + "; ".join(bench.decision.reasons)
-        )
+    require_promotable(gate, bench)
     train = read_manifest(store, store.key_for(inputs.train_uri), kind="train")
     evaluation = read_record(store, inputs.eval_uri, EvalRecord)
     prefix = layout.run_stage_prefix(run_id, "promote")

@@ -19,8 +19,8 @@ from pipeline.ops.deployment import load_deployment
 from pipeline.ops.registry import promote, pull
 from pipeline.processes import free_port
 from pipeline.storage import open_store
-from tests.builders import SERVING, drafter_dir
-from tests.conftest import REPO, published, storage_config, tiny_config_dict
+from tests.builders import SERVING, TokenizerSpy, drafter_dir, one_source_prompts_config
+from tests.conftest import REPO, published
 
 pytestmark = pytest.mark.fault
 
@@ -213,11 +213,10 @@ def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path, record):
     bomb.write_text(
         "storage: {root: /tmp/x}\ntarget: {name: t}\n" + _alias_bomb(9) + "generate: {sglang: {urls: *l8}}\n"
     )
-    started = time.monotonic()
+    # refused while its nodes are counted, at the limit: 10^9 strings once expanded, it never got that far
     with pytest.raises(ConfigError, match=r"expands to more than \d+ YAML nodes") as refused:
         load_config(bomb)
     assert str(bomb) in str(refused.value)
-    assert time.monotonic() - started < 30  # 10^9 strings once expanded: it never got that far
     with pytest.raises(ConfigError, match=r"override train\.epochs expands to more than"):
         load_config(LOCAL, ["train.epochs=" + _alias_bomb(9).replace("\n", ", ").join("{}")])
     with pytest.raises(ConfigError, match=r"override train\.epochs expands to more than"):
@@ -244,32 +243,6 @@ def test_validation_errors_of_huge_values_are_bounded(overrides, what, record):
     record("bad input", f"a config with {what}", f"ConfigError of {len(str(refused.value))} characters")
 
 
-class TokenizerSpy:
-    """The tiny target's tokenizer, noting the longest text it was asked to template or tokenize."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.longest = 0
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def apply_chat_template(self, messages, **options):
-        self.longest = max(self.longest, sum(len(message["content"]) for message in messages))
-        return self.tokenizer.apply_chat_template(messages, **options)
-
-    def __call__(self, texts, **options):
-        self.longest = max(self.longest, *(len(text) for text in texts))
-        return self.tokenizer(texts, **options)
-
-
-def _prompts_config(tmp_path: Path, source: dict) -> tuple:
-    data = tiny_config_dict(storage_config("file", tmp_path, None))
-    data["prompts"] = {"sources": [source], "eval_fraction": 0.0, "num_samples": 8}
-    config = load_config(data=data)
-    return config, open_store(config.storage)
-
-
 def test_a_huge_prompt_line_is_rejected_without_tokenizing_it(tmp_path, monkeypatch, tiny_tokenizer, record):
     from pipeline.stages import prompts, run_stage
 
@@ -279,7 +252,7 @@ def test_a_huge_prompt_line_is_rejected_without_tokenizing_it(tmp_path, monkeypa
     good = [json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) for i in range(8)]
     source = tmp_path / "prompts.jsonl"
     source.write_text("\n".join(good[:4] + [huge] + good[4:]) + "\n")
-    config, store = _prompts_config(tmp_path, {"kind": "jsonl", "path": str(source)})
+    config, store = one_source_prompts_config(tmp_path, {"kind": "jsonl", "path": str(source)})
     manifest = published(store, run_stage("prompts", config, "huge-line", store))
     assert manifest["counts"]["kept"] == 8 and manifest["counts"]["rejected.too_long"] == 1, manifest[
         "counts"
@@ -299,7 +272,7 @@ def test_an_empty_prompt_file_is_named(tmp_path, kind, name, content, record):
 
     empty = tmp_path / name
     empty.write_text(content)
-    config, store = _prompts_config(tmp_path, {"kind": kind, "path": str(empty)})
+    config, store = one_source_prompts_config(tmp_path, {"kind": kind, "path": str(empty)})
     with pytest.raises(PromptSourceError, match=f"prompt file {empty} is empty"):
         run_stage("prompts", config, "empty", store)
     assert store.list("prompts") == []

@@ -10,14 +10,13 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from pipeline.config import ConfigError, load_config
 from pipeline.processes import free_port
-from pipeline.storage import open_store
-from tests.conftest import REPO, published, storage_config, tiny_config_dict
+from tests.builders import TokenizerSpy, one_source_prompts_config
+from tests.conftest import REPO, published
 
 pytestmark = pytest.mark.fault
 
@@ -125,32 +124,6 @@ def test_a_schemeless_s3_endpoint_with_credentials_from_the_environment_is_maske
     )
 
 
-class TokenizerSpy:
-    """The tiny target's tokenizer, noting the longest text it was asked to template or tokenize."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.longest = 0
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def apply_chat_template(self, messages, **options):
-        self.longest = max(self.longest, sum(len(message["content"]) for message in messages))
-        return self.tokenizer.apply_chat_template(messages, **options)
-
-    def __call__(self, texts, **options):
-        self.longest = max(self.longest, *(len(text) for text in texts))
-        return self.tokenizer(texts, **options)
-
-
-def _prompts_config(tmp_path: Path, source: dict) -> tuple:
-    data = tiny_config_dict(storage_config("file", tmp_path, None))
-    data["prompts"] = {"sources": [source], "eval_fraction": 0.0, "num_samples": 8}
-    config = load_config(data=data)
-    return config, open_store(config.storage)
-
-
 def test_a_huge_later_turn_is_rejected_before_tokenizing_or_dedup(
     tmp_path, monkeypatch, tiny_tokenizer, record
 ):
@@ -179,7 +152,7 @@ def test_a_huge_later_turn_is_rejected_before_tokenizing_or_dedup(
     good = [json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) for i in range(8)]
     source = tmp_path / "prompts.jsonl"
     source.write_text("\n".join(good[:4] + [huge] + good[4:]) + "\n")
-    config, store = _prompts_config(tmp_path, {"kind": "jsonl", "path": str(source)})
+    config, store = one_source_prompts_config(tmp_path, {"kind": "jsonl", "path": str(source)})
     manifest = published(store, run_stage("prompts", config, "huge-turn", store))
     counts = manifest["counts"]
     assert counts["kept"] == 8 and counts["rejected.too_long"] == 1, counts
@@ -204,7 +177,7 @@ def test_an_empty_part_among_others_is_skipped_and_named(tmp_path, caplog, recor
     (parts / "part-00000.jsonl").write_text(_conversations(5))
     (parts / "part-00001.jsonl").write_text("")  # an empty partition
     (parts / "part-00002.jsonl").write_text(_conversations(5, start=5))
-    config, store = _prompts_config(tmp_path, {"kind": "jsonl", "path": str(parts)})
+    config, store = one_source_prompts_config(tmp_path, {"kind": "jsonl", "path": str(parts)})
     with caplog.at_level(logging.WARNING, logger="pipeline.stages.prompts"):
         manifest = published(store, run_stage("prompts", config, "empty-part", store))
     assert manifest["counts"]["kept"] == 8, manifest["counts"]
@@ -226,7 +199,7 @@ def test_a_source_whose_parts_are_all_empty_is_an_error_naming_them(tmp_path, ki
     parts.mkdir()
     for index in range(2):
         (parts / f"part-0000{index}{suffix}").write_text("")
-    config, store = _prompts_config(tmp_path, {"kind": kind, "path": str(parts)})
+    config, store = one_source_prompts_config(tmp_path, {"kind": kind, "path": str(parts)})
     with pytest.raises(PromptSourceError, match="empty") as refused:
         run_stage("prompts", config, "all-empty", store)
     assert all(str(parts / f"part-0000{i}{suffix}") in str(refused.value) for i in range(2)), refused.value
@@ -245,7 +218,7 @@ def test_an_empty_json_part_among_others_is_skipped(tmp_path, caplog, record):
     (parts / "part-00000.json").write_text(json.dumps(rows[:5]))
     (parts / "part-00001.json").write_text("")
     (parts / "part-00002.json").write_text(json.dumps(rows[5:]))
-    config, store = _prompts_config(tmp_path, {"kind": "json", "path": str(parts)})
+    config, store = one_source_prompts_config(tmp_path, {"kind": "json", "path": str(parts)})
     with caplog.at_level(logging.WARNING, logger="pipeline.stages.prompts"):
         manifest = published(store, run_stage("prompts", config, "empty-json-part", store))
     assert manifest["counts"]["kept"] == 8, manifest["counts"]

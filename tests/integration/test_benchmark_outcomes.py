@@ -2,7 +2,7 @@
 decide: the record says `inconclusive` with the widths reached and needed, `drafter promote` ends with its
 own exit code and one line saying what to do, nothing is promoted, the DAG's promote task returns that
 outcome and its own alert, and the report and the run summary say so. A candidate measured slower is
-still refused as before, with the refusal's exit code."""
+refused as slower, with the exit code of a rejected candidate (pipeline.failures)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import yaml
 from pipeline import layout
 from pipeline.config import load_config
 from pipeline.drafter.export import export_drafter
-from pipeline.failures import EXIT_FAILED, EXIT_INCONCLUSIVE
+from pipeline.failures import EXIT_GATE, EXIT_INCONCLUSIVE
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.ops import registry
+from pipeline.promotion import BenchmarkInconclusive, PromotionRefused
 from pipeline.records import (
     AcceptanceMetrics,
     BenchRecord,
@@ -28,9 +29,8 @@ from pipeline.records import (
     publish_record,
     read_record,
 )
-from pipeline.run import exit_code, format_table, promote_stop
+from pipeline.run import RunResult, format_table, stop_summary
 from pipeline.stages import run_stage
-from pipeline.stages.promote import BenchmarkInconclusive, PromotionRefused
 from pipeline.storage import open_store
 from pipeline.tasks import inconclusive_notice, promotion_notice, promotion_outcome
 from tests.builders import AUX, eval_record, random_drafter
@@ -155,12 +155,12 @@ def test_a_benchmark_too_short_to_decide_is_inconclusive_and_promotes_nothing(tm
     # what `drafter run` makes of this stop: its summary's outcome and what to do, and its exit code
     with pytest.raises(BenchmarkInconclusive) as stopped:
         run_stage("promote", config, run_id, store)
-    fields = promote_stop(stopped.value, decision)
+    fields = stop_summary(stopped.value)
     assert fields["outcome"] == "inconclusive, not promoted" and fields["next_step"] == decision.next_step
     summary = RunSummary.model_validate(
         {**SUMMARY_OF_DATA, "run_id": run_id, "target": "tiny-test", **fields}
     )
-    assert exit_code(summary) == EXIT_INCONCLUSIVE
+    assert RunResult(summary, "file:///s.json", stopped.value).exit_code() == EXIT_INCONCLUSIVE
     table = format_table(summary).splitlines()
     assert any(line.split() == ["outcome", "inconclusive,", "not", "promoted"] for line in table)
     assert [line.split(None, 3)[-1] for line in table if line.startswith("what to do")] == [
@@ -177,7 +177,7 @@ def test_a_benchmark_too_short_to_decide_is_inconclusive_and_promotes_nothing(tm
     assert "rerun on a quiet machine, or raise benchmark.budget_s (now 0.01 s)" in page
 
 
-def test_a_candidate_measured_slower_is_refused_as_slower_with_the_refusals_exit_code(
+def test_a_candidate_measured_slower_is_refused_as_slower_with_the_rejections_exit_code(
     tmp_path, tiny_target_dir
 ):
     # no candidate of the tiny target decodes 100 times as fast as plain decoding: its interval, at a
@@ -189,16 +189,16 @@ def test_a_candidate_measured_slower_is_refused_as_slower_with_the_refusals_exit
     assert decision.verdict == "slower" and not decision.promotable
     assert decision.undecided == [] and decision.next_step is None
     promote = drafter_cli("promote", config_path, run_id)
-    assert promote.returncode == EXIT_FAILED == 1, promote.stderr[-3000:]
-    assert "PromotionRefused: the benchmark does not show the candidate faster" in promote.stderr
+    assert promote.returncode == EXIT_GATE == 3, promote.stderr[-3000:]
+    assert "refused: slower: the benchmark does not show the candidate faster" in promote.stderr
     assert "inconclusive" not in promote.stderr
     assert registry.read_alias(store, config.target.name, config.registry.alias)["version"] == incumbent
     with pytest.raises(PromotionRefused) as stopped:
         run_stage("promote", config, run_id, store)
-    fields = promote_stop(stopped.value, decision)
+    fields = stop_summary(stopped.value)
     assert fields["outcome"] == "refused: slower" and "next_step" not in fields
     summary = RunSummary.model_validate(
         {**SUMMARY_OF_DATA, "run_id": run_id, "target": "tiny-test", **fields}
     )
-    assert exit_code(summary) == EXIT_FAILED
+    assert RunResult(summary, "file:///s.json", stopped.value).exit_code() == EXIT_GATE
     assert run_stage("report", config, run_id, store).outcome == "refused: slower"

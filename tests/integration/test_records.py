@@ -5,90 +5,23 @@ import json
 
 import pytest
 
-from pipeline.config import GateConfig
 from pipeline.manifest import ManifestError, publish
 from pipeline.ops.report import RunRecord, render_html
 from pipeline.records import (
-    BenchDecision,
-    BenchMethods,
     BenchRecord,
     BenchSummary,
-    DraftSetting,
     EvalRecord,
-    GateCheck,
     GateRecord,
-    MeasuredCosts,
-    MethodResult,
-    PredictedVsMeasured,
     PromoteRecord,
-    RatioInterval,
     RecordError,
-    SpeedModel,
     StageRecord,
     publish_record,
     read_record,
     write_record,
 )
-from tests.builders import eval_record
+from tests.builders import bench_record, eval_record, gate_record
 
 PREFIX = "runs/r1"
-
-
-def gate_record(reasons: list[str] | None = None) -> GateRecord:
-    return GateRecord(
-        run_id="r1",
-        thresholds=GateConfig(min_cond_acc=[0.3], min_tau_simulated=1.3),
-        passed=True,
-        checks=[GateCheck(check="cond_acc_0", value=0.8, threshold=0.3, passed=True)],
-        reasons=reasons or ["cond_acc_0 = 0.8000 >= 0.3000"],
-    )
-
-
-def speculative(seconds: float, tok_s: float, tau: float, histogram: list[int]) -> MethodResult:
-    """A speculative method's figures over 128 tokens in two rounds."""
-    return MethodResult(
-        tokens=128,
-        seconds=seconds,
-        tok_s=tok_s,
-        round_tok_s=[tok_s - 1, tok_s + 1],
-        tau_measured=tau,
-        accepted_histogram=histogram,
-    )
-
-
-def bench_record() -> BenchRecord:
-    setting = DraftSetting(steps=2, topk=1, draft_tokens=3, tau=2.3, tok_s=50.0, speedup=1.6)
-    headline = {"engine": "local", "draft_steps": 2, "topk": 1, "draft_tokens": 3, "tau_simulated": 2.3}
-    return BenchRecord(
-        **headline,
-        tau_measured=2.1,
-        baseline_tok_s=30.0,
-        drafter_tok_s=48.0,
-        speedup_vs_baseline=1.6,
-        speedup_vs_ngram=1.2,
-        speedups={
-            "baseline": RatioInterval(ratio=1.6, ci_low=1.5, ci_high=1.7, confidence=0.95, rounds=8),
-            "ngram": RatioInterval(ratio=1.2, ci_low=1.1, ci_high=1.3, confidence=0.95, rounds=8),
-        },
-        run_id="r1",
-        prompts=4,
-        max_new_tokens=32,
-        methods=BenchMethods(
-            baseline=MethodResult(tokens=128, seconds=4.0, tok_s=30.0, round_tok_s=[29.0, 31.0]),
-            ngram=speculative(3.2, 40.0, 1.3, [5, 2]),
-            candidate=speculative(2.7, 48.0, 2.1, [3, 4, 5]),
-        ),
-        speed_model=SpeedModel(
-            costs=MeasuredCosts(
-                target_step=0.01, verify_chain={"3": 0.012}, verify_tree={}, draft={"1": 0.002}
-            ),
-            chosen=setting,
-            calibration=[],
-            predicted_vs_measured=PredictedVsMeasured(tau=(2.3, 2.1), speedup=(1.6, 1.6)),
-            ranked=[setting],
-        ),
-        decision=BenchDecision(promotable=True, reasons=["candidate/baseline speed 1.600 >= required 1.0"]),
-    )
 
 
 def promote_record() -> PromoteRecord:

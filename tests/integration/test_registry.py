@@ -493,20 +493,46 @@ def test_a_version_benchmarked_in_vllm_records_it_beside_sglangs_load_checks(sto
     )
 
 
-def test_a_version_benchmarked_locally_says_vllm_was_not_run(store, tmp_path):
+def test_a_version_benchmarked_by_the_reference_decoder_says_vllm_was_not_run(store, tmp_path):
+    # "local": the reference decoder's engine, as lineages written before it was named "reference" hold it
     lineage = {"run_id": "r1", "bench": {**BENCHED, "engine": "local"}}
     version = promote(store, "tgt", drafter_dir(tmp_path, 1), lineage, "production", SERVING)["version"]
     manifest = json.loads(store.get_bytes(f"{layout.drafter_version_prefix('tgt', version)}/manifest.json"))
     verified = manifest["verified_engines"]
-    assert set(verified) == {"sglang", "vllm", "local"}
+    assert set(verified) == {"sglang", "vllm", "reference"}
     assert verified["vllm"] == (
         "config.json gives vLLM the aux layer ids [2, 3, 4], which capture the trained layers [1, 2, 3] "
         "(pipeline.engines.layer_ids); not run"
     )
-    assert verified["local"].startswith("benchmarked with the project's reference decoder (the local engine)")
+    assert verified["reference"].startswith("benchmarked with the project's reference decoder, 3 draft steps")
 
 
-def test_a_local_benchmark_served_beside_the_reference_decoder_records_vllm_as_run(store, tmp_path):
+def test_a_vllm_benchmark_with_its_acceptance_checked_says_so(store, tmp_path):
+    check = {
+        "engine": "vllm",
+        "draft_steps": 3,
+        "tau": 3.41,
+        "reference_tau": 3.4,
+        "rel_diff": 0.0029,
+        "tolerance": 0.02,
+        "passed": True,
+        "acceptance_per_position": [0.9, 0.8, 0.71],
+        "reference_acceptance_per_position": [0.9, 0.8, 0.7],
+    }
+    bench = {**BENCHED, "engine": "vllm", "engine_version": "0.32.0", "acceptance": check}
+    version = promote(
+        store, "tgt", drafter_dir(tmp_path, 1), {"run_id": "r1", "bench": bench}, "production", SERVING
+    )["version"]
+    manifest = json.loads(store.get_bytes(f"{layout.drafter_version_prefix('tgt', version)}/manifest.json"))
+    vllm = manifest["verified_engines"]["vllm"]
+    assert "benchmarked in vLLM 0.32.0 on the target" in vllm and "not run" not in vllm
+    assert vllm.endswith(
+        "; its acceptance length 3.410 against the reference decoder's 3.400 on the same prompts and chain "
+        "(relative difference 0.0029, tolerance 0.02)"
+    )
+
+
+def test_a_lineage_written_when_vllm_served_beside_the_reference_decoder_records_vllm_as_run(store, tmp_path):
     served = {
         "engine": "vllm",
         "engine_version": "0.32.0",

@@ -7,14 +7,14 @@ import sys
 import pytest
 
 from pipeline.benchmark.settings import ServingSampling
-from pipeline.drafter.export import export_drafter
-from pipeline.engines.sglang_bench import (
+from pipeline.benchmark.sglang import (
     SGLangBenchmarkFailed,
     launch_command,
-    measure,
+    measure_server,
     ngram_method_name,
     run_methods,
 )
+from pipeline.drafter.export import export_drafter
 from tests.builders import sglang_bench_settings
 from tests.conftest import REPO, free_port
 
@@ -127,7 +127,7 @@ def test_a_server_that_dies_or_never_answers_fails_the_benchmark():
         run_methods(crashing, [[1, 2]], 4, {})
     assert "CUDA error: no device" in str(info.value)
     with pytest.raises(SGLangBenchmarkFailed, match="failed"):
-        measure(f"http://127.0.0.1:{free_port()}", [[1, 2]], 4, 1, 2)
+        measure_server(f"http://127.0.0.1:{free_port()}", [[1, 2]], 4, 1, 2)
 
 
 def test_the_drafters_setting_is_chosen_by_timing_each_candidate_server(
@@ -135,10 +135,9 @@ def test_the_drafters_setting_is_chosen_by_timing_each_candidate_server(
 ):
     """benchmark.sglang.candidates: one stand-in server per setting, each checked to serve the flags it was
     launched with, timed on the same prompts in the same rounds; the choice rule picks among them."""
+    from pipeline.benchmark.sglang import server_rounds, time_settings, timed_server_settings
     from pipeline.decoding.choice import choose
-    from pipeline.engines.sglang_bench import time_settings
     from pipeline.records import MethodResult
-    from pipeline.stages.benchmark import server_rounds, timed_server_settings
     from tests.builders import eval_record
 
     drafter_dir = drafter_dir_of(tiny_target_dir, tmp_path)
@@ -165,7 +164,7 @@ def test_the_drafters_setting_is_chosen_by_timing_each_candidate_server(
 def test_a_server_that_serves_other_flags_than_it_was_given_fails_the_benchmark(tiny_target_dir, tmp_path):
     """SGLang serves topk 1 with steps + 1 draft tokens whatever it is given: a setting it did not serve
     is not timed under its name."""
-    from pipeline.engines.sglang_bench import require_served_setting, running_server
+    from pipeline.benchmark.sglang import require_served_setting, running_server
     from pipeline.ops.registry import sglang_flags
 
     drafter_dir = drafter_dir_of(tiny_target_dir, tmp_path)

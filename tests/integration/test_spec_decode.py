@@ -89,8 +89,8 @@ def test_tree_drafting_output_equals_greedy(
 
 
 def test_the_ngram_sweep_times_every_setting_and_keeps_the_fastest(tiny_model, tiny_tokenizer, prompts):
+    from pipeline.benchmark.reference import sweep_ngram
     from pipeline.benchmark.settings import BenchmarkConfig
-    from pipeline.stages.benchmark import sweep_ngram
 
     settings = BenchmarkConfig(
         max_new_tokens=16,
@@ -113,3 +113,79 @@ def test_the_ngram_sweep_times_every_setting_and_keeps_the_fastest(tiny_model, t
     assert sweep.settings[2].knobs == {"min_match": 3, "max_match": 8, "steps": 8}
     assert sum(sweep.settings[1].result.accepted_histogram or []) > 0  # 4-token drafts were verified
     assert len(sweep.settings[1].result.accepted_histogram or []) == 5
+
+
+def test_a_whole_chain_counts_drafts_as_an_engine_that_drafts_no_partial_chains(tiny_model, prompts):
+    """vLLM drafts its whole chain in every step and counts every draft accepted, also past max_tokens;
+    WholeChainProposer makes the reference decoder count so: the same outputs, the last cycle's drafts
+    counted in full (8 tokens, a chain of 4 that is always right: 1 + 5, then 2 drafts needed, 4 drafted)."""
+    from pipeline.decoding.reference_decoder import WholeChainProposer
+
+    runner = TargetRunner(tiny_model, None)
+    prompt = prompts[0]
+    greedy = greedy_decode(runner, prompt, 20, None).tokens
+    needed = speculative_decode(runner, OracleProposer(greedy, len(prompt)), prompt, 8, None, 4)
+    whole_chain = WholeChainProposer(OracleProposer(greedy, len(prompt)), 4)
+    whole = speculative_decode(runner, whole_chain, prompt, 8, None, 4)
+    assert needed.tokens == whole.tokens == greedy[:8]
+    assert needed.accepted_histogram == [0, 0, 1, 0, 1] and whole.accepted_histogram == [0, 0, 0, 0, 2]
+
+
+def test_the_serving_engines_acceptance_must_match_the_reference_decoders_counted_its_way(
+    tiny_model, tiny_tokenizer, tiny_target_dir, prompts, tmp_path
+):
+    """The reference decoder beside a serving engine (benchmark.reference_beside): the engine's candidate
+    acceptance against the reference decoder's on the same prompts and chain, counted as the engine counts;
+    a relative difference past benchmark.acceptance_tolerance refuses the candidate (verdict "mismatch"),
+    and outputs that differ fail the benchmark."""
+    from pipeline.benchmark.figures import histogram_acceptance, outputs_sha256
+    from pipeline.benchmark.job import BenchJob, BenchmarkFailed
+    from pipeline.benchmark.reference import acceptance_check, chain_acceptance
+    from pipeline.config import load_config
+    from pipeline.promotion import speed_decision
+    from tests.builders import bench_record, eval_record
+    from tests.conftest import storage_config, tiny_config_dict
+
+    config = load_config(data=tiny_config_dict(storage_config("file", tmp_path, None)))
+    drafter = random_drafter(tiny_target_dir)
+    job = BenchJob(
+        config=config,
+        run_id="r1",
+        target_dir=tiny_target_dir,
+        tokenizer=tiny_tokenizer,
+        prompts=prompts,
+        domains=["general"] * len(prompts),
+        drafter_dirs={},
+        evaluation=eval_record(),
+        aux_layer_ids=AUX,
+    )
+    new_tokens, eos = config.benchmark.max_new_tokens, tiny_tokenizer.eos_token_id
+    outputs, histogram = chain_acceptance(tiny_model, drafter, AUX, prompts, new_tokens, eos, 2, True)
+    tau, per_position = histogram_acceptance(histogram)
+    recorded = bench_record()  # a chain of 2
+
+    def served(tau_measured: float, sha256: str):
+        candidate = recorded.methods.candidate.model_copy(
+            update={
+                "tau_measured": tau_measured,
+                "acceptance_per_position": per_position,
+                "outputs_sha256": sha256,
+            }
+        )
+        methods = recorded.methods.model_copy(update={"candidate": candidate})
+        return recorded.model_copy(update={"engine": "vllm", "engine_version": "0.32.0", "methods": methods})
+
+    same = acceptance_check(job, tiny_model, drafter, served(round(tau, 4), outputs_sha256(outputs)))
+    assert same.passed and same.rel_diff == 0 and (same.engine, same.draft_steps) == ("vllm", 2)
+    assert same.reference_tau == round(tau, 4) and same.tolerance == config.benchmark.acceptance_tolerance
+
+    more = served(round(tau * 1.05, 4), outputs_sha256(outputs))
+    check = acceptance_check(job, tiny_model, drafter, more)
+    assert not check.passed and check.rel_diff == pytest.approx(0.05, abs=1e-3)
+    decision = speed_decision(more.model_copy(update={"acceptance": check}), config.benchmark)
+    assert decision.verdict == "mismatch" and not decision.promotable
+    assert decision.reasons[0] == "speed decided by vllm 0.32.0"
+    assert decision.reasons[-1].endswith("the engine serves other drafts than the ones judged")
+
+    with pytest.raises(BenchmarkFailed, match="differ from the reference decoder's greedy outputs"):
+        acceptance_check(job, tiny_model, drafter, served(round(tau, 4), "0" * 64))

@@ -20,9 +20,9 @@ from pipeline.config import load_config
 from pipeline.data.capture_contract import ContractMismatch
 from pipeline.manifest import read_manifest
 from pipeline.ops.report import init_rows, render, status_table
+from pipeline.promotion import gate_record
 from pipeline.records import DatasetRecord, DatasetShard, EvalRecord, read_record
 from pipeline.stages import run_stage
-from pipeline.stages.gate import decide
 from pipeline.stages.train import training_fingerprint
 from pipeline.storage import open_store
 from pipeline.training.nodes import torchrun_args
@@ -390,8 +390,8 @@ def test_auto_restarts_a_stalled_warm_start_from_scratch_within_the_run(setup, u
     # evaluation, the gate's record and `drafter status` carry both attempts
     evaluation = run_stage("evaluate", config, "auto-stalled", store, dataset_uri=setup["dataset"])
     record = read_record(store, evaluation.uri, EvalRecord)
-    gate_record = decide(record, config.gate, "auto-stalled")
-    assert [choice.chosen for choice in gate_record.init] == ["warm", "scratch"]
+    decision = gate_record(record, config.gate, "auto-stalled")
+    assert [choice.chosen for choice in decision.init] == ["warm", "scratch"]
     report = render(store, "auto-stalled", config.target.name)
     assert "attempts" in report["plots"]  # both attempts' cond_acc_0 curves, beside the gate's bar
     page = store.get_bytes("runs/auto-stalled/report/report.html").decode()

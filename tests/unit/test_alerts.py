@@ -57,9 +57,9 @@ def test_promotion_and_rejection_notices_name_version_speedups_pull_command_and_
     assert "speedup vs baseline: 1.62x" in alert["lines"] and "speedup vs incumbent: 1.04x" in alert["lines"]
     assert alert["facts"]["report"] == report
     assert promotion_notice(run, {**promoted, "promoted": False}) is None
-    # the local engine's benchmark names no serving engine: the pull takes its default
-    local = promotion_notice(run, {**promoted, "bench_engine": "local"})
-    assert local["facts"]["pull_command"].endswith("--dest ./drafters/tiny-test/v0003-abc")
+    # the reference decoder's benchmark names no serving engine: the pull takes its default
+    reference = promotion_notice(run, {**promoted, "bench_engine": "reference"})
+    assert reference["facts"]["pull_command"].endswith("--dest ./drafters/tiny-test/v0003-abc")
 
     reasons = ["cond_acc_0 0.031 < 0.05", "tau_simulated 1.4 < 50"]
     rejected = rejection_notice(run, {"passed": False, "reasons": reasons})
@@ -71,7 +71,7 @@ def test_promotion_and_rejection_notices_name_version_speedups_pull_command_and_
 
 
 def test_the_gate_decision_lists_each_reason(tmp_path):
-    from pipeline.stages.gate import GateFailed
+    from pipeline.promotion import GateFailed
 
     failed = GateFailed("gate failed for run r:\n  a\n  b", ["a", "b"])
     assert failed.reasons == ["a", "b"] and str(failed).endswith("b")
@@ -143,14 +143,13 @@ def test_a_deadline_must_name_a_dag_and_be_positive(tmp_path, deadlines, problem
 def test_an_inconclusive_benchmark_has_its_own_alert_not_a_failure_or_a_refusal(tmp_path):
     from pipeline.benchmark.settings import BenchmarkConfig
     from pipeline.failures import EXIT_INCONCLUSIVE, PERMANENT_EXIT_CODES, exit_code_for, exit_code_meaning
+    from pipeline.promotion import BenchmarkInconclusive, speed_rule
     from pipeline.records import RatioInterval
-    from pipeline.stages.benchmark import promotion_decision
-    from pipeline.stages.promote import BenchmarkInconclusive
     from pipeline.tasks import inconclusive_notice, promotion_notice
 
     run = _run(tmp_path)
     wide = RatioInterval(ratio=1.503, ci_low=0.50, ci_high=4.52, confidence=0.95, rounds=3)
-    decision = promotion_decision({"baseline": wide}, BenchmarkConfig(budget_s=90))
+    decision = speed_rule({"baseline": wide}, BenchmarkConfig(budget_s=90))
     stopped = BenchmarkInconclusive(decision)
     unsure = {"promoted": False, **stopped.outcome()}
     alert = inconclusive_notice(run, unsure)

@@ -90,13 +90,13 @@ def test_a_run_record_is_written_once_and_another_config_is_refused(tmp_path):
 
 def test_a_setting_added_since_the_record_was_written_is_no_change(tmp_path):
     store = FileStore(tmp_path)
-    config = load_config(LOCAL, ["benchmark.vllm_beside_reference=false"])
+    config = load_config(LOCAL)
     older = config.dump()
-    del older["benchmark"]["vllm_beside_reference"]  # written before the setting existed (at its default)
+    del older["benchmark"]["acceptance_tolerance"]  # written before the setting existed (at its default)
     store.put_bytes("runs/r1/config.json", json.dumps(older).encode())
     claim(store, run_record("r1"), config)
-    with pytest.raises(ConfigChanged, match="benchmark.vllm_beside_reference: false -> true"):
-        claim(store, run_record("r1"), load_config(LOCAL, ["benchmark.vllm_beside_reference=true"]))
+    with pytest.raises(ConfigChanged, match="benchmark.acceptance_tolerance: 0.02 -> 0.05"):
+        claim(store, run_record("r1"), load_config(LOCAL, ["benchmark.acceptance_tolerance=0.05"]))
 
 
 def test_a_record_that_is_not_a_config_is_refused_by_name(tmp_path):

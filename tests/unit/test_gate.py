@@ -3,8 +3,8 @@
 import pytest
 
 from pipeline.config import GateConfig
+from pipeline.promotion import gate_record, signed
 from pipeline.records import DomainAcceptance, EvalRecord, IncumbentEval
-from pipeline.stages.gate import decide, signed
 from tests.builders import eval_record
 
 
@@ -44,7 +44,7 @@ def test_a_candidate_better_on_average_but_worse_on_one_domain_is_refused_naming
     incumbent = _incumbent(2.0, {"chat": 2.2, "math": 1.8})
     # better pooled (2.3 > 2.0), much better on chat, but math falls 0.3 below the incumbent's
     evaluation = _evaluated(2.3, {"chat": 2.8, "math": 1.5}, incumbent)
-    decision = decide(evaluation, GATE, "r1")
+    decision = gate_record(evaluation, GATE, "r1")
     assert not decision.passed
     failed = [check for check in decision.checks if not check.passed]
     assert [check.check for check in failed] == ["tau_simulated_vs_incumbent[math]"]
@@ -57,7 +57,7 @@ def test_a_candidate_better_on_average_but_worse_on_one_domain_is_refused_naming
 def test_every_domain_within_the_margin_passes_and_new_domains_have_nothing_to_compare():
     incumbent = _incumbent(2.0, {"chat": 2.2, "math": 1.8})
     evaluation = _evaluated(2.1, {"chat": 2.3, "math": 1.76, "code": 1.2}, incumbent)
-    decision = decide(evaluation, GATE, "r1")
+    decision = gate_record(evaluation, GATE, "r1")
     assert decision.passed
     checked = {check.check for check in decision.checks}
     assert {"tau_simulated_vs_incumbent[chat]", "tau_simulated_vs_incumbent[math]"} <= checked
@@ -68,7 +68,7 @@ def test_domains_are_not_checked_unless_the_gate_asks():
     incumbent = _incumbent(2.0, {"chat": 2.2, "math": 1.8})
     evaluation = _evaluated(2.3, {"chat": 2.8, "math": 1.5}, incumbent)
     lenient = GATE.model_copy(update={"max_domain_regression_vs_incumbent": None})
-    assert decide(evaluation, lenient, "r1").passed
+    assert gate_record(evaluation, lenient, "r1").passed
 
 
 def test_the_report_shows_each_domain_beside_the_incumbent():
@@ -88,7 +88,9 @@ def test_the_report_shows_each_domain_beside_the_incumbent():
 def test_a_candidate_behind_the_incumbent_by_any_margin_is_refused_with_by_how_much_and_where():
     incumbent = _incumbent(2.0, {"chat": 2.2, "math": 1.8})
     evaluation = _evaluated(1.99, {"chat": 2.25, "math": 1.73}, incumbent)
-    decision = decide(evaluation, GATE.model_copy(update={"max_domain_regression_vs_incumbent": None}), "r1")
+    decision = gate_record(
+        evaluation, GATE.model_copy(update={"max_domain_regression_vs_incumbent": None}), "r1"
+    )
     assert not decision.passed
     failed = [check for check in decision.checks if not check.passed]
     assert [(c.check, c.threshold) for c in failed] == [("tau_simulated_vs_incumbent", 2.0)]
@@ -97,7 +99,7 @@ def test_a_candidate_behind_the_incumbent_by_any_margin_is_refused_with_by_how_m
         "(per domain: chat ahead by 0.0500, math behind by 0.0700)"
     ) in decision.reasons
     # level with the incumbent is not behind it
-    assert decide(_evaluated(2.0, {}, incumbent), GATE, "r2").passed
+    assert gate_record(_evaluated(2.0, {}, incumbent), GATE, "r2").passed
     assert signed(0.0) == "level" and signed(-0.25) == "behind by 0.2500"
 
 

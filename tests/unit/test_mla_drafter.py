@@ -265,8 +265,9 @@ def test_vllm_takes_the_mla_latents_its_source_runs_and_no_engine_here_takes_a_t
     only: Kimi's 512 + 64 loads in both, the tiny drafter's in neither, and a vLLM benchmark refuses it."""
     import json
 
+    from pipeline.benchmark.job import BenchmarkFailed
+    from pipeline.benchmark.vllm import vllm_loadable
     from pipeline.drafter.export import engine_refusals
-    from pipeline.stages.benchmark import BenchmarkFailed, vllm_loadable
 
     _, _, directory = exported_mla(tmp_path)
     tiny = json.loads((directory / "config.json").read_text())

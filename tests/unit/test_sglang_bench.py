@@ -5,13 +5,13 @@ tests/integration/test_sglang_bench.py."""
 import pytest
 
 from pipeline.benchmark.settings import NgramServerSetting
-from pipeline.config import ConfigError, load_config
-from pipeline.engines.sglang_bench import (
+from pipeline.benchmark.sglang import (
     SGLangBenchmarkFailed,
     batches,
     launch_command,
     summarize_responses,
 )
+from pipeline.config import ConfigError, load_config
 from pipeline.sglang_ngram_rules import launch_from_args, silent_changes
 from tests.builders import sglang_bench_settings
 from tests.conftest import KIMI_CONFIG, REPO
@@ -173,8 +173,7 @@ def test_the_ngram_settings_of_the_configs_are_what_sglang_serves():
 
 
 def test_each_domain_gets_the_acceptance_of_its_own_requests_with_ngram_at_its_fastest():
-    from pipeline.engines.sglang_bench import acceptance_of, per_domain
-    from pipeline.stages.benchmark import domain_acceptance
+    from pipeline.benchmark.sglang import acceptance_of, domain_acceptance, per_domain
 
     by_request = per_domain(RECORDED + RECORDED[:1], ["math", "code", "math"])
     assert by_request["math"]["tokens"] == 12 and by_request["math"]["tau_measured"] == 3.0  # a, a

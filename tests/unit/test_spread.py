@@ -2,7 +2,6 @@
 
 import math
 import random
-import time
 from collections.abc import Callable
 
 import pytest
@@ -95,24 +94,51 @@ def test_interval_covers_the_true_ratio_about_95_percent_of_the_time() -> None:
     assert 180 <= covered <= 199
 
 
-def test_timed_busy_loops_differing_threefold() -> None:
-    n = 100_000
+class FakeClock:
+    """A clock that moves only when a side's work says how long it took: timings without a machine."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def work(self, seconds: float) -> Callable[[], None]:
+        def run() -> None:
+            self.now += seconds
+
+        return run
+
+
+def test_timed_sides_differing_threefold_give_their_ratio() -> None:
+    """timed() on a clock where the long side takes three times the short one's seconds, give or take a
+    seeded 5%: the ratio's interval holds 3 and is narrow."""
+    clock, rng = FakeClock(), random.Random(7)
+
+    def jittered(seconds: float) -> Callable[[], None]:
+        return lambda: clock.work(seconds * rng.uniform(0.95, 1.05))()
+
     m = measure(
-        {"short": timed(lambda: sum(range(n))), "long": timed(lambda: sum(range(3 * n)))},
+        {"short": timed(jittered(0.01), clock), "long": timed(jittered(0.03), clock)},
         [("long", "short")],
-        rel_width=0.1,
+        rel_width=0.05,
         budget_s=3.0,
+        clock=clock,
     )
     est = m.ratio("long", "short")
-    assert 2 < est.ratio < 4.5
-    assert est.ci_low <= est.ratio <= est.ci_high
+    assert m.stopped_by == "width"
+    assert est.ci_low <= 3.0 <= est.ci_high and est.rel_width <= 0.05
 
 
 def test_budget_stops_after_min_rounds() -> None:
-    sleep = timed(lambda: time.sleep(0.01))
-    m = measure({"a": sleep, "b": sleep}, [("a", "b")], rel_width=1e-9, budget_s=0.05, min_rounds=5)
-    assert m.stopped_by == "budget"
-    assert 5 <= m.rounds < 20
+    """Every round costs about 0.02 s of the clock (two sides of 0.01 s, give or take a seeded 5%, so the
+    interval never narrows to rel_width): the budget of 0.05 s is spent before the fifth measured round, so
+    it stops there, at min_rounds, whatever the machine does."""
+    clock, rng = FakeClock(), random.Random(11)
+    sides = {name: timed(lambda: clock.work(0.01 * rng.uniform(0.95, 1.05))(), clock) for name in "ab"}
+    m = measure(sides, [("a", "b")], rel_width=1e-9, budget_s=0.05, min_rounds=5, clock=clock)
+    assert (m.stopped_by, m.rounds) == ("budget", 5)
+    assert m.elapsed_s == pytest.approx(0.12, rel=0.06)  # the warm-up round and five measured ones
 
 
 def test_rounds_interleave_alternate_and_drop_warmup() -> None:

@@ -34,9 +34,9 @@ def test_nothing_recorded_is_an_error(tmp_path):
 
 
 def test_the_process_cpu_clock_counts_this_process_working():
-    import time
-
-    before, started = process_tree_cpu_s(), time.monotonic()
-    while time.monotonic() - started < 0.3:  # busy for 0.3 s of wall
-        sum(range(10_000))
-    assert process_tree_cpu_s() - before >= 0.1
+    """Work moves the clock: a fixed amount of it (about 0.2 s of one core here) is counted, however much of
+    the machine other processes take."""
+    before = process_tree_cpu_s()
+    for _ in range(200):
+        sum(range(100_000))
+    assert process_tree_cpu_s() > before

@@ -1,13 +1,15 @@
-"""Production benchmark on SGLang: baseline, NGRAM, incumbent and candidate EAGLE3 servers, one after
-the other on the same GPUs, each sent the same prompts. NGRAM runs once per configured setting
-(benchmark.sglang.ngram_settings), so the candidate is compared with n-gram at its best.
+"""SGLang as a benchmark engine (benchmark.engine "sglang", production): baseline, NGRAM, incumbent and
+candidate EAGLE3 servers, one after the other on the same GPUs, each sent the same prompts. NGRAM runs once
+per configured setting (benchmark.sglang.ngram_settings), so the candidate is compared with n-gram at its
+best; with benchmark.sglang.candidates the drafter's flags are chosen first by timing one server per setting.
 
 Each server is started with `benchmark.sglang.launch` + the method's flags, waited on through
 /health, measured, and stopped (SIGTERM, then SIGKILL, by PID). Throughput is completion tokens over
 wall time with `concurrency` requests in flight; acceptance is sum(completion_tokens) /
 sum(spec_verify_ct) over all requests (SpecForge's definition, which counts the prefill token) with
 the spec_correct_drafts_histogram summed. A server that does not start or fails a request fails the
-stage with what it printed.
+stage with what it printed. The speedups pair the methods' rounds by index (the same prompts in the same
+batches on every server), one server at a time: a drift of the machine between servers is not cancelled.
 """
 
 from __future__ import annotations
@@ -24,16 +26,93 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.benchmark.figures import (
+    engine_bench,
+    fastest_ngram,
+    interval,
+    paired_ratio,
+    paired_speedups,
+    required_tau,
+    sampled_bench,
+    setting_choice,
+)
+from pipeline.benchmark.job import BenchJob, BenchmarkFailed
 from pipeline.benchmark.settings import NgramServerSetting, ServingSampling, SGLangBenchConfig
+from pipeline.decoding.choice import Choice, Shape, choose, shape_label
+from pipeline.decoding.speedup import predicted_tau
+from pipeline.engine_requests import EngineError
 from pipeline.engine_settings import SGLangClientConfig
-from pipeline.engines import EngineError
 from pipeline.ops.registry import sglang_flags
+from pipeline.records import (
+    BatchBench,
+    BenchMethods,
+    EngineBench,
+    EvalRecord,
+    MeasuredAcceptance,
+    MethodResult,
+    NgramSettingResult,
+    NgramSweep,
+    SettingChoice,
+    TimedSetting,
+)
 from pipeline.retrying import await_health
+from pipeline.spread import Measurement, ratio_from_samples
 
 log = logging.getLogger(__name__)
 
 
-class SGLangBenchmarkFailed(RuntimeError):
+def measure(job: BenchJob) -> EngineBench:
+    """SGLang servers started one method at a time. The drafters' setting is benchmark.sglang's, or, with
+    benchmark.sglang.candidates, the one chosen by timing a server of each (time_settings and
+    pipeline.decoding.choice). Each method's acceptance per domain too."""
+    configured = job.settings.sglang
+    if configured is None:
+        raise BenchmarkFailed("benchmark.engine 'sglang' needs benchmark.sglang")
+    bench, prompts, candidate_dir = job.settings, job.prompts, job.drafter_dirs["candidate"]
+    serving = bench.serving_sampling
+    settings, timed, choice = configured, {}, None
+    if configured.candidates:
+        timed = time_settings(configured, prompts, bench.max_new_tokens, candidate_dir)
+        choice = choose(
+            server_rounds(timed, bench.confidence), {shape_label(shape): shape for shape in timed}
+        )
+        settings = configured.serving(next(shape for shape in timed if shape_label(shape) == choice.chosen))
+        log.info("benchmark (sglang): %s", choice.reason)
+    measured = run_methods(
+        settings,
+        prompts,
+        bench.max_new_tokens,
+        job.drafter_dirs,
+        serving,
+        bench.measured_batch_sizes(),
+        job.domains,
+    )
+    by_domain = {name: figures.pop("domains", {}) for name, figures in measured.greedy.items()}
+    methods, ngram_sweep = sglang_methods(measured.greedy, settings.ngram_settings)
+    speedups = paired_speedups(methods, bench.confidence)
+    shape = settings.setting()
+    tau = round(required_tau(job.evaluation, shape), 4)
+    figures = engine_bench(job, "sglang", shape, tau, methods, speedups, ngram_sweep)
+    figures.batch_size = settings.concurrency
+    fastest_ngram_server = next(s for s in settings.ngram_settings if s.label == ngram_sweep.best)
+    figures.domain_acceptance = domain_acceptance(by_domain, ngram_method_name(fastest_ngram_server))
+    figures.batches = [
+        sglang_batch(level, level_figures, settings, fastest_ngram_server, bench.confidence)
+        for level, level_figures in sorted(measured.at_concurrency.items())
+    ]
+    if serving is not None:
+        results = {name: MethodResult.model_validate(sampled) for name, sampled in measured.sampled.items()}
+        figures.sampled = sampled_bench(
+            serving, results, paired_ratio(results["candidate"], results, bench.confidence)
+        )
+    if choice is not None:
+        figures.timed_settings, figures.setting_choice = timed_server_settings(
+            timed, choice, methods.baseline, job.evaluation, bench.confidence
+        )
+    return figures
+
+
+class SGLangBenchmarkFailed(BenchmarkFailed):
     pass
 
 
@@ -169,7 +248,7 @@ def sampling_params(max_new_tokens: int, serving: ServingSampling | None) -> dic
     }
 
 
-def measure(
+def measure_server(
     url: str,
     prompts: list[list[int]],
     max_new_tokens: int,
@@ -233,14 +312,17 @@ def time_settings(
 ) -> dict[tuple[int, int, int], dict[str, Any]]:
     """The candidate drafter served at every setting of benchmark.sglang.candidates, one server after
     another, each measured greedy on the benchmark prompts at the headline concurrency in the same rounds
-    (`measure`: each round's tokens/s, paired across settings by round), as run_methods measures methods."""
+    (`measure_server`: each round's tokens/s, paired across settings by round), as run_methods measures
+    methods."""
     figures = {}
     for shape in settings.candidate_settings():
         command = launch_command(settings.serving(shape), "candidate", drafter_dir)
         log.info("benchmark candidate setting %s: %s", shape, " ".join(command))
         with running_server(command, settings) as url:
             require_served_setting(url, shape)
-            figures[shape] = measure(url, prompts, max_new_tokens, settings.concurrency, settings.rounds)
+            figures[shape] = measure_server(
+                url, prompts, max_new_tokens, settings.concurrency, settings.rounds
+            )
     return figures
 
 
@@ -291,14 +373,127 @@ def run_methods(
     for method, command in commands.items():
         log.info("benchmark %s: %s", method, " ".join(command))
         with running_server(command, settings) as url:
-            figures.greedy[method] = measure(
+            figures.greedy[method] = measure_server(
                 url, prompts, max_new_tokens, settings.concurrency, settings.rounds, domains=domains
             )
             for level in levels:
                 rounds = rounds_at(settings, len(prompts), level)
-                figures.at_concurrency[level][method] = measure(url, prompts, max_new_tokens, level, rounds)
+                figures.at_concurrency[level][method] = measure_server(
+                    url, prompts, max_new_tokens, level, rounds
+                )
             if serving is not None and (method == "baseline" or method in drafters):
-                figures.sampled[method] = measure(
+                figures.sampled[method] = measure_server(
                     url, prompts, max_new_tokens, settings.concurrency, settings.rounds, serving
                 )
     return figures
+
+
+def server_rounds(timed: dict[Shape, dict], confidence: float) -> Measurement:
+    """The SGLang setting servers' per-round tokens/s as one measurement (rounds paired by index: the same
+    prompts in the same batches on every server)."""
+    samples = {shape_label(shape): tuple(figures["round_tok_s"]) for shape, figures in timed.items()}
+    rounds = min(len(values) for values in samples.values())
+    return Measurement(
+        {name: values[:rounds] for name, values in samples.items()},
+        rounds,
+        "max_rounds",
+        confidence,
+        sum(figures["seconds"] for figures in timed.values()),
+    )
+
+
+def timed_server_settings(
+    timed: dict[Shape, dict],
+    choice: Choice,
+    baseline: MethodResult,
+    evaluation: EvalRecord,
+    confidence: float,
+) -> tuple[list[TimedSetting], SettingChoice]:
+    """The record of the timed SGLang settings: each one's figures and speed over the baseline server's
+    (paired by round) and over the fastest setting's, and the choice."""
+    entries = []
+    for shape, figures in timed.items():
+        name = shape_label(shape)
+        result = MethodResult.model_validate(figures)
+        entries.append(
+            TimedSetting(
+                steps=shape[0],
+                topk=shape[1],
+                draft_tokens=shape[2],
+                tau_predicted=predicted_tau(evaluation, *shape),
+                tau_measured=result.tau_measured,
+                tok_s=result.tok_s,
+                round_tok_s=result.round_tok_s,
+                speedup=interval(ratio_from_samples(result.round_tok_s, baseline.round_tok_s, confidence)),
+                vs_fastest=interval(choice.vs_fastest[name]) if name in choice.vs_fastest else None,
+            )
+        )
+    measured = server_rounds(timed, confidence)
+    prompts = sum(int(f["requests"]) for f in timed.values()) // len(timed)
+    return entries, setting_choice(choice, prompts, measured)
+
+
+def domain_acceptance(
+    by_domain: dict[str, dict[str, dict]], fastest_ngram: str
+) -> dict[str, dict[str, MeasuredAcceptance]]:
+    """Each server's per-domain acceptance (`by_domain`: server name -> domain -> figures) as domain ->
+    method; n-gram is its fastest setting's server, the other n-gram servers are left out."""
+    names = {
+        name: ("ngram" if name == fastest_ngram else name)
+        for name in by_domain
+        if name == fastest_ngram or not name.startswith(NGRAM_PREFIX)
+    }
+    domains = sorted({domain for figures in by_domain.values() for domain in figures})
+    return {
+        domain: {
+            method: MeasuredAcceptance.model_validate(by_domain[name][domain])
+            for name, method in names.items()
+            if domain in by_domain[name]
+        }
+        for domain in domains
+    }
+
+
+def sglang_batch(
+    level: int,
+    figures: dict[str, dict],
+    settings: SGLangBenchConfig,
+    ngram: NgramServerSetting,
+    confidence: float,
+) -> BatchBench:
+    """The SGLang servers' figures with `level` requests in flight; n-gram is the setting fastest at the
+    headline concurrency."""
+    ngram_names = {ngram_method_name(setting) for setting in settings.ngram_settings}
+    plain = {name: result for name, result in figures.items() if name not in ngram_names}
+    methods = BenchMethods.model_validate({**plain, "ngram": figures[ngram_method_name(ngram)]})
+    return BatchBench(
+        batch_size=level,
+        draft_steps=settings.steps,
+        topk=settings.topk,
+        draft_tokens=settings.draft_tokens,
+        speedups=paired_speedups(methods, confidence),
+        tau_measured=methods.candidate.tau_measured,
+        methods=methods,
+    )
+
+
+def sglang_methods(
+    measured: dict[str, dict], ngram_settings: list[NgramServerSetting]
+) -> tuple[BenchMethods, NgramSweep]:
+    """run_methods' figures as the record keeps them: n-gram's servers (one per setting, named
+    ngram_method_name) as the sweep, and the fastest as the n-gram method."""
+    sweep = fastest_ngram(
+        [
+            NgramSettingResult(
+                setting=setting.label,
+                knobs=setting.model_dump(),
+                result=MethodResult.model_validate(measured[ngram_method_name(setting)]),
+            )
+            for setting in ngram_settings
+        ],
+        "every benchmark prompt, one server per setting",
+    )
+    ngram_names = {ngram_method_name(setting) for setting in ngram_settings}
+    plain = {name: figures for name, figures in measured.items() if name not in ngram_names}
+    best = next(entry.result for entry in sweep.settings if entry.setting == sweep.best)
+    return BenchMethods.model_validate({**plain, "ngram": best}), sweep

@@ -1,4 +1,4 @@
-"""The benchmark on vLLM (benchmark.engine 'vllm'): every method in its own vLLM engine
+"""vLLM as a benchmark engine (benchmark.engine "vllm"): every method in its own vLLM engine
 (pipeline.engines.vllm), prompts decoded one at a time (batch size 1, greedy; benchmark.batch_sizes adds
 passes that many prompts per generate call), acceptance from vLLM's own speculative-decoding counters.
 
@@ -6,22 +6,23 @@ The methods measured against each other are alive at once and decoded interleave
 prompt per method per round (pipeline.spread.measure), so machine noise falls on all of them alike; where
 one engine fills the machine (Kimi-K2.5 on a GPU node: benchmark.vllm.engines_at_once false) they run one
 at a time instead (`measure_engines_in_turn`). n-gram settings are first timed one engine at a time on the
-calibration prompts; the fastest is then measured.
+calibration prompts; the fastest is then measured. The candidate drafts a chain of
+benchmark.vllm.num_speculative_tokens (default: benchmark.draft_steps). Every output must equal vLLM's own
+greedy decoding (the baseline engine's), or the stage fails.
 
 vLLM counts acceptance differently from the reference decoder at the end of a request: it drafts
-num_speculative_tokens in every step ("We don't schedule partial draft tokens",
-vllm/v1/core/sched/scheduler.py:673-676) and counts every draft the target accepted, also those past
-max_tokens (the count comes from the sampled tokens before the stop check: scheduler.py:2110-2135;
-vllm/v1/spec_decode/metrics.py:41-49), where the reference decoder drafts only as many tokens as the request
-still needs. `reference_acceptance` counts the reference decoder's drafts the way vLLM does; counted so, the
-two agree cycle for cycle on the demo's drafter and the tests' (the same accepted-drafts histogram).
+num_speculative_tokens in every step and counts every draft the target accepted, also those past max_tokens
+(pipeline.decoding.reference_decoder.WholeChainProposer cites where), where the reference decoder drafts
+only as many tokens as the request still needs. Beside vLLM the reference decoder counts its drafts the way
+vLLM does (pipeline.benchmark.Engine.drafts_whole_chain); counted so, the two agree cycle for cycle on the
+demo's drafter and the tests' (the same accepted-drafts histogram).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
@@ -29,19 +30,136 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.benchmark.settings import BenchmarkConfig, NgramLocalSetting, ServingSampling
+from pipeline import spread
+from pipeline.benchmark.figures import (
+    engine_bench,
+    fastest_ngram,
+    interval,
+    outputs_sha256,
+    required_tau,
+    sampled_bench,
+)
+from pipeline.benchmark.job import BenchJob, BenchmarkFailed
+from pipeline.benchmark.settings import (
+    BenchmarkConfig,
+    NgramLocalSetting,
+    ServingSampling,
+    VllmBenchConfig,
+)
+from pipeline.drafter.export import (
+    CONFIG_NAME,
+    architecture_of,
+    copy_with_layer_ids,
+    engine_layer_ids,
+    engine_refusals,
+    read_drafter_dir,
+    require_exported_for,
+    written_layer_ids,
+)
 from pipeline.engine_settings import VllmEngineConfig
 from pipeline.engines.vllm import (
     SpecCounters,
     VllmEngine,
     VllmGeneration,
+    eagle3_speculation,
     ngram_speculation,
     running_engine,
+    vllm_python,
 )
-from pipeline.records import MethodResult
-from pipeline.spread import Measurement, measure
+from pipeline.records import (
+    BatchBench,
+    BenchMethods,
+    EngineBench,
+    MethodResult,
+    NgramSettingResult,
+    NgramSweep,
+)
+from pipeline.spread import Measurement
 
 log = logging.getLogger(__name__)
+
+
+def measure(job: BenchJob) -> EngineBench:
+    """Every method in vLLM: the n-gram settings timed one engine at a time, then baseline, the fastest
+    n-gram, the incumbent and the candidate measured alive at once and interleaved (or, with
+    benchmark.vllm.engines_at_once false, one engine after another); at every other of benchmark.batch_sizes
+    and sampled at benchmark.serving_sampling too."""
+    bench = job.settings
+    settings = bench.vllm or VllmBenchConfig()
+    vllm_python(settings)  # missing: a clear error before any work
+    drafter_dirs = {name: vllm_loadable(name, path, job.workdir) for name, path in job.drafter_dirs.items()}
+    steps = settings.num_speculative_tokens or bench.draft_steps
+    swept = {}
+    if len(bench.ngram_settings) > 1:
+        swept = time_ngram_settings(settings, job.target_dir, job.prompts, bench, job.trust_remote_code)
+    ngram = max(bench.ngram_settings, key=lambda s: pass_tok_s(swept[s.label]) if swept else 0.0)
+    specs = {
+        "baseline": EngineSpec(job.target_dir),
+        "ngram": EngineSpec(job.target_dir, ngram_setting_speculation(ngram)),
+        **{
+            name: EngineSpec(job.target_dir, eagle3_speculation(path, steps))
+            for name, path in drafter_dirs.items()
+        },
+    }
+    runs = measure_specs(job, specs, settings, sampled_too=["baseline", *drafter_dirs])
+    return vllm_figures(job, runs, swept, steps)
+
+
+def measure_specs(
+    job: BenchJob, specs: Mapping[str, EngineSpec], settings: VllmBenchConfig, sampled_too: Collection[str]
+) -> VllmRuns:
+    """The engines of `specs` greedy at batch 1 and at every other of benchmark.batch_sizes, and those named
+    in `sampled_too` sampled at benchmark.serving_sampling: alive at once and interleaved, or with
+    benchmark.vllm.engines_at_once false one at a time (measure_engines_in_turn)."""
+    bench = job.settings
+    if not settings.engines_at_once:
+        return measure_engines_in_turn(
+            specs, settings, job.trust_remote_code, job.prompts, bench, sampled_too
+        )
+    against = [("candidate", name) for name in specs if name != "candidate"]
+    levels = [size for size in bench.measured_batch_sizes() if size != 1]
+    sampled = None
+    with running_engines(specs, settings, job.trust_remote_code) as engines:
+        version = engines["baseline"].vllm_version
+        greedy = Passes(*measure_engines(engines, job.prompts, bench, against))
+        at_batch = {
+            size: Passes(*measure_engines(engines, job.prompts, bench, against, None, size))
+            for size in levels
+        }
+        if bench.serving_sampling is not None:
+            chosen = {name: engines[name] for name in sampled_too}
+            ratios = [("candidate", name) for name in sampled_too if name != "candidate"]
+            sampled = Passes(*measure_engines(chosen, job.prompts, bench, ratios, bench.serving_sampling))
+    return VllmRuns(greedy=greedy, version=version, sampled=sampled, at_batch=at_batch)
+
+
+def vllm_figures(job: BenchJob, runs: VllmRuns, swept: dict[str, VllmGeneration], steps: int) -> EngineBench:
+    """What the engines measured as the engine's figures; every output must equal the baseline engine's
+    greedy output of the same prompt (require_greedy_outputs)."""
+    bench = job.settings
+    require_greedy_outputs(runs.greedy.passes, swept)
+    for size, level in runs.at_batch.items():
+        require_greedy_outputs(level.passes, {}, f" at batch {size}")
+    others = [name for name in runs.greedy.passes if name != "candidate"]
+    methods = BenchMethods.model_validate(
+        {name: method_result(passes) for name, passes in runs.greedy.passes.items()}
+    )
+    sweep = vllm_ngram_sweep(bench, {label: method_result([g]) for label, g in swept.items()}, methods.ngram)
+    speedups = {other: interval(runs.greedy.measured.ratio("candidate", other)) for other in others}
+    shape = (steps, 1, steps + 1)
+    tau = round(required_tau(job.evaluation, shape), 4)
+    figures = engine_bench(job, "vllm", shape, tau, methods, speedups, sweep)
+    figures.engine_version = runs.version
+    figures.batches = [
+        vllm_batch(size, level, steps, others) for size, level in sorted(runs.at_batch.items())
+    ]
+    sampled, serving = runs.sampled, bench.serving_sampling
+    if sampled is not None and serving is not None:
+        results = {name: method_result(passes) for name, passes in sampled.passes.items()}
+        figures.sampled = sampled_bench(
+            serving, results, lambda other: sampled.measured.ratio("candidate", other)
+        )
+    return figures
 
 
 @dataclass(frozen=True)
@@ -96,11 +214,6 @@ def decode_pass(
 
 def pass_tok_s(generation: VllmGeneration) -> float:
     return sum(len(output) for output in generation.outputs) / sum(generation.seconds)
-
-
-def outputs_sha256(outputs: list[list[int]]) -> str:
-    """The fingerprint of one pass's outputs (MethodResult.outputs_sha256)."""
-    return hashlib.sha256(json.dumps(outputs, separators=(",", ":")).encode()).hexdigest()
 
 
 def summed_counters(passes: list[VllmGeneration]) -> SpecCounters | None:
@@ -197,7 +310,7 @@ def measure_engines(
         return decode_all
 
     min_rounds = max(3, bench.repeats)
-    measured = measure(
+    measured = spread.measure(
         {name: side(name) for name in engines},
         ratios,
         confidence=bench.confidence,
@@ -217,7 +330,7 @@ def measure_engines_in_turn(
     prompts: list[list[int]],
     bench: BenchmarkConfig,
     sampled_too: Collection[str] = (),
-) -> InTurnRuns:
+) -> VllmRuns:
     """benchmark.vllm.engines_at_once false: one engine alive at a time, as a GPU node holds one Kimi-K2.5
     engine. Each decodes a warm-up pass, then max(3, benchmark.repeats) timed passes over the prompts; the
     speedups pair the passes by index (stopped by "max_rounds": their number is fixed beforehand). A drift of
@@ -241,10 +354,10 @@ def measure_engines_in_turn(
                 sampled[name] = _timed_passes(engine, name, prompts, bench, rounds, bench.serving_sampling)
     elapsed = time.perf_counter() - start
 
-    def paired(runs: dict[str, list[VllmGeneration]]) -> InTurn:
-        return InTurn(runs, _paired_by_index(runs, rounds, bench.confidence, elapsed))
+    def paired(runs: dict[str, list[VllmGeneration]]) -> Passes:
+        return Passes(runs, _paired_by_index(runs, rounds, bench.confidence, elapsed))
 
-    return InTurnRuns(
+    return VllmRuns(
         greedy=paired(passes),
         version=version,
         sampled=paired(sampled) if sampled else None,
@@ -253,7 +366,7 @@ def measure_engines_in_turn(
 
 
 @dataclass(frozen=True)
-class InTurn:
+class Passes:
     """Passes of engines run one at a time, and their measurement (speedups paired by pass index)."""
 
     passes: dict[str, list[VllmGeneration]]
@@ -261,14 +374,14 @@ class InTurn:
 
 
 @dataclass(frozen=True)
-class InTurnRuns:
+class VllmRuns:
     """What measure_engines_in_turn measured: greedy one request at a time, vLLM's version, sampled at the
     serving temperature (None: not asked), and greedy at each other batch size."""
 
-    greedy: InTurn
+    greedy: Passes
     version: str
-    sampled: InTurn | None
-    at_batch: dict[int, InTurn]
+    sampled: Passes | None
+    at_batch: dict[int, Passes]
 
 
 def _timed_passes(
@@ -323,127 +436,76 @@ class RoundLog:
             self.current = {}
 
 
-class VllmCountingProposer:
-    """A reference-decoder proposer that drafts `steps` tokens every cycle, also when the request needs
-    fewer, as vLLM does (see the module's docstring): the reference decoder's acceptance counted as vLLM
-    counts it."""
-
-    def __init__(self, proposer: Any, steps: int):
-        self.proposer = proposer
-        self.steps = steps
-        self.needs_aux = proposer.needs_aux
-
-    def start(self, context: list[int], aux: Any) -> None:
-        self.proposer.start(context, aux)
-
-    def propose(self, context: list[int], steps: int) -> list[int]:
-        return self.proposer.propose(context, self.steps)
-
-    def accept(self, context: list[int], accepted_count: int, aux: Any) -> None:
-        self.proposer.accept(context, accepted_count, aux)
-
-
-@dataclass(frozen=True)
-class ReferenceRun:
-    """The reference decoder over some prompts: its outputs and its acceptance as vLLM's counters."""
-
-    outputs: list[list[int]]
-    spec: SpecCounters
+def vllm_loadable(name: str, drafter_dir: Path, workdir: Path) -> Path:
+    """The drafter directory vLLM loads. Without vLLM's aux layer ids vLLM would read SGLang's and feed the
+    drafter other layers than it was trained on: a candidate must carry them (EngineNotExported), an incumbent
+    promoted before drafters were exported with them is benchmarked from a local copy given the ids its
+    contract takes (pipeline.drafter.export.engine_layer_ids). A drafter vLLM cannot load here (eagle3-mla)
+    is refused with the reason, before vLLM starts."""
+    config = json.loads((drafter_dir / CONFIG_NAME).read_text())
+    refusal = engine_refusals(config).get("vllm")
+    if refusal is not None:
+        raise BenchmarkFailed(
+            f"benchmark.engine vllm cannot benchmark the {name} drafter {drafter_dir}, an "
+            f"{architecture_of(config)} drafter: {refusal}. Benchmark it with benchmark.engine local (the "
+            "project's reference decoder) or sglang"
+        )
+    if name == "candidate" or written_layer_ids(config, "vllm") is not None:
+        require_exported_for(config, "vllm", drafter_dir)
+        return drafter_dir
+    ids = engine_layer_ids(read_drafter_dir(drafter_dir)[2], "vllm")
+    copy = workdir / f"{name}_drafter_vllm"
+    shutil.rmtree(copy, ignore_errors=True)
+    log.info(
+        "benchmark (vllm): the %s drafter has no vLLM aux layer ids; benchmarking a copy with %s", name, ids
+    )
+    return copy_with_layer_ids(drafter_dir, copy, "vllm", ids)
 
 
-def counters_from_histogram(histogram: list[int]) -> SpecCounters:
-    """vLLM's counters for verify steps counted by drafts accepted (histogram[i]: the steps accepting i)."""
-    steps = len(histogram) - 1
-    drafts = sum(histogram)
-    return SpecCounters(
-        drafts=drafts,
-        draft_tokens=drafts * steps,
-        accepted_tokens=sum(i * count for i, count in enumerate(histogram)),
-        accepted_per_position=[sum(histogram[i + 1 :]) for i in range(steps)],
+def require_greedy_outputs(
+    passes: dict[str, list[VllmGeneration]], swept: dict[str, VllmGeneration], where: str = ""
+) -> None:
+    """BenchmarkFailed unless every output of every method (each n-gram setting's calibration pass too) equals
+    the vLLM baseline's greedy output of the same prompt, token for token (`where`: at which batch size)."""
+    greedy = passes["baseline"][0].outputs
+    bad = greedy_mismatches({**passes, **{f"ngram {label}": [g] for label, g in swept.items()}}, greedy)
+    if bad:
+        raise BenchmarkFailed(
+            f"vLLM's speculative outputs{where} differ from its greedy decoding (outputs, per method): {bad}"
+        )
+
+
+def vllm_batch(size: int, level: Passes, steps: int, others: list[str]) -> BatchBench:
+    """vLLM's engines decoding the prompts `size` at a time: every method's figures and the candidate's
+    speedups (its chain of `steps`, as at batch 1)."""
+    methods = BenchMethods.model_validate({name: method_result(runs) for name, runs in level.passes.items()})
+    return BatchBench(
+        batch_size=size,
+        draft_steps=steps,
+        topk=1,
+        draft_tokens=steps + 1,
+        speedups={other: interval(level.measured.ratio("candidate", other)) for other in others},
+        tau_measured=methods.candidate.tau_measured,
+        methods=methods,
     )
 
 
-def reference_acceptance(
-    model: Any,
-    drafter: Any,
-    aux_layer_ids: list[int],
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    eos_id: int | None,
-    steps: int,
-) -> ReferenceRun:
-    """The project's reference decoder (pipeline.decoding.reference_decoder.speculative_decode, a chain of
-    `steps` EAGLE-3 drafts) over the prompts, its drafts counted as vLLM counts them."""
-    import torch
-
-    from pipeline.decoding.reference_decoder import EagleProposer, TargetRunner, speculative_decode
-
-    runner = TargetRunner(model, aux_layer_ids)
-    outputs, histogram = [], [0] * (steps + 1)
-    with torch.inference_mode():
-        for prompt in prompts:
-            proposer = VllmCountingProposer(EagleProposer(drafter), steps)
-            result = speculative_decode(runner, proposer, prompt, max_new_tokens, eos_id, steps)
-            outputs.append(result.tokens)
-            histogram = [a + b for a, b in zip(histogram, result.accepted_histogram, strict=True)]
-    return ReferenceRun(outputs=outputs, spec=counters_from_histogram(histogram))
-
-
-@dataclass(frozen=True)
-class BesideReference:
-    """A drafter served by vLLM beside the reference decoder on the same prompts: acceptance from vLLM's
-    counters and from the reference decoder's drafts (counted as vLLM counts them), and vLLM's speedup
-    over its own greedy decoding, measured interleaved."""
-
-    vllm_version: str
-    steps: int
-    served: SpecCounters
-    reference: SpecCounters
-    measured: Measurement
-
-    def taus(self) -> tuple[float, float]:
-        vllm_tau, reference_tau = self.served.tau(), self.reference.tau()
-        if vllm_tau is None or reference_tau is None:
-            raise ValueError("no draft was verified: nothing to compare")
-        return vllm_tau, reference_tau
-
-    def tau_rel_diff(self) -> float:
-        vllm_tau, reference_tau = self.taus()
-        return abs(vllm_tau - reference_tau) / reference_tau
-
-
-class ServedOutputsDiffer(RuntimeError):
-    pass
-
-
-def beside_reference(
-    settings: VllmEngineConfig,
-    bench: BenchmarkConfig,
-    target_dir: Path,
-    drafter_dir: Path,
-    reference: ReferenceRun,
-    prompts: list[list[int]],
-    steps: int,
-    trust_remote_code: bool,
-) -> BesideReference:
-    """vLLM's plain greedy decoding and the drafter (a chain of `steps`, the directory's vLLM ids), both
-    alive at once and measured interleaved on `prompts` (bench's rounds, width and budget); every output
-    must equal the reference decoder's (`reference`, from reference_acceptance on the same prompts)."""
-    from pipeline.engines.vllm import eagle3_speculation
-
-    specs = {
-        "baseline": EngineSpec(target_dir),
-        "candidate": EngineSpec(target_dir, eagle3_speculation(drafter_dir, steps)),
-    }
-    with running_engines(specs, settings, trust_remote_code) as engines:
-        version = engines["baseline"].vllm_version
-        passes, measured = measure_engines(engines, prompts, bench, [("candidate", "baseline")])
-    differ = greedy_mismatches(passes, reference.outputs)
-    if differ:
-        raise ServedOutputsDiffer(
-            f"vLLM's outputs differ from the reference decoder's greedy outputs on some prompts: {differ}"
+def vllm_ngram_sweep(
+    bench: BenchmarkConfig, swept: dict[str, MethodResult], measured: MethodResult
+) -> NgramSweep:
+    """The n-gram sweep of the vLLM benchmark: every setting's calibration figures; with one setting (nothing
+    to choose, so nothing was swept) its measured figures."""
+    if swept:
+        return fastest_ngram(
+            [
+                NgramSettingResult(setting=s.label, knobs=s.model_dump(), result=swept[s.label])
+                for s in bench.ngram_settings
+            ],
+            f"the first {bench.calibration_prompts} benchmark prompts (calibration), one engine per setting",
         )
-    served = summed_counters(passes["candidate"])
-    if served is None or not served.drafts:
-        raise ServedOutputsDiffer("vLLM verified no draft of the candidate: nothing to compare")
-    return BesideReference(version, steps, served, reference.spec, measured)
+    only = bench.ngram_settings[0]
+    return NgramSweep(
+        measured_on="every benchmark prompt (the only setting)",
+        settings=[NgramSettingResult(setting=only.label, knobs=only.model_dump(), result=measured)],
+        best=only.label,
+    )
