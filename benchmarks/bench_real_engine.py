@@ -83,8 +83,8 @@ def main() -> None:
 
     from pipeline.benchmark.figures import histogram_acceptance
     from pipeline.benchmark.reference import chain_acceptance
-    from pipeline.benchmark.settings import BenchmarkConfig, VllmBenchConfig
     from pipeline.benchmark.vllm import EngineSpec, measure_engines, running_engines, summed_counters
+    from pipeline.benchmark_settings import BenchmarkConfig, VllmBenchConfig
     from pipeline.cli import quiet_libraries
     from pipeline.config import load_config
     from pipeline.drafter.export import load_drafter, read_drafter_dir

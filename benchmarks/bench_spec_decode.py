@@ -37,7 +37,7 @@ def method_sides(config, store, train_uri: str, prompts_uri: str, record: dict, 
     import torch
 
     from pipeline.benchmark.decoded import eagle_method, ngram_method
-    from pipeline.benchmark.settings import NgramLocalSetting
+    from pipeline.benchmark_settings import NgramLocalSetting
     from pipeline.decoding.reference_decoder import TargetRunner, greedy_decode
     from pipeline.drafter.export import load_drafter, read_drafter_dir
     from pipeline.engines.target import describe_target, load_frozen_tensors, load_model, load_tokenizer

@@ -31,7 +31,8 @@ def child(length: int, steps: int, hidden: int, dense: bool) -> None:
     import torch
 
     import pipeline.drafter.model as drafter_model
-    from pipeline.drafter.model import DrafterArch, Eagle3Drafter
+    from pipeline.drafter.arch import DrafterArch
+    from pipeline.drafter.model import Eagle3Drafter
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

@@ -423,7 +423,7 @@ if DEPLOYMENT.executor == "kubernetes":
             return super().execute(context)
 
         def cleanup(self, pod, remote_pod, xcom_result=None, context=None) -> None:
-            from pipeline.failures import PERMANENT_EXIT_CODES, exit_code_meaning
+            from pipeline.exit_codes import PERMANENT_EXIT_CODES, exit_code_meaning
 
             try:
                 super().cleanup(pod, remote_pod, xcom_result, context)

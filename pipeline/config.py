@@ -19,46 +19,14 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.benchmark.settings import BenchmarkConfig
-from pipeline.config_base import ConfigError, Strict, http_url
+from pipeline.benchmark_settings import BenchmarkConfig
+from pipeline.config_base import ConfigError, Strict
 from pipeline.credentials import refuse_credentials, without_credentials
+from pipeline.data.capture_contract import TeacherKind
 from pipeline.engine_settings import SGLangClientConfig, VllmEngineConfig, VllmServerClientConfig
 from pipeline.ids import validate_id
+from pipeline.storage import S3_CREDENTIALS, StorageConfig
 from pipeline.yaml_files import parse_yaml, read_yaml_file
-
-_S3_CREDENTIALS = (
-    "S3 credentials belong in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, the "
-    "pod's role) or the deployment's Airflow connection (aws_conn_id)"
-)
-
-
-class StorageConfig(Strict):
-    root: str = Field(description="file:// path or s3://bucket/prefix; a plain path means file://")
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, ...)")
-    region: str | None = None
-    multipart_threshold_mb: int = Field(64, ge=5)
-    max_attempts: PositiveInt = Field(
-        8,
-        description="S3 requests: attempts on throttling (503 SlowDown), 5xx, "
-        "dropped connections and torn reads (an object whose checksum does not match: 3 reads at most)",
-    )
-    local_cache: str = Field(".cache/drafter", description="local dir for models, downloads, work dirs")
-
-    def run_workdir(self, run_id: str) -> Path:
-        """This machine's scratch directory for one run (drafter copies, training work dirs)."""
-        return Path(self.local_cache) / "runs" / validate_id(run_id, "run id")
-
-    @field_validator("root")
-    @classmethod
-    def _known_scheme(cls, root: str) -> str:
-        if "://" in root and not root.startswith(("file://", "s3://")):
-            raise ValueError(f"storage.root must be file:// or s3://, got {root!r}")
-        return refuse_credentials(root, "storage.root", _S3_CREDENTIALS)
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
-        return url if url is None else http_url(url, "storage.endpoint_url", _S3_CREDENTIALS)
 
 
 class TinyDeepseekV3Shape(Strict):
@@ -215,7 +183,7 @@ class PromptSource(Strict):
     @field_validator("path")
     @classmethod
     def _path_without_credentials(cls, path: str | None) -> str | None:
-        return path if path is None else refuse_credentials(path, "prompts.sources[].path", _S3_CREDENTIALS)
+        return path if path is None else refuse_credentials(path, "prompts.sources[].path", S3_CREDENTIALS)
 
     @model_validator(mode="after")
     def _path_for_files(self) -> PromptSource:
@@ -289,9 +257,6 @@ class ParityConfig(Strict):
     samples: int = Field(4, ge=0, description="0 disables the comparison (server settings are still checked)")
     reference: Literal["hf"] = Field("hf", description="transformers forward with layer hooks")
     tolerance: float = Field(1e-3, gt=0, description="max |engine - reference| / max |reference| per layer")
-
-
-TeacherKind = Literal["last_hidden", "topk"]
 
 
 def _topk_teacher() -> list[TeacherKind]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import os
 import sys
 
-EXIT_FAILED = 1
-EXIT_BAD_INPUT = 2
-EXIT_GATE = 3  # a rejected candidate: the gate, or a refused promotion
-# the benchmark could not tell whether the candidate is faster: nothing promoted, and not a refusal
-EXIT_INCONCLUSIVE = 4
-PERMANENT_EXIT_CODES = frozenset({EXIT_BAD_INPUT, EXIT_GATE, EXIT_INCONCLUSIVE})
-POD_EXIT_CODES_ENV = "DRAFTER_PERMANENT_EXIT_CODES"
+from pipeline.exit_codes import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_GATE,
+    EXIT_INCONCLUSIVE,
+    PERMANENT_EXIT_CODES,
+    POD_EXIT_CODES_ENV,
+)
 
 
 def failure_table() -> tuple[tuple[tuple[type[BaseException], ...], int], ...]:
@@ -63,20 +64,6 @@ def exit_code_for(error: BaseException) -> int:
     if isinstance(error, KubernetesApiError) and not error.transient:
         return EXIT_BAD_INPUT
     return EXIT_FAILED
-
-
-def exit_code_meaning(code: int) -> str:
-    """What a task process's exit code says about its failure (for a scheduler's message)."""
-    if code == EXIT_BAD_INPUT:
-        return "bad input (a config, capture contract, id, parity check or target that no retry can fix)"
-    if code == EXIT_GATE:
-        return "a rejected candidate (the gate, or a refused promotion)"
-    if code == EXIT_INCONCLUSIVE:
-        return (
-            "an inconclusive benchmark (it could not tell whether the candidate is faster; nothing "
-            "promoted: rerun on a quiet machine or with a larger benchmark budget)"
-        )
-    return "a failure a retry may fix"
 
 
 def is_permanent(error: BaseException) -> bool:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pipeline.benchmark.settings import BenchmarkConfig, VllmBenchConfig
+from pipeline.benchmark_settings import BenchmarkConfig, VllmBenchConfig
 from pipeline.config import GateConfig
 from pipeline.records import (
     AcceptanceCheck,

@@ -303,7 +303,7 @@ class MeasuredAcceptance(Record):
 class NgramSettingResult(Record):
     """One n-gram setting of the benchmark's sweep and what it measured."""
 
-    setting: str  # its label (pipeline.benchmark.settings.NgramLocalSetting / NgramServerSetting .label)
+    setting: str  # its label (pipeline.benchmark_settings.NgramLocalSetting / NgramServerSetting .label)
     knobs: dict[str, int | str]  # the setting's fields
     result: MethodResult
 

@@ -14,7 +14,8 @@ from pipeline.failures import exit_code_for
 from pipeline.ids import MAX_ID_LENGTH
 from pipeline.manifest import read_manifest
 from pipeline.ops import registry
-from pipeline.ops.usage import Rates, cost_rows, read_usage, run_cost, usage_rates
+from pipeline.ops.deployment import usage_rates
+from pipeline.ops.usage import Rates, cost_rows, read_usage, run_cost
 from pipeline.promotion import (
     OUTCOMES,
     BenchmarkInconclusive,

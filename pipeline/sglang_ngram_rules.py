@@ -1,6 +1,6 @@
 """What SGLang 0.5.23 does with the NGRAM speculative-decoding launch flags, checked without a GPU.
 
-The benchmark config (pipeline.benchmark.settings.NgramServerSetting) refuses an n-gram setting that SGLang
+The benchmark config (pipeline.benchmark_settings.NgramServerSetting) refuses an n-gram setting that SGLang
 would refuse or silently change, and the stand-in server (harness.sglang_standin) refuses to start on what
 SGLang refuses. Read in the 0.5.23 wheel (sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl; paths
 inside it):

@@ -21,13 +21,51 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from filelock import FileLock
+from pydantic import Field, PositiveInt, field_validator
 
-from pipeline.config import StorageConfig
-from pipeline.credentials import without_credentials
-from pipeline.ids import validate_key
+from pipeline.config_base import Strict, http_url
+from pipeline.credentials import refuse_credentials, without_credentials
+from pipeline.ids import validate_id, validate_key
 from pipeline.retrying import retrying
 
 log = logging.getLogger(__name__)
+
+# where S3 credentials belong (said where a URL that carries some is refused)
+S3_CREDENTIALS = (
+    "S3 credentials belong in the environment (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, a profile, the "
+    "pod's role) or the deployment's Airflow connection (aws_conn_id)"
+)
+
+
+class StorageConfig(Strict):
+    """The run config's `storage:` section: where the store is and how it is reached."""
+
+    root: str = Field(description="file:// path or s3://bucket/prefix; a plain path means file://")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, moto, ...)")
+    region: str | None = None
+    multipart_threshold_mb: int = Field(64, ge=5)
+    max_attempts: PositiveInt = Field(
+        8,
+        description="S3 requests: attempts on throttling (503 SlowDown), 5xx, "
+        "dropped connections and torn reads (an object whose checksum does not match: 3 reads at most)",
+    )
+    local_cache: str = Field(".cache/drafter", description="local dir for models, downloads, work dirs")
+
+    def run_workdir(self, run_id: str) -> Path:
+        """This machine's scratch directory for one run (drafter copies, training work dirs)."""
+        return Path(self.local_cache) / "runs" / validate_id(run_id, "run id")
+
+    @field_validator("root")
+    @classmethod
+    def _known_scheme(cls, root: str) -> str:
+        if "://" in root and not root.startswith(("file://", "s3://")):
+            raise ValueError(f"storage.root must be file:// or s3://, got {root!r}")
+        return refuse_credentials(root, "storage.root", S3_CREDENTIALS)
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
+        return url if url is None else http_url(url, "storage.endpoint_url", S3_CREDENTIALS)
 
 
 def _stream_errors() -> tuple[type[BaseException], ...]:

@@ -261,8 +261,7 @@ def configure_run(
     GPU node: the deployment's `engines`), read when that pod is created. With `usage_table`
     (DeploymentConfig.usage_table), `rates` holds what each stage's task holds and the GPU price: the
     tasks record their usage with it (pipeline.ops.usage)."""
-    from pipeline.ops.deployment import run_engines
-    from pipeline.ops.usage import usage_rates
+    from pipeline.ops.deployment import run_engines, usage_rates
 
     overrides = list(plan["overrides"])
     config = load_config(plan["config_path"], overrides)

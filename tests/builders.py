@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.benchmark.settings import SGLangBenchConfig
+from pipeline.benchmark_settings import SGLangBenchConfig
 from pipeline.config import GateConfig, load_config
 from pipeline.data.capture_shards import CaptureSample
+from pipeline.drafter.arch import DrafterArch, MlaShape, architecture_norms
 from pipeline.drafter.export import export_drafter
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape, architecture_norms
+from pipeline.drafter.model import Eagle3Drafter
 from pipeline.engines.tiny_target import KIMI_MAX_POSITION_EMBEDDINGS, KIMI_ROPE_PARAMETERS
 from pipeline.ops.watch import ServedAcceptanceWatch
 from pipeline.records import (

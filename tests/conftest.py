@@ -141,8 +141,7 @@ def storage(request, tmp_path):
 
 @pytest.fixture
 def store(storage):
-    from pipeline.config import StorageConfig
-    from pipeline.storage import open_store
+    from pipeline.storage import StorageConfig, open_store
 
     return open_store(StorageConfig(**storage))
 

@@ -18,7 +18,7 @@ from pipeline import spread
 from pipeline.benchmark.decoded import eagle_method, method_result
 from pipeline.benchmark.figures import interval, setting_choice
 from pipeline.benchmark.job import BenchmarkFailed
-from pipeline.benchmark.settings import BenchmarkConfig
+from pipeline.benchmark_settings import BenchmarkConfig
 from pipeline.decoding.batched import BatchedTarget, EagleRows
 from pipeline.decoding.choice import Choice, Shape, choose, settled, shape_label
 from pipeline.decoding.reference_decoder import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.benchmark.figures import outputs_sha256
-from pipeline.benchmark.settings import NgramLocalSetting
+from pipeline.benchmark_settings import NgramLocalSetting
 from pipeline.decoding.reference_decoder import (
     DecodeResult,
     EagleProposer,

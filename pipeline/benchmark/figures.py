@@ -9,7 +9,7 @@ import json
 from collections.abc import Callable, Mapping
 
 from pipeline.benchmark.job import BenchJob, BenchmarkFailed
-from pipeline.benchmark.settings import ServingSampling
+from pipeline.benchmark_settings import ServingSampling
 from pipeline.decoding.choice import Choice, Shape, shape_label
 from pipeline.decoding.speedup import predicted_tau
 from pipeline.records import (

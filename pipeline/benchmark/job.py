@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from pipeline.benchmark import engine
-from pipeline.benchmark.settings import BenchmarkConfig
+from pipeline.benchmark_settings import BenchmarkConfig, engine
 from pipeline.config import RunConfig
 from pipeline.records import EngineBench, EvalRecord
 

@@ -21,7 +21,6 @@ from typing import TypeVar
 import torch
 
 from pipeline import spread
-from pipeline.benchmark import engine
 from pipeline.benchmark.calibration import choose_setting, measure_batch_costs, setting_shape
 from pipeline.benchmark.decoded import eagle_method, method_result, ngram_method, outputs_of, tok_s_of
 from pipeline.benchmark.figures import (
@@ -34,7 +33,7 @@ from pipeline.benchmark.figures import (
     sampled_bench,
 )
 from pipeline.benchmark.job import BenchJob, BenchmarkFailed
-from pipeline.benchmark.settings import BenchmarkConfig, NgramLocalSetting, ServingSampling
+from pipeline.benchmark_settings import BenchmarkConfig, NgramLocalSetting, ServingSampling, engine
 from pipeline.config import DEFAULT_DOMAIN
 from pipeline.decoding.batched import BatchedTarget, EagleRows, NgramRows, batched_speculative_decode
 from pipeline.decoding.choice import Shape
@@ -280,6 +279,7 @@ def interleaved_passes(
     prompts: list[Unit],
     settings: BenchmarkConfig,
     what: str,
+    budget_s: float,
 ) -> Passes:
     """The methods on the same prompts (or batches of prompts), interleaved pass by pass
     (pipeline.spread.measure; a round is one pass of each method over every prompt): at least `repeats` (and
@@ -303,7 +303,7 @@ def interleaved_passes(
             [("candidate", other) for other in methods if other != "candidate"],
             confidence=settings.confidence,
             rel_width=settings.ci_rel_width,
-            budget_s=settings.budget_s,
+            budget_s=budget_s,
             min_rounds=min_rounds,
             max_rounds=max(min_rounds, 10_000),
         )
@@ -331,7 +331,8 @@ def compare_methods(
     }
     for name, drafter in drafters.items():
         methods[name] = eagle_method(with_aux, drafter, shape, new_tokens, eos)
-    passes = interleaved_passes(methods, job.prompts, settings, "benchmark")
+    decides = job.serving is None and settings.decides_at(1)
+    passes = interleaved_passes(methods, job.prompts, settings, "benchmark", settings.budget_s_for(decides))
     others = [name for name in methods if name != "candidate"]
     greedy = [r.tokens for one_pass in passes["baseline"] for r in one_pass]
     mismatches = {
@@ -364,7 +365,7 @@ def compare_sampled(
     for name, drafter in drafters.items():
         methods[name] = eagle_method(with_aux, drafter, shape, new_tokens, eos, sampling, draws[name])
     what = f"benchmark at temperature {serving.temperature}"
-    passes = interleaved_passes(methods, job.prompts, job.settings, what)
+    passes = interleaved_passes(methods, job.prompts, job.settings, what, job.settings.budget_s_for(False))
     summaries = {name: method_result(runs) for name, runs in passes.items()}
     return sampled_bench(serving, summaries, lambda other: passes.measured.ratio("candidate", other))
 
@@ -432,7 +433,8 @@ def batch_bench(
     }
     for name, drafter in drafters.items():
         methods[name] = _batched_eagle(with_aux, drafter, new_tokens, eos, chosen.steps)
-    passes = interleaved_passes(methods, batches_of(prompts, batch), settings, f"benchmark at batch {batch}")
+    what, budget_s = f"benchmark at batch {batch}", settings.budget_s_for(settings.decides_at(batch))
+    passes = interleaved_passes(methods, batches_of(prompts, batch), settings, what, budget_s)
     require_batch_outputs(passes, len(prompts), at_batch_1, batch)
     figures = BenchMethods.model_validate({name: method_result(runs) for name, runs in passes.items()})
     speedups = {

@@ -37,12 +37,12 @@ from pipeline.benchmark.figures import (
     setting_choice,
 )
 from pipeline.benchmark.job import BenchJob, BenchmarkFailed
-from pipeline.benchmark.settings import NgramServerSetting, ServingSampling, SGLangBenchConfig
+from pipeline.benchmark_settings import NgramServerSetting, ServingSampling, SGLangBenchConfig
 from pipeline.decoding.choice import Choice, Shape, choose, shape_label
 from pipeline.decoding.speedup import predicted_tau
+from pipeline.drafter.servable import sglang_flags
 from pipeline.engine_requests import EngineError
 from pipeline.engine_settings import SGLangClientConfig
-from pipeline.ops.registry import sglang_flags
 from pipeline.records import (
     BatchBench,
     BenchMethods,

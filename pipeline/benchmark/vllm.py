@@ -40,12 +40,7 @@ from pipeline.benchmark.figures import (
     sampled_bench,
 )
 from pipeline.benchmark.job import BenchJob, BenchmarkFailed
-from pipeline.benchmark.settings import (
-    BenchmarkConfig,
-    NgramLocalSetting,
-    ServingSampling,
-    VllmBenchConfig,
-)
+from pipeline.benchmark_settings import BenchmarkConfig, NgramLocalSetting, ServingSampling, VllmBenchConfig
 from pipeline.drafter.export import (
     CONFIG_NAME,
     architecture_of,
@@ -293,8 +288,9 @@ def measure_engines(
 ) -> tuple[dict[str, list[VllmGeneration]], Measurement]:
     """Every engine decodes every prompt once per round, `batch_size` at a time, interleaved
     (pipeline.spread.measure: a warm-up round, then at least max(3, repeats) measured rounds, and more until
-    every ratio's interval is ci_rel_width narrow or budget_s is spent); greedy, or sampled at `serving`. The
-    measured passes per engine, and the measurement."""
+    every ratio's interval is ci_rel_width narrow or the budget is spent: budget_s where the promotion rule
+    reads the measurement, greedy at a gated batch size, reported_budget_s elsewhere); greedy, or sampled at
+    `serving`. The measured passes per engine, and the measurement."""
     passes: dict[str, list[VllmGeneration]] = {name: [] for name in engines}
     rounds = RoundLog(len(engines))
 
@@ -315,7 +311,7 @@ def measure_engines(
         ratios,
         confidence=bench.confidence,
         rel_width=bench.ci_rel_width,
-        budget_s=bench.budget_s,
+        budget_s=bench.budget_s_for(serving is None and bench.decides_at(batch_size)),
         min_rounds=min_rounds,
         max_rounds=max(min_rounds, 10_000),
     )

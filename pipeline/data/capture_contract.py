@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pipeline.config import TeacherKind
 from pipeline.config_base import Strict
 
 LAYER_CONVENTION = "output_of_decoder_layer_k == hf_hidden_states[k+1] == sglang_capture_point[k+1]"
@@ -34,6 +33,10 @@ TARGET_FIELDS = ("config_sha256", "tokenizer_sha256", "chat_template_sha256")
 
 class ContractMismatch(ValueError):
     pass
+
+
+# the teacher signals a capture can hold: the post-norm last hidden state, the top-k log-probs
+TeacherKind = Literal["last_hidden", "topk"]
 
 
 def _last_hidden_teacher() -> list[TeacherKind]:

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from pipeline.drafter.model import ARCHITECTURE_NORMS, NUM_AUX_STATES, DrafterArch, Eagle3Drafter, MlaShape
+from pipeline.drafter.arch import ARCHITECTURE_NORMS, DrafterArch, MlaShape
+from pipeline.drafter.model import NUM_AUX_STATES, Eagle3Drafter
 from pipeline.drafter.servable import TARGET_CONFIG_NAME, record_target_config, require_servable
 from pipeline.engines.layer_ids import (
     ENGINES,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pipeline.drafter.model import DrafterArch, MlaShape, RMSNorm
+from pipeline.drafter.arch import DrafterArch, MlaShape, RMSNorm
 from pipeline.drafter.rope import apply_pair_rope, mla_cos_sin, mla_softmax_multiplier
 
 # config.json keys that make a target DeepSeek-family (MLA attention) and give the MLA drafter its sizes

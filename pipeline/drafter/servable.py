@@ -42,6 +42,24 @@ def speculative_args(serving: dict[str, Any] | None) -> SpeculativeArgs:
     return SpeculativeArgs("EAGLE3", steps, topk, int(draft_tokens))
 
 
+def sglang_flags(drafter_path: str, steps: int, topk: int = 1, draft_tokens: int | None = None) -> list[str]:
+    """SGLang's EAGLE3 launch flags for a drafter directory at a setting (draft tokens default to SGLang's:
+    steps + 1 for a chain, steps x topk for a tree)."""
+    draft_tokens = draft_tokens or (steps + 1 if topk == 1 else steps * topk)
+    return [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        drafter_path,
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(draft_tokens),
+    ]
+
+
 def record_target_config(target_dir: Path, drafter_dir: Path) -> None:
     shutil.copyfile(target_dir / "config.json", drafter_dir / TARGET_CONFIG_NAME)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.drafter.model import ARCHITECTURES, MlaShape
+from pipeline.drafter.arch import ARCHITECTURES, MlaShape
 
 TRAIN_PASSES = 3  # forward + backward (twice the forward's matmuls)
 

@@ -46,8 +46,17 @@ from pipeline.engines.layer_ids import (
     captured_layer_outputs,
     model_family,
 )
+from pipeline.engines.sglang_draft_shapes import (
+    SGLANG_VERSION,
+    DraftShape,
+    Param,
+    Shard,
+    TensorInfo,
+    Unbuildable,
+    sglang_problem,
+)
+from pipeline.engines.sglang_mla_checks import mla_config_problems, mla_draft_shape, mla_weight_problems
 
-SGLANG_VERSION = "0.5.23"
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 # models/kimi_k25_eagle3.py:523 registers the other EAGLE-3 draft class of 0.5.23 (MLA attention)
 MLA_DRAFT_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
@@ -60,8 +69,6 @@ CONTEXT_LENGTH_KEYS = (
     "model_max_length",
     "max_position_embeddings",
 )
-
-Shard = str | int | None  # q/k/v or gate/up (0/1) of a stacked parameter; None: the whole parameter
 
 
 @dataclass(frozen=True)
@@ -92,65 +99,6 @@ class TargetFacts:
         return "deepseek" if self.deepseek_capture else "llama"
 
 
-@dataclass(frozen=True)
-class MlaSizes:
-    """The MLA attention sizes Eagle3DeepseekV2ForCausalLM reads (models/kimi_k25_eagle3.py:93-99)."""
-
-    q_lora_rank: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-
-
-@dataclass(frozen=True)
-class DraftShape:
-    """What LlamaForCausalLMEagle3 builds from a draft config (models/llama_eagle3.py:122-320), or, with mla,
-    Eagle3DeepseekV2ForCausalLM (pipeline.engines.sglang_mla_checks)."""
-
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    layers: int
-    vocab: int
-    draft_vocab: int
-    target_hidden: int
-    num_aux: int
-    fc_bias: bool
-    o_proj_bias: bool
-    norm_before_fc: bool
-    fc_norm: bool
-    norm_output: bool  # no parameter: which state the next draft step gets (llama_eagle3.py:207, :266-269)
-    tied: bool
-    lm_head_from_target: bool
-    shares_target_embedding: bool
-    mla: MlaSizes | None = None
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype name: F32, BF16, I64, BOOL, ...
-
-
-@dataclass(frozen=True)
-class Param:
-    """A parameter of the draft model: the shape each loader shard takes, and whether it must be loaded."""
-
-    shards: dict[Shard, tuple[int, ...]]
-    required: bool = True
-
-
-class _Unbuildable(Exception):
-    """The draft model cannot even be constructed; the message is the problem."""
-
-
-def _problem(what: str, consequence: str, *where: str) -> str:
-    return f"{what}: SGLang {SGLANG_VERSION} {consequence} ({', '.join(where)})"
-
-
 def draft_model_problems(
     target_dir: str | Path,
     draft_dir: str | Path | None,
@@ -169,7 +117,7 @@ def draft_model_problems(
     problems = speculative_arg_problems(speculative, target.architecture)
     if draft_dir is None:
         return problems + [
-            _problem(
+            sglang_problem(
                 "--speculative-algorithm EAGLE3 without --speculative-draft-model-path",
                 "reads the target checkpoint itself as the draft model, which is no EAGLE-3 drafter",
                 "sglang/srt/arg_groups/speculative_hook.py:1138-1147",
@@ -183,12 +131,10 @@ def draft_model_problems(
     problems += context_problems(target, config, context_length)
     try:
         shape = draft_shape(config)
-    except _Unbuildable as unbuildable:
+    except Unbuildable as unbuildable:
         return problems + [str(unbuildable)]
     problems += config_problems(config)
     if shape.mla is not None:
-        from pipeline.engines.sglang_mla_checks import mla_config_problems
-
         problems += mla_config_problems(json.loads((draft_dir / "config.json").read_text()), config)
     problems += target_fit_problems(target, shape)
     problems += aux_layer_problems(target, config, shape, _trained_aux_layer_ids(draft_dir))
@@ -196,8 +142,6 @@ def draft_model_problems(
     if files_problems:
         return problems + files_problems
     if shape.mla is not None:
-        from pipeline.engines.sglang_mla_checks import mla_weight_problems
-
         problems += mla_weight_problems(shape, tensors)
     else:
         problems += weight_problems(shape, tensors)
@@ -280,7 +224,7 @@ def speculative_arg_problems(args: SpeculativeArgs, target_architecture: str) ->
     """The EAGLE3 steps / topk / draft-token combinations SGLang 0.5.23 cannot run."""
     if args.num_steps is None and (args.eagle_topk is not None or args.num_draft_tokens is not None):
         return [
-            _problem(
+            sglang_problem(
                 "--speculative-eagle-topk or --speculative-num-draft-tokens without --speculative-num-steps",
                 "fails at startup: an assertion wants all three flags or none",
                 "sglang/srt/arg_groups/speculative_hook.py:1159-1163",
@@ -291,7 +235,7 @@ def speculative_arg_problems(args: SpeculativeArgs, target_architecture: str) ->
     assert args.num_steps is not None
     if args.eagle_topk is None:
         return [
-            _problem(
+            sglang_problem(
                 "--speculative-num-steps without --speculative-eagle-topk",
                 "fails at startup comparing the missing topk with 1 (TypeError)",
                 "sglang/srt/arg_groups/speculative_hook.py:1273-1276",
@@ -309,7 +253,7 @@ def _draft_tree_problems(steps: int, topk: int, draft_tokens: int | None) -> lis
     where = ("sglang/srt/speculative/eagle_utils.py:100-110", "sglang/srt/speculative/spec_utils.py:417-470")
     if draft_tokens is None:
         return [
-            _problem(
+            sglang_problem(
                 f"--speculative-eagle-topk {topk} without --speculative-num-draft-tokens",
                 "fails building the first draft tree (num_draft_tokens - 1 of None)",
                 *where,
@@ -317,7 +261,7 @@ def _draft_tree_problems(steps: int, topk: int, draft_tokens: int | None) -> lis
         ]
     if not 0 <= draft_tokens - 1 <= candidates:
         return [
-            _problem(
+            sglang_problem(
                 f"--speculative-num-draft-tokens {draft_tokens} with {steps} steps and topk {topk}",
                 f"fails building the first draft tree: it keeps num_draft_tokens - 1 = {draft_tokens - 1} "
                 f"of {candidates} candidates (topk + (steps - 1) * topk^2) with torch.topk",
@@ -337,7 +281,7 @@ def _read_draft_config(draft_dir: Path, trust_remote_code: bool) -> tuple[Any | 
 
     if not (draft_dir / "config.json").is_file():
         return None, [
-            _problem(
+            sglang_problem(
                 f"draft directory {draft_dir} has no config.json",
                 "fails reading its config",
                 "sglang/srt/utils/hf_transformers/config.py:378-380",
@@ -347,7 +291,7 @@ def _read_draft_config(draft_dir: Path, trust_remote_code: bool) -> tuple[Any | 
         return AutoConfig.from_pretrained(str(draft_dir), trust_remote_code=trust_remote_code), []
     except Exception as err:  # whatever transformers raises here, SGLang's get_config raises too
         return None, [
-            _problem(
+            sglang_problem(
                 f"draft config.json does not load ({type(err).__name__}: {err})",
                 "fails reading it with transformers",
                 "sglang/srt/utils/hf_transformers/config.py:378-380",
@@ -359,8 +303,8 @@ def _eagle_config(config: Any) -> dict[str, Any]:
     eagle = getattr(config, "eagle_config", None) or {}
     if not isinstance(eagle, dict):
         # llama_eagle3.py:159-160 calls .get on it while building the model
-        raise _Unbuildable(
-            _problem(
+        raise Unbuildable(
+            sglang_problem(
                 f"eagle_config is a {type(eagle).__name__}, not an object",
                 "fails building the draft model",
                 "sglang/srt/models/llama_eagle3.py:159-160",
@@ -372,8 +316,8 @@ def _eagle_config(config: Any) -> dict[str, Any]:
 def _require_draft_architecture(config: Any) -> None:
     architectures = getattr(config, "architectures", None)
     if not architectures:
-        raise _Unbuildable(
-            _problem(
+        raise Unbuildable(
+            sglang_problem(
                 "draft config.json has no architectures",
                 "fails indexing architectures[0]",
                 "sglang/srt/configs/model_config.py:699",
@@ -382,8 +326,8 @@ def _require_draft_architecture(config: Any) -> None:
     if architectures[0] not in DRAFT_ARCHITECTURES:
         # the registry takes architectures[0] first (models/registry.py:98-104); only the EAGLE-3 draft
         # classes carry the hot_token_id the EAGLE3 worker reads (llama_eagle3.py:323)
-        raise _Unbuildable(
-            _problem(
+        raise Unbuildable(
+            sglang_problem(
                 f"draft architectures {list(architectures)} do not start with "
                 f"{' or '.join(DRAFT_ARCHITECTURES)}",
                 "fails when the EAGLE3 worker reads the draft's hot_token_id",
@@ -398,8 +342,8 @@ def _draft_vocab(config: Any, tied: bool) -> tuple[int, bool]:
     if tied:  # the logits processor still uses draft_vocab_size (llama_eagle3.py:316-320)
         return int(getattr(config, "draft_vocab_size", None) or config.vocab_size), False
     if not hasattr(config, "draft_vocab_size"):
-        raise _Unbuildable(
-            _problem(
+        raise Unbuildable(
+            sglang_problem(
                 "draft config.json has no draft_vocab_size",
                 "fails building the draft model (AttributeError)",
                 "sglang/srt/models/llama_eagle3.py:306",
@@ -415,8 +359,8 @@ def _target_hidden(config: Any) -> int:
     if not hasattr(config, "target_hidden_size"):
         return int(config.hidden_size)
     if config.target_hidden_size is None:
-        raise _Unbuildable(
-            _problem(
+        raise Unbuildable(
+            sglang_problem(
                 "draft config.json has target_hidden_size: null",
                 "fails sizing the fc layer from it",
                 "sglang/srt/models/llama_eagle3.py:151-167",
@@ -426,12 +370,10 @@ def _target_hidden(config: Any) -> int:
 
 
 def draft_shape(config: Any) -> DraftShape:
-    """The parameter shapes LlamaForCausalLMEagle3 allocates; raises _Unbuildable when it cannot be built."""
+    """The parameter shapes LlamaForCausalLMEagle3 allocates; raises Unbuildable when it cannot be built."""
     _require_draft_architecture(config)
     eagle = _eagle_config(config)
     if config.architectures[0] == MLA_DRAFT_ARCHITECTURE:
-        from pipeline.engines.sglang_mla_checks import mla_draft_shape
-
         return mla_draft_shape(config, eagle)
     hidden, heads = int(config.hidden_size), int(config.num_attention_heads)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -487,7 +429,7 @@ def config_problems(config: Any) -> list[str]:
     ]
     if misplaced:
         problems.append(
-            _problem(
+            sglang_problem(
                 f"eagle_config sets {', '.join(misplaced)} to other values than config.json's top level",
                 "serves it broken: it reads these flags only at the top level and ignores eagle_config's",
                 "sglang/srt/models/llama_eagle3.py:184-187",
@@ -496,7 +438,7 @@ def config_problems(config: Any) -> list[str]:
         )
     if config.hidden_act != "silu":
         problems.append(
-            _problem(
+            sglang_problem(
                 f"draft hidden_act {config.hidden_act!r}",
                 "fails building the draft MLP: only silu is supported",
                 "sglang/srt/models/llama.py:116-119 (MLA: sglang/srt/models/deepseek_v2.py:330-333)",
@@ -504,7 +446,7 @@ def config_problems(config: Any) -> list[str]:
         )
     if getattr(config, "tie_word_embeddings", False):
         problems.append(
-            _problem(
+            sglang_problem(
                 "draft tie_word_embeddings is true",
                 "serves it broken: lm_head becomes the embedding, so the checkpoint's trained lm_head.weight "
                 "has no parameter to load into and is dropped",
@@ -530,7 +472,7 @@ def context_problems(target: TargetFacts, config: Any, context_length: int | Non
     if context_length is not None:
         if context_length > target.context_length:
             problems.append(
-                _problem(
+                sglang_problem(
                     f"--context-length {context_length} exceeds the target's derived context length "
                     f"{target.context_length}",
                     f"fails at startup with ValueError: User-specified context_length ({context_length}) "
@@ -542,7 +484,7 @@ def context_problems(target: TargetFacts, config: Any, context_length: int | Non
     draft_context = derived_context_length(config)
     if serving > draft_context:
         problems.append(
-            _problem(
+            sglang_problem(
                 f"the draft's derived context length {draft_context} (max_position_embeddings "
                 f"{getattr(config, 'max_position_embeddings', None)}) is shorter than the target's {serving}",
                 f"fails at startup with ValueError: Target model's context_length ({serving}) is greater "
@@ -570,7 +512,7 @@ def target_fit_problems(target: TargetFacts, shape: DraftShape) -> list[str]:
     if shape.target_hidden != target.hidden_size:
         # fc takes num_aux states of target_hidden_size each (llama_eagle3.py:151-167, eagle_utils.py:265-275)
         problems.append(
-            _problem(
+            sglang_problem(
                 f"the draft reads target states of width {shape.target_hidden} "
                 "(target_hidden_size, else hidden_size) "
                 f"but the target's hidden_size is {target.hidden_size}",
@@ -582,7 +524,7 @@ def target_fit_problems(target: TargetFacts, shape: DraftShape) -> list[str]:
         )
     if shape.vocab != target.vocab_size:
         problems.append(
-            _problem(
+            sglang_problem(
                 f"draft vocab_size {shape.vocab} differs from the target's {target.vocab_size}",
                 "serves it broken: the draft embeds target token ids with an embedding sized by its own "
                 "vocab_size (ids beyond it are out of range, and tensor-parallel shards split the vocabulary "
@@ -614,7 +556,7 @@ def aux_layer_problems(
     eagle = _eagle_config(config)
     if not eagle.get("use_aux_hidden_state", True):
         return [
-            _problem(
+            sglang_problem(
                 "eagle_config.use_aux_hidden_state is false",
                 "serves it broken: the target captures no aux states and the draft gets the last hidden "
                 "state instead, skipping fc",
@@ -631,7 +573,7 @@ def aux_layer_problems(
         # only layers the forward loop visits are captured (llama.py:486-493; deepseek's packer then raises,
         # layers/aux_hidden_states.py:84-89)
         return [
-            _problem(
+            sglang_problem(
                 f"eagle_aux_hidden_state_layer_ids {layer_ids} give capture points {points} on a "
                 f"{target.num_layers}-layer target, {len(served)} distinct in range",
                 f"fails: the draft's fc takes {shape.num_aux} aux states",
@@ -642,7 +584,7 @@ def aux_layer_problems(
     trained = sorted(trained_ids if trained_ids is not None else (layer_ids or served))
     if served != trained:
         return [
-            _problem(
+            sglang_problem(
                 f"the drafter was trained on the outputs of layers {trained} "
                 "(capture_contract.json, else eagle_config)",
                 f"serves it broken: it captures the outputs of layers {served} for "
@@ -677,7 +619,7 @@ def read_weight_header(draft_dir: Path) -> tuple[dict[str, TensorInfo], list[str
     files = _weight_files(draft_dir)
     if not files:
         return {}, [
-            _problem(
+            sglang_problem(
                 f"draft directory {draft_dir} has no *.safetensors weights",
                 'fails ("Cannot find any model weights") unless it finds *.bin pickles, which this '
                 "project never loads",
@@ -693,7 +635,7 @@ def read_weight_header(draft_dir: Path) -> tuple[dict[str, TensorInfo], list[str
                     tensors[name] = TensorInfo(tuple(info.get_shape()), info.get_dtype())
         except Exception as err:  # safetensors' own error type: a file SGLang's loader cannot read either
             return {}, [
-                _problem(
+                sglang_problem(
                     f"draft weights {path.name} are unreadable ({err})",
                     "fails loading them",
                     "sglang/srt/model_loader/loader.py:545-582",
@@ -811,7 +753,7 @@ def weight_problems(shape: DraftShape, tensors: dict[str, TensorInfo]) -> list[s
         expected = shards[shard] if shard is not None else _whole_shape(shards)
         if info.shape != expected:
             problems.append(
-                _problem(
+                sglang_problem(
                     f"tensor {name} has shape {list(info.shape)}, "
                     f"but {_described(param, shard)} takes {list(expected)}",
                     "fails loading it: the weight loader asserts the shape "
@@ -831,7 +773,7 @@ def _dropped_tensor(name: str) -> str:
     what = f"tensor {name} has no parameter to load into"
     if "fc_norm." in name or "aux_norm_" in name:
         what += " (the fc_norm weights exist only when config.json's top level sets fc_norm or use_aux_norm)"
-    return _problem(
+    return sglang_problem(
         what,
         "serves it broken: load_weights drops it silently, so the draft runs without weights trained for it",
         "sglang/srt/models/llama_eagle3.py:184-196",
@@ -868,7 +810,7 @@ def _missing_parameter(param: str, shards: list[Shard], shape: DraftShape) -> st
             f": the target's embedding is not shared because target_hidden_size {shape.target_hidden} "
             f"differs from hidden_size {shape.hidden} (models/llama.py:910-916)"
         )
-    return _problem(
+    return sglang_problem(
         what,
         "serves it broken: load_weights skips what the checkpoint lacks, so the parameter keeps "
         "its untrained initial values (uninitialized memory for linear layers)",
@@ -910,7 +852,7 @@ def hot_token_problems(
         if shape.draft_vocab == shape.vocab:
             return []
         return [
-            _problem(
+            sglang_problem(
                 f"no d2t tensor for a draft vocabulary of {shape.draft_vocab} (vocab {shape.vocab})",
                 "serves it broken: without hot_token_id it takes draft token ids for target token ids",
                 "sglang/srt/models/llama_eagle3.py:323",
@@ -920,7 +862,7 @@ def hot_token_problems(
     info = tensors[name]
     if _is_float(info.dtype) or len(info.shape) != 1:
         return [
-            _problem(
+            sglang_problem(
                 f"{name} is {info.dtype} {list(info.shape)}, not 1-D integer offsets",
                 "fails using hot_token_id (d2t + arange) as token ids",
                 *where,
@@ -928,7 +870,7 @@ def hot_token_problems(
         ]
     if info.shape[0] < shape.draft_vocab:
         return [
-            _problem(
+            sglang_problem(
                 f"{name} has {info.shape[0]} entries for a draft vocabulary of {shape.draft_vocab}",
                 "fails indexing hot_token_id with draft token ids beyond it",
                 *where,
@@ -939,7 +881,7 @@ def hot_token_problems(
     hot_ids = d2t.astype(np.int64) + np.arange(d2t.shape[0])
     if hot_ids.min() < 0 or hot_ids.max() >= target_vocab:
         return [
-            _problem(
+            sglang_problem(
                 f"{name} maps draft ids to target ids {int(hot_ids.min())}..{int(hot_ids.max())}, outside "
                 f"the target vocabulary of {target_vocab}",
                 "fails embedding those draft tokens",

@@ -17,13 +17,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pipeline.engines.sglang_draft_checks import (
+from pipeline.engines.sglang_draft_shapes import (
     DraftShape,
     MlaSizes,
     Param,
     TensorInfo,
-    _problem,
-    _Unbuildable,
+    Unbuildable,
+    sglang_problem,
 )
 
 MODEL_FILE = "sglang/srt/models/kimi_k25_eagle3.py"
@@ -44,7 +44,7 @@ def mla_config_problems(raw: dict[str, Any], config: Any) -> list[str]:
             continue
         if getattr(config, key, None) is None:
             problems.append(
-                _problem(
+                sglang_problem(
                     f"draft config.json has no {key}",
                     "fails building the MLA attention (AttributeError)",
                     f"{MODEL_FILE}:95-99",
@@ -53,7 +53,7 @@ def mla_config_problems(raw: dict[str, Any], config: Any) -> list[str]:
             )
         else:
             problems.append(
-                _problem(
+                sglang_problem(
                     f"draft config.json has no {key}",
                     f"serves it broken: the config class ({type(config).__name__}) fills it with "
                     f"{getattr(config, key)}, a DeepSeek size, not the drafter's",
@@ -65,11 +65,11 @@ def mla_config_problems(raw: dict[str, Any], config: Any) -> list[str]:
 
 def mla_draft_shape(config: Any, eagle: dict[str, Any]) -> DraftShape:
     """The parameter shapes Eagle3DeepseekV2ForCausalLM allocates (kimi_k25_eagle3.py:78-149, 199-255,
-    331-364); raises _Unbuildable when it cannot be built."""
+    331-364); raises Unbuildable when it cannot be built."""
     absent = [key for key in MLA_SIZE_KEYS if not hasattr(config, key)]
     if absent:  # a config class that is not DeepSeek's (e.g. model_type llama) keeps only what the file has
-        raise _Unbuildable(
-            _problem(
+        raise Unbuildable(
+            sglang_problem(
                 f"draft config has no {', '.join(absent)}",
                 "fails building the MLA attention (AttributeError)",
                 f"{MODEL_FILE}:95-99",
@@ -77,16 +77,16 @@ def mla_draft_shape(config: Any, eagle: dict[str, Any]) -> DraftShape:
             )
         )
     if config.q_lora_rank is None:
-        raise _Unbuildable(
-            _problem(
+        raise Unbuildable(
+            sglang_problem(
                 "draft q_lora_rank is null",
                 "fails building the MLA layer (ValueError: Eagle3 MLA layer requires q_lora_rank)",
                 f"{MODEL_FILE}:114-117",
             )
         )
     if int(config.num_hidden_layers) != 1:
-        raise _Unbuildable(
-            _problem(
+        raise Unbuildable(
+            sglang_problem(
                 f"draft num_hidden_layers {config.num_hidden_layers}",
                 "fails building the draft (ValueError: EAGLE3 currently only supports 1 layer)",
                 f"{MODEL_FILE}:243-244",
@@ -210,7 +210,7 @@ def mla_weight_problems(shape: DraftShape, tensors: dict[str, TensorInfo]) -> li
         if mapped not in params:
             if name.startswith("model."):
                 problems.append(
-                    _problem(
+                    sglang_problem(
                         f"tensor {name} carries a model. prefix",
                         f"serves it broken: load_weights prefixes model. again, finds no {mapped} and "
                         "skips it with a warning",
@@ -226,7 +226,7 @@ def mla_weight_problems(shape: DraftShape, tensors: dict[str, TensorInfo]) -> li
     for mapped, name in sorted(cached.items()):
         partner = mapped.replace(A_PROJ, KV_A_PROJ) if A_PROJ in mapped else mapped.replace(KV_A_PROJ, A_PROJ)
         problems.append(
-            _problem(
+            sglang_problem(
                 f"tensor {name} has no partner {partner.removeprefix('model.')} under the same prefix",
                 "serves it broken: load_weights fuses q_a_proj with kv_a_proj_with_mqa only in pairs and "
                 f"drops an unpaired one without a warning, so {FUSED_A_PROJ} keeps uninitialized memory",
@@ -238,7 +238,7 @@ def mla_weight_problems(shape: DraftShape, tensors: dict[str, TensorInfo]) -> li
         if spec.required and missing:
             shards = f" (from {', '.join(str(s) for s in missing)})" if missing != [None] else ""
             problems.append(
-                _problem(
+                sglang_problem(
                     f"no tensor fills {param}{shards}",
                     "serves it broken: nothing checks that every parameter was filled, so it keeps its "
                     "initial values (uninitialized memory for linear layers)",
@@ -264,7 +264,7 @@ def _shape_problem(
         return []
     target = param if shard is None else f"{param} (its {shard} part)"
     return [
-        _problem(
+        sglang_problem(
             f"tensor {name} has shape {list(info.shape)}, but {target} takes {list(expected)}",
             "fails loading it: the weight loader asserts the shape (or narrows a parallel dimension), or, "
             "for an a-projection, splits the fused rows at the wrong place",

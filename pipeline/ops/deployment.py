@@ -14,11 +14,12 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from pipeline.benchmark import ENGINE_NAMES
+from pipeline.benchmark_settings import ENGINE_NAMES
 from pipeline.config import ConfigError, validation_problems
 from pipeline.config_base import Strict, resolve_project_path
 from pipeline.ops.alerts import ALERT_EVENTS, AlertEvent
 from pipeline.ops.fleets import ServerFleet
+from pipeline.ops.usage import Rates
 from pipeline.ops.watch import RetrainWatch
 from pipeline.stages import STAGES
 from pipeline.yaml_files import read_yaml_file
@@ -67,6 +68,25 @@ def run_engines(config: Any) -> dict[str, str]:
         stage: getattr(getattr(config, section), field)
         for stage, (section, field, _) in ENGINE_STAGES.items()
     }
+
+
+def usage_rates(table: dict[str, Any], config: Any) -> Rates:
+    """A run's rates from the deployment's usage table (DeploymentConfig.usage_table): each stage's GPUs as
+    placed for the run's engines. Training's: its pod's times its nodes with the torchrun launcher; with the
+    kubernetes launcher its pod's (it only watches) and the node Job's, nodes times the GPUs its manifest
+    (train.kubernetes_job) has each node pod hold."""
+    engines = run_engines(config)
+    gpus = {}
+    for stage, entry in table["stages"].items():
+        held = entry["engines"].get(engines.get(stage), entry["gpus"])
+        if stage == "train" and config.train.launcher == "kubernetes":
+            from pipeline.training.nodes import load_job_manifest, node_gpus
+
+            held += config.train.nodes * node_gpus(load_job_manifest(config.train.kubernetes_job))
+        elif stage == "train":
+            held *= config.train.nodes
+        gpus[stage] = held
+    return Rates(gpus=gpus, fleet_gpus_per_replica=table["fleets"], gpu_hour_usd=table["gpu_hour_usd"])
 
 
 class EnginePlacement(Strict):
@@ -330,7 +350,7 @@ class DeploymentConfig(Strict):
 
     def usage_table(self) -> dict[str, Any]:
         """What a run's tasks hold by stage and engine, and the GPU price, as plain data: the configure step
-        prices the run with it (`pipeline.ops.usage.usage_rates`); tasks in pods have no deployment config."""
+        prices the run with it (`usage_rates`); tasks in pods have no deployment config."""
         fleets = self.kubernetes.fleets if self.kubernetes else {}
         return {
             "gpu_hour_usd": self.gpu_hour_usd,
@@ -359,7 +379,7 @@ class DeploymentConfig(Strict):
         as placed for no particular engine: `placed_fields` re-places a pod that follows the run's engine."""
         placement = self._kubernetes()
         stage = self.stage(name)
-        from pipeline.failures import POD_EXIT_CODES_ENV
+        from pipeline.exit_codes import POD_EXIT_CODES_ENV
 
         return {
             "namespace": placement.namespace,

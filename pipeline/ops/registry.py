@@ -42,7 +42,7 @@ from pipeline.drafter.export import (
     require_exported_for,
     written_layer_ids,
 )
-from pipeline.drafter.servable import require_servable
+from pipeline.drafter.servable import require_servable, sglang_flags
 from pipeline.engines.layer_ids import ENGINES, Engine
 from pipeline.engines.sglang_draft_checks import SGLANG_VERSION
 from pipeline.ids import InvalidIdError, validate_id
@@ -62,22 +62,6 @@ ENGINE_TITLES: dict[str, str] = {**ENGINE_NAMES, "reference": "the project's ref
 
 class RegistryError(RuntimeError):
     pass
-
-
-def sglang_flags(drafter_path: str, steps: int, topk: int = 1, draft_tokens: int | None = None) -> list[str]:
-    draft_tokens = draft_tokens or (steps + 1 if topk == 1 else steps * topk)
-    return [
-        "--speculative-algorithm",
-        "EAGLE3",
-        "--speculative-draft-model-path",
-        drafter_path,
-        "--speculative-num-steps",
-        str(steps),
-        "--speculative-eagle-topk",
-        str(topk),
-        "--speculative-num-draft-tokens",
-        str(draft_tokens),
-    ]
 
 
 def serving_flags(drafter_path: str, serving: dict[str, int]) -> list[str]:

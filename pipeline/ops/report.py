@@ -22,6 +22,7 @@ import jinja2
 import yaml
 
 from pipeline import layout
+from pipeline.drafter.servable import sglang_flags
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.ops import registry
 from pipeline.ops.usage import USAGE_DIR, cost_rows, read_usage, run_cost
@@ -425,7 +426,7 @@ def serving_flags(store: ObjectStore, record: RunRecord, target: str) -> tuple[l
         return registry.serving_flags("<drafter-dir>", manifest["serving"]), f"registry version {version}"
     if record.bench is not None:
         bench = record.bench
-        flags = registry.sglang_flags("<drafter-dir>", bench.draft_steps, bench.topk, bench.draft_tokens)
+        flags = sglang_flags("<drafter-dir>", bench.draft_steps, bench.topk, bench.draft_tokens)
         return flags, "the benchmark's settings (not promoted)"
     return [], ""
 

@@ -32,7 +32,8 @@ USAGE_DIR = "usage"
 
 
 class Rates(Strict):
-    """What a run's tasks hold, as the deployment places them for the run's engines (`usage_rates`)."""
+    """What a run's tasks hold, as the deployment places them for the run's engines
+    (pipeline.ops.deployment.usage_rates)."""
 
     gpus: dict[str, int] = Field(default_factory=dict, description="GPUs each stage's task holds")
     fleet_gpus_per_replica: dict[str, int] = Field(default_factory=dict)
@@ -60,27 +61,6 @@ class TaskUsage(Strict):
     @property
     def cost_usd(self) -> float | None:
         return None if self.gpu_hour_usd is None else self.gpu_hours * self.gpu_hour_usd
-
-
-def usage_rates(table: dict[str, Any], config: Any) -> Rates:
-    """A run's rates from the deployment's usage table (DeploymentConfig.usage_table): each stage's GPUs as
-    placed for the run's engines. Training's: its pod's times its nodes with the torchrun launcher; with the
-    kubernetes launcher its pod's (it only watches) and the node Job's, nodes times the GPUs its manifest
-    (train.kubernetes_job) has each node pod hold."""
-    from pipeline.ops.deployment import run_engines
-
-    engines = run_engines(config)
-    gpus = {}
-    for stage, entry in table["stages"].items():
-        held = entry["engines"].get(engines.get(stage), entry["gpus"])
-        if stage == "train" and config.train.launcher == "kubernetes":
-            from pipeline.training.nodes import load_job_manifest, node_gpus
-
-            held += config.train.nodes * node_gpus(load_job_manifest(config.train.kubernetes_job))
-        elif stage == "train":
-            held *= config.train.nodes
-        gpus[stage] = held
-    return Rates(gpus=gpus, fleet_gpus_per_replica=table["fleets"], gpu_hour_usd=table["gpu_hour_usd"])
 
 
 def usage_prefix(run_id: str) -> str:

@@ -17,7 +17,7 @@ from typing import IO, Any, NamedTuple, cast
 import orjson
 
 from pipeline import layout
-from pipeline.config import PromptsConfig, PromptSource, RunConfig, StorageConfig
+from pipeline.config import PromptsConfig, PromptSource, RunConfig
 from pipeline.config_records import artifact_record, claim, require_same
 from pipeline.credentials import without_credentials
 from pipeline.data.conversations import BadRecord, normalize_conversation
@@ -29,7 +29,7 @@ from pipeline.ids import InvalidIdError, validate_id
 from pipeline.manifest import manifest_exists, publish, read_manifest
 from pipeline.progress import Progress
 from pipeline.stages import StageInputs, StageOutput
-from pipeline.storage import ObjectInfo, ObjectStore
+from pipeline.storage import ObjectInfo, ObjectStore, StorageConfig
 
 log = logging.getLogger(__name__)
 SPLITS = ("train", "eval")

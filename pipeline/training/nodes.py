@@ -27,10 +27,11 @@ from typing import Any, Protocol
 
 import yaml
 
-from pipeline.config import StorageConfig, TrainConfig
+from pipeline.config import TrainConfig
 from pipeline.config_base import resolve_project_path
 from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError, NotInCluster
 from pipeline.processes import start_process_group, stop_process_group
+from pipeline.storage import StorageConfig
 
 log = logging.getLogger(__name__)
 

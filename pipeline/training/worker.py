@@ -22,6 +22,7 @@ from pipeline import layout
 from pipeline.config import RunConfig
 from pipeline.config_base import resolve_project_path
 from pipeline.data.capture_contract import ContractMismatch
+from pipeline.drafter.arch import DrafterArch, architecture_norms
 from pipeline.drafter.export import (
     CONFIG_NAME,
     arch_from_config,
@@ -30,7 +31,7 @@ from pipeline.drafter.export import (
     read_drafter_dir,
 )
 from pipeline.drafter.mla import mla_shape_of_target
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter, architecture_norms
+from pipeline.drafter.model import Eagle3Drafter
 from pipeline.drafter.objective import DraftObjective, choose_teacher
 from pipeline.drafter.rope import draft_rope
 from pipeline.drafter.ttt import MetricCounts

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ConfigError, StorageConfig, load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.ops.deployment import load_deployment
 from pipeline.ops.registry import promote, pull
 from pipeline.processes import free_port
-from pipeline.storage import open_store
+from pipeline.storage import StorageConfig, open_store
 from tests.builders import SERVING, TokenizerSpy, drafter_dir, one_source_prompts_config
 from tests.conftest import REPO, published
 

@@ -177,8 +177,7 @@ def test_sources_in_every_format_from_disk_and_s3_mixed_by_weight(s3_endpoint, t
         ],
     }
     config = load_config(data=data)
-    from pipeline.config import StorageConfig
-    from pipeline.storage import open_store
+    from pipeline.storage import StorageConfig, open_store
 
     store = open_store(StorageConfig(**storage))
     result = published(store, run_stage("prompts", config, "mixed", store))

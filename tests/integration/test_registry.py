@@ -151,8 +151,7 @@ def serialized_store(storage, tmp_path):
 
 
 def store_for(storage):
-    from pipeline.config import StorageConfig
-    from pipeline.storage import open_store
+    from pipeline.storage import StorageConfig, open_store
 
     return open_store(StorageConfig(**storage))
 
@@ -313,8 +312,7 @@ def test_a_drafter_without_a_recorded_target_is_not_published(store, tmp_path):
 def promoted_kimi_version(tmp_path, serving=SERVING, lineage=None):
     """A Kimi-like drafter (a DeepSeek-family target of 6 layers, trained on layers AUX) promoted to
     production of kimi-k2.5 in a filesystem store; returns the store and `drafter pull` argv for it."""
-    from pipeline.config import StorageConfig
-    from pipeline.storage import open_store
+    from pipeline.storage import StorageConfig, open_store
     from tests.builders import AUX, drafter_for, kimi_like_target
 
     store = open_store(StorageConfig(root=str(tmp_path / "store")))

@@ -75,8 +75,7 @@ def test_capture_killed_mid_run_resumes_to_exactly_one_copy(tmp_path, tiny_targe
     config_path.write_text(yaml.safe_dump(data))
     for stage in ("prompts", "generate"):
         assert drafter([stage], config_path).wait(300) == 0
-    from pipeline.config import StorageConfig
-    from pipeline.storage import open_store
+    from pipeline.storage import StorageConfig, open_store
 
     store = open_store(StorageConfig(**data["storage"]))
     # a capture shard per prompt shard: 96 conversations in shards of 12 per domain (the demo corpus has two)

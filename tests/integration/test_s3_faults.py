@@ -10,12 +10,11 @@ from collections import Counter
 import pytest
 
 from pipeline import layout
-from pipeline.config import StorageConfig
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.manifest import read_listed, read_manifest
 from pipeline.ops import registry
 from pipeline.stages import run_stage
-from pipeline.storage import open_store
+from pipeline.storage import StorageConfig, open_store
 from tests.conftest import storage_config, tiny_config_dict
 from tests.faults.plugin import proxied_storage
 from tests.faults.proxy import Rule

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from pipeline.benchmark.settings import ServingSampling
 from pipeline.benchmark.sglang import (
     SGLangBenchmarkFailed,
     launch_command,
@@ -14,6 +13,7 @@ from pipeline.benchmark.sglang import (
     ngram_method_name,
     run_methods,
 )
+from pipeline.benchmark_settings import ServingSampling
 from pipeline.drafter.export import export_drafter
 from tests.builders import sglang_bench_settings
 from tests.conftest import REPO, free_port
@@ -165,7 +165,7 @@ def test_a_server_that_serves_other_flags_than_it_was_given_fails_the_benchmark(
     """SGLang serves topk 1 with steps + 1 draft tokens whatever it is given: a setting it did not serve
     is not timed under its name."""
     from pipeline.benchmark.sglang import require_served_setting, running_server
-    from pipeline.ops.registry import sglang_flags
+    from pipeline.drafter.servable import sglang_flags
 
     drafter_dir = drafter_dir_of(tiny_target_dir, tmp_path)
     config = standin_settings(tiny_target_dir)

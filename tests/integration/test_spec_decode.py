@@ -90,7 +90,7 @@ def test_tree_drafting_output_equals_greedy(
 
 def test_the_ngram_sweep_times_every_setting_and_keeps_the_fastest(tiny_model, tiny_tokenizer, prompts):
     from pipeline.benchmark.reference import sweep_ngram
-    from pipeline.benchmark.settings import BenchmarkConfig
+    from pipeline.benchmark_settings import BenchmarkConfig
 
     settings = BenchmarkConfig(
         max_new_tokens=16,

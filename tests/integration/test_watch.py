@@ -64,8 +64,7 @@ def test_a_server_without_metrics_is_a_clear_error(tiny_target_dir):
 
 
 def test_the_served_revision_against_the_production_drafters(ngram_server, tiny_target_dir, tmp_path):
-    from pipeline.config import StorageConfig
-    from pipeline.storage import open_store
+    from pipeline.storage import StorageConfig, open_store
 
     served = served_revision(f"{ngram_server}/server_info")
     assert served["revision"] == "r2" and served["model_path"] == str(tiny_target_dir)

@@ -296,8 +296,7 @@ def live_config(tmp_path_factory, s3_endpoint):
 
 
 def _store(config_data: dict):
-    from pipeline.config import StorageConfig
-    from pipeline.storage import open_store
+    from pipeline.storage import StorageConfig, open_store
 
     return open_store(StorageConfig(**config_data["storage"]))
 

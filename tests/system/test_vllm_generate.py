@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import ConfigError, StorageConfig, load_config
+from pipeline.config import ConfigError, load_config
 from pipeline.data.jsonl import decode_jsonl
 from pipeline.engines import EngineError, EngineUnavailable, SamplingParams
 from pipeline.manifest import read_listed, read_manifest
 from pipeline.retrying import await_health, poll_until
 from pipeline.stages import run_stage
-from pipeline.storage import open_store
+from pipeline.storage import StorageConfig, open_store
 from tests.conftest import free_port, storage_config, tiny_config_dict
 
 MAX_MODEL_LEN = 512

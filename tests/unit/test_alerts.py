@@ -78,7 +78,7 @@ def test_the_gate_decision_lists_each_reason(tmp_path):
 
 
 def test_a_pods_exit_code_says_what_kind_of_failure_it_was():
-    from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, exit_code_meaning
+    from pipeline.exit_codes import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_GATE, exit_code_meaning
 
     assert exit_code_meaning(EXIT_BAD_INPUT).startswith("bad input (a config")
     assert exit_code_meaning(EXIT_GATE).startswith("a rejected candidate")
@@ -141,8 +141,9 @@ def test_a_deadline_must_name_a_dag_and_be_positive(tmp_path, deadlines, problem
 
 
 def test_an_inconclusive_benchmark_has_its_own_alert_not_a_failure_or_a_refusal(tmp_path):
-    from pipeline.benchmark.settings import BenchmarkConfig
-    from pipeline.failures import EXIT_INCONCLUSIVE, PERMANENT_EXIT_CODES, exit_code_for, exit_code_meaning
+    from pipeline.benchmark_settings import BenchmarkConfig
+    from pipeline.exit_codes import EXIT_INCONCLUSIVE, PERMANENT_EXIT_CODES, exit_code_meaning
+    from pipeline.failures import exit_code_for
     from pipeline.promotion import BenchmarkInconclusive, speed_rule
     from pipeline.records import RatioInterval
     from pipeline.tasks import inconclusive_notice, promotion_notice

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from pipeline.benchmark.figures import interval
-from pipeline.benchmark.settings import BenchmarkConfig
+from pipeline.benchmark_settings import BenchmarkConfig
 from pipeline.promotion import speed_rule
 from pipeline.records import BenchDecision, RatioInterval
 from pipeline.spread import ratio_from_samples
@@ -55,8 +55,8 @@ def test_paired_rounds_give_the_recorded_interval():
 
 def test_the_candidate_is_compared_with_ngram_at_its_fastest_setting():
     from pipeline.benchmark.figures import paired_speedups
-    from pipeline.benchmark.settings import NgramServerSetting
     from pipeline.benchmark.sglang import ngram_method_name, sglang_methods
+    from pipeline.benchmark_settings import NgramServerSetting
 
     def measured(rounds: list[float], tau: float | None = None) -> dict:
         figures = {"tokens": 120, "seconds": 1.0, "tok_s": sum(rounds) / len(rounds), "round_tok_s": rounds}

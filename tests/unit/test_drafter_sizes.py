@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.drafter.model import DrafterArch, Eagle3Drafter, MlaShape, architecture_norms
+from pipeline.drafter.arch import DrafterArch, MlaShape, architecture_norms
+from pipeline.drafter.model import Eagle3Drafter
 from pipeline.drafter.sizes import (
     TRAIN_PASSES,
     DraftShape,

@@ -112,11 +112,10 @@ def test_a_config_that_tolerates_a_regression_against_the_incumbent_is_refused_w
 
 def test_the_report_and_status_say_by_how_much_and_where_a_candidate_trails_the_incumbent(tmp_path):
     from pipeline import layout
-    from pipeline.config import StorageConfig
     from pipeline.manifest import publish
     from pipeline.ops.report import RunRecord, incumbent_rows, render_html, status_table
     from pipeline.records import publish_record
-    from pipeline.storage import open_store
+    from pipeline.storage import StorageConfig, open_store
 
     incumbent = _incumbent(2.0, {"chat": 2.2, "math": 1.8}).model_copy(
         update={"target_differs": ["revision 'k2' -> 'k2.5'"]}

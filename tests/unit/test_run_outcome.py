@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.benchmark.settings import BenchmarkConfig
+from pipeline.benchmark_settings import BenchmarkConfig
 from pipeline.failures import EXIT_GATE, EXIT_INCONCLUSIVE
 from pipeline.promotion import (
     BenchmarkInconclusive,

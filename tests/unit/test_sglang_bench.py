@@ -4,13 +4,13 @@ tests/integration/test_sglang_bench.py."""
 
 import pytest
 
-from pipeline.benchmark.settings import NgramServerSetting
 from pipeline.benchmark.sglang import (
     SGLangBenchmarkFailed,
     batches,
     launch_command,
     summarize_responses,
 )
+from pipeline.benchmark_settings import NgramServerSetting
 from pipeline.config import ConfigError, load_config
 from pipeline.sglang_ngram_rules import launch_from_args, silent_changes
 from tests.builders import sglang_bench_settings

@@ -31,7 +31,7 @@ def test_draft_tree_masks_and_acceptance():
 def test_an_ngram_match_window_must_be_a_window():
     with pytest.raises(ValueError, match="1 <= min_match <= max_match, got 3..2"):
         NgramProposer(max_match=2, min_match=3)
-    from pipeline.benchmark.settings import BenchmarkConfig
+    from pipeline.benchmark_settings import BenchmarkConfig
 
     with pytest.raises(ValueError, match="min_match 3 exceeds max_match 2"):
         BenchmarkConfig(ngram_settings=[{"min_match": 3, "max_match": 2}])

@@ -7,16 +7,8 @@ import datetime as dt
 import pytest
 
 from pipeline.config import load_config
-from pipeline.ops.deployment import load_deployment
-from pipeline.ops.usage import (
-    Rates,
-    metered,
-    read_usage,
-    record_fleet,
-    run_cost,
-    saved_per_1k_tokens,
-    usage_rates,
-)
+from pipeline.ops.deployment import load_deployment, usage_rates
+from pipeline.ops.usage import Rates, metered, read_usage, record_fleet, run_cost, saved_per_1k_tokens
 from pipeline.storage import open_store
 from tests.conftest import REPO, storage_config, tiny_config_dict
 

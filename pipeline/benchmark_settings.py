@@ -1,20 +1,49 @@
-"""The benchmark section of a run config (`benchmark:`): what every engine measures (prompts, rounds,
-intervals, thresholds, batch sizes, sampling) and each engine's own settings (`benchmark.sglang`,
-`benchmark.vllm`; the reference decoder's calibration and n-gram settings).
+"""The benchmark's engines (ENGINES: the engine each name runs, pipeline.benchmark) and the benchmark section
+of a run config (`benchmark:`): what every engine measures (prompts, rounds, intervals, thresholds, batch
+sizes, sampling) and each engine's own settings (`benchmark.sglang`, `benchmark.vllm`; the reference
+decoder's calibration and n-gram settings).
 
-Imported by pipeline.config, so it imports nothing of the engines themselves (only their table,
-pipeline.benchmark.ENGINES)."""
+Imported by pipeline.config, so it imports nothing of the engines themselves: their modules are loaded when
+one measures (pipeline.benchmark.job.run_engine)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, PositiveInt, field_validator, model_validator
 
-from pipeline.benchmark import ENGINE_NAMES
 from pipeline.config_base import Strict, refuse_replaced_keys, unique_labels
 from pipeline.engine_settings import VllmEngineConfig
 from pipeline.sglang_ngram_rules import launch_from_args, refusals, silent_changes
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One benchmark engine: its name in benchmark.engine and in the records, and the module that measures
+    with it (imported when it measures, so reading the table loads no engine)."""
+
+    name: str
+    module: str
+    help: str
+    # it drafts every position of its chain in every step, needed or not, and counts every draft accepted
+    # (vLLM): the reference decoder beside it counts its own drafts the same way
+    drafts_whole_chain: bool = False
+
+
+ENGINES: tuple[Engine, ...] = (
+    Engine("reference", "pipeline.benchmark.reference", "the project's reference speculative decoder, here"),
+    Engine("vllm", "pipeline.benchmark.vllm", "vLLM engines, one per method", drafts_whole_chain=True),
+    Engine("sglang", "pipeline.benchmark.sglang", "SGLang servers, one per method in turn"),
+)
+ENGINE_NAMES = tuple(engine.name for engine in ENGINES)
+
+
+def engine(name: str) -> Engine:
+    for entry in ENGINES:
+        if entry.name == name:
+            return entry
+    raise ValueError(f"unknown benchmark engine {name!r}; engines: {', '.join(ENGINE_NAMES)}")
 
 
 class NgramServerSetting(Strict):
@@ -283,6 +312,13 @@ class BenchmarkConfig(Strict):
         0.1, gt=0, description="more passes until every speedup's interval is this narrow (relative)..."
     )
     budget_s: float = Field(120.0, gt=0, description="...or until this many seconds of timed decoding")
+    reported_budget_s: float | None = Field(
+        None,
+        gt=0,
+        description="budget_s of each measurement that is reported and does not decide: batch sizes outside "
+        "promote_at_batch_sizes, the serving temperature, the reference decoder beside the serving engine "
+        "(None: budget_s)",
+    )
     confidence: float = Field(0.95, gt=0, lt=1, description="of the speedup intervals")
     min_speedup_vs_baseline: float = Field(1.0, ge=0)
     min_speedup_vs_ngram: float = Field(0.0, ge=0)
@@ -382,6 +418,15 @@ class BenchmarkConfig(Strict):
                 f"benchmark.promote_at_batch_sizes {unmeasured} are not measured: add them to "
                 f"benchmark.batch_sizes (measured: {self.measured_batch_sizes()})"
             )
+
+    def budget_s_for(self, decides: bool) -> float:
+        """The seconds of timed decoding a measurement may take: budget_s where the promotion rule reads it,
+        reported_budget_s (when set) where it is only reported."""
+        return self.budget_s if decides or self.reported_budget_s is None else self.reported_budget_s
+
+    def decides_at(self, batch_size: int) -> bool:
+        """Whether the promotion rule reads the speedups measured at `batch_size`."""
+        return batch_size in self.gated_batch_sizes()
 
     def headline_batch_size(self) -> int:
         """The batch size of the headline figures: requests in flight on SGLang, 1 elsewhere."""
