@@ -25,7 +25,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from support import published, report, scratch_config, stage
+from support import captured_dataset, published, report, trained_and_evaluated
 
 ARCHITECTURES = ("eagle3", "eagle3.1", "eagle3-mla")
 
@@ -56,16 +56,12 @@ def interval(values: list[float]) -> tuple[float, float, float]:
 
 def trained(config, store, dataset_uri: str, architecture: str, seed: int) -> dict:
     """Held-out tau, parameters and the training loop's tokens/s of one architecture and seed."""
-    from pipeline.records import EvalRecord, read_dataset, read_record
+    from pipeline.records import read_dataset
     from pipeline.stages.evaluate import local_drafter_dir
 
-    run_config = config.model_copy(deep=True)
-    run_config.drafter.architecture = architecture
-    run_config.train.seed = seed
     run_id = f"{architecture.replace('.', '')}-seed{seed}"
-    train = stage("train", run_config, store, run_id, dataset_uri=dataset_uri)
-    evaluation = stage("evaluate", run_config, store, run_id, dataset_uri=dataset_uri)
-    record = read_record(store, evaluation.uri, EvalRecord)
+    settings = {"drafter.architecture": architecture, "train.seed": seed}
+    train, record = trained_and_evaluated(config, store, dataset_uri, run_id, **settings)
     result = published(store, train)["result"]
     epochs = result["steps_this_attempt"] / result["steps_per_epoch"]
     tokens = read_dataset(store, dataset_uri).totals["train"].tokens
@@ -91,22 +87,8 @@ def main() -> None:
     args = parser.parse_args()
     if len(args.seeds) < 2:
         parser.error("--seeds needs at least 2 seeds: the intervals are over seeds")
-    config = scratch_config(
-        [
-            *target_overrides(),
-            f"prompts.num_samples={args.samples}",
-            "prompts.eval_fraction=0.2",
-            "capture.parity.samples=0",
-            f"train.epochs={args.epochs}",
-            "train.plateau.enabled=false",
-        ]
-    )
-    from pipeline.storage import open_store
-
-    store = open_store(config.storage)
-    for name in ("prompts", "generate", "capture"):
-        stage(name, config, store, "data")
-    dataset_uri = stage("dataset", config, store, "data").uri
+    overrides = [*target_overrides(), f"train.epochs={args.epochs}", "train.plateau.enabled=false"]
+    config, store, dataset_uri = captured_dataset(args.samples, overrides, eval_fraction=0.2, run_id="data")
     runs = {
         arch: [trained(config, store, dataset_uri, arch, seed) for seed in args.seeds]
         for arch in ARCHITECTURES

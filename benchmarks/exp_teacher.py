@@ -21,22 +21,16 @@ import argparse
 import json
 import statistics
 
-from support import published, report, scratch_config, stage
+from support import captured_dataset, published, report, trained_and_evaluated
 
 TEACHERS = {"full": "last_hidden", "topk": "topk"}
 
 
 def heldout(config, store, dataset_uri: str, teacher: str, seed: int) -> tuple[dict, dict]:
     """(the evaluation record, the train result) of a drafter trained with `teacher` and `seed`."""
-    from pipeline.records import EvalRecord, read_record
-
-    trained_config = config.model_copy(deep=True)
-    trained_config.train.teacher = teacher
-    trained_config.train.seed = seed
     run_id = f"{teacher.replace('_', '-')}-seed{seed}"
-    train = stage("train", trained_config, store, run_id, dataset_uri=dataset_uri)
-    evaluation = stage("evaluate", trained_config, store, run_id, dataset_uri=dataset_uri)
-    record = read_record(store, evaluation.uri, EvalRecord)
+    settings = {"train.teacher": teacher, "train.seed": seed}
+    train, record = trained_and_evaluated(config, store, dataset_uri, run_id, **settings)
     return record.model_dump(mode="json"), published(store, train)["result"]
 
 
@@ -47,23 +41,15 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="training seeds per teacher")
     parser.add_argument("--draft-vocab", type=int, default=1024, help="drafter.draft_vocab_size")
     args = parser.parse_args()
-    config = scratch_config(
-        [
-            f"prompts.num_samples={args.samples}",
-            "prompts.eval_fraction=0.2",
-            "capture.parity.samples=0",
-            "capture.teacher=[last_hidden, topk]",
-            f"drafter.draft_vocab_size={args.draft_vocab}",
-            f"train.epochs={args.epochs}",
-            "train.plateau.enabled=false",
-        ]
+    overrides = [
+        "capture.teacher=[last_hidden, topk]",
+        f"drafter.draft_vocab_size={args.draft_vocab}",
+        f"train.epochs={args.epochs}",
+        "train.plateau.enabled=false",
+    ]
+    config, store, dataset_uri = captured_dataset(
+        args.samples, overrides, eval_fraction=0.2, run_id="teachers"
     )
-    from pipeline.storage import open_store
-
-    store = open_store(config.storage)
-    for name in ("prompts", "generate", "capture"):
-        stage(name, config, store, "teachers")
-    dataset_uri = stage("dataset", config, store, "teachers").uri
 
     results: dict[str, list[tuple[dict, dict]]] = {name: [] for name in TEACHERS}
     for seed in range(args.seeds):

@@ -82,12 +82,15 @@ def report_ratio(name: str, estimate: RatioEstimate, headline: bool = False) -> 
         print(line, flush=True)
 
 
-def captured_dataset(samples: int, overrides: list[str] | None = None):
-    """(config, store, dataset uri) of a fresh captured dataset of the tiny target's own answers."""
+def captured_dataset(
+    samples: int, overrides: list[str] | None = None, eval_fraction: float = 0.1, run_id="bench"
+):
+    """(config, store, dataset uri) of a fresh captured dataset of the tiny target's own answers: `samples`
+    conversations, `eval_fraction` of them held out, as the run `run_id` of a scratch store."""
     config = scratch_config(
         [
             f"prompts.num_samples={samples}",
-            "prompts.eval_fraction=0.1",
+            f"prompts.eval_fraction={eval_fraction}",
             "capture.parity.samples=0",
             *(overrides or []),
         ]
@@ -96,8 +99,8 @@ def captured_dataset(samples: int, overrides: list[str] | None = None):
 
     store = open_store(config.storage)
     for name in ("prompts", "generate", "capture"):
-        stage(name, config, store, "bench")
-    return config, store, stage("dataset", config, store, "bench").uri
+        stage(name, config, store, run_id)
+    return config, store, stage("dataset", config, store, run_id).uri
 
 
 def regenerated(samples: int):
@@ -116,6 +119,20 @@ def stage(name: str, config, store, run_id: str, **inputs):
     from pipeline.stages import run_stage
 
     return run_stage(name, config, run_id, store, **inputs)
+
+
+def trained_and_evaluated(config, store, dataset_uri: str, run_id: str, **settings):
+    """(train output, evaluation record) of run `run_id`: the config with `settings` ("section.key": value)
+    set, trained on `dataset_uri` and evaluated on its held-out split."""
+    from pipeline.records import EvalRecord, read_record
+
+    run_config = config.model_copy(deep=True)
+    for dotted, value in settings.items():
+        section, key = dotted.split(".")
+        setattr(getattr(run_config, section), key, value)
+    train = stage("train", run_config, store, run_id, dataset_uri=dataset_uri)
+    evaluation = stage("evaluate", run_config, store, run_id, dataset_uri=dataset_uri)
+    return train, read_record(store, evaluation.uri, EvalRecord)
 
 
 def published(store, output) -> dict:

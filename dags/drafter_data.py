@@ -76,9 +76,9 @@ def drafter_data():
 
     @stage_task("prompts")
     def prompts(run: dict) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
-        return stage_task("prompts", run["config"], run["run_id"], rates=run["rates"])
+        return run_configured_stage("prompts", run)
 
     @worker_task()
     def shards_of(prompt_set: dict) -> list:
@@ -92,9 +92,9 @@ def drafter_data():
 
     @stage_task("generate")
     def responses(run: dict) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
-        return stage_task("generate", run["config"], run["run_id"], rates=run["rates"])
+        return run_configured_stage("generate", run)
 
     @stage_task("fleet")
     def fleet_up(run: dict, stage: str, fleet: dict | None) -> dict:
@@ -110,11 +110,9 @@ def drafter_data():
 
     @stage_task("parity")
     def parity(run: dict, regenerated: dict) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
-        return stage_task(
-            "parity", run["config"], run["run_id"], rates=run["rates"], responses_uri=regenerated["uri"]
-        )
+        return run_configured_stage("parity", run, responses_uri=regenerated["uri"])
 
     @stage_task("capture")
     def capture_shard(run: dict, checked: dict, shard: str) -> dict:
@@ -124,17 +122,15 @@ def drafter_data():
 
     @stage_task("capture")
     def captures(run: dict) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
-        return stage_task("capture", run["config"], run["run_id"], rates=run["rates"])
+        return run_configured_stage("capture", run)
 
     @worker_task("dataset", outlets=[DATASET_ASSET])
     def publish_dataset(run: dict, captured: dict, outlet_events=None) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
-        dataset = stage_task(
-            "dataset", run["config"], run["run_id"], rates=run["rates"], capture_uris=[captured["uri"]]
-        )
+        dataset = run_configured_stage("dataset", run, capture_uris=[captured["uri"]])
         outlet_events[DATASET_ASSET].extra = {
             "dataset_uri": dataset["uri"],
             **run["source"],

@@ -273,34 +273,30 @@ def watched_asset(name: str, trigger):
     )
 
 
-def served_acceptance_asset():
-    """The fleet's acceptance under its floor (the deployment's watch.served_acceptance), or None."""
-    watch = DEPLOYMENT.watch.served_acceptance if DEPLOYMENT.watch else None
+def watch_asset(kind: str, trigger_class: str):
+    """The asset of the deployment's watch.<kind>, fired by drafter_triggers.<trigger_class> as the
+    triggerer polls it; None where the deployment does not watch it."""
+    watch = getattr(DEPLOYMENT.watch, kind) if DEPLOYMENT.watch else None
     if watch is None:
         return None
-    from drafter_triggers import ServedAcceptanceTrigger
+    import drafter_triggers
 
-    trigger = ServedAcceptanceTrigger(
+    trigger = getattr(drafter_triggers, trigger_class)(
         watch=watch.model_dump(mode="json"),
         run_config=DEPLOYMENT.run_config,
         aws_conn_id=DEPLOYMENT.aws_conn_id,
     )
-    return watched_asset("drafter_served_acceptance", trigger)
+    return watched_asset(f"drafter_{kind}", trigger)
+
+
+def served_acceptance_asset():
+    """The fleet's acceptance under its floor (the deployment's watch.served_acceptance), or None."""
+    return watch_asset("served_acceptance", "ServedAcceptanceTrigger")
 
 
 def target_revision_asset():
     """Another target revision served than the production drafter's (watch.target_revision), or None."""
-    watch = DEPLOYMENT.watch.target_revision if DEPLOYMENT.watch else None
-    if watch is None:
-        return None
-    from drafter_triggers import TargetRevisionTrigger
-
-    trigger = TargetRevisionTrigger(
-        watch=watch.model_dump(mode="json"),
-        run_config=DEPLOYMENT.run_config,
-        aws_conn_id=DEPLOYMENT.aws_conn_id,
-    )
-    return watched_asset("drafter_target_revision", trigger)
+    return watch_asset("target_revision", "TargetRevisionTrigger")
 
 
 def data_schedule():

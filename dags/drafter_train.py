@@ -95,24 +95,15 @@ def drafter_train():
 
     @stage_task("train")
     def train(run: dict) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
-        return stage_task(
-            "train", run["config"], run["run_id"], rates=run["rates"], dataset_uri=run["dataset_uri"]
-        )
+        return run_configured_stage("train", run, dataset_uri=run["dataset_uri"])
 
     @stage_task("evaluate")
     def evaluate(run: dict, trained: dict) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
-        return stage_task(
-            "evaluate",
-            run["config"],
-            run["run_id"],
-            rates=run["rates"],
-            dataset_uri=run["dataset_uri"],
-            train_uri=trained["uri"],
-        )
+        return run_configured_stage("evaluate", run, dataset_uri=run["dataset_uri"], train_uri=trained["uri"])
 
     # skips only its direct downstream (benchmark); promote follows by its trigger rule, report still runs
     @worker_task("gate", short_circuit=True, ignore_downstream_trigger_rules=False)
@@ -131,17 +122,10 @@ def drafter_train():
 
     @stage_task("benchmark")
     def benchmark(run: dict, trained: dict, evaluation: dict, gated: dict) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
         inputs = {"train_uri": trained["uri"], "eval_uri": evaluation["uri"]}
-        return stage_task(
-            "benchmark",
-            run["config"],
-            run["run_id"],
-            rates=run["rates"],
-            prompts_uri=run["prompts_uri"],
-            **inputs,
-        )
+        return run_configured_stage("benchmark", run, prompts_uri=run["prompts_uri"], **inputs)
 
     @stage_task("promote", on_success_callback=notify_promotion)
     def promote(run: dict, trained: dict, evaluation: dict, gated: dict, bench: dict) -> dict:
@@ -154,10 +138,10 @@ def drafter_train():
 
     @worker_task("report")
     def report(run: dict | None, ti=None) -> dict:
-        from pipeline.tasks import stage_task
+        from pipeline.tasks import run_configured_stage
 
         run = configured(run)
-        return show_report(ti, stage_task("report", run["config"], run["run_id"], rates=run["rates"]))
+        return show_report(ti, run_configured_stage("report", run))
 
     # records what started the run; a cron run with nothing new (the production drafter's own dataset and
     # target) stops here: train and everything after it are skipped, and the log says why

@@ -31,21 +31,26 @@ from pipeline.storage import S3Credentials
 log = logging.getLogger(__name__)
 
 
-class ServedAcceptanceTrigger(BaseEventTrigger):
-    """Fires when the fleet's acceptance length averaged over a whole window (with enough verify passes)
-    is under the floor; then not again for the cooldown, and only after a fresh window. The cooldown is
-    kept in the run config's store (pipeline.ops.watch.WatchState), so a restarted triggerer keeps it."""
+class WatchTrigger(BaseEventTrigger):
+    """A retraining watch the triggerer polls: its settings (a watch of the deployment config, as plain
+    data), the run config whose store keeps what it fired on, and the S3 connection to reach that store."""
 
     def __init__(self, watch: dict[str, Any], run_config: str, aws_conn_id: str | None = None, **kwargs):
         super().__init__(**kwargs)
         self.watch, self.run_config, self.aws_conn_id = watch, run_config, aws_conn_id
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.ServedAcceptanceTrigger", {
+        return f"{__name__}.{type(self).__name__}", {
             "watch": self.watch,
             "run_config": self.run_config,
             "aws_conn_id": self.aws_conn_id,
         }
+
+
+class ServedAcceptanceTrigger(WatchTrigger):
+    """Fires when the fleet's acceptance length averaged over a whole window (with enough verify passes)
+    is under the floor; then not again for the cooldown, and only after a fresh window. The cooldown is
+    kept in the run config's store (pipeline.ops.watch.WatchState), so a restarted triggerer keeps it."""
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         settings = ServedAcceptanceWatch.model_validate(self.watch)
@@ -68,22 +73,11 @@ class ServedAcceptanceTrigger(BaseEventTrigger):
             await asyncio.sleep(settings.poll_s)
 
 
-class TargetRevisionTrigger(BaseEventTrigger):
+class TargetRevisionTrigger(WatchTrigger):
     """Fires once for each revision the fleet serves that differs from the production drafter's; the
     revisions it fired on are kept in the registry's store (pipeline.ops.watch.WatchState), so a restarted
     triggerer does not fire again. It reads the registry with the deployment's S3 connection (aws_conn_id)
     where it has one, as the tasks do."""
-
-    def __init__(self, watch: dict[str, Any], run_config: str, aws_conn_id: str | None = None, **kwargs):
-        super().__init__(**kwargs)
-        self.watch, self.run_config, self.aws_conn_id = watch, run_config, aws_conn_id
-
-    def serialize(self) -> tuple[str, dict[str, Any]]:
-        return f"{__name__}.TargetRevisionTrigger", {
-            "watch": self.watch,
-            "run_config": self.run_config,
-            "aws_conn_id": self.aws_conn_id,
-        }
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         settings = TargetRevisionWatch.model_validate(self.watch)

@@ -346,19 +346,13 @@ class BenchmarkConfig(Strict):
     vllm: VllmBenchConfig | None = Field(
         None, description="engine 'vllm': its engines' settings (default: vLLM's CPU build, `make vllm-venv`)"
     )
-    reference_beside: bool = Field(
-        False,
-        description="engine 'vllm': the reference decoder on this machine beside it, at vLLM's chain and "
-        "fastest n-gram setting: vLLM's greedy outputs must equal its own, and vLLM's acceptance of the "
-        "candidate must match its own (counted as vLLM counts) within acceptance_tolerance, or the "
-        "candidate is refused; its own timing is recorded beside vLLM's, not decisive",
-    )
+    # engine 'vllm': the reference decoder on this machine beside vLLM, at vLLM's chain and fastest n-gram
+    # setting. vLLM's greedy outputs must equal its own, and vLLM's acceptance of the candidate must match its
+    # own (counted as vLLM counts) within acceptance_tolerance (relative, of tau), or the candidate is
+    # refused; its own timing is recorded beside vLLM's, not decisive
+    reference_beside: bool = Field(False, description="engine vllm: the reference decoder beside it")
     acceptance_tolerance: float = Field(
-        0.02,
-        gt=0,
-        lt=1,
-        description="with reference_beside: the largest relative difference of tau between the serving "
-        "engine and the reference decoder that still promotes",
+        0.02, gt=0, lt=1, description="with reference_beside: of tau, relative"
     )
 
     @model_validator(mode="before")

@@ -311,9 +311,7 @@ class CaptureConfig(Strict):
         "measures 0.023-0.026 (docs/BENCHMARKS.md); null: never fall back",
     )
     teacher: list[TeacherKind] = Field(
-        default_factory=_topk_teacher,
-        min_length=1,
-        description="teacher signals stored: post-norm last hidden state and/or top-k log-probs",
+        default_factory=_topk_teacher, min_length=1, description="post-norm last_hidden and/or topk log-probs"
     )
     teacher_topk: int = Field(16, ge=1, le=128)
     max_length: int = Field(2048, ge=8)
@@ -637,9 +635,7 @@ class PlanAssumptions(Strict):
 
     prompt_tokens_mean: Positive = Field(600, description="prompt tokens per conversation (all user turns)")
     response_tokens_mean: Positive | None = Field(
-        None,
-        description="assistant tokens per conversation; unset: the thinking/non-thinking mix below "
-        "(a pilot run measures it)",
+        None, description="assistant tokens per conversation (a pilot run measures it); unset: the mix below"
     )
     response_tokens_thinking: Positive = Field(
         3000, description="assistant tokens per conversation when the target thinks (reasoning + answer)"

@@ -3,6 +3,7 @@ cannot be used raises, URL checks, and where relative paths in a config are read
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,13 @@ def refuse_replaced_keys(data: Any, keys: set[str], where: str, replacement: str
     if removed:
         raise ValueError(f"{where}.{removed[0]} was replaced by {replacement}")
     return data
+
+
+def refuse_unknown(given: Iterable[str], known: Sequence[str], what: str) -> None:
+    """ValueError naming the names of `given` that `known` lacks ("<what> [...]; known: ...")."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"{what} {unknown}; known: {', '.join(known)}")
 
 
 def unique_labels(settings: list[Any], where: str) -> None:

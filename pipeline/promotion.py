@@ -225,14 +225,13 @@ def width_to_decide(ratio: float, required: float, incumbent: bool) -> float:
 def undecided_speedup(
     comparison: str, method: str, batch: int, speedup: RatioInterval, required: float
 ) -> UndecidedSpeedup:
+    """The record of an interval too wide to decide: where it was measured, the interval, the threshold it
+    holds, and its relative width reached and needed."""
     return UndecidedSpeedup(
+        **speedup.model_dump(include={"ratio", "ci_low", "ci_high", "rounds"}),
         comparison=comparison,
         method=method,
         batch_size=batch,
-        ratio=speedup.ratio,
-        ci_low=speedup.ci_low,
-        ci_high=speedup.ci_high,
-        rounds=speedup.rounds,
         required=required,
         width_reached=(speedup.ci_high - speedup.ci_low) / speedup.ratio,
         width_needed=width_to_decide(speedup.ratio, required, method == "incumbent"),

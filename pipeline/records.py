@@ -522,16 +522,22 @@ class AcceptanceCheck(Record):
     reference_acceptance_per_position: list[float]
 
 
-class BatchFigures(Record):
+class DraftedAt(Record):
+    """The draft setting figures were measured at (SGLang's --speculative-num-steps, --speculative-eagle-topk,
+    --speculative-num-draft-tokens)."""
+
+    draft_steps: int
+    topk: int
+    draft_tokens: int
+
+
+class BatchFigures(DraftedAt):
     """The candidate's speedups at one batch size beside the headline's (benchmark.batch_sizes): local, the
     reference decoder's batched decoding of that many held-out prompts at once, with the speed model's chain
     for this size and its prediction; SGLang, that many requests in flight; vLLM, that many prompts per
     generate call."""
 
     batch_size: int
-    draft_steps: int
-    topk: int
-    draft_tokens: int
     speedups: dict[str, RatioInterval]
     tau_measured: float | None = None
     predicted_tau: float | None = None  # the speed model's (local)
@@ -551,16 +557,13 @@ class BatchBench(BatchFigures):
 LEGACY_ENGINE_NAMES = {"local": "reference"}
 
 
-class BenchSummary(Record):
+class BenchSummary(DraftedAt):
     """The headline of a benchmark: in the bench manifest and in a promoted version's lineage; the figures
     of the engine whose speed decided (`engine`). `speedup_vs_*` are the point estimates of `speedups` (the
     candidate over baseline, ngram, incumbent)."""
 
-    engine: str  # a name of pipeline.benchmark.ENGINES
+    engine: str  # a name of pipeline.benchmark_settings.ENGINES
     engine_version: str | None = None  # a real engine's version (vLLM's, SGLang's)
-    draft_steps: int
-    topk: int
-    draft_tokens: int
     tau_simulated: float
     tau_measured: float | None
     baseline_tok_s: float

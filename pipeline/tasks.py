@@ -24,7 +24,7 @@ report_permanent_failures_by_exit_code()
 log = logging.getLogger(__name__)
 
 
-def stage_task(
+def run_stage_task(
     stage: str,
     config: RunConfig | str | dict[str, Any],
     run_id: str,
@@ -46,6 +46,12 @@ def stage_task(
     return stages.run_stage(stage, config, run_id, store, snapshot, rates_of(rates), **given).model_dump()
 
 
+def run_configured_stage(stage: str, run: dict[str, Any], **inputs: Any) -> dict[str, Any]:
+    """`run_stage_task` for a run its configure step resolved (`run`: its config, run id and rates), as
+    the DAGs' stage tasks call it."""
+    return run_stage_task(stage, run["config"], run["run_id"], rates=run["rates"], **inputs)
+
+
 def gate_decision(
     config: RunConfig | str | dict[str, Any],
     run_id: str,
@@ -57,7 +63,7 @@ def gate_decision(
     from pipeline.promotion import GateFailed
 
     try:
-        return stage_task("gate", config, run_id, overrides, **inputs)
+        return run_stage_task("gate", config, run_id, overrides, **inputs)
     except GateFailed as failed:
         return {"passed": False, "reasons": failed.reasons}
 
@@ -74,7 +80,7 @@ def promotion_outcome(
     from pipeline.promotion import BenchmarkInconclusive
 
     try:
-        return stage_task("promote", config, run_id, overrides, **inputs)
+        return run_stage_task("promote", config, run_id, overrides, **inputs)
     except BenchmarkInconclusive as unsure:
         log.warning("%s", unsure)
         return {"promoted": False, **unsure.outcome()}

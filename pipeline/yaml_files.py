@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from pipeline.config_base import ConfigError, resolve_project_path
+from pipeline.user_files import read_text
 
 # A run config has a few hundred YAML nodes. Aliases let a few lines expand into billions ("billion
 # laughs"), which validation, error messages and config.json would each walk in full: refused beforehand.
@@ -64,20 +65,5 @@ def parse_yaml(text: str, source: str) -> Any:
 def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
     """The YAML document of a config file: ConfigError naming it when it is missing, a directory, not
     UTF-8 text or not YAML."""
-    location = resolve_project_path(str(path))
-    try:
-        raw = location.read_bytes()
-    except FileNotFoundError as err:
-        raise ConfigError(f"{what} not found: {path}") from err
-    except IsADirectoryError as err:
-        raise ConfigError(f"{what} {path} is a directory; give a YAML file") from err
-    except OSError as err:
-        raise ConfigError(f"cannot read {what} {path}: {err.strerror or err}") from err
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(
-            f"{what} {path} is not UTF-8 text (byte {err.start} is {raw[err.start : err.start + 1]!r}); "
-            "save it as UTF-8"
-        ) from err
+    text = read_text(resolve_project_path(str(path)), what, ConfigError, path)
     return parse_yaml(text, f"{what} {path}")

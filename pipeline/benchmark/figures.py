@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from pipeline.benchmark.job import BenchJob, BenchmarkFailed
-from pipeline.benchmark_settings import ServingSampling
+from pipeline.benchmark_settings import NgramLocalSetting, NgramServerSetting, ServingSampling
 from pipeline.decoding.choice import Choice, Shape, shape_label
 from pipeline.decoding.speedup import predicted_tau
 from pipeline.records import (
@@ -94,13 +94,21 @@ def required_tau(evaluation: EvalRecord, shape: Shape) -> float:
     return tau
 
 
-def fastest_ngram(settings: list[NgramSettingResult], measured_on: str) -> NgramSweep:
-    """The sweep's record: every setting's figures, and the fastest (highest tokens/s; the first of equals)
-    as the n-gram the candidate must beat."""
+def ngram_sweep(
+    settings: Sequence[NgramLocalSetting | NgramServerSetting],
+    results: Mapping[str, MethodResult],
+    measured_on: str,
+) -> NgramSweep:
+    """The sweep's record: every setting's figures (`results`, by setting label), and the fastest (highest
+    tokens/s; the first of equals) as the n-gram the candidate must beat; with one setting, that one."""
     if not settings:
         raise BenchmarkFailed("no n-gram setting was measured")
-    best = max(settings, key=lambda entry: entry.result.tok_s)
-    return NgramSweep(measured_on=measured_on, settings=settings, best=best.setting)
+    entries = [
+        NgramSettingResult(setting=setting.label, knobs=setting.model_dump(), result=results[setting.label])
+        for setting in settings
+    ]
+    best = max(entries, key=lambda entry: entry.result.tok_s)
+    return NgramSweep(measured_on=measured_on, settings=entries, best=best.setting)
 
 
 def sampled_bench(

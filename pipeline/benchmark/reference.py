@@ -25,9 +25,9 @@ from pipeline.benchmark.calibration import choose_setting, measure_batch_costs, 
 from pipeline.benchmark.decoded import eagle_method, method_result, ngram_method, outputs_of, tok_s_of
 from pipeline.benchmark.figures import (
     engine_bench,
-    fastest_ngram,
     histogram_acceptance,
     interval,
+    ngram_sweep,
     outputs_sha256,
     required_tau,
     sampled_bench,
@@ -58,7 +58,6 @@ from pipeline.records import (
     BenchMethods,
     EngineBench,
     MeasuredCosts,
-    NgramSettingResult,
     NgramSweep,
     PredictedVsMeasured,
     RatioInterval,
@@ -138,18 +137,15 @@ def measure_beside(
         (served, None) if served is not None else sweep_ngram(model, job.tokenizer, job.prompts, job.settings)
     )
     methods, speedups, per_domain = compare_methods(job, model, drafters, shape, ngram)
-    ngram_sweep = swept or NgramSweep(
-        measured_on=f"every benchmark prompt: {serving.engine}'s fastest setting, not swept again here",
-        settings=[NgramSettingResult(setting=ngram.label, knobs=ngram.model_dump(), result=methods.ngram)],
-        best=ngram.label,
-    )
+    unswept = f"every benchmark prompt: {serving.engine}'s fastest setting, not swept again here"
+    sweep = swept or ngram_sweep([ngram], {ngram.label: methods.ngram}, unswept)
     if methods.baseline.outputs_sha256 != serving.methods.baseline.outputs_sha256:
         raise BenchmarkFailed(
             f"{serving.engine}'s greedy outputs differ from the reference decoder's on the same prompts: "
             "the two do not decode the same target"
         )
     figures = engine_bench(
-        job, "reference", shape, required_tau(job.evaluation, shape), methods, speedups, ngram_sweep
+        job, "reference", shape, required_tau(job.evaluation, shape), methods, speedups, sweep
     )
     figures.domains = per_domain
     figures.acceptance = acceptance_check(job, model, drafters["candidate"], serving)
@@ -237,19 +233,14 @@ def sweep_ngram(
     candidate's own setting is; the fastest is the n-gram the benchmark then measures against it."""
     runner = TargetRunner(model, None)
     calibration = prompts[: settings.calibration_prompts]
-    results = []
+    results = {}
     with torch.inference_mode():
         for setting in settings.ngram_settings:
             method = ngram_method(runner, setting, settings.max_new_tokens, tokenizer.eos_token_id)
             method(prompts[0])  # warm-up
-            results.append(
-                NgramSettingResult(
-                    setting=setting.label,
-                    knobs=setting.model_dump(),
-                    result=method_result([[method(p) for p in calibration]]),
-                )
-            )
-    sweep = fastest_ngram(results, f"the first {len(calibration)} benchmark prompts (calibration)")
+            results[setting.label] = method_result([[method(p) for p in calibration]])
+    measured_on = f"the first {len(calibration)} benchmark prompts (calibration)"
+    sweep = ngram_sweep(settings.ngram_settings, results, measured_on)
     chosen = next(s for s in settings.ngram_settings if s.label == sweep.best)
     log.info("benchmark: n-gram at its fastest with %s of %d settings", sweep.best, len(results))
     return chosen, sweep

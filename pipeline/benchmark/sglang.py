@@ -28,8 +28,8 @@ from typing import Any
 
 from pipeline.benchmark.figures import (
     engine_bench,
-    fastest_ngram,
     interval,
+    ngram_sweep,
     paired_ratio,
     paired_speedups,
     required_tau,
@@ -50,7 +50,6 @@ from pipeline.records import (
     EvalRecord,
     MeasuredAcceptance,
     MethodResult,
-    NgramSettingResult,
     NgramSweep,
     SettingChoice,
     TimedSetting,
@@ -482,17 +481,8 @@ def sglang_methods(
 ) -> tuple[BenchMethods, NgramSweep]:
     """run_methods' figures as the record keeps them: n-gram's servers (one per setting, named
     ngram_method_name) as the sweep, and the fastest as the n-gram method."""
-    sweep = fastest_ngram(
-        [
-            NgramSettingResult(
-                setting=setting.label,
-                knobs=setting.model_dump(),
-                result=MethodResult.model_validate(measured[ngram_method_name(setting)]),
-            )
-            for setting in ngram_settings
-        ],
-        "every benchmark prompt, one server per setting",
-    )
+    results = {s.label: MethodResult.model_validate(measured[ngram_method_name(s)]) for s in ngram_settings}
+    sweep = ngram_sweep(ngram_settings, results, "every benchmark prompt, one server per setting")
     ngram_names = {ngram_method_name(setting) for setting in ngram_settings}
     plain = {name: figures for name, figures in measured.items() if name not in ngram_names}
     best = next(entry.result for entry in sweep.settings if entry.setting == sweep.best)

@@ -33,8 +33,8 @@ from typing import Any
 from pipeline import spread
 from pipeline.benchmark.figures import (
     engine_bench,
-    fastest_ngram,
     interval,
+    ngram_sweep,
     outputs_sha256,
     required_tau,
     sampled_bench,
@@ -61,14 +61,7 @@ from pipeline.engines.vllm import (
     running_engine,
     vllm_python,
 )
-from pipeline.records import (
-    BatchBench,
-    BenchMethods,
-    EngineBench,
-    MethodResult,
-    NgramSettingResult,
-    NgramSweep,
-)
+from pipeline.records import BatchBench, BenchMethods, EngineBench, MethodResult, NgramSweep
 from pipeline.spread import Measurement
 
 log = logging.getLogger(__name__)
@@ -492,16 +485,9 @@ def vllm_ngram_sweep(
     """The n-gram sweep of the vLLM benchmark: every setting's calibration figures; with one setting (nothing
     to choose, so nothing was swept) its measured figures."""
     if swept:
-        return fastest_ngram(
-            [
-                NgramSettingResult(setting=s.label, knobs=s.model_dump(), result=swept[s.label])
-                for s in bench.ngram_settings
-            ],
-            f"the first {bench.calibration_prompts} benchmark prompts (calibration), one engine per setting",
+        calibration = (
+            f"the first {bench.calibration_prompts} benchmark prompts (calibration), one engine per setting"
         )
+        return ngram_sweep(bench.ngram_settings, swept, calibration)
     only = bench.ngram_settings[0]
-    return NgramSweep(
-        measured_on="every benchmark prompt (the only setting)",
-        settings=[NgramSettingResult(setting=only.label, knobs=only.model_dump(), result=measured)],
-        best=only.label,
-    )
+    return ngram_sweep([only], {only.label: measured}, "every benchmark prompt (the only setting)")

@@ -399,7 +399,7 @@ def tree_speculative_decode(
         return new_tokens, len(path), aux[rows] if aux is not None else None
 
     return _decode_cycles(
-        target, proposer, prompt, max_new_tokens, eos_id, steps, verify, sampling, generator
+        target, proposer, prompt, verify, max_new_tokens, eos_id, steps, sampling, generator
     )
 
 
@@ -466,7 +466,7 @@ def speculative_decode(
         return drafts[:accepted] + [following], accepted, aux
 
     return _decode_cycles(
-        target, proposer, prompt, max_new_tokens, eos_id, steps, verify, sampling, generator
+        target, proposer, prompt, verify, max_new_tokens, eos_id, steps, sampling, generator
     )
 
 
@@ -474,12 +474,12 @@ def _decode_cycles(
     target: TargetRunner,
     proposer,
     prompt: list[int],
+    verify,
     max_new_tokens: int,
     eos_id: int | None,
     steps: int,
-    verify,
-    sampling: Sampling | None = None,
-    generator: torch.Generator | None = None,
+    sampling: Sampling | None,
+    generator: torch.Generator | None,
 ) -> DecodeResult:
     """Prefill, then draft-and-verify cycles; `verify(context, produced)` returns the cycle's new
     tokens, how many drafts were accepted and the target's aux hidden states for the proposer."""

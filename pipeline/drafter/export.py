@@ -249,27 +249,7 @@ def sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int]) -> 
         "num_attention_heads": arch.num_heads,
         "num_key_value_heads": arch.num_kv_heads,
         "head_dim": arch.head_dim,
-        "intermediate_size": arch.intermediate_size,
-        "rms_norm_eps": arch.rms_norm_eps,
-        "rope_theta": arch.rope_theta,
-        # the target's RoPE variant, which the drafter trained with (pipeline.drafter.rope); None: plain RoPE
-        "rope_scaling": arch.rope_scaling,
-        "max_position_embeddings": arch.max_position_embeddings,
-        "hidden_act": arch.hidden_act,
-        "vocab_size": arch.vocab_size,
-        "num_hidden_layers": 1,
-        "draft_vocab_size": arch.draft_vocab_size,
-        "tie_word_embeddings": False,
-        "target_hidden_size": arch.target_hidden_size or arch.hidden_size,
-        "torch_dtype": dtype,
-        ARCHITECTURE_KEY: arch.architecture,
-        "fc_norm": arch.fc_norm,
-        "norm_before_fc": False,
-        "norm_output": arch.norm_output,
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": list(eagle_layer_ids),
-            "use_aux_hidden_state": True,
-        },
+        **draft_layer_config(arch, dtype, eagle_layer_ids),
     }
 
 
@@ -277,14 +257,14 @@ def mla_sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int])
     """The eagle3-mla drafter's config.json as Eagle3DeepseekV2ForCausalLM reads it
     (models/kimi_k25_eagle3.py:78-99, 137-149, 199-255): every MLA size written, one layer, a dense silu MLP,
     the RoPE it trained with, and the aux ids in eagle_config, where the target reads them
-    (spec_aux_hidden_state.py:185-196)."""
+    (spec_aux_hidden_state.py:185-196). The EAGLE-3.1 flags are read at the top level as in the Llama class
+    (kimi_k25_eagle3.py:230-232, :255); both are off for eagle3-mla."""
     if arch.mla is None:
         raise DrafterFormatError("an eagle3-mla drafter has no MLA sizes (DrafterArch.mla)")
     m = arch.mla
     return {
         "architectures": [MLA_ARCHITECTURE],
         "model_type": MLA_MODEL_TYPE,
-        ARCHITECTURE_KEY: arch.architecture,
         "hidden_size": arch.hidden_size,
         "num_attention_heads": arch.num_heads,
         "num_key_value_heads": arch.num_heads,
@@ -294,6 +274,15 @@ def mla_sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int])
         "qk_rope_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim,
         "rope_interleave": m.rope_interleave,
+        **draft_layer_config(arch, dtype, eagle_layer_ids),
+    }
+
+
+def draft_layer_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int]) -> dict[str, Any]:
+    """What both draft classes read alike: the MLP, the RoPE the drafter trained with (the target's
+    variant, pipeline.drafter.rope; None: plain RoPE), the vocabularies, one layer, the EAGLE-3.1 flags at
+    the top level and the aux ids in eagle_config."""
+    return {
         "intermediate_size": arch.intermediate_size,
         "rms_norm_eps": arch.rms_norm_eps,
         "rope_theta": arch.rope_theta,
@@ -306,7 +295,7 @@ def mla_sglang_config(arch: DrafterArch, dtype: str, eagle_layer_ids: list[int])
         "tie_word_embeddings": False,
         "target_hidden_size": arch.target_hidden_size or arch.hidden_size,
         "torch_dtype": dtype,
-        # read at the top level as in the Llama class (kimi_k25_eagle3.py:230-232, :255); off for eagle3-mla
+        ARCHITECTURE_KEY: arch.architecture,
         "fc_norm": arch.fc_norm,
         "norm_before_fc": False,
         "norm_output": arch.norm_output,

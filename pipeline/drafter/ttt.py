@@ -120,17 +120,10 @@ class MetricCounts:
     @classmethod
     def from_tensor(cls, tensor: torch.Tensor, topk_levels: tuple[int, ...] = ()) -> MetricCounts:
         rows = tensor.tolist()
-        loss_sum, correct, masked, full_correct, chain, inexpressible = rows[: len(_COUNT_ROWS)]
+        counts = dict(zip(_COUNT_ROWS, rows[: len(_COUNT_ROWS)], strict=True))
         at_rows = rows[len(_COUNT_ROWS) :]
         return cls(
-            len(rows[0]),
-            loss_sum=loss_sum,
-            correct=correct,
-            masked=masked,
-            full_correct=full_correct,
-            chain=chain,
-            inexpressible=inexpressible,
-            full_correct_at=dict(zip(sorted(topk_levels), at_rows, strict=True)),
+            len(rows[0]), **counts, full_correct_at=dict(zip(sorted(topk_levels), at_rows, strict=True))
         )
 
     def add(self, other: MetricCounts) -> None:

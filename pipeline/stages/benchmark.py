@@ -111,18 +111,9 @@ def bench_job(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore
             raise BenchmarkFailed(
                 f"{name} drafter reads aux layers {contract['aux_layer_ids']}, the candidate {aux_layer_ids}"
             )
-    prompts, domains = heldout_set(store, inputs.prompts_uri, tokenizer, config.benchmark.num_prompts)
-    return BenchJob(
-        config=config,
-        run_id=run_id,
-        target_dir=Path(target.model_dir),
-        tokenizer=tokenizer,
-        prompts=prompts,
-        domains=domains,
-        drafter_dirs=drafter_dirs,
-        evaluation=evaluation,
-        aux_layer_ids=aux_layer_ids,
-    )
+    heldout = heldout_set(store, inputs.prompts_uri, tokenizer, config.benchmark.num_prompts)
+    target_dir = Path(target.model_dir)
+    return BenchJob(config, run_id, target_dir, tokenizer, *heldout, drafter_dirs, evaluation, aux_layer_ids)
 
 
 def measured(job: BenchJob) -> tuple[EngineBench, dict[str, EngineBench]]:

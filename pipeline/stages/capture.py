@@ -37,9 +37,10 @@ from pipeline.engines.hf import HFEngine
 from pipeline.engines.inprocess import launch_rank_job, needs_rank_job
 from pipeline.engines.layer_ids import model_family_of, refuse_unservable_capture
 from pipeline.engines.target import TargetInfo, describe_target, load_model, load_tokenizer
-from pipeline.manifest import listed_shard, read_listed, read_manifest
+from pipeline.manifest import read_listed, read_manifest
 from pipeline.progress import Progress
-from pipeline.stages import ShardJob, StageInputs, StageOutput, already_published, publish_with_left_out
+from pipeline.stages import StageInputs, StageOutput, already_published
+from pipeline.stages.shards import ShardJob, publish_with_left_out, shard_task
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -422,24 +423,20 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         return Output(uri=store.uri(prefix), kind="capture")
     if not shards:
         raise CaptureFailed(f"capture stored no samples: {dict(counts)}")
+    fields = {
+        "snapshot": inputs.snapshot,
+        "responses": store.uri(in_prefix),
+        "contract": contract,
+        "parity": parity,
+        "config": config.capture.model_dump(mode="json"),
+        "counts": dict(counts),
+        "shards": shards,
+        "totals": {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")},
+        **feature_measurements(stored_parts, contract["aux_layer_ids"]),
+    }
     claim(store, record, config)
     manifest = publish_with_left_out(
-        store,
-        prefix,
-        "capture",
-        objects,
-        ("quarantine.jsonl", quarantine),
-        {
-            "snapshot": inputs.snapshot,
-            "responses": store.uri(in_prefix),
-            "contract": contract,
-            "parity": parity,
-            "config": config.capture.model_dump(mode="json"),
-            "counts": dict(counts),
-            "shards": shards,
-            "totals": {key: sum(s[key] for s in shards) for key in ("samples", "tokens", "assistant_tokens")},
-            **feature_measurements(stored_parts, contract["aux_layer_ids"]),
-        },
+        store, prefix, "capture", objects, ("quarantine.jsonl", quarantine), fields
     )
     log.info("capture: %s", dict(counts))
     return Output(uri=store.uri(prefix), kind=manifest["kind"])
@@ -542,27 +539,24 @@ def run_shard(
 ) -> dict[str, Any]:
     """One response shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
-    prefix = layout.captures_prefix(config.target.name, snapshot)
-    record = artifact_record(store, prefix, "captures")
-    require_same(store, record, config)  # a finished shard is reused only under its config
-    in_prefix, responses, shard = listed_shard(store, responses_uri, "responses", shard_name)
+    task = shard_task(config, store, "captures", snapshot, responses_uri, shard_name)
     if needs_rank_job(config.capture):
         args = ["--responses", responses_uri, "--snapshot", snapshot, "--shard", shard_name]
         launch_rank_job(config.capture.inprocess.tp_size, args, config.dump())
-        markers = [m for m in [store_marker(store, prefix, shard)] if m is not None]
-        if not markers:
+        marker = store_marker(store, task.prefix, task.shard)
+        if marker is None:
             raise CaptureFailed(f"the in-process capture job left no record of {shard_name}")
-        return {"shard": shard_name, "counts": markers[0]["counts"]}
+        return {"shard": shard_name, "counts": marker["counts"]}
     target = describe_target(config)
     with workspace(config, target) as (engine, tmp):
         contract = contract_for(config, target, engine).model_dump(mode="json")
-        marker = finished_marker(store, prefix, shard, contract)
+        marker = finished_marker(store, task.prefix, task.shard, contract)
         if marker is None:
-            progress = Progress(total=shard["samples"], desc=f"capture {shard_name}", unit="sample")
-            records = decode_jsonl(read_listed(store, in_prefix, responses, shard_name))
-            claim(store, record, config)  # recorded before the first part made with it
+            progress = Progress(total=task.shard["samples"], desc=f"capture {shard_name}", unit="sample")
+            records = task.records(store)
+            claim(store, task.record, config)  # recorded before the first part made with it
             marker = _capture_shard(
-                ShardJob(store, prefix, shard, records, progress),
+                ShardJob(store, task.prefix, task.shard, records, progress),
                 engine,
                 load_tokenizer(target.model_dir, config.target.trust_remote_code),
                 config,

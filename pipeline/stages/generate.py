@@ -20,9 +20,10 @@ from pipeline.data.conversations import prompt_ids, user_turn_count
 from pipeline.data.jsonl import decode_jsonl, encode_jsonl
 from pipeline.engines import EngineError, EngineUnavailable, GenerationEngine, SamplingParams, engine_servers
 from pipeline.engines.target import resolve_model_dir
-from pipeline.manifest import listed_shard, read_listed, read_manifest
+from pipeline.manifest import read_listed, read_manifest
 from pipeline.progress import Progress
-from pipeline.stages import ShardJob, StageInputs, StageOutput, already_published, publish_with_left_out
+from pipeline.stages import StageInputs, StageOutput, already_published
+from pipeline.stages.shards import ShardJob, publish_with_left_out, shard_task
 from pipeline.storage import ObjectInfo, ObjectStore, open_store
 
 log = logging.getLogger(__name__)
@@ -235,23 +236,20 @@ def run_shard(
 ) -> dict[str, Any]:
     """One prompt shard (a mapped scheduler task); `run` then publishes once every shard is done."""
     store = store or open_store(config.storage)
-    prefix = layout.responses_prefix(config.target.name, snapshot)
-    record = artifact_record(store, prefix, "responses")
-    require_same(store, record, config)  # finished shards and parts are reused only under their config
-    in_prefix, prompts, shard = listed_shard(store, prompts_uri, "prompts", shard_name)
-    marker = finished_shard(store, prefix, shard_name)
+    task = shard_task(config, store, "responses", snapshot, prompts_uri, shard_name)
+    marker = finished_shard(store, task.prefix, shard_name)
     if marker is not None:
-        _delete_parts(store, prefix, shard_name)
+        _delete_parts(store, task.prefix, shard_name)
     else:
         from pipeline.engines.target import load_tokenizer
 
-        progress = Progress(total=shard["samples"], desc=f"generate {shard_name}", unit="conv")
-        records = decode_jsonl(read_listed(store, in_prefix, prompts, shard_name))
+        progress = Progress(total=task.shard["samples"], desc=f"generate {shard_name}", unit="conv")
+        records = task.records(store)
         with ExitStack() as lifetime:
             engine = started_engine(config, lifetime)
-            claim(store, record, config)
+            claim(store, task.record, config)
             marker = generate_shard(
-                ShardJob(store, prefix, shard, records, progress),
+                ShardJob(store, task.prefix, task.shard, records, progress),
                 engine,
                 load_tokenizer(resolve_model_dir(config), config.target.trust_remote_code),
                 config,
@@ -310,22 +308,18 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
     progress.close()
     if totals["succeeded"] + totals["skipped"] == 0:
         raise GenerationFailed(f"generation produced no responses: {totals}")
+    fields = {
+        "snapshot": snapshot,
+        "prompts": store.uri(in_prefix),
+        "target": config.target.name,
+        "engine": config.generate.engine,
+        "config": config.generate.model_dump(mode="json"),
+        "counts": totals,
+        "shards": shards,
+    }
     claim(store, record, config)
     manifest = publish_with_left_out(
-        store,
-        prefix,
-        "responses",
-        objects,
-        ("failures.jsonl", failures),
-        {
-            "snapshot": snapshot,
-            "prompts": store.uri(in_prefix),
-            "target": config.target.name,
-            "engine": config.generate.engine,
-            "config": config.generate.model_dump(mode="json"),
-            "counts": totals,
-            "shards": shards,
-        },
+        store, prefix, "responses", objects, ("failures.jsonl", failures), fields
     )
     log.info("generate: %s", totals)
     return Output(uri=store.uri(prefix), kind=manifest["kind"])

@@ -313,7 +313,7 @@ def _train(
     stalled (stop_reason warm_plateau), from scratch in a work dir of its own. Returns the last attempt's
     worker spec object and work dir, and every attempt's record."""
     init = choose_init(config, store, dataset, workdir)
-    spec_object, result = _attempt(config, store, dataset, run_id, workdir, init)
+    spec_object, result = _attempt(config, store, worker_spec(config, store, dataset, run_id, workdir, init))
     attempts = [_attempt_record(init[1], result, workdir)]
     if result["stop_reason"] != "warm_plateau":
         return spec_object, workdir, attempts
@@ -321,23 +321,18 @@ def _train(
     log.info("train.init auto: %s", restart.reason)
     workdir = workdir.with_name(f"{workdir.name}-scratch")
     workdir.mkdir(parents=True, exist_ok=True)
-    spec_object, result = _attempt(config, store, dataset, run_id, workdir, (None, restart))
+    scratch = worker_spec(config, store, dataset, run_id, workdir, (None, restart))
+    spec_object, result = _attempt(config, store, scratch)
     return spec_object, workdir, attempts + [_attempt_record(restart, result, workdir)]
 
 
-def _attempt(
-    config: RunConfig,
-    store: ObjectStore,
-    dataset: DatasetRecord,
-    run_id: str,
-    workdir: Path,
-    init: tuple[Path | None, InitChoice],
-) -> tuple[Any, dict[str, Any]]:
-    """One training attempt in its own work dir: the worker spec's object and rank 0's result."""
+def _attempt(config: RunConfig, store: ObjectStore, spec: WorkerSpec) -> tuple[Any, dict[str, Any]]:
+    """One training attempt in its own work dir (`spec.workdir`): the worker spec's object and rank 0's
+    result."""
+    run_id, workdir = spec.run_id, Path(spec.workdir)
     # a checkpoint to resume from that is not what the run committed is refused here, naming the file,
     # before any node starts (each node checks again before it loads anything)
     resume_point(workdir / CHECKPOINTS_DIR, DigestRecords(store, run_id, workdir.name))
-    spec = worker_spec(config, store, dataset, run_id, workdir, init)
     spec_object = store.put_bytes(layout.train_worker_spec_key(run_id), spec.to_json())
     (workdir / "train_result.json").unlink(missing_ok=True)
     code = node_launcher(config.train, config.storage).train(

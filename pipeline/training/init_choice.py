@@ -101,15 +101,8 @@ def decide_auto(
     def choice(
         chosen: str, reason: str, measured: InitProbe | None = None, found: VocabularyCoverage | None = None
     ) -> InitChoice:
-        return InitChoice(
-            requested="auto",
-            chosen=chosen,
-            reason=reason,
-            source=source,
-            version=version,
-            probe=measured,
-            vocabulary=found,
-        )
+        located = {"requested": "auto", "source": source, "version": version}
+        return InitChoice(**located, chosen=chosen, reason=reason, probe=measured, vocabulary=found)
 
     if incumbent_contract is None:
         return choice("scratch", f"no drafter at {source} to warm-start from")

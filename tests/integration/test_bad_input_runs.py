@@ -33,19 +33,21 @@ def _prompts_config(tmp_path: Path) -> dict:
 
 
 def test_a_rerun_of_a_run_id_with_another_config_is_refused_naming_what_differs(tmp_path, record):
-    """Through the scheduler's call (pipeline.tasks.stage_task, the resolved config as a dict)."""
-    from pipeline.tasks import stage_task
+    """Through the scheduler's call (pipeline.tasks.run_stage_task, the resolved config as a dict)."""
+    from pipeline.tasks import run_stage_task
 
     data = _prompts_config(tmp_path)
     store = open_store(load_config(data=data).storage)
-    first = stage_task("prompts", data, "rerun")
+    first = run_stage_task("prompts", data, "rerun")
     manifest = store.get_bytes("prompts/rerun/manifest.json")
-    assert stage_task("prompts", data, "rerun") == first  # a retry with the same config reuses it, as before
+    assert (
+        run_stage_task("prompts", data, "rerun") == first
+    )  # a retry with the same config reuses it, as before
     changed = copy.deepcopy(data)
     changed["prompts"]["num_samples"] = 24
     changed["train"]["epochs"] = 5
     with pytest.raises(ConfigError) as refused:
-        stage_task("prompts", changed, "rerun")
+        run_stage_task("prompts", changed, "rerun")
     message = str(refused.value)
     assert "prompts.num_samples: 16 -> 24" in message and "train.epochs: 3 -> 5" in message, message
     assert "prompts/rerun" in message and "start a new run under a new run id" in message

@@ -532,8 +532,8 @@ def test_permanent_failures_fail_the_task_at_once(dagbag):
 
 POD_FAILURE = """
 import sys
-from pipeline.tasks import stage_task
-stage_task(sys.argv[1], "configs/local.yaml", "r1", ["train.epochs=0"])
+from pipeline.tasks import run_stage_task
+run_stage_task(sys.argv[1], "configs/local.yaml", "r1", ["train.epochs=0"])
 """
 
 

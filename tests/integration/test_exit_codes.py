@@ -68,7 +68,7 @@ def raising(*args, **kwargs):
     raise failure(sys.argv[1])
 
 gate.run = raising
-tasks.stage_task("gate", sys.argv[2], "r1")
+tasks.run_stage_task("gate", sys.argv[2], "r1")
 """
 
 
