@@ -376,11 +376,16 @@ def acceptance_reason(check: AcceptanceCheck) -> str:
 # ---------------------------------------------------------------- the stages' use of it
 
 
+def require_passed(gate: GateRecord) -> None:
+    """PromotionRefused unless the stored gate passed (a run the gate stopped has no benchmark to read)."""
+    if not gate.passed:
+        raise PromotionRefused("the gate did not pass: " + "; ".join(gate.reasons))
+
+
 def require_promotable(gate: GateRecord, bench: BenchRecord) -> None:
     """PromotionRefused unless the stored gate passed and the stored benchmark decision is promotable;
     BenchmarkInconclusive when the benchmark could not tell."""
-    if not gate.passed:
-        raise PromotionRefused("the gate did not pass: " + "; ".join(gate.reasons))
+    require_passed(gate)
     decision = bench.decision
     if decision.verdict == "inconclusive":
         raise BenchmarkInconclusive(decision)

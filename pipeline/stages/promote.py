@@ -12,7 +12,7 @@ from pipeline.config import RunConfig
 from pipeline.data.capture_contract import CaptureContract
 from pipeline.manifest import code_version, read_manifest
 from pipeline.ops import registry
-from pipeline.promotion import require_promotable
+from pipeline.promotion import require_passed, require_promotable
 from pipeline.records import (
     AliasRecord,
     BenchRecord,
@@ -52,6 +52,7 @@ class Output(StageOutput):
 def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> Output:
     """A gated, benchmarked candidate -> an immutable registry version, and the alias moved to it."""
     gate = read_record(store, inputs.gate_uri, GateRecord)
+    require_passed(gate)
     bench = read_record(store, inputs.bench_uri, BenchRecord)
     require_promotable(gate, bench)
     train = read_manifest(store, store.key_for(inputs.train_uri), kind="train")

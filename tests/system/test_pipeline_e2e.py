@@ -147,7 +147,7 @@ def test_a_deliberately_weak_drafter_fails_the_gate_that_the_trained_one_passes(
     )
     assert decision["passed"] is False and decision["reasons"]
     refused = drafter("promote", "--config", str(e2e["config"]), *weak, env=e2e["env"])
-    assert refused.returncode == 1 and "the gate did not pass" in refused.stderr
+    assert refused.returncode == 3 and "the gate did not pass" in refused.stderr  # a rejected candidate
 
 
 def test_plan_takes_rates_measured_by_the_finished_run_and_the_transport_benchmark(e2e, tmp_path):
