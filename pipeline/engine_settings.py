@@ -60,8 +60,9 @@ class VllmEngineConfig(Strict):
     )
     cpu_threads: PositiveInt | None = Field(
         1,
-        description="vLLM's CPU build: OpenMP threads per engine (OMP_NUM_THREADS). One keeps engines alive "
-        "at once, on a machine other work shares, from stalling each other at OpenMP barriers; None: vLLM's",
+        description="vLLM's CPU build: OpenMP and numba threads per engine (OMP_NUM_THREADS, "
+        "NUMBA_NUM_THREADS). One keeps engines alive at once, on a machine other work shares, from stalling "
+        "each other at OpenMP barriers and in numba's thread pool (vLLM's n-gram proposer); None: vLLM's",
     )
     seed: int = 0
     startup_timeout_s: float = Field(900.0, gt=0)

@@ -159,6 +159,10 @@ def _worker_env(settings: VllmEngineConfig) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(settings.cpu_kv_cache_gib)
     if settings.cpu_threads is not None:
         env["OMP_NUM_THREADS"] = str(settings.cpu_threads)
+        # vLLM's n-gram proposer runs a numba parallel loop (vllm/v1/spec_decode/ngram_proposer.py:100-126):
+        # with numba's default pool, on 2 cores that other processes keep busy, it drafted at 4 tok/s, with
+        # one thread at 330 (docs/BENCHMARKS.md); an environment that sets it keeps its own
+        env.setdefault("NUMBA_NUM_THREADS", str(settings.cpu_threads))
     if settings.engine_core_in_process:
         # vllm/v1/engine/llm_engine.py:170 (multiprocess_mode); with it off, the CPU build keeps the 'uni'
         # executor (vllm/platforms/cpu.py:333-341), the default for one device (vllm/config/parallel.py:1079)
