@@ -114,6 +114,26 @@ _TARGET_CONFIG_HELP = (
 )
 
 
+def counted(most: int):
+    """An argparse type: a whole number from 1 to `most` (a count the tool will plan or loop over)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not 1 <= value <= most:
+            raise argparse.ArgumentTypeError(f"{value} is not between 1 and {most:,}")
+        return value
+
+    return parse
+
+
+# what `drafter plan` plans for at the most: 5,000 times the mission's 200,000 conversations
+MOST_PLANNED_SAMPLES = 1_000_000_000
+MOST_SHOWN_RUNS = 10_000
+
+
 def _engine_option(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument("--engine", choices=("sglang", "vllm"), default="sglang", help=help_text)
 
@@ -160,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_option(p, "vllm: also check the drafter carries vLLM's aux layer ids, consistent with SGLang's")
     p = sub.add_parser("status", help="the registry's aliases and recent runs with their gate/bench outcomes")
     _common(p, run_id=False)
-    p.add_argument("--limit", type=int, default=10, help="how many recent runs to show")
+    p.add_argument("--limit", type=counted(MOST_SHOWN_RUNS), default=10, help="how many recent runs to show")
     p = sub.add_parser(
         "watches",
         help="poll the deployment's retraining watches once, as the triggerer does, firing nothing: run it "
@@ -169,7 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deployment", metavar="FILE", help="default: $DRAFTER_DEPLOYMENT, else the local one")
     p = sub.add_parser("plan", help="capacity plan: storage, GPU-hours, wall time and S3 cost for N samples")
     p.add_argument("--config", required=True)
-    p.add_argument("--samples", type=int, required=True, help="conversations to generate and capture")
+    p.add_argument(
+        "--samples",
+        type=counted(MOST_PLANNED_SAMPLES),
+        required=True,
+        help="conversations to generate and capture",
+    )
     p.add_argument(
         "--generate-servers", type=int, help="SGLang generation servers (default: generate.sglang.urls)"
     )
@@ -372,14 +397,12 @@ def _capture_rank(args, config) -> int:
 
 def _plan(args, config) -> int:
     from pipeline.ops.capacity import PlanError, format_plan, measured_rates, plan, transport_rates
+    from pipeline.user_files import read_json
 
     measured = measured_rates(config, args.measured_from) if args.measured_from else None
     transport = None
     if args.transport:
-        try:
-            figures = json.loads(Path(args.transport).read_text())
-        except (OSError, ValueError) as err:
-            raise PlanError(f"cannot read the transport figures {args.transport}: {err}") from err
+        figures = read_json(Path(args.transport), "transport figures", PlanError)
         transport = transport_rates(figures, config, args.transport)
     report = plan(
         config,
@@ -426,9 +449,25 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as failure:
         code = exit_code_for(failure)
         if code == EXIT_FAILED and not isinstance(failure, RuntimeError):
-            raise  # not a failure the table knows: a defect, shown whole
+            return _defect(args, failure)
         log_failure(args.command, failure, code)
         return code
+
+
+def _defect(args, failure: Exception) -> int:
+    """A failure the table does not know, which is a defect in this tool: one line saying so (the traceback
+    with --verbose), never a traceback at a user."""
+    logger = logging.getLogger("drafter")
+    if args.verbose:
+        logger.exception("drafter %s failed on a defect", args.command)
+    logger.error(
+        "drafter %s failed on a defect in this tool (%s: %s); rerun with --verbose for its traceback, and "
+        "report it",
+        args.command,
+        type(failure).__name__,
+        str(failure)[:300],
+    )
+    return EXIT_FAILED
 
 
 def plainly_told() -> tuple[type[BaseException], ...]:

@@ -761,9 +761,17 @@ class RunConfig(Strict):
 
 
 # Settings that name an executable, a command, or code that runs (a directory whose Python files run, a
-# manifest of pods and their commands): an operator sets them in a run config file or on the command line;
-# a scheduler's trigger form may not (pipeline.tasks.refuse_code_overrides).
+# manifest of pods and their commands), or where the run's data is kept and sent (the store, which the
+# registry, lineage and the training checkpoints' digests trust; the servers that get its prompts): an
+# operator sets them in a run config file or on the command line; a scheduler's trigger form may not
+# (pipeline.tasks.refuse_code_overrides).
 CODE_SETTINGS = (
+    "storage.root",
+    "storage.endpoint_url",
+    "generate.sglang.urls",
+    "generate.vllm_server.urls",
+    "capture.sglang.urls",
+    "capture.sglang.last_hidden_urls",
     "target.model_path",  # its Python files (auto_map) run with target.trust_remote_code
     "target.trust_remote_code",
     "generate.vllm.python",

@@ -1,9 +1,12 @@
 """Credentials in URLs: refused in configs, masked in every message, log line and record.
 
-A URL's user and password (`scheme://user:password@host`) would reach run configs, manifests, XComs and
-logs, so no config field takes them (they belong in connections and the environment), and every text that
-may echo a URL (an error naming an endpoint, botocore's messages, a refused config value) goes through
-`without_credentials` before anyone sees it.
+A URL's user and password (`scheme://user:password@host`), a query parameter or fragment with a token-like
+name (`?token=...`, `#access_token=...`, `&X-Amz-Signature=...`), or the secret part of a host whose URLs
+are themselves secrets (a Slack or Discord webhook, a GitHub token) would reach run configs, manifests,
+XComs and logs, so no config field takes them (they belong in connections and the environment), and every
+text that may echo a URL (an error naming an endpoint, botocore's messages, a refused config value) goes
+through `without_credentials`, the one mask, before anyone sees it. Its cases, each with an example, are
+tests/unit/test_credentials.py's tables.
 """
 
 from __future__ import annotations
@@ -37,12 +40,60 @@ def _is_userinfo(text: str) -> bool:
     return "/" not in text or ":" in text
 
 
+# A query parameter's or fragment's name that says its value is a secret: one of these words in it
+# (access_token, X-Amz-Security-Token, api_key, client_secret, X-Amz-Signature, X-Amz-Credential, auth, ...),
+# or one of the short names services use for one (Google's `key`, Azure SAS's `sig`, OAuth's `code`)
+_SECRET_WORDS = (
+    r"token|secret|passw(?:or)?d|pwd|api[_-]?key|signature|credential|auth(?!ors?\b)|session|jwt|bearer"
+)
+_SECRET_NAMES = r"key|sig|code|sas"
+_SECRET_PARAMETER = re.compile(
+    rf"(?i)(?<=[?&#;])((?:[\w.-]*(?:{_SECRET_WORDS})[\w.-]*|(?:{_SECRET_NAMES}))=)([^&#;\s'\"<>`]+)"
+)
+# hosts whose URLs carry their secret in the path, and tokens recognisable by their prefix: (what, pattern
+# whose group "secret" is masked)
+SECRET_URL_FORMS: tuple[tuple[str, re.Pattern[str]], ...] = (
+    (
+        "a Slack webhook",
+        re.compile(r"(?i)hooks\.slack\.com/(?:services|workflows|triggers)/(?P<secret>[^\s'\"<>`?#]+)"),
+    ),
+    (
+        "a Discord webhook",
+        re.compile(r"(?i)discord(?:app)?\.com/api/webhooks/\d+/(?P<secret>[^\s'\"<>`/?#]+)"),
+    ),
+    ("a Teams webhook", re.compile(r"(?i)\.webhook\.office\.com/(?P<secret>[^\s'\"<>`?#]+)")),
+    (
+        "a GitHub token",
+        re.compile(r"(?P<secret>\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}))"),
+    ),
+    ("a Hugging Face token", re.compile(r"(?P<secret>\bhf_[A-Za-z0-9]{20,})")),
+)
+
+
 def without_credentials(text: str) -> str:
-    """`text` with the user and password of every URL in it masked: `HTTP://u:p@ss/w@host` becomes
-    `HTTP://***@host`, and `u:p@host` without a scheme `***@host`. A URL's user and password run to its last
-    "@", since a password may hold "@" and "/" that were not percent-encoded; so an "@" further along a URL
-    with a ":" before it masks the host too. Linear in the text's length (it may be a huge refused value)."""
-    return _without_schemeless_credentials(_without_schemed_credentials(text))
+    """`text` with every secret a URL in it may carry masked (the one mask; refusals use it too):
+    - a user and password: `HTTP://u:p@ss/w@host` becomes `HTTP://***@host`, and `u:p@host` without a scheme
+      `***@host`. A URL's user and password run to its last "@", since a password may hold "@" and "/" that
+      were not percent-encoded; so an "@" further along a URL with a ":" before it masks the host too;
+    - the value of a query parameter or fragment with a token-like name (_SECRET_PARAMETER):
+      `https://h/?token=S&x=1` becomes `https://h/?token=***&x=1`;
+    - the secret part of SECRET_URL_FORMS (webhook paths, tokens known by their prefix).
+    Linear in the text's length (it may be a huge refused value)."""
+    masked = _without_schemeless_credentials(_without_schemed_credentials(text))
+    masked = _SECRET_PARAMETER.sub(lambda found: found.group(1) + MASK, masked)
+    return _without_secret_forms(masked)
+
+
+def _without_secret_forms(text: str) -> str:
+    for _, pattern in SECRET_URL_FORMS:
+        text = pattern.sub(lambda found: _masked_group(found, "secret"), text)
+    return text
+
+
+def _masked_group(found: re.Match[str], group: str) -> str:
+    start, end = found.span(group)
+    whole = found.group(0)
+    return whole[: start - found.start()] + MASK + whole[end - found.start() :]
 
 
 def _without_schemed_credentials(text: str) -> str:
@@ -88,10 +139,14 @@ def holds_credentials(url: str) -> bool:
 
 
 def refuse_credentials(url: str, field: str, instead: str) -> str:
-    """`url`, or ValueError when it holds a user or password; `instead` says where they belong."""
-    if holds_credentials(url):
+    """`url`, or ValueError when it holds a secret (a user or password, a token-like query parameter or
+    fragment, a secret path: whatever `without_credentials` masks); `instead` says where they belong. The
+    message shows the URL masked."""
+    masked = without_credentials(url)
+    if masked != url:
         raise ValueError(
-            f"{field} must not hold credentials (they would reach configs, manifests and logs): {instead}"
+            f"{field} must not hold credentials, as {masked[:200]} does (a user or password, a token in its "
+            f"query, fragment or path: they would reach configs, manifests and logs): {instead}"
         )
     return url
 

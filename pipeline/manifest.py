@@ -9,6 +9,7 @@ from typing import Any
 
 from pipeline.ids import validate_key
 from pipeline.storage import ObjectInfo, ObjectMissingError, ObjectStore, StorageError
+from pipeline.user_files import parse_json
 
 MANIFEST_NAME = "manifest.json"
 SCHEMA_VERSION = 1
@@ -76,10 +77,7 @@ def read_manifest(store: ObjectStore, prefix: str, kind: str | None = None) -> d
         raise ManifestError(
             f"no manifest at {store.uri(key)}: the artifact does not exist or its stage did not finish"
         ) from err
-    try:
-        manifest = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ManifestError(f"manifest {store.uri(key)} is not valid JSON: {err}") from err
+    manifest = parse_json(raw, f"manifest {store.uri(key)}", ManifestError)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("objects"), list):
         raise ManifestError(f"manifest {store.uri(key)} has no object list")
     if kind is not None and manifest.get("kind") != kind:

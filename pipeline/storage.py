@@ -222,6 +222,10 @@ class ObjectStore(ABC):
     @abstractmethod
     def delete(self, key: str) -> None: ...
 
+    def prune(self, prefix: str) -> None:  # noqa: B027 (an object store has nothing to do: no folders)
+        """Leave nothing behind under `prefix` once it holds no objects: an object store has no folders, so
+        nothing to do; FileStore removes the empty folders."""
+
     @abstractmethod
     def read_with_tag(self, key: str) -> tuple[bytes, str] | None:
         """The object and a tag that changes whenever it is rewritten (its ETag), or None if absent."""
@@ -334,6 +338,15 @@ class FileStore(ObjectStore):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
+    def prune(self, prefix: str) -> None:
+        """The folder of `prefix` and the empty folders in it, if they hold no file (lock files included)."""
+        base = self._path(prefix)
+        if not base.is_dir() or any(path.is_file() for path in base.rglob("*")):
+            return
+        for folder in sorted((p for p in base.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            folder.rmdir()
+        base.rmdir()
+
     def read_with_tag(self, key: str) -> tuple[bytes, str] | None:
         try:
             data = self._path(key).read_bytes()
@@ -358,21 +371,32 @@ S3Call = TypeVar("S3Call", bound=Callable[..., Any])
 
 
 def _reaching_the_endpoint(method: S3Call) -> S3Call:
-    """An S3 request that botocore could not make (an endpoint unreachable once its retries ran out, a
-    storage.endpoint_url it cannot use) fails as a StorageError naming the endpoint, on one line, instead of
-    botocore's traceback. Missing credentials stay botocore's NoCredentialsError, which callers name."""
+    """An S3 request that failed for a reason the method does not handle itself fails as a StorageError on
+    one line, naming the endpoint, the bucket and what to do, instead of botocore's traceback: an endpoint
+    unreachable once its retries ran out, a storage.endpoint_url it cannot use, no credentials
+    (NoS3Credentials), or an error the service answered (s3_refusal: no such bucket, access denied, keys
+    refused, a 404 from something that is not S3)."""
 
     @functools.wraps(method)
     def call(self: S3Store, *args: Any, **kwargs: Any) -> Any:
-        from botocore.exceptions import BotoCoreError, NoCredentialsError
+        from boto3.exceptions import Boto3Error
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
         from botocore.exceptions import ConnectionError as Unreachable
 
+        endpoint = self.client.meta.endpoint_url
         try:
             return method(self, *args, **kwargs)
-        except NoCredentialsError:
-            raise
+        except NoCredentialsError as err:
+            raise NoS3Credentials(
+                f"no S3 credentials for s3://{self.bucket} at {without_credentials(endpoint)}: set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), give the pod its IAM role, or "
+                "name the Airflow connection in the deployment config"
+            ) from err
+        except ClientError as err:
+            raise StorageError(without_credentials(s3_refusal(err, self.bucket, endpoint))) from err
+        except Boto3Error as err:  # an upload that failed (S3UploadFailedError says what S3 answered)
+            raise StorageError(without_credentials(f"S3 request to {endpoint} failed: {err}")) from err
         except BotoCoreError as err:
-            endpoint = self.client.meta.endpoint_url
             problem = (
                 f"cannot reach the S3 endpoint {endpoint} (retried {self.max_attempts} times)"
                 if isinstance(err, Unreachable)
@@ -381,6 +405,45 @@ def _reaching_the_endpoint(method: S3Call) -> S3Call:
             raise StorageError(without_credentials(f"{problem}: {err}")) from err
 
     return cast(S3Call, call)
+
+
+class NoS3Credentials(StorageError):
+    """No credentials were found for an S3 request: nothing a retry changes."""
+
+
+# what each error code S3 answers means to the person who set storage.root and storage.endpoint_url
+_S3_ERROR_ADVICE = {
+    "NoSuchBucket": "the bucket does not exist there: create it, or correct storage.root",
+    "AccessDenied": "the credentials in use may not do this: grant them the bucket's policy, or use others",
+    "AllAccessDisabled": "the bucket's access is disabled: ask its owner",
+    "InvalidAccessKeyId": "the access key is not one this service knows: check the credentials in use",
+    "SignatureDoesNotMatch": "the secret key does not match the access key: check the credentials in use",
+    "ExpiredToken": "the session token has expired: renew the credentials",
+    "InvalidBucketName": "the bucket name in storage.root is not a valid S3 bucket name",
+    "PermanentRedirect": "the bucket lives in another region: set storage.region to it",
+    "AuthorizationHeaderMalformed": "the region is wrong for this bucket: set storage.region to the bucket's",
+}
+
+
+def s3_refusal(err: Any, bucket: str, endpoint: str) -> str:
+    """One line for an error S3 answered (botocore's ClientError): the operation, the bucket and endpoint,
+    the service's code and message, and what to do about it."""
+    error = err.response.get("Error", {})
+    status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    code = str(error.get("Code") or status or "unknown")
+    message = " ".join(str(error.get("Message") or "").split())[:200]
+    advice = _S3_ERROR_ADVICE.get(code)
+    if advice is None and code in {"404", "NotFound"}:
+        advice = (
+            "the endpoint answered 404 Not Found for the bucket: check that storage.endpoint_url is the S3 "
+            "service's address (no path) and that the bucket exists"
+        )
+    if advice is None and code in {"403", "Forbidden"}:
+        advice = "the endpoint answered 403 Forbidden: the credentials in use may not read this bucket"
+    said = f"{code}{': ' + message if message else ''}"
+    return f"S3 refused {err.operation_name} on s3://{bucket} at {endpoint} ({said})" + (
+        f"; {advice}" if advice else ""
+    )
 
 
 class S3Store(ObjectStore):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import posixpath
+from pathlib import PurePosixPath
 from typing import Any
 
 from pipeline.config import ConfigError, RunConfig, load_config, overridden_code_settings
@@ -189,12 +191,14 @@ PARAM_OVERRIDES = {
 
 def refuse_code_overrides(overrides: list[str], source: str) -> None:
     """A trigger form (or what a scheduler was handed) may not set settings that name executables, commands
-    or code (pipeline.config.CODE_SETTINGS): they run in the task pods with the pipeline's own identity."""
+    or code, nor the store and the servers the run's data goes to (pipeline.config.CODE_SETTINGS): they run,
+    and are reached, from the task pods with the pipeline's own identity and credentials."""
     refused = sorted({setting for override in overrides for setting in overridden_code_settings(override)})
     if refused:
         keys = [override.split("=", 1)[0] for override in overrides if overridden_code_settings(override)]
         raise ConfigError(
-            f"{source} may not set settings that name executables, commands or code to run: "
+            f"{source} may not set settings that name executables, commands or code to run, or the store "
+            "and servers the run's data goes to: "
             f"{', '.join(refused)} (set by the overrides of {', '.join(keys)}); set them in the run config "
             "file, or with `drafter ... key=value` where the operator runs it"
         )
@@ -303,12 +307,17 @@ def local_paths_read(config: RunConfig) -> list[str]:
     return [path[len("file://") :] if path.startswith("file://") else path for path in paths]
 
 
+def _within(path: str, root: str) -> bool:
+    """Whether absolute `path` lies in `root`, both with their `..` and `.` parts worked out first (as the
+    pod's kernel will), so /data/prompts/../../root/.aws is not within /data/prompts."""
+    return PurePosixPath(posixpath.normpath(path)).is_relative_to(posixpath.normpath(root))
+
+
 def _require_mounted(config: RunConfig, config_path: str, mount_paths: list[str]) -> None:
-    roots = [path.rstrip("/") + "/" for path in mount_paths]
     outside = [
         path
         for path in local_paths_read(config)
-        if path.startswith("/") and not any((path.rstrip("/") + "/").startswith(root) for root in roots)
+        if path.startswith("/") and not any(_within(path, root) for root in mount_paths)
     ]
     if outside:
         raise ConfigError(

@@ -230,7 +230,10 @@ def production_drafter(
         "contract": {"target": {"model_path": "m", "revision": revision}},
     }
     publish(store, layout.drafter_version_prefix(target, version), "drafter", [], {"lineage": lineage})
-    registry.move_alias(store, target, alias, version, "test")
+    current = registry.read_alias(store, target, alias)
+    registry.move_alias(
+        store, target, alias, version, "test", expected=current["version"] if current else None
+    )
 
 
 def response_ids(store, uri) -> list[str]:

@@ -31,6 +31,7 @@ from pipeline.engines.layer_ids import (
     captured_layer_outputs,
     draft_config_ids,
 )
+from pipeline.user_files import read_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -526,19 +527,26 @@ def export_drafter(
 
 def read_drafter_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """config, tensors and capture contract of a drafter directory, all validated."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     directory = Path(directory)
     for name in REQUIRED_FILES:
         if not (directory / name).is_file():
             raise DrafterFormatError(f"drafter directory {directory} has no {name}")
-    try:
-        config = json.loads((directory / CONFIG_NAME).read_text())
-        contract = json.loads((directory / CONTRACT_NAME).read_text())
-    except json.JSONDecodeError as err:
-        raise DrafterFormatError(f"drafter directory {directory}: invalid JSON: {err}") from err
+    config = read_json(directory / CONFIG_NAME, "drafter config", DrafterFormatError)
+    contract = read_json(directory / CONTRACT_NAME, "capture contract", DrafterFormatError)
+    if not isinstance(config, dict) or not isinstance(contract, dict):
+        raise DrafterFormatError(
+            f"drafter directory {directory}: config.json or the contract is not an object"
+        )
     validate_config(config)
-    tensors = load_file(str(directory / WEIGHTS_NAME))
+    weights = directory / WEIGHTS_NAME
+    require_safetensors_header(weights)
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise DrafterFormatError(f"weights {weights} cannot be read as safetensors: {err}") from err
     validate_tensors(config, tensors)
     if "aux_layer_ids" not in contract:
         raise DrafterFormatError(f"drafter directory {directory}: capture_contract.json has no aux_layer_ids")
@@ -546,6 +554,26 @@ def read_drafter_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     if problems:
         raise DrafterFormatError(f"drafter directory {directory}: " + "; ".join(problems))
     return config, tensors, contract
+
+
+# safetensors' own bound on its JSON header (safetensors' MAX_HEADER_SIZE, 100 MB)
+MAX_SAFETENSORS_HEADER = 100_000_000
+
+
+def require_safetensors_header(path: Path) -> None:
+    """DrafterFormatError naming `path` unless it starts as a safetensors file does: an 8-byte little-endian
+    header length that fits in the file and under MAX_SAFETENSORS_HEADER, then that many bytes of a JSON
+    object. Checked before the library reads it, so a header that claims gigabytes is refused unread."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        prefix = handle.read(9)
+    claimed = int.from_bytes(prefix[:8], "little") if len(prefix) >= 8 else None
+    if claimed is None or claimed > min(size - 8, MAX_SAFETENSORS_HEADER) or prefix[8:9] != b"{":
+        said = "fewer than 8 bytes" if claimed is None else f"a header of {claimed:,} bytes"
+        raise DrafterFormatError(
+            f"weights {path} are not a safetensors file ({said} in a file of {size:,} bytes): export or "
+            "pull the drafter again"
+        )
 
 
 def layer_ids_problems(config: dict[str, Any], contract: dict[str, Any]) -> list[str]:

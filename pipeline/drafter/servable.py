@@ -9,7 +9,6 @@ target_config.json, so a pulled or synced copy can be checked without the target
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from pipeline.engines.sglang_draft_checks import (
     SpeculativeArgs,
     draft_model_problems,
 )
+from pipeline.user_files import read_json
 
 TARGET_CONFIG_NAME = "target_config.json"  # the target's config.json, recorded by export
 
@@ -99,9 +99,11 @@ def _a_target_config(config: Path) -> Path:
     """`config`, or NoTargetConfig naming it when it is not a model's config.json (JSON text, an object with
     the sizes the checks read): a file given by mistake would otherwise fail deep inside the checks."""
     try:
-        top = json.loads(config.read_bytes())
-    except (OSError, ValueError) as err:  # ValueError: not JSON, or not UTF-8 text
-        raise NoTargetConfig(f"target config {config} is not a readable JSON config.json: {err}") from err
+        top = read_json(config, "target config", ValueError)
+    except ValueError as err:  # unreadable, too large, not UTF-8 text, not JSON, nested too deep
+        raise NoTargetConfig(
+            f"{err}; not a readable JSON config.json: give the target's config.json (or its model directory)"
+        ) from err
     text = top.get("text_config", top) if isinstance(top, dict) else None
     if not isinstance(text, dict):
         raise NoTargetConfig(f"target config {config} holds no JSON object, as a model's config.json does")

@@ -479,7 +479,12 @@ def _volume(k8s, name: str, mount: PodMount):
 
 def load_deployment(path: str | Path | None = None) -> DeploymentConfig:
     location = resolve_project_path(str(path or os.environ.get("DRAFTER_DEPLOYMENT", DEFAULT_DEPLOYMENT)))
-    data = read_yaml_file(location, "deployment config") or {}
+    data = read_yaml_file(location, "deployment config")
+    if data is None:  # an empty file: every default would be taken silently, the local cluster's included
+        raise ConfigError(
+            f"deployment config {location} is empty: give a deployment config (configs/deployment/ holds the "
+            "local and the Kubernetes one)"
+        )
     try:
         return DeploymentConfig.model_validate(data)
     except ValidationError as err:

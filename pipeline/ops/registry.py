@@ -49,13 +49,15 @@ from pipeline.ids import InvalidIdError, validate_id
 from pipeline.manifest import MANIFEST_NAME, ManifestError, manifest_exists, now_iso, publish, read_manifest
 from pipeline.records import LEGACY_ENGINE_NAMES
 from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atomic_write, sha256_file
-from pipeline.user_files import read_text
+from pipeline.user_files import parse_json, read_json
 
 log = logging.getLogger(__name__)
 README_NAME = "README.md"
 # what `drafter pull` writes into every directory it pulls: the store, target and version, and the files it
 # wrote (a dotfile: servers load config.json and *.safetensors, and ignore it)
 PULL_MARKER = ".drafter-pull.json"
+# what a pull writes first into the directory it makes beside the dest, before any byte it downloads
+HOLDER_MARKER = ".drafter-pull-holder.json"
 SHOWN_ALIASES = ("production", "previous", "candidate")  # what `drafter list` and `drafter status` show
 # how the engines a version was verified in are named in its model card (benchmark engines included)
 ENGINE_TITLES: dict[str, str] = {**ENGINE_NAMES, "reference": "the project's reference decoder"}
@@ -63,6 +65,11 @@ ENGINE_TITLES: dict[str, str] = {**ENGINE_NAMES, "reference": "the project's ref
 
 class RegistryError(RuntimeError):
     pass
+
+
+class RegistryInputError(RegistryError, ValueError):
+    """What no retry fixes: a drafter the engine asked for cannot serve, a version whose files are
+    malformed. A ValueError, so its exit code is bad input's (pipeline.failures)."""
 
 
 def serving_flags(drafter_path: str, serving: dict[str, int]) -> list[str]:
@@ -309,9 +316,6 @@ class AliasConflict(RegistryError):
     """Another promotion or rollback moved the alias first; nothing was changed by this one."""
 
 
-ANY_VERSION = object()  # move_alias without an expectation about the alias's current version
-
-
 def read_alias(store: ObjectStore, target: str, alias: str) -> dict[str, Any] | None:
     found = store.read_with_tag(layout.alias_key(target, alias))
     return _parse_alias(store, target, alias, found[0]) if found else None
@@ -324,9 +328,9 @@ def _parse_alias(store: ObjectStore, target: str, alias: str, data: bytes) -> di
     history = store.uri(layout.registry_prefix(target, "history"))
     restore = f"restore or delete it (its moves are recorded under {history})"
     try:
-        record = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise RegistryError(f"{where} is not JSON ({err}); {restore}") from err
+        record = parse_json(data, where, ValueError)
+    except ValueError as err:
+        raise RegistryError(f"{err}; {restore}") from err
     if not isinstance(record, dict) or "version" not in record:
         raise RegistryError(f'{where} has no "version"; {restore}')
     try:
@@ -344,21 +348,25 @@ def _record_history(store: ObjectStore, target: str, alias: str, record: dict[st
 
 
 def move_alias(
-    store: ObjectStore, target: str, alias: str, version: str, reason: str, expected: Any = ANY_VERSION
+    store: ObjectStore, target: str, alias: str, version: str, reason: str, *, expected: str | None
 ) -> dict[str, Any]:
-    """Point `alias` at `version` with one conditional write.
+    """Point `alias` at `version` with one conditional write (compare-and-swap): every alias write goes
+    through here, and none without an expectation.
 
     `expected` is the version the caller based its decision on (None: the alias must not exist yet).
-    If the alias is not there any more, or another writer moves it between our read and our write,
-    AliasConflict is raised and the alias keeps the other writer's value: it is never torn.
+    If the alias is elsewhere, or another writer moves it between our read and our write, AliasConflict is
+    raised and the alias keeps the other writer's value: it is never torn.
     """
     validate_id(alias, "alias")
     if not manifest_exists(store, layout.drafter_version_prefix(target, version)):
         raise RegistryError(f"cannot point {alias} at {version}: no such version of {target}")
     key = layout.alias_key(target, alias)
     found = store.read_with_tag(key)
-    current = _parse_alias(store, target, alias, found[0])["version"] if found else None
-    if expected is not ANY_VERSION and current != expected:
+    existing = _parse_alias(store, target, alias, found[0]) if found else None
+    current = existing["version"] if existing else None
+    if existing is not None and current == version:  # already where the caller wants it: nothing to write
+        return existing
+    if current != expected:
         raise AliasConflict(
             f"{target} {alias} is at {current}, not {expected}: another promotion or rollback "
             "moved it first; nothing changed"
@@ -435,9 +443,14 @@ def publish_version(
         else None
     )
     card = model_card(target, version, lineage, flags, verified, vllm_flags)
-    objects = [store.put_file(f"{prefix}/{name}", drafter_dir / name) for name in DRAFTER_FILES]
-    objects.append(store.put_bytes(f"{prefix}/{README_NAME}", card.encode()))
+    written: list[str] = []
     try:
+        objects = []
+        for name in DRAFTER_FILES:
+            objects.append(store.put_file(f"{prefix}/{name}", drafter_dir / name))
+            written.append(f"{prefix}/{name}")
+        objects.append(store.put_bytes(f"{prefix}/{README_NAME}", card.encode()))
+        written.append(f"{prefix}/{README_NAME}")
         manifest = publish(
             store,
             prefix,
@@ -457,7 +470,26 @@ def publish_version(
         raise RegistryError(
             f"version {version} of {target} was published concurrently; versions are immutable"
         ) from err
+    except (StorageError, OSError) as err:  # a full disk, a store that stopped answering
+        _remove_unpublished(store, prefix, written)
+        raise RegistryError(
+            f"publishing version {version} of {target} failed, and what it had uploaded was removed: {err}"
+        ) from err
     return version, manifest
+
+
+def _remove_unpublished(store: ObjectStore, prefix: str, written: list[str]) -> None:
+    """The objects a publish that failed before its manifest wrote (exactly those keys: its version prefix is
+    its own, _version_id), so that no version folder without a manifest is left behind. A failure to remove
+    them is logged: they are unlisted either way."""
+    try:
+        if manifest_exists(store, prefix):
+            return
+        for key in written:
+            store.delete(key)
+        store.prune(prefix)
+    except (StorageError, OSError) as err:
+        log.warning("could not remove the unpublished objects under %s: %s", store.uri(prefix), err)
 
 
 def promote(
@@ -470,12 +502,16 @@ def promote(
 ) -> dict[str, Any]:
     """Publish a version and move `alias` to it; the old target of `production` becomes `previous`.
 
-    The alias moves only if it still points where it pointed when this promotion started; a racing
-    promotion that got there first makes this one fail with AliasConflict (its version stays published,
-    unaliased).
+    Both aliases move only if they still point where they pointed when this promotion started, `previous`
+    first: a racing promotion or rollback that moved either makes this one fail with AliasConflict (its
+    version stays published, unaliased), and the other's aliases stand. (Moving `production` first would
+    let a rollback between the two writes be overwritten: production=B, previous=A; promote C moves
+    production; a rollback moves production to A and previous to C; the promotion's `previous := B` would
+    then drop C off the aliases.)
     """
     before = read_alias(store, target, alias)
     before_version = before["version"] if before else None
+    demoted_over = _version_at(store, target, "previous") if alias == "production" else None
     version, manifest = publish_version(store, target, drafter_dir, lineage, serving)
     if before_version == version:  # an earlier attempt of this promotion moved the alias already
         return {
@@ -484,6 +520,10 @@ def promote(
             "uri": store.uri(layout.drafter_version_prefix(target, version)),
             "manifest": manifest,
         }
+    if alias == "production" and before_version is not None:
+        move_alias(
+            store, target, "previous", before_version, reason=f"demoted by {version}", expected=demoted_over
+        )
     record = move_alias(
         store,
         target,
@@ -492,8 +532,6 @@ def promote(
         reason=f"promoted from run {lineage.get('run_id')}",
         expected=before_version,
     )
-    if alias == "production" and before_version is not None:
-        move_alias(store, target, "previous", before_version, reason=f"demoted by {version}")
     return {
         "version": version,
         "alias": record,
@@ -502,15 +540,28 @@ def promote(
     }
 
 
+def _version_at(store: ObjectStore, target: str, alias: str) -> str | None:
+    record = read_alias(store, target, alias)
+    return record["version"] if record else None
+
+
 def rollback(store: ObjectStore, target: str) -> dict[str, Any]:
-    """production -> previous; the rolled-back version becomes `previous`."""
+    """production -> previous; the rolled-back version becomes `previous`. Both moves are conditional on
+    the aliases being where this rollback read them."""
     production, previous = read_alias(store, target, "production"), read_alias(store, target, "previous")
     if production is None or previous is None:
         raise RegistryError(f"{target} needs both a production and a previous alias to roll back")
+    if production["version"] == previous["version"]:
+        raise RegistryError(
+            f"{target} production and previous both point at {production['version']}: nothing to roll back "
+            "to (a promotion may be moving them now; see `drafter status`)"
+        )
     record = move_alias(
         store, target, "production", previous["version"], reason="rollback", expected=production["version"]
     )
-    move_alias(store, target, "previous", production["version"], reason="rolled back")
+    move_alias(
+        store, target, "previous", production["version"], reason="rolled back", expected=previous["version"]
+    )
     return record
 
 
@@ -594,25 +645,29 @@ def _listed_file(entry: Any) -> bool:
 def _read_dir_manifest(directory: Path) -> dict[str, Any]:
     """The manifest.json of a drafter directory; RegistryError naming the file when it cannot be used."""
     path = directory / MANIFEST_NAME
-    text = read_text(path, "manifest", RegistryError)
-    try:
-        manifest = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise RegistryError(f"manifest {path} is not valid JSON: {err}") from err
+    if path.is_symlink():
+        raise RegistryInputError(f"manifest {path} is a symbolic link; a drafter's files are regular files")
+    manifest = read_json(path, "manifest", RegistryInputError)
     problems = _drafter_manifest_problems(manifest)
     if problems:
-        raise RegistryError(f"manifest {path} " + "; ".join(problems))
+        raise RegistryInputError(f"manifest {path} " + "; ".join(problems))
     return manifest
 
 
 def _directory_problems(directory: Path, manifest: dict[str, Any]) -> list[str]:
-    """The directory against its manifest, both ways: every listed file present with its size and sha256,
+    """The directory against its manifest, both ways: every listed file present, a regular file (not a link),
+    with its size and sha256,
     every file a drafter cannot do without listed, and nothing in the directory the manifest does not list
     (an engine loads every *.safetensors it finds) but manifest.json itself and PULL_MARKER."""
     problems = []
     for entry in manifest["objects"]:
         path = directory / entry["name"]
-        if not path.is_file():
+        if path.is_symlink():  # what it points at can change after verification, or lie outside
+            problems.append(
+                f"{entry['name']} is a symbolic link (to {os.readlink(path)}); a drafter's files must be "
+                "regular files inside its directory"
+            )
+        elif not path.is_file():
             problems.append(f"missing {entry['name']}")
         elif path.stat().st_size != entry["bytes"] or sha256_file(path) != entry["sha256"]:
             problems.append(f"checksum mismatch for {entry['name']}")
@@ -646,12 +701,12 @@ def verify_dir(
     manifest = _read_dir_manifest(directory)
     problems = _directory_problems(directory, manifest)
     if problems:
-        raise RegistryError(f"drafter directory {directory} failed verification: " + "; ".join(problems))
+        raise RegistryInputError(f"drafter directory {directory} failed verification: " + "; ".join(problems))
     config, _, _ = read_drafter_dir(directory)
     if engine == "vllm":
         refusal = engine_refusals(config).get("vllm")
         if refusal is not None:
-            raise RegistryError(
+            raise RegistryInputError(
                 f"drafter directory {directory} is an {architecture_of(config)} drafter: {refusal}"
             )
         require_exported_for(config, "vllm")  # "this drafter": pull verifies a staging directory
@@ -688,19 +743,20 @@ def pull(
         dest.parent.mkdir(parents=True, exist_ok=True)
         with _pull_lock(dest):
             _remove_dead_pulls(dest)
-            staging = dest.with_name(f".{dest.name}.pull-{os.getpid()}-{secrets.token_hex(4)}")
-            staging.mkdir(mode=0o777)  # less the umask, as every file written into it
+            holder = _make_holder(dest)
             try:
+                staging = holder / "drafter"
+                staging.mkdir(mode=0o777)  # less the umask, as every file written into it
                 _download(store, prefix, manifest, staging)
                 _write_marker(staging, store, target, version, manifest)
                 verify_dir(staging, target_config, engine)
-                _swap_into_place(staging, dest)
+                _swap_into_place(staging, dest, holder)
             finally:
-                shutil.rmtree(staging, ignore_errors=True)
+                shutil.rmtree(holder, ignore_errors=True)
     except (StorageError, RegistryError, ValueError, OSError) as err:  # OSError: a dest it cannot write
-        raise RegistryError(
-            f"pull of {target}:{alias_or_version} ({version}) refused, {dest} unchanged: {err}"
-        ) from err
+        refused = RegistryInputError if isinstance(err, ValueError) else RegistryError
+        said = f"pull of {target}:{alias_or_version} ({version}) refused, {dest} unchanged: {err}"
+        raise refused(said) from err
     log.info("pulled %s version %s into %s", target, version, dest)
     return dest
 
@@ -818,23 +874,55 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def _leftover_pattern(dest: Path) -> re.Pattern[str]:
-    """The names of what pulls into dest make beside it: staging copies (.<dest>.pull-<pid>-<8 hex>; 8 random
-    characters without the pid, as pulls named them before) and an earlier pull retired during the swap."""
-    name = re.escape(dest.name)
-    return re.compile(rf"\.{name}\.(pull-(\d+-[0-9a-f]{{8}}|[a-z0-9_]{{8}})|old-\d+)")
+def _holder_pattern(dest: Path) -> re.Pattern[str]:
+    """The names of the holders pulls into dest make beside it (.<dest>.pull-<pid>-<8 hex>)."""
+    return re.compile(rf"\.{re.escape(dest.name)}\.pull-\d+-[0-9a-f]{{8}}")
+
+
+def _make_holder(dest: Path) -> Path:
+    """A new directory beside dest that this pull made and says so: mkdir fails if the name is taken, and
+    HOLDER_MARKER, written before the first byte is downloaded, names the holder and dest. Everything the
+    pull writes goes inside it (the staging copy, then the dest it retires), so a pull killed at any point
+    leaves one directory that a later pull knows it may remove, and nothing else. 0700: no other user can
+    change the staging copy while it is downloaded and verified."""
+    holder = dest.with_name(f".{dest.name}.pull-{os.getpid()}-{secrets.token_hex(4)}")
+    holder.mkdir(mode=0o700)
+    (holder / HOLDER_MARKER).write_text(json.dumps(_holder_record(holder, dest)) + "\n")
+    return holder
+
+
+def _holder_record(holder: Path, dest: Path) -> dict[str, str]:
+    return {"holder": holder.name, "pull_into": str(dest)}
+
+
+def _made_by_a_pull(path: Path, dest: Path) -> bool:
+    """path is a holder a pull into dest made: a real directory (not a link) with its HOLDER_MARKER, a plain
+    file naming this very holder and dest."""
+    marker = path / HOLDER_MARKER
+    if path.is_symlink() or not path.is_dir() or marker.is_symlink() or not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()) == _holder_record(path, dest)
+    except (OSError, ValueError):
+        return False
 
 
 def _remove_dead_pulls(dest: Path) -> None:
-    """What killed pulls into dest left beside it; called with the dest's _pull_lock held."""
-    pattern = _leftover_pattern(dest)
+    """What killed pulls into dest left beside it: only holders they made (_made_by_a_pull), never a path
+    that is merely named like one. Called with the dest's _pull_lock held, so no live pull's holder is
+    among them."""
+    pattern = _holder_pattern(dest)
     for path in dest.parent.iterdir():
-        if pattern.fullmatch(path.name) and path.is_dir() and not path.is_symlink():
-            log.info("removing %s, left by a pull into %s that did not finish", path, dest)
-            try:
-                shutil.rmtree(path)
-            except OSError as err:  # another user's, say: in the way of nothing but disk space
-                log.warning("could not remove %s: %s", path, err)
+        if not pattern.fullmatch(path.name):
+            continue
+        if not _made_by_a_pull(path, dest):
+            log.info("leaving %s alone: named like a pull's leftovers, but no pull made it", path)
+            continue
+        log.info("removing %s, left by a pull into %s that did not finish", path, dest)
+        try:
+            shutil.rmtree(path)
+        except OSError as err:  # another user's, say: in the way of nothing but disk space
+            log.warning("could not remove %s: %s", path, err)
 
 
 def pull_incumbent(
@@ -850,13 +938,10 @@ def pull_incumbent(
     )
 
 
-def _swap_into_place(staging: Path, dest: Path) -> None:
-    """staging becomes dest; a dest there (an earlier pull or an empty directory) is retired, then removed."""
+def _swap_into_place(staging: Path, dest: Path, holder: Path) -> None:
+    """staging becomes dest; a dest there (an earlier pull or an empty directory) is first moved into this
+    pull's holder, which the caller removes."""
     _require_replaceable(dest)  # again: what changed there while this pull downloaded
-    if not dest.exists():
-        os.replace(staging, dest)
-        return
-    retired = dest.with_name(f".{dest.name}.old-{os.getpid()}")
-    os.replace(dest, retired)
+    if dest.exists():
+        os.replace(dest, holder / "retired")
     os.replace(staging, dest)
-    shutil.rmtree(retired, ignore_errors=True)

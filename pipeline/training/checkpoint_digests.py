@@ -12,8 +12,10 @@ rewrite a record beside it; the copy there (DIGESTS_FILE) is for people and is n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,10 @@ class DigestRecords:
 def checkpoint_files(checkpoint: Path) -> dict[str, Path]:
     """Every file under a checkpoint directory by its path there; a link or anything else that is not a plain
     file is refused (what it points to was never recorded)."""
+    if checkpoint.is_symlink() or not checkpoint.is_dir():  # os.walk would follow a link at the top
+        raise CheckpointRefused(
+            f"checkpoint {checkpoint} is not a plain directory (a link, or missing); nothing was loaded"
+        )
     files: dict[str, Path] = {}
     for root, dirs, names in os.walk(checkpoint):
         for name in dirs + names:
@@ -124,6 +130,11 @@ def resume_point(ckpt_dir: Path, records: DigestRecords) -> str | None:
     latest = ckpt_dir / LATEST_FILE
     if not latest.exists():
         return None
+    if ckpt_dir.is_symlink() or latest.is_symlink():
+        raise CheckpointRefused(
+            f"{latest if latest.is_symlink() else ckpt_dir} is a symbolic link: a checkpoint elsewhere than "
+            "this run wrote it; nothing was loaded"
+        )
     tag = latest.read_text().strip()
     try:
         validate_id(tag, "checkpoint tag")
@@ -142,6 +153,43 @@ def resume_point(ckpt_dir: Path, records: DigestRecords) -> str | None:
         )
     _require_recorded(ckpt_dir, tag, recorded, records)
     return tag
+
+
+def copy_verified(checkpoint: Path, dest: Path, recorded: dict[str, str], where: str) -> None:
+    """Copy the checkpoint directory to `dest` (made here, 0700, so no other user reaches it), hashing every
+    byte as it is copied, and refuse (CheckpointRefused, naming the file; `dest` removed) unless the copy
+    holds exactly the recorded files with their recorded sha256. What is then loaded from `dest` is what was
+    checked: a file swapped on the shared volume after this read cannot reach the unpickler. Files are
+    opened without following links (a link swapped in after checkpoint_files looked is refused too)."""
+    found = checkpoint_files(checkpoint)
+    problems = [f"{name}: not among the files committed" for name in sorted(found.keys() - recorded.keys())]
+    problems += [f"{name}: missing" for name in sorted(recorded.keys() - found.keys())]
+    dest.mkdir(mode=0o700, parents=False)
+    try:
+        for name in sorted(found.keys() & recorded.keys()):
+            if _copy_hashing(found[name], dest / name) != recorded[name]:
+                problems.append(f"{name}: its sha256 differs from the one recorded at commit")
+        if problems:
+            raise CheckpointRefused(
+                f"checkpoint {checkpoint} is not what the run committed ({where}): "
+                + "; ".join(problems)
+                + f"; nothing was loaded. Delete the checkpoints directory {checkpoint.parent} to train from "
+                "the start"
+            )
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def _copy_hashing(source: Path, dest: Path) -> str:
+    digest = hashlib.sha256()
+    dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as reader, open(dest, "xb") as writer:
+        for block in iter(lambda: reader.read(1 << 22), b""):
+            digest.update(block)
+            writer.write(block)
+    return digest.hexdigest()
 
 
 def _require_recorded(ckpt_dir: Path, tag: str, recorded: dict[str, str], records: DigestRecords) -> None:

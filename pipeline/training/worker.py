@@ -45,6 +45,7 @@ from pipeline.training.checkpoint_digests import (
     CHECKPOINTS_DIR,
     CheckpointRefused,
     DigestRecords,
+    copy_verified,
     record_commit,
     resume_point,
 )
@@ -356,27 +357,34 @@ def rank_0_verdict(ckpt_dir: Path, records: DigestRecords) -> tuple[int, str, Ba
     return (0, "", None) if tag is None else (1, tag, None)
 
 
-def _checked_resume_point(engine, ckpt_dir: Path, rank: int, records: DigestRecords) -> str | None:
-    """The committed tag to resume from, once rank 0 has checked its files against the digests recorded at
-    commit (every node sees the same volume, so one reading is enough). Rank 0 hands the tag it checked to
-    every rank, so none reads another; all refuse together, before any of them unpickles anything."""
+def _checked_resume_point(
+    engine, ckpt_dir: Path, rank: int, records: DigestRecords
+) -> tuple[str, str] | None:
+    """The committed tag to resume from and a random token naming this resume's private copies, once rank 0
+    has checked the tag's files against the digests recorded at commit. Rank 0 hands both to every rank, so
+    none reads another; all refuse together, before any of them unpickles anything."""
+    import secrets
+
     verdict, tag, refused = rank_0_verdict(ckpt_dir, records) if rank == 0 else (0, "", None)
-    verdict, tag = _from_rank_0(engine.device, verdict, tag)
+    token = secrets.token_hex(8) if rank == 0 else ""
+    verdict, said = _from_rank_0(engine.device, verdict, f"{tag}\n{token}")
     if refused is not None:
         raise refused
     if verdict == 2:
         raise CheckpointRefused(
             f"rank 0 refused the checkpoint in {ckpt_dir} (its log names the file); nothing was loaded"
         )
-    return tag if verdict == 1 else None
+    tag, token = said.split("\n")
+    return (tag, token) if verdict == 1 else None
 
 
-def _from_rank_0(device, verdict: int, tag: str) -> tuple[int, str]:
-    """Rank 0's verdict (0 nothing to resume, 1 resume, 2 refused) and tag, on every rank."""
+def _from_rank_0(device, verdict: int, text: str) -> tuple[int, str]:
+    """Rank 0's verdict (0 nothing to resume, 1 resume, 2 refused) and text (a tag and a token), on every
+    rank."""
     import torch.distributed as dist
 
-    encoded = tag.encode()  # a tag is an id: at most 128 bytes
-    message = torch.zeros(2 + 128, dtype=torch.int64, device=device)
+    encoded = text.encode()  # a tag is an id (at most 128 bytes), the token 16 hex
+    message = torch.zeros(2 + 256, dtype=torch.int64, device=device)
     message[0], message[1] = verdict, len(encoded)
     message[2 : 2 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.int64)
     dist.broadcast(message, src=0)
@@ -384,9 +392,44 @@ def _from_rank_0(device, verdict: int, tag: str) -> tuple[int, str]:
     return int(message[0]), bytes(message[2 : 2 + length].tolist()).decode()
 
 
+def _private_copy(engine, ckpt_dir: Path, tag: str, token: str, records: DigestRecords) -> Path:
+    """A directory that holds checkpoint `tag` as this node's copy of it, checked against the store's record
+    byte for byte as it was copied (copy_verified): DeepSpeed loads it from there, never from the shared
+    volume, so nothing changed on the volume after the check is unpickled. One copy a node (local rank 0
+    makes it in the node's temp dir, 0700, under rank 0's random token; the node's other ranks wait), and
+    every node's copy checked before any rank loads."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    node = os.environ.get("GROUP_RANK", "0")
+    root = Path(tempfile.gettempdir()) / f"drafter-resume-{token}-node{node}"
+    refused: BaseException | None = None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            root.mkdir(mode=0o700)
+            recorded = records.read(tag) or {}
+            copy_verified(ckpt_dir / tag, root / tag, recorded, records.uri(tag))
+        except Exception as error:  # noqa: BLE001 - raised below, once every rank knows
+            refused = error
+    flag = torch.tensor([1 if refused is not None else 0], dtype=torch.int64, device=engine.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if refused is not None:
+        shutil.rmtree(root, ignore_errors=True)
+        raise refused
+    if int(flag[0]):
+        raise CheckpointRefused(
+            f"another node refused its copy of checkpoint {ckpt_dir / tag} (its log names the file); nothing "
+            "was loaded"
+        )
+    return root
+
+
 def _resume(engine, ckpt_dir: Path, rank: int, records: DigestRecords) -> dict[str, Any]:
-    """Training state from the last committed checkpoint, once its files are what the run committed (model,
-    optimizer and scheduler are restored by DeepSpeed)."""
+    """Training state from the last committed checkpoint, loaded from a copy checked against what the run
+    committed (_private_copy; model, optimizer and scheduler are restored by DeepSpeed)."""
+    import torch.distributed as dist
+
     state = {
         "epoch": 0,
         "batch_in_epoch": 0,
@@ -398,19 +441,25 @@ def _resume(engine, ckpt_dir: Path, rank: int, records: DigestRecords) -> dict[s
         # (global step, training cond_acc_0) of every log interval: a warm start's step plateau check
         "intervals": [],
     }
-    tag = _checked_resume_point(engine, ckpt_dir, rank, records)
-    if tag is not None:
-        _, client = engine.load_checkpoint(str(ckpt_dir), tag=tag)
-        if client is None:
-            raise RuntimeError(
-                f"checkpoint {ckpt_dir / tag} is named in {ckpt_dir / 'latest'} but could not be "
-                "loaded; delete the checkpoints directory to train from the start"
-            )
-        state = {k: client.get(k, default) for k, default in state.items()}
-        torch.set_rng_state(client["rng_cpu"])
-        log.info(
-            "resumed from checkpoint %s at epoch %d batch %d", tag, state["epoch"], state["batch_in_epoch"]
+    point = _checked_resume_point(engine, ckpt_dir, rank, records)
+    if point is None:
+        return state
+    tag, token = point
+    copy = _private_copy(engine, ckpt_dir, tag, token, records)
+    try:
+        _, client = engine.load_checkpoint(str(copy), tag=tag)
+    finally:
+        dist.barrier()  # every rank of the node has read the copy
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            shutil.rmtree(copy, ignore_errors=True)
+    if client is None:
+        raise RuntimeError(
+            f"checkpoint {ckpt_dir / tag} is named in {ckpt_dir / 'latest'} but could not be "
+            "loaded; delete the checkpoints directory to train from the start"
         )
+    state = {k: client.get(k, default) for k, default in state.items()}
+    torch.set_rng_state(client["rng_cpu"])
+    log.info("resumed from checkpoint %s at epoch %d batch %d", tag, state["epoch"], state["batch_in_epoch"])
     return state
 
 
@@ -691,15 +740,16 @@ def read_worker_spec(location: str) -> WorkerSpec:
     the standard AWS environment the node's agent handed on (credentials, region, and AWS_ENDPOINT_URL_S3
     for an S3-compatible server); the config inside it says where everything else is."""
     if not location.startswith("s3://"):
-        return parse_record(WorkerSpec, Path(location.removeprefix("file://")).read_bytes(), location)
-    from botocore.exceptions import NoCredentialsError
+        from pipeline.user_files import read_bytes
 
-    from pipeline.storage import S3Store
+        spec = read_bytes(Path(location.removeprefix("file://")), "worker spec")
+        return parse_record(WorkerSpec, spec, location)
+    from pipeline.storage import NoS3Credentials, S3Store
 
     bucket, _, key = location.removeprefix("s3://").partition("/")
     try:
         data = S3Store(bucket, "").get_bytes(key)
-    except NoCredentialsError as err:
+    except NoS3Credentials as err:
         raise RuntimeError(
             f"cannot read the worker spec {location}: this rank has no AWS credentials; its "
             "node's torchrun agent hands on its own environment, so start the agent with "

@@ -295,9 +295,10 @@ def wait_for_a_downloaded_file(process, dest):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert process.poll() is None, process.communicate()
-        for staging in staging_copies(dest):
-            if any(not p.name.startswith(".") for p in staging.iterdir()):
-                return staging
+        for holder in staging_copies(dest):  # the pull's holder; what it downloads goes into drafter/
+            staging = holder / "drafter"
+            if staging.is_dir() and any(not p.name.startswith(".") for p in staging.iterdir()):
+                return holder
         time.sleep(0.05)
     pytest.fail(f"the pull into {dest} downloaded nothing in 120 s")
 
@@ -356,7 +357,7 @@ def test_a_live_pull_is_waited_for_not_cleaned_up(file_registry, tmp_path, recor
 @pytest.mark.parametrize(
     "content, reason, what",
     [
-        (b"{not json", "is not JSON", "an alias file that is not JSON"),
+        (b"{not json", "is not valid JSON", "an alias file that is not JSON"),
         (b'{"alias": "production", "reason": "by hand"}', 'has no "version"', 'an alias without "version"'),
         (b'{"version": "../../etc"}', "version", "an alias whose version would climb out of the registry"),
     ],

@@ -47,7 +47,7 @@ def test_cli_prints_the_plan_table():
         text=True,
         timeout=300,
     )
-    assert bad.returncode == 2 and "--samples must be at least 1" in bad.stderr
+    assert bad.returncode == 2 and "argument --samples: 0 is not between 1 and" in bad.stderr
 
 
 def test_benchmarked_transport_replaces_the_assumptions_at_the_targets_width(kimi, tmp_path):

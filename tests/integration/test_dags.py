@@ -262,14 +262,18 @@ class Configured:
         assert task_ids == "configure", task_ids
         return self.run
 images = {}
+# the vLLM servers' URLs are the operator's to set (a trigger form may not): added to the plan as a run
+# config file's setting reaches it, past the form's refusal
+servers = "generate.vllm_server.urls=[http://vllm-generate-0.vllm-generate.vllm.svc:8000]"
 for engine in ("sglang", "vllm", "inprocess"):
     overrides = {
         "sglang": ["benchmark.engine=sglang", "generate.engine=sglang"],
-        "vllm": ["benchmark.engine=vllm", "generate.engine=vllm",
-                 "generate.vllm_server.urls=[http://vllm-generate-0.vllm-generate.vllm.svc:8000]"],
+        "vllm": ["benchmark.engine=vllm", "generate.engine=vllm"],
         "inprocess": ["capture.engine=inprocess"],
     }[engine]
     plan = plan_run({"config": "configs/kimi-k2.5.yaml", "overrides": overrides}, "r1", DEPLOYMENT.run_config)
+    if engine == "vllm":
+        plan["overrides"].append(servers)
     run = configure_run(plan, None)
     tasks = (("drafter_train", "benchmark"), ("drafter_data", "responses"), ("drafter_data", "captures"))
     for dag_id, task_id in tasks:

@@ -97,7 +97,8 @@ def test_verify_detects_a_tampered_directory(store, tmp_path):
 
 class RacingStore:
     """Wraps a store so that N promoters reach each alias step together: all of them read the alias
-    before any writes it, and all of them attempt the conditional write at the same moment."""
+    before any writes it, and all of them attempt their first conditional alias write (`previous`, which a
+    promotion moves first) at the same moment."""
 
     def __init__(self, store, parties):
         import threading
@@ -119,7 +120,7 @@ class RacingStore:
         return self.store.read_with_tag(key)
 
     def put_if(self, key, data, expected_tag):
-        if key.endswith("aliases/production.json") and not getattr(self.waited, "write", False):
+        if "/aliases/" in key and not getattr(self.waited, "write", False):
             self.waited.write = True
             self.write_barrier.wait(timeout=60)
         return self.store.put_if(key, data, expected_tag)
@@ -427,7 +428,7 @@ def test_a_version_exported_before_vllm_ids_pulls_for_sglang_and_is_refused_for_
     tmp_path, capsys, caplog, monkeypatch
 ):
     from pipeline.cli import main
-    from pipeline.failures import EXIT_BAD_INPUT, EXIT_FAILED
+    from pipeline.failures import EXIT_BAD_INPUT
 
     monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
     monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
@@ -435,7 +436,7 @@ def test_a_version_exported_before_vllm_ids_pulls_for_sglang_and_is_refused_for_
     version = read_alias(store, "kimi-k2.5", "production")["version"]
     drop_published_key(store, "kimi-k2.5", version, "config.json", "eagle_aux_hidden_state_layer_ids")
     dest = tmp_path / "current"
-    assert main([*pull_argv, "--dest", str(dest), "--engine", "vllm"]) == EXIT_FAILED
+    assert main([*pull_argv, "--dest", str(dest), "--engine", "vllm"]) == EXIT_BAD_INPUT  # no retry fixes it
     assert not dest.exists()
     assert "carries no vLLM aux layer ids" in caplog.text and "Re-export it" in caplog.text
     assert main([*pull_argv, "--dest", str(dest)]) == 0  # SGLang reads eagle_config's ids, which are right

@@ -149,12 +149,12 @@ def test_stale_alias_read_cannot_lose_a_promotion(s3_proxy, tmp_path, record):
             f"{layout.drafter_version_prefix('tiny', version)}/manifest.json",
             b'{"kind": "drafter", "schema_version": 1}',
         )
-    registry.move_alias(direct, "tiny", "production", "v1", "first")
+    registry.move_alias(direct, "tiny", "production", "v1", "first", expected=None)
     stale_view.read_with_tag(layout.alias_key("tiny", "production"))
     s3_proxy.add(Rule("stale", method="GET", path=layout.alias_key("tiny", "production"), times=5))
-    registry.move_alias(direct, "tiny", "production", "v2", "promoted by another run")
+    registry.move_alias(direct, "tiny", "production", "v2", "promoted by another run", expected="v1")
     with pytest.raises(AliasConflict):
-        registry.move_alias(stale_view, "tiny", "production", "v3", "promoted on a stale read")
+        registry.move_alias(stale_view, "tiny", "production", "v3", "promoted on a stale read", expected="v1")
     assert registry.read_alias(direct, "tiny", "production")["version"] == "v2"
     record(
         "S3",

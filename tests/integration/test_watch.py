@@ -108,11 +108,10 @@ def test_the_revision_poll_reads_an_s3_registry_with_the_keys_it_is_handed(
     """The triggerer's environment has no keys (the deployment's connection holds them): the poll's client
     takes the connection's, and they never show in a repr."""
     import boto3
-    import botocore.exceptions
     import yaml
 
     from pipeline.config import load_config
-    from pipeline.storage import S3Credentials, open_store
+    from pipeline.storage import NoS3Credentials, S3Credentials, open_store
     from tests.conftest import storage_config, tiny_config_dict
 
     config_path = tmp_path / "run.yaml"
@@ -126,7 +125,7 @@ def test_the_revision_poll_reads_an_s3_registry_with_the_keys_it_is_handed(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)  # it would keep the keys it found before
     watch = TargetRevisionWatch(server_info_url=f"{ngram_server}/server_info")
-    with pytest.raises(botocore.exceptions.NoCredentialsError):
+    with pytest.raises(NoS3Credentials):
         check_revision(watch, str(config_path))
     keys = S3Credentials("AKIACONNECTION", "connection-secret-9d2e", "us-east-1")
     change = check_revision(watch, str(config_path), keys)

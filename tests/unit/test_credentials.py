@@ -139,3 +139,48 @@ def test_installing_twice_masks_once_and_keeps_an_exit_code_hook(masked_logging)
     assert sys.excepthook is exit_code_hook
     record = logging.getLogRecordFactory()("x", logging.INFO, __file__, 1, "at %s", ("http://u:p@h",), None)
     assert record.getMessage() == "at http://***@h"
+
+
+# the mask's table of query, fragment and host cases (issue 55): what a URL may carry its secret in
+@pytest.mark.parametrize(
+    "text, masked",
+    [
+        ("https://mlflow.example/?token=S3KR1T", "https://mlflow.example/?token=***"),
+        ("https://h/x?a=1&api_key=ZZ&b=2", "https://h/x?a=1&api_key=***&b=2"),
+        ("https://h/cb#access_token=abc&state=1", "https://h/cb#access_token=***&state=1"),
+        (
+            "https://h/?X-Amz-Signature=dead&X-Amz-Credential=AKIA/x",
+            "https://h/?X-Amz-Signature=***&X-Amz-Credential=***",
+        ),
+        ("https://maps.example/?key=AIzaXYZ", "https://maps.example/?key=***"),
+        ("https://acct.blob.example/c?sv=2024&sig=abc%2Bd", "https://acct.blob.example/c?sv=2024&sig=***"),
+        (
+            "https://h/?client_secret=x;Authorization=Bearer1",
+            "https://h/?client_secret=***;Authorization=***",
+        ),
+        ("https://hooks.slack.com/services/T00/B00/XXXX", "https://hooks.slack.com/services/***"),
+        ("https://discord.com/api/webhooks/123/abcDEF", "https://discord.com/api/webhooks/123/***"),
+        (
+            "https://org.webhook.office.com/webhookb2/abc@def/IncomingWebhook/x",
+            "https://org.webhook.office.com/***",
+        ),
+        ("cloned with ghp_abcdefghijklmnopqrstuvwxyz0123", "cloned with ***"),
+        ("HF_TOKEN hf_abcdefghijklmnopqrstuvwx", "HF_TOKEN ***"),
+        ("http://u:p@h/?token=t", "http://***@h/?token=***"),
+    ],
+)
+def test_secrets_in_a_urls_query_fragment_and_known_forms_are_masked(text, masked):
+    assert without_credentials(text) == masked and holds_credentials(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "https://h/?author=me&page=2",
+        "http://sglang:30000/generate?stream=1",
+        "prose that says token=5 without a URL",
+        "https://hooks.example.com/services/T00",
+    ],
+)
+def test_parameters_that_name_no_secret_are_left_as_they_are(text):
+    assert without_credentials(text) == text and not holds_credentials(text)

@@ -145,19 +145,36 @@ def test_a_markerless_dest_holding_more_than_its_manifest_lists_is_refused(store
 
 def test_leftovers_of_dead_pulls_are_removed_by_the_next_pull(store, promoted, tmp_path):
     dest = tmp_path / "served"
-    leftovers = [
-        tmp_path / f".served.pull-{2**22 + 7}-0a1b2c3d",  # a pull killed mid-download
-        tmp_path / ".served.pull-k3x_9q2z",  # one named as pulls named their staging copies before
-        tmp_path / f".served.old-{2**22 + 7}",  # an earlier pull retired by a pull killed mid-swap
-    ]
-    for leftover in leftovers:
-        leftover.mkdir()
-        (leftover / "model.safetensors").write_bytes(b"\0" * 4096)
+    killed_downloading = registry._make_holder(dest)  # a pull killed mid-download
+    (killed_downloading / "drafter").mkdir()
+    (killed_downloading / "drafter" / "model.safetensors").write_bytes(b"\0" * 4096)
+    killed_swapping = registry._make_holder(dest)  # one killed mid-swap, the dest it retired inside
+    (killed_swapping / "retired").mkdir()
+    (killed_swapping / "retired" / "config.json").write_text("{}")
     unrelated = tmp_path / ".served.pull-b.pull-12-0a1b2c3d"  # staging of another dest, "served.pull-b"
     unrelated.mkdir()
     pull(store, TARGET, "production", dest)
-    assert all(not leftover.exists() for leftover in leftovers)
+    assert not killed_downloading.exists() and not killed_swapping.exists()
     assert unrelated.is_dir() and beside(dest) == [unrelated.name]
+    assert verify_dir(dest)["version"] == promoted
+
+
+def test_what_is_only_named_like_a_pulls_leftovers_is_left_alone(store, promoted, tmp_path):
+    """A pull removes what pulls made (their holder's marker says so), never a path by its name alone."""
+    dest = tmp_path / "served"
+    named_alike = [
+        tmp_path / f".served.pull-{2**22 + 7}-0a1b2c3d",  # no marker: made by someone else
+        tmp_path / ".served.pull-backup01",
+        tmp_path / f".served.old-{2**22 + 7}",
+    ]
+    for path in named_alike:
+        path.mkdir()
+        (path / "weights.safetensors").write_bytes(b"kept" * 1024)
+    forged = registry._make_holder(tmp_path / "elsewhere")  # a marker naming another dest
+    forged.rename(tmp_path / f".served.pull-{2**22 + 8}-0a1b2c3d")
+    pull(store, TARGET, "production", dest)
+    assert all((path / "weights.safetensors").read_bytes() == b"kept" * 1024 for path in named_alike)
+    assert (tmp_path / f".served.pull-{2**22 + 8}-0a1b2c3d").is_dir()
     assert verify_dir(dest)["version"] == promoted
 
 
