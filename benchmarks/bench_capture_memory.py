@@ -122,11 +122,11 @@ def stored_within_fp8_error(path: Path, expected_rows, length: int) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--hidden-size", type=int, default=7168)
-    parser.add_argument("--max-client-mib", type=float, default=1536)
-    parser.add_argument("--max-worker-mib", type=float, default=384)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=32768, help="the sample's length in tokens")
+    parser.add_argument("--hidden-size", type=int, default=7168, help="the target's width (Kimi-K2.5's)")
+    parser.add_argument("--max-client-mib", type=float, default=1536, help="bound on this process's peak")
+    parser.add_argument("--max-worker-mib", type=float, default=384, help="bound on a worker's peak")
     parser.add_argument(
         "--model-dir",
         type=Path,

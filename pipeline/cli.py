@@ -397,12 +397,12 @@ def _capture_rank(args, config) -> int:
 
 def _plan(args, config) -> int:
     from pipeline.ops.capacity import PlanError, format_plan, measured_rates, plan, transport_rates
-    from pipeline.user_files import read_json
+    from pipeline.user_files import UserFile
 
     measured = measured_rates(config, args.measured_from) if args.measured_from else None
     transport = None
     if args.transport:
-        figures = read_json(Path(args.transport), "transport figures", PlanError)
+        figures = UserFile(Path(args.transport), "transport figures", PlanError).read_json()
         transport = transport_rates(figures, config, args.transport)
     report = plan(
         config,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,53 +19,59 @@ MAX_USER_FILE_BYTES = 16 << 20
 MAX_JSON_DEPTH = 64
 
 
-def read_bytes(
-    location: Path,
-    what: str,
-    error: type[Exception] = ValueError,
-    path: str | Path | None = None,
-    limit: int = MAX_USER_FILE_BYTES,
-) -> bytes:
-    """The bytes of the regular file at `location`, at most `limit`: `error` naming it (as `what` and `path`,
-    the name it was given by, default `location`) when it is missing, a directory, not a regular file,
-    larger than `limit` or unreadable."""
-    path = location if path is None else path
-    try:
-        with open(location, "rb") as handle:
-            kind = os.fstat(handle.fileno()).st_mode
-            if not stat.S_ISREG(kind):
-                raise error(f"{what} {path} is not a regular file (a device, FIFO or socket); give a file")
-            raw = handle.read(limit + 1)
-    except FileNotFoundError as err:
-        raise error(f"{what} not found: {path}") from err
-    except IsADirectoryError as err:
-        raise error(f"{what} {path} is a directory, not a file") from err
-    except OSError as err:
-        raise error(f"cannot read {what} {path}: {err.strerror or err}") from err
-    if len(raw) > limit:
-        raise error(
-            f"{what} {path} is larger than {limit >> 20} MiB; no {what} is that large: check the path"
-        )
-    return raw
+@dataclass(frozen=True)
+class UserFile:
+    """A file a person handed in, at `location`: `what` it is (named in every error), the `error` raised,
+    the name it was given by (`path`, default `location`) and the most bytes it may hold (`limit`)."""
 
+    location: Path
+    what: str
+    error: type[Exception] = ValueError
+    path: str | Path | None = None
+    limit: int = MAX_USER_FILE_BYTES
 
-def read_text(
-    location: Path,
-    what: str,
-    error: type[Exception] = ValueError,
-    path: str | Path | None = None,
-    limit: int = MAX_USER_FILE_BYTES,
-) -> str:
-    """The UTF-8 text of the file at `location` (read_bytes' bounds and errors), or `error` naming it when
-    it is not UTF-8 text."""
-    raw = read_bytes(location, what, error, path, limit)
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise error(
-            f"{what} {location if path is None else path} is not UTF-8 text (byte {err.start} is "
-            f"{raw[err.start : err.start + 1]!r}); save it as UTF-8"
-        ) from err
+    @property
+    def name(self) -> str | Path:
+        return self.location if self.path is None else self.path
+
+    def read_bytes(self) -> bytes:
+        """Its bytes, at most `limit`: `error` naming it when it is missing, a directory, not a regular
+        file, larger than `limit` or unreadable."""
+        what, name, error = self.what, self.name, self.error
+        try:
+            with open(self.location, "rb") as handle:
+                if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+                    raise error(
+                        f"{what} {name} is not a regular file (a device, FIFO or socket); give a file"
+                    )
+                raw = handle.read(self.limit + 1)
+        except FileNotFoundError as err:
+            raise error(f"{what} not found: {name}") from err
+        except IsADirectoryError as err:
+            raise error(f"{what} {name} is a directory, not a file") from err
+        except OSError as err:
+            raise error(f"cannot read {what} {name}: {err.strerror or err}") from err
+        if len(raw) > self.limit:
+            raise error(
+                f"{what} {name} is larger than {self.limit >> 20} MiB; no {what} is that large: "
+                "check the path"
+            )
+        return raw
+
+    def read_text(self) -> str:
+        """Its UTF-8 text (read_bytes' bounds and errors), or `error` naming it when it is not UTF-8."""
+        raw = self.read_bytes()
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise self.error(
+                f"{self.what} {self.name} is not UTF-8 text (byte {err.start} is "
+                f"{raw[err.start : err.start + 1]!r}); save it as UTF-8"
+            ) from err
+
+    def read_json(self) -> Any:
+        """The JSON document it holds, read as read_text and parsed as parse_json."""
+        return parse_json(self.read_text(), f"{self.what} {self.name}", self.error)
 
 
 def json_depth_exceeds(data: str | bytes, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -104,15 +111,3 @@ def parse_json(data: str | bytes, source: str, error: type[Exception] = ValueErr
         return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise error(f"{source} is not valid JSON: {err}") from err
-
-
-def read_json(
-    location: Path,
-    what: str,
-    error: type[Exception] = ValueError,
-    path: str | Path | None = None,
-    limit: int = MAX_USER_FILE_BYTES,
-) -> Any:
-    """The JSON document in the file at `location`, read as read_text and parsed as parse_json."""
-    text = read_text(location, what, error, path, limit)
-    return parse_json(text, f"{what} {location if path is None else path}", error)

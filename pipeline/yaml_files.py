@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 
 from pipeline.config_base import ConfigError, resolve_project_path
-from pipeline.user_files import read_text
+from pipeline.user_files import UserFile
 
 # A run config has a few hundred YAML nodes. Aliases let a few lines expand into billions ("billion
 # laughs"), which validation, error messages and config.json would each walk in full: refused beforehand.
@@ -65,5 +65,5 @@ def parse_yaml(text: str, source: str) -> Any:
 def read_yaml_file(path: str | Path, what: str = "config file") -> Any:
     """The YAML document of a config file: ConfigError naming it when it is missing, a directory, not
     UTF-8 text or not YAML."""
-    text = read_text(resolve_project_path(str(path)), what, ConfigError, path)
+    text = UserFile(resolve_project_path(str(path)), what, ConfigError, path).read_text()
     return parse_yaml(text, f"{what} {path}")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import records
 from pipeline.benchmark.figures import (
     engine_bench,
     interval,
@@ -43,24 +44,14 @@ from pipeline.decoding.speedup import predicted_tau
 from pipeline.drafter.servable import sglang_flags
 from pipeline.engine_requests import EngineError
 from pipeline.engine_settings import SGLangClientConfig
-from pipeline.records import (
-    BatchBench,
-    BenchMethods,
-    EngineBench,
-    EvalRecord,
-    MeasuredAcceptance,
-    MethodResult,
-    NgramSweep,
-    SettingChoice,
-    TimedSetting,
-)
+from pipeline.records import BatchBench, BenchMethods, MeasuredAcceptance, MethodResult, TimedSetting
 from pipeline.retrying import await_health
 from pipeline.spread import Measurement, ratio_from_samples
 
 log = logging.getLogger(__name__)
 
 
-def measure(job: BenchJob) -> EngineBench:
+def measure(job: BenchJob) -> records.EngineBench:
     """SGLang servers started one method at a time. The drafters' setting is benchmark.sglang's, or, with
     benchmark.sglang.candidates, the one chosen by timing a server of each (time_settings and
     pipeline.decoding.choice). Each method's acceptance per domain too."""
@@ -405,9 +396,9 @@ def timed_server_settings(
     timed: dict[Shape, dict],
     choice: Choice,
     baseline: MethodResult,
-    evaluation: EvalRecord,
+    evaluation: records.EvalRecord,
     confidence: float,
-) -> tuple[list[TimedSetting], SettingChoice]:
+) -> tuple[list[TimedSetting], records.SettingChoice]:
     """The record of the timed SGLang settings: each one's figures and speed over the baseline server's
     (paired by round) and over the fastest setting's, and the choice."""
     entries = []
@@ -478,7 +469,7 @@ def sglang_batch(
 
 def sglang_methods(
     measured: dict[str, dict], ngram_settings: list[NgramServerSetting]
-) -> tuple[BenchMethods, NgramSweep]:
+) -> tuple[BenchMethods, records.NgramSweep]:
     """run_methods' figures as the record keeps them: n-gram's servers (one per setting, named
     ngram_method_name) as the sweep, and the fastest as the n-gram method."""
     results = {s.label: MethodResult.model_validate(measured[ngram_method_name(s)]) for s in ngram_settings}

@@ -52,15 +52,8 @@ from pipeline.drafter.export import (
     written_layer_ids,
 )
 from pipeline.engine_settings import VllmEngineConfig
-from pipeline.engines.vllm import (
-    SpecCounters,
-    VllmEngine,
-    VllmGeneration,
-    eagle3_speculation,
-    ngram_speculation,
-    running_engine,
-    vllm_python,
-)
+from pipeline.engines import vllm as vllm_engines
+from pipeline.engines.vllm import SpecCounters, VllmEngine, VllmGeneration
 from pipeline.records import BatchBench, BenchMethods, EngineBench, MethodResult, NgramSweep
 from pipeline.spread import Measurement
 
@@ -74,7 +67,7 @@ def measure(job: BenchJob) -> EngineBench:
     and sampled at benchmark.serving_sampling too."""
     bench = job.settings
     settings = bench.vllm or VllmBenchConfig()
-    vllm_python(settings)  # missing: a clear error before any work
+    vllm_engines.vllm_python(settings)  # missing: a clear error before any work
     drafter_dirs = {name: vllm_loadable(name, path, job.workdir) for name, path in job.drafter_dirs.items()}
     steps = settings.num_speculative_tokens or bench.draft_steps
     swept = {}
@@ -85,7 +78,7 @@ def measure(job: BenchJob) -> EngineBench:
         "baseline": EngineSpec(job.target_dir),
         "ngram": EngineSpec(job.target_dir, ngram_setting_speculation(ngram)),
         **{
-            name: EngineSpec(job.target_dir, eagle3_speculation(path, steps))
+            name: EngineSpec(job.target_dir, vllm_engines.eagle3_speculation(path, steps))
             for name, path in drafter_dirs.items()
         },
     }
@@ -161,7 +154,7 @@ class EngineSpec:
 def ngram_setting_speculation(setting: NgramLocalSetting) -> dict[str, Any]:
     """vLLM's n-gram for one of benchmark.ngram_settings: min/max match as prompt_lookup_min/max, steps as
     num_speculative_tokens."""
-    return ngram_speculation(setting.min_match, setting.max_match, setting.steps)
+    return vllm_engines.ngram_speculation(setting.min_match, setting.max_match, setting.steps)
 
 
 @contextmanager
@@ -172,7 +165,9 @@ def running_engines(
     with ExitStack() as stack:
         engines = {
             name: stack.enter_context(
-                running_engine(name, settings, spec.model_dir, spec.speculation, trust_remote_code)
+                vllm_engines.running_engine(
+                    name, settings, spec.model_dir, spec.speculation, trust_remote_code
+                )
             )
             for name, spec in specs.items()
         }
@@ -262,7 +257,7 @@ def time_ngram_settings(
     timed = {}
     for setting in bench.ngram_settings:
         speculation = ngram_setting_speculation(setting)
-        with running_engine(
+        with vllm_engines.running_engine(
             f"ngram {setting.label}", settings, target_dir, speculation, trust_remote_code
         ) as e:
             decode_pass(e, prompts[:1], bench.max_new_tokens)
@@ -334,7 +329,9 @@ def measure_engines_in_turn(
     version = ""
     start = time.perf_counter()
     for name, spec in specs.items():
-        with running_engine(name, settings, spec.model_dir, spec.speculation, trust_remote_code) as engine:
+        with vllm_engines.running_engine(
+            name, settings, spec.model_dir, spec.speculation, trust_remote_code
+        ) as engine:
             version = engine.vllm_version
             passes[name] = _timed_passes(engine, name, prompts, bench, rounds, None)
             for size in levels:

@@ -31,7 +31,7 @@ from pipeline.engines.layer_ids import (
     captured_layer_outputs,
     draft_config_ids,
 )
-from pipeline.user_files import read_json
+from pipeline.user_files import UserFile
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -534,8 +534,8 @@ def read_drafter_dir(directory: str | Path) -> tuple[dict[str, Any], dict[str, t
     for name in REQUIRED_FILES:
         if not (directory / name).is_file():
             raise DrafterFormatError(f"drafter directory {directory} has no {name}")
-    config = read_json(directory / CONFIG_NAME, "drafter config", DrafterFormatError)
-    contract = read_json(directory / CONTRACT_NAME, "capture contract", DrafterFormatError)
+    config = UserFile(directory / CONFIG_NAME, "drafter config", DrafterFormatError).read_json()
+    contract = UserFile(directory / CONTRACT_NAME, "capture contract", DrafterFormatError).read_json()
     if not isinstance(config, dict) or not isinstance(contract, dict):
         raise DrafterFormatError(
             f"drafter directory {directory}: config.json or the contract is not an object"

@@ -98,8 +98,8 @@ class MLAAttention(nn.Module):
                 self.shape.qk_rope_head_dim,
                 a.rope_theta,
                 dtype,
-                a.rope_scaling,
-                a.max_position_embeddings,
+                rope_scaling=a.rope_scaling,
+                max_position_embeddings=a.max_position_embeddings,
             )
             self._rope_table = table
         return table[0][positions], table[1][positions]

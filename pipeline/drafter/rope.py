@@ -249,11 +249,13 @@ def mla_cos_sin(
     rope_dim: int,
     theta: float,
     dtype: torch.dtype,
-    rope_scaling: dict[str, Any] | None = None,
-    max_position_embeddings: int = 2048,
+    *,
+    rope_scaling: dict[str, Any] | None,
+    max_position_embeddings: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., rope_dim / 2], one per rotated pair, as the MLA drafter's cos_sin_cache holds them
-    (rope_variant.py:406-416): computed in float32, scaled, then cast."""
+    (rope_variant.py:406-416): computed in float32, scaled, then cast. The scaling and the length it was
+    fitted for are named at the call: both come from the target's config."""
     inv_freq = mla_rope_frequencies(rope_dim, theta, rope_scaling, max_position_embeddings)
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)
     scale = mla_cos_sin_scale(rope_scaling)

@@ -22,7 +22,7 @@ from pipeline.engines.sglang_draft_checks import (
     SpeculativeArgs,
     draft_model_problems,
 )
-from pipeline.user_files import read_json
+from pipeline.user_files import UserFile
 
 TARGET_CONFIG_NAME = "target_config.json"  # the target's config.json, recorded by export
 
@@ -99,7 +99,7 @@ def _a_target_config(config: Path) -> Path:
     """`config`, or NoTargetConfig naming it when it is not a model's config.json (JSON text, an object with
     the sizes the checks read): a file given by mistake would otherwise fail deep inside the checks."""
     try:
-        top = read_json(config, "target config", ValueError)
+        top = UserFile(config, "target config").read_json()
     except ValueError as err:  # unreadable, too large, not UTF-8 text, not JSON, nested too deep
         raise NoTargetConfig(
             f"{err}; not a readable JSON config.json: give the target's config.json (or its model directory)"

@@ -49,7 +49,7 @@ from pipeline.ids import InvalidIdError, validate_id
 from pipeline.manifest import MANIFEST_NAME, ManifestError, manifest_exists, now_iso, publish, read_manifest
 from pipeline.records import LEGACY_ENGINE_NAMES
 from pipeline.storage import ObjectStore, PreconditionFailed, StorageError, atomic_write, sha256_file
-from pipeline.user_files import parse_json, read_json
+from pipeline.user_files import UserFile, parse_json
 
 log = logging.getLogger(__name__)
 README_NAME = "README.md"
@@ -647,7 +647,7 @@ def _read_dir_manifest(directory: Path) -> dict[str, Any]:
     path = directory / MANIFEST_NAME
     if path.is_symlink():
         raise RegistryInputError(f"manifest {path} is a symbolic link; a drafter's files are regular files")
-    manifest = read_json(path, "manifest", RegistryInputError)
+    manifest = UserFile(path, "manifest", RegistryInputError).read_json()
     problems = _drafter_manifest_problems(manifest)
     if problems:
         raise RegistryInputError(f"manifest {path} " + "; ".join(problems))

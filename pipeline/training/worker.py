@@ -740,9 +740,9 @@ def read_worker_spec(location: str) -> WorkerSpec:
     the standard AWS environment the node's agent handed on (credentials, region, and AWS_ENDPOINT_URL_S3
     for an S3-compatible server); the config inside it says where everything else is."""
     if not location.startswith("s3://"):
-        from pipeline.user_files import read_bytes
+        from pipeline.user_files import UserFile
 
-        spec = read_bytes(Path(location.removeprefix("file://")), "worker spec")
+        spec = UserFile(Path(location.removeprefix("file://")), "worker spec").read_bytes()
         return parse_record(WorkerSpec, spec, location)
     from pipeline.storage import NoS3Credentials, S3Store
 

@@ -1,7 +1,7 @@
 """The plan's per-architecture sizes (pipeline/drafter/sizes.py) are the drafter's own: parameters counted
 against a built drafter, FLOPs against torch's FLOP counter on a forward pass."""
 
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -36,20 +36,14 @@ SHAPE_WITH_MLA = replace(
 
 def _drafter(shape: DraftShape, architecture: str = "eagle3") -> Eagle3Drafter:
     fc_norm, norm_output = architecture_norms(architecture)
+    sizes = {field.name: getattr(shape, field.name) for field in fields(shape) if field.name != "aux_layers"}
     arch = DrafterArch(
         architecture=architecture,
         fc_norm=fc_norm,
         norm_output=norm_output,
-        mla=shape.mla,
-        hidden_size=shape.hidden_size,
-        num_heads=shape.num_heads,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        intermediate_size=shape.intermediate_size,
         vocab_size=100,
-        draft_vocab_size=shape.draft_vocab_size,
-        aux_layer_ids=[1, 2, 3],
-        target_hidden_size=shape.target_hidden_size,
+        aux_layer_ids=list(range(1, shape.aux_layers + 1)),
+        **sizes,
     )
     return Eagle3Drafter(arch, torch.zeros(100, shape.hidden_size))
 
