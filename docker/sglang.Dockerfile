@@ -31,5 +31,7 @@ print('\n'.join(d for d in deps if d.split('=')[0] not in SGLANG_DECIDES))" > /t
 RUN useradd --uid 50000 --gid 0 --home-dir /home/drafter --create-home drafter
 USER 50000
 ENV DS_ACCELERATOR=cuda
+# the project's files (configs/, infra/k8s/): the package itself is installed into site-packages
+ENV DRAFTER_HOME=/opt/drafter
 EXPOSE 30000
 CMD ["python", "-m", "sglang.launch_server", "--help"]

@@ -20,4 +20,6 @@ RUN pip install --no-cache-dir "torch==2.13.*" --index-url https://download.pyto
 RUN useradd --uid 50000 --gid 0 --home-dir /home/drafter --create-home drafter
 USER 50000
 ENV DS_ACCELERATOR=cuda
+# the project's files (configs/, infra/k8s/): the package itself is installed into site-packages
+ENV DRAFTER_HOME=/opt/drafter
 ENTRYPOINT ["drafter"]

@@ -36,5 +36,6 @@ RUN pip install --no-cache-dir "torch==2.13.*" --index-url https://download.pyto
 # on the shared volumes another may replace (docs/RUNBOOK.md, the first deployment's checklist)
 RUN useradd --uid 50000 --gid 0 --home-dir /home/drafter --create-home drafter
 USER 50000
+# the project's files (configs/): the package itself is installed into site-packages
 ENV DRAFTER_HOME=/opt/drafter
 ENTRYPOINT ["drafter"]

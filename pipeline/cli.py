@@ -415,10 +415,10 @@ def _plan(args, config) -> int:
     )
     checks = None
     if args.deployment:
-        from pipeline.ops.capacity import deployment_fit, format_fit
         from pipeline.ops.deployment import load_deployment
+        from pipeline.ops.plan_fit import deployment_fit, format_fit
 
-        checks = deployment_fit(report, load_deployment(args.deployment))
+        checks = deployment_fit(report, load_deployment(args.deployment).plan_limits())
         report["deployment_fit"] = checks
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     if checks is not None and not args.json:

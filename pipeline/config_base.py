@@ -3,6 +3,7 @@ cannot be used raises, URL checks, and where relative paths in a config are read
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,15 @@ def http_url(url: str, field: str, instead: str) -> str:
     return url
 
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+def _project_root() -> Path:
+    """Where the project's own files are (configs/, infra/k8s/): $DRAFTER_HOME, which every image sets to its
+    WORKDIR (docker/*.Dockerfile), else the source tree this package is in (a checkout or an editable
+    install). An image installs the package into site-packages, which holds none of those files."""
+    home = os.environ.get("DRAFTER_HOME")
+    return Path(home).resolve() if home else Path(__file__).resolve().parents[1]
+
+
+PROJECT_ROOT = _project_root()
 
 
 def resolve_project_path(path: str) -> Path:

@@ -262,7 +262,10 @@ def plan_run(params: dict[str, Any], scheduler_run_id: str, default_config: str)
 
 
 def configure_run(
-    plan: dict[str, Any], mount_paths: list[str] | None = None, usage_table: dict[str, Any] | None = None
+    plan: dict[str, Any],
+    mount_paths: list[str] | None = None,
+    usage_table: dict[str, Any] | None = None,
+    dag_id: str = "drafter_data",
 ) -> dict[str, Any]:
     """Load and check the run config once; every later task gets it resolved (`config`, a dict) and
     needs no config file. With `mount_paths` (tasks in pods), a local path the config names outside
@@ -270,8 +273,10 @@ def configure_run(
     of each stage whose pod is placed by it (a vLLM benchmark in the vLLM image, in-process capture on a
     GPU node: the deployment's `engines`), read when that pod is created. With `usage_table`
     (DeploymentConfig.usage_table), `rates` holds what each stage's task holds and the GPU price: the
-    tasks record their usage with it (pipeline.ops.usage)."""
+    tasks record their usage with it (pipeline.ops.usage), and a run whose capacity plan cannot finish
+    within the limits on `dag_id`'s stages is refused (pipeline.ops.plan_fit)."""
     from pipeline.ops.deployment import run_engines, usage_rates
+    from pipeline.ops.plan_fit import refuse_unfit
 
     overrides = list(plan["overrides"])
     config = load_config(plan["config_path"], overrides)
@@ -280,6 +285,8 @@ def configure_run(
         config = load_config(plan["config_path"], overrides)
     if mount_paths is not None:
         _require_mounted(config, plan["config_path"], mount_paths)
+    if usage_table and "limits" in usage_table:
+        refuse_unfit(config, usage_table["limits"], dag_id, plan["config_path"])
     return {
         "run_id": plan["run_id"],
         "trigger": plan.get("trigger"),
@@ -450,7 +457,7 @@ def configure_training(
     plan: dict[str, Any], mount_paths: list[str] | None = None, usage_table: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """`configure_run`, plus the dataset to train on and the prompts its benchmark uses."""
-    run = configure_run(plan, mount_paths, usage_table)
+    run = configure_run(plan, mount_paths, usage_table, "drafter_train")
     run["dataset_uri"] = resolve_dataset(run["config"], None, plan.get("dataset_uri"))
     run["prompts_uri"] = prompts_uri_of(run["config"], None, run["dataset_uri"])
     return run

@@ -16,15 +16,12 @@ import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.config import PlanAssumptions, RunConfig
 from pipeline.drafter.mla import MLA_KEYS, mla_shape_of_target
 from pipeline.drafter.sizes import ARCHITECTURES, DraftShape, architecture_costs
 from pipeline.engines import engine_servers
-
-if TYPE_CHECKING:
-    from pipeline.ops.deployment import DeploymentConfig
 
 TB = 1e12
 GB = 1e9
@@ -47,9 +44,20 @@ def target_shape(config: RunConfig) -> TargetShape:
     target = config.target
     if target.source == "tiny" and target.tiny is not None:
         return TargetShape(target.tiny.hidden_size, target.tiny.vocab_size, target.tensor_parallel)
-    if target.hidden_size is None or target.vocab_size is None:
-        raise PlanError("planning needs target.hidden_size and target.vocab_size in the config")
-    return TargetShape(target.hidden_size, target.vocab_size, target.tensor_parallel)
+    hidden_size, vocab_size = target.hidden_size, target.vocab_size
+    if (hidden_size is None or vocab_size is None) and target.model_path:
+        if (Path(target.model_path) / "config.json").is_file():  # the model directory at hand
+            from pipeline.engines.target import text_config
+
+            declared = text_config(Path(target.model_path))
+            hidden_size = hidden_size or declared.get("hidden_size")
+            vocab_size = vocab_size or declared.get("vocab_size")
+    if hidden_size is None or vocab_size is None:
+        raise PlanError(
+            "planning needs target.hidden_size and target.vocab_size in the config (or target.model_path "
+            "holding its config.json)"
+        )
+    return TargetShape(int(hidden_size), int(vocab_size), target.tensor_parallel)
 
 
 def _target_attention(config: RunConfig) -> dict[str, Any]:
@@ -321,6 +329,8 @@ def plan(
         "measured_from": (measured or {}).get("source"),
         "transport_from": (transport or {}).get("source"),
         "capture_paths": paths,
+        "servers": servers,
+        "train_nodes": nodes,
         "storage": storage,
         "stages": stages,
         "fleets": fleets,
@@ -761,54 +771,3 @@ def _architecture_lines(drafts: dict[str, Any], assumptions: dict[str, Any]) -> 
             f"{cost['train_flops_per_token'] / 1e9:>19,.3g}{cost['train_tok_s_per_gpu']:>15,.0f}{mark}"
         )
     return lines
-
-
-# A task's timeout kills its pod and loses what it did since its last checkpoint; each retry starts the
-# clock again. One attempt must therefore fit the planned stage, with room for the plan's estimates.
-TIMEOUT_MARGIN = 1.2
-
-
-def deployment_fit(report: dict[str, Any], deployment: DeploymentConfig) -> list[dict[str, Any]]:
-    """Whether the deployment's limits let the planned run finish: the train task's timeout against the
-    planned training (one attempt trains the whole run: TIMEOUT_MARGIN), and each DAG's deadline against
-    the stages it runs (a deadline under the plan alerts on every run). Each check: what it limits, its
-    hours, the planned hours and whether it fits."""
-    stages = report["stages"]
-    train_limit = deployment.stage("train").timeout_minutes / 60
-    checks = [
-        {
-            "limit": "stages.train.timeout_minutes",
-            "hours": round(train_limit, 1),
-            "planned_hours": stages["train"]["wall_hours"],
-            "fits": train_limit >= TIMEOUT_MARGIN * stages["train"]["wall_hours"],
-            "needs": f"{TIMEOUT_MARGIN:g} x the planned training: a timeout kills the attempt",
-        }
-    ]
-    planned_by_dag = {
-        "drafter_data": stages["generate"]["wall_hours"] + stages["capture"]["wall_hours"],
-        "drafter_train": stages["train"]["wall_hours"],
-    }
-    for dag_id, planned in planned_by_dag.items():
-        minutes = deployment.deadline_minutes.get(dag_id)
-        if minutes is not None:
-            checks.append(
-                {
-                    "limit": f"deadline_minutes.{dag_id}",
-                    "hours": round(minutes / 60, 1),
-                    "planned_hours": round(planned, 1),
-                    "fits": minutes / 60 >= planned,
-                    "needs": "the planned stages: an earlier deadline alerts on every run",
-                }
-            )
-    return checks
-
-
-def format_fit(checks: list[dict[str, Any]], deployment_path: str) -> str:
-    lines = [f"deployment limits ({deployment_path}):"]
-    for check in checks:
-        verdict = "fits" if check["fits"] else f"TOO SHORT: needs {check['needs']}"
-        lines.append(
-            f"  {check['limit']:<36}{check['hours']:>9,.1f} h  planned {check['planned_hours']:,.1f} h: "
-            + verdict
-        )
-    return "\n".join(lines)

@@ -344,11 +344,21 @@ class DeploymentConfig(Strict):
         fleets = self.kubernetes.fleets if self.kubernetes else {}
         return fleets[stage].model_dump() if stage in fleets else None
 
+    def plan_limits(self) -> dict[str, Any]:
+        """The limits a run's plan must fit (pipeline.ops.plan_fit): the train task's timeout and the DAGs'
+        deadlines, as plain data."""
+        return {
+            "train_timeout_minutes": self.stage("train").timeout_minutes,
+            "deadline_minutes": dict(self.deadline_minutes),
+        }
+
     def usage_table(self) -> dict[str, Any]:
-        """What a run's tasks hold by stage and engine, and the GPU price, as plain data: the configure step
-        prices the run with it (`usage_rates`); tasks in pods have no deployment config."""
+        """What a run's tasks hold by stage and engine, the GPU price and the limits its plan must fit, as
+        plain data: the configure step prices the run with it (`usage_rates`) and refuses a run that cannot
+        finish within `limits` (pipeline.ops.plan_fit); tasks in pods have no deployment config."""
         fleets = self.kubernetes.fleets if self.kubernetes else {}
         return {
+            "limits": self.plan_limits(),
             "gpu_hour_usd": self.gpu_hour_usd,
             "stages": {
                 name: {

@@ -28,10 +28,11 @@ from typing import Any, Protocol
 import yaml
 
 from pipeline.config import TrainConfig
-from pipeline.config_base import resolve_project_path
+from pipeline.config_base import ConfigError, resolve_project_path
 from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError, NotInCluster
 from pipeline.processes import start_process_group, stop_process_group
 from pipeline.storage import StorageConfig
+from pipeline.user_files import UserFile
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +197,20 @@ NODE_CONTAINER = "node"
 
 
 def load_job_manifest(path: str) -> dict[str, Any]:
+    """The Indexed Job of train.kubernetes_job: a ConfigError naming where it was looked for when the image
+    does not hold it (a relative path resolves against DRAFTER_HOME, the image's WORKDIR)."""
     location = resolve_project_path(path)
-    jobs = [doc for doc in yaml.safe_load_all(location.read_text()) if doc and doc.get("kind") == "Job"]
+    if not location.is_file():
+        home = os.environ.get("DRAFTER_HOME")
+        raise ConfigError(
+            f"train.kubernetes_job {path}: no file at {location} "
+            + (f"(DRAFTER_HOME={home}); " if home else "(no DRAFTER_HOME set); ")
+            + "the image running this stage must hold it (docker/pipeline.Dockerfile and "
+            "docker/trainer.Dockerfile copy infra/k8s/trainer-workers.yaml), or name a file on a mounted "
+            "volume"
+        )
+    text = UserFile(location, "train.kubernetes_job", ConfigError, path).read_text()
+    jobs = [doc for doc in yaml.safe_load_all(text) if doc and doc.get("kind") == "Job"]
     if len(jobs) != 1 or jobs[0]["spec"].get("completionMode") != "Indexed":
         raise TrainingFailed(f"{location} must hold exactly one Job, with completionMode Indexed")
     return jobs[0]

@@ -602,3 +602,16 @@ def test_the_local_clusters_images_have_airflow_where_their_dockerfiles_install_
     expected = {name: dockerfile_installs_airflow(path) for name, path in dockerfiles.items()}
     assert expected == {"pipeline": True, "trainer": False, "sglang": False, "vllm": False}
     assert has_airflow == expected
+
+
+def test_helm_upgrades_keep_the_secrets_running_tasks_hold():
+    """The chart generates its JWT secret and API secret key anew on every install and upgrade unless named
+    (chart/templates/_helpers.yaml: `jwt_secret`, key jwt-secret; `api_secret_key_secret`, key
+    api-secret-key): a new JWT secret fails every running task's heartbeat and its pod is killed. Both are
+    named, and the runbook makes each, with the key the chart reads, before it first installs the chart."""
+    runbook = (REPO / "docs" / "RUNBOOK.md").read_text()
+    install = runbook.index("helm upgrade --install airflow")
+    for value, key in (("jwtSecretName", "jwt-secret"), ("apiSecretKeySecretName", "api-secret-key")):
+        name = HELM_VALUES[value]
+        made = runbook.find(f"create secret generic {name} --from-literal={key}=")
+        assert 0 <= made < install, (value, name)

@@ -5,8 +5,9 @@ transport rates: tests/integration/test_capacity.py."""
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.ops.capacity import PlanError, deployment_fit, format_fit, plan, shard_bytes_per_token
+from pipeline.ops.capacity import PlanError, plan, shard_bytes_per_token
 from pipeline.ops.deployment import DeploymentConfig, load_deployment
+from pipeline.ops.plan_fit import deployment_fit, format_fit
 from tests.conftest import KIMI_CONFIG, REPO
 
 
@@ -64,13 +65,21 @@ def test_fleets_cost_their_stage_plus_loading_and_would_idle_left_up(kimi):
         row = fleets["servers"][name]
         assert row["gpus"] == stages[name]["gpus"]
         assert row["up_hours"] == pytest.approx(stages[name]["wall_hours"] + load_hours, abs=0.1)
-    assert fleets["always_on_gpus"] == 48 and fleets["always_on_gpu_hours_per_week"] == 48 * 168
+    gpus = 8 * (len(kimi.generate.sglang.urls) + len(kimi.capture.sglang.urls))  # TP-8 servers
+    assert fleets["always_on_gpus"] == gpus and fleets["always_on_gpu_hours_per_week"] == gpus * 168
     up = sum(row["gpus"] * row["up_hours"] for row in fleets["servers"].values())
-    assert 0 < fleets["idle_gpu_hours_per_week"] == pytest.approx(48 * 168 - up, abs=0.5)
+    assert 0 < fleets["idle_gpu_hours_per_week"] == pytest.approx(gpus * 168 - up, abs=0.5)
 
 
 def test_replicas_trade_wall_time_not_gpu_hours(kimi, kimi_plan):
-    wider = plan(kimi, 200_000, generate_servers=8, capture_servers=4, train_nodes=2)
+    servers = {name: len(getattr(kimi, name).sglang.urls) for name in ("generate", "capture")}
+    wider = plan(
+        kimi,
+        200_000,
+        generate_servers=2 * servers["generate"],
+        capture_servers=2 * servers["capture"],
+        train_nodes=2,
+    )
     for stage in ("generate", "capture", "train"):
         assert wider["stages"][stage]["wall_hours"] == pytest.approx(
             kimi_plan["stages"][stage]["wall_hours"] / 2, rel=0.02
@@ -129,7 +138,11 @@ def test_each_stage_names_what_binds_it(kimi, kimi_plan):
     # over SGLang's JSON each server moves far fewer tokens than its GPUs prefill: no client fleet fixes that
     http = paths["http"]
     assert http["bottleneck"] == "transport" and not http["gpu_bound"]
-    assert http["tok_s_per_server"] == kimi.plan.transport_tok_s_per_server == stages["capture"]["tok_s"] / 2
+    assert (
+        http["tok_s_per_server"]
+        == kimi.plan.transport_tok_s_per_server
+        == stages["capture"]["tok_s"] / len(kimi.capture.sglang.urls)
+    )
     assert http["clients_needed"] >= 1 and http["gpu_utilization"] < 0.05
     assert paths["in_process"]["gpu_bound"] and paths["in_process"]["gpu_hours"] < http["gpu_hours"] / 10
     few_clients = plan(with_plan(kimi, capture_clients=1, capture_client_cores=1), 1000)["capture_paths"][
@@ -168,7 +181,9 @@ def test_the_plan_stands_beside_torchspecs_published_run(kimi, kimi_plan):
 def test_the_kubernetes_deployment_lets_the_pilot_finish(kimi):
     """One train attempt covers the 37K pilot's planned training with room, and no DAG's deadline alerts
     before the plan's hours are up (a train timeout shorter than the planned training could never finish)."""
-    checks = deployment_fit(plan(kimi, 37_000), load_deployment(REPO / "configs/deployment/kubernetes.yaml"))
+    checks = deployment_fit(
+        plan(kimi, 37_000), load_deployment(REPO / "configs/deployment/kubernetes.yaml").plan_limits()
+    )
     assert [check["limit"] for check in checks] == [
         "stages.train.timeout_minutes",
         "deadline_minutes.drafter_data",
@@ -183,12 +198,67 @@ def test_a_limit_shorter_than_the_plan_is_named(kimi):
     pilot = plan(kimi, 37_000)
     train_hours = pilot["stages"]["train"]["wall_hours"]
     short = DeploymentConfig.model_validate(
-        {"stages": {"train": {"timeout_minutes": 12 * 60}}, "deadline_minutes": {"drafter_data": 6000}}
+        {"stages": {"train": {"timeout_minutes": 12 * 60}}, "deadline_minutes": {"drafter_data": 600}}
     )
-    checks = deployment_fit(pilot, short)
+    checks = deployment_fit(pilot, short.plan_limits())
     assert [(check["limit"], check["fits"]) for check in checks] == [
         ("stages.train.timeout_minutes", False),
         ("deadline_minutes.drafter_data", False),
     ]
     text = format_fit(checks, "short.yaml")
     assert f"12.0 h  planned {train_hours:.1f} h: TOO SHORT" in text
+
+
+KUBERNETES = load_deployment(REPO / "configs/deployment/kubernetes.yaml")
+KUBERNETES_LIMITS = KUBERNETES.plan_limits()
+
+
+def _configure(overrides, limits=KUBERNETES_LIMITS, dag_id="drafter_data"):
+    from pipeline.tasks import configure_run
+
+    plan_request = {"config_path": str(KIMI_CONFIG), "overrides": overrides, "run_id": "r1"}
+    return configure_run(plan_request, None, {**KUBERNETES.usage_table(), "limits": limits}, dag_id)
+
+
+def test_the_committed_production_config_fits_its_deployment_at_the_missions_scale(kimi):
+    """configs/kimi-k2.5.yaml at 200,000 samples: generation and capture inside the data DAG's deadline,
+    one train attempt inside its timeout (what `drafter plan --samples 200000 --deployment ...` prints)."""
+    assert kimi.prompts.num_samples == 200_000
+    checks = deployment_fit(plan(kimi, 200_000), KUBERNETES_LIMITS)
+    assert all(check["fits"] for check in checks), checks
+    _configure([])  # and configure lets it start
+
+
+def test_configure_refuses_a_data_run_past_its_deadline_and_says_what_fits():
+    """Two capture servers, as the config had before: 860.8 h of generation and capture against 168 h.
+    Refused before anything starts, naming the binding stage and each way to fit."""
+    two = [f"http://sglang-capture-aux-{i}.sglang-capture-aux.sglang.svc:30000" for i in range(2)]
+    with pytest.raises(ConfigError) as refused:
+        _configure([f"capture.sglang.urls=[{','.join(two)}]"])
+    text = str(refused.value)
+    assert "cannot finish within the deployment's limits at 200,000 samples" in text
+    assert "deadline_minutes.drafter_data is 168.0 h; the plan needs 860.8 h" in text
+    assert "capture binds (777.5 h, bound by transport): 19 capture servers" in text
+    assert "capture.engine inprocess (its plan: 13.3 h" in text
+    assert "deadline_minutes.drafter_data of at least 51,648" in text
+
+
+def test_configure_checks_only_the_limits_on_its_own_dags_stages():
+    """A train timeout shorter than the planned training refuses drafter_train's configure (with the nodes
+    that would fit) and not drafter_data's, whose stages it does not limit."""
+    short = {**KUBERNETES_LIMITS, "train_timeout_minutes": 60 * 60}
+    _configure([], short, "drafter_data")
+    with pytest.raises(ConfigError) as refused:
+        _configure([], short, "drafter_train")
+    text = str(refused.value)
+    assert "stages.train.timeout_minutes is 60.0 h; the plan needs 117.6 h" in text
+    assert "train binds (117.6 h, bound by S3 bandwidth): train.nodes 3 (the plan has 1)" in text
+
+
+def test_configure_refuses_a_run_it_cannot_plan(tmp_path):
+    """A target whose sizes neither the config declares nor a model directory holds: configure says the plan
+    cannot be made instead of letting the run start unchecked."""
+    with pytest.raises(
+        ConfigError, match="capacity plan, which cannot be made: planning needs target.hidden_size"
+    ):
+        _configure(["target.hidden_size=null", f"target.model_path={tmp_path}"])

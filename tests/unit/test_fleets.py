@@ -45,7 +45,7 @@ def test_a_url_outside_the_scaled_statefulset_is_refused(url):
 
 def test_only_sglang_stages_have_servers_to_scale():
     kimi = load_config(KIMI_CONFIG)
-    assert len(fleet_urls(kimi, "generate")) == 4 and len(fleet_urls(kimi, "capture")) == 2
+    assert len(fleet_urls(kimi, "generate")) == 4 and len(fleet_urls(kimi, "capture")) == 20
     local = load_config(REPO / "configs" / "local.yaml")
     assert fleet_urls(local, "generate") == [] and fleet_urls(local, "capture") == []
     with pytest.raises(ConfigError, match="no server fleet serves stage 'train'"):
