@@ -21,11 +21,16 @@ WORKDIR /opt/drafter
 COPY pyproject.toml README.md ./
 COPY pipeline ./pipeline
 COPY configs ./configs
-# the pipeline's pinned requirements, less the ones SGLang's environment decides
+# The pipeline's requirements, SGLang's environment deciding what it already holds
+# (docker/sglang_requirements.py): under a constraints file of that environment pip moves none of its
+# packages, and `pip check` fails the build on any conflict that is left, where pip alone only warns.
 ENV SGLANG_DECIDES="torch transformers tokenizers deepspeed"
-RUN python -c "import os, tomllib; SGLANG_DECIDES = os.environ['SGLANG_DECIDES'].split(); deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
-print('\n'.join(d for d in deps if d.split('=')[0] not in SGLANG_DECIDES))" > /tmp/requirements.txt \
- && pip install --no-cache-dir -r /tmp/requirements.txt && pip install --no-cache-dir --no-deps .
+COPY docker/sglang_requirements.py ./docker/sglang_requirements.py
+RUN python docker/sglang_requirements.py pyproject.toml > /tmp/requirements.txt \
+ && pip list --format=freeze > /tmp/sglang-environment.txt \
+ && pip install --no-cache-dir -r /tmp/requirements.txt -c /tmp/sglang-environment.txt \
+ && pip install --no-cache-dir --no-deps . \
+ && pip check
 # Not root: the pipeline image's user (uid 50000, group 0, as apache/airflow's), so that what one pod writes
 # on the shared volumes another may replace (docs/RUNBOOK.md, the first deployment's checklist)
 RUN useradd --uid 50000 --gid 0 --home-dir /home/drafter --create-home drafter

@@ -11,9 +11,21 @@ status.podIP, spec.nodeName, spec.serviceAccountName), its volume mounts, in a c
 files and the pod's volumes only, and the pod's hostname: spec.hostname, else its name).
 
 What stands in for what:
-- images: named local file sets (this project, its virtualenv and Python) with their env and workdir;
-- the nodes: labels, taints and capacity of a CPU node and a tainted 8-GPU node; a pod whose node
-  selector, tolerations or requests fit neither is not scheduled (FailedScheduling), as on a cluster;
+- images: named local file sets with their env, workdir and user (the rehearsal's: each as its Dockerfile
+  builds it, harness/image_build);
+- the nodes: labels, taints and capacity (the rehearsal's: a CPU node and tainted 8-GPU nodes). A pod is
+  bound to the first node whose selector and taints it fits and whose capacity holds its requests
+  (pod_requests: a limit stands for a missing request; init containers count) beside those of every pod
+  already bound there and not terminated: a pod holds what it requests from binding on, whatever it
+  does. One that fits only once others go stays Pending, unbound (a FailedScheduling event), until they
+  do; one that no node could hold even empty fails at once (FailedScheduling), where a cluster would
+  keep it Pending;
+- Deployments (apps/v1): applying one runs `replicas` pods of its template, `<name>-<template hash>-<5
+  random>` owned by the ReplicaSet `<name>-<template hash>`, and replaces any that terminates. A new
+  template (`rollout_restart`, a re-apply) rolls out as its strategy says: RollingUpdate within
+  maxSurge / maxUnavailable (25% each by default), or Recreate. An init container that fails is run again
+  after a back-off doubling from 10 s to 300 s (Init:CrashLoopBackOff) in a pod whose restartPolicy is
+  not Never, the pod Pending and holding its requests meanwhile; main containers are not restarted;
 - volumes: a PersistentVolumeClaim, ConfigMap or Secret is a local directory that exists once the
   manifest declaring it is applied (`apply`), owned by root with mode 0755 as a new filesystem is; a
   pod mounting one that does not exist fails to start (FailedMount); emptyDir is a fresh directory of
@@ -48,8 +60,8 @@ What stands in for what:
   the job-name and completion-index labels, the index annotation and JOB_COMPLETION_INDEX; a failed pod's
   index gets a new pod at once (no backoff delay) until more pods failed than backoffLimit: then the Job
   is Failed (BackoffLimitExceeded) and its pods still running are deleted. It is Complete once every index
-  succeeded. A pod that cannot start (FailedScheduling, FailedMount) counts as failed here, where a cluster
-  would keep it Pending; ttlSecondsAfterFinished is not acted on. Deleting a Job deletes its pods too
+  succeeded. A pod that cannot start (no node could hold it, FailedMount) counts as failed here, where a
+  cluster would keep it Pending; ttlSecondsAfterFinished is not acted on. Deleting a Job deletes its pods too
   (propagationPolicy Background or Foreground) or leaves them running (Orphan). `kill_pod` kills a pod's
   containers as losing its node does (exit code 137; the pod stays, Failed);
 - the pod network: all pods share this machine's network namespace, so each pod has its own loopback
@@ -74,15 +86,18 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import hashlib
 import hmac
 import http.client
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import shutil
+import string
 import subprocess
 import sys
 import tempfile
@@ -105,6 +120,12 @@ IRSA_ROLE_ANNOTATION = "eks.amazonaws.com/role-arn"
 IRSA_TOKEN_DIR = "/var/run/secrets/eks.amazonaws.com/serviceaccount"
 # how long after a pod becomes listable its headless Service's DNS record appears (LocalCluster._dns_records)
 DNS_PROPAGATION_S = 8.0
+# the kubelet's back-off before it reruns a failed container: 10 s, doubling up to 300 s
+CRASH_BACKOFF_S = 10.0
+# how often a Pending pod is tried again for a node with room (the scheduler retries as pods come and go)
+SCHEDULING_RETRY_S = 0.5
+DEPLOYMENT_PERIOD_S = 0.5  # the Deployment controller's look at each Deployment's pods
+RESTARTED_AT = "kubectl.kubernetes.io/restartedAt"  # what `kubectl rollout restart` sets on the template
 # the kubelet's default hard eviction threshold for the node's filesystem: nodefs.available<10%
 NODEFS_EVICTION_THRESHOLD = 0.10
 VOLUME_KINDS = {"persistentVolumeClaim": "pvc", "configMap": "configmap", "secret": "secret"}
@@ -207,8 +228,28 @@ def _quantity(value: str) -> float:
     return float(text)
 
 
+def pod_requests(spec: dict[str, Any]) -> dict[str, float]:
+    """What the scheduler counts a pod as holding: each resource's request (its limit where a container sets
+    no request for it, as the API server defaults it), summed over the containers, or the largest of any one
+    init container's where that is more (they run one at a time, before the others)."""
+
+    def of(container: dict[str, Any]) -> dict[str, float]:
+        resources = container.get("resources") or {}
+        amounts = {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
+        return {name: _quantity(value) for name, value in amounts.items()}
+
+    total: dict[str, float] = {}
+    for container in spec.get("containers", []):
+        for name, amount in of(container).items():
+            total[name] = total.get(name, 0.0) + amount
+    for container in spec.get("initContainers") or []:
+        for name, amount in of(container).items():
+            total[name] = max(total.get(name, 0.0), amount)
+    return total
+
+
 def scheduling_problems(spec: dict[str, Any], node: LocalNode) -> list[str]:
-    """Why a pod spec would not be scheduled on the node (empty: it fits)."""
+    """Why a pod spec would not be scheduled on the node even with nothing else on it (empty: it fits)."""
     problems = []
     for key, value in (spec.get("nodeSelector") or {}).items():
         if node.labels.get(key) != value:
@@ -217,16 +258,55 @@ def scheduling_problems(spec: dict[str, Any], node: LocalNode) -> list[str]:
     for taint in node.taints:
         if not any(_tolerates(toleration, taint) for toleration in tolerations):
             problems.append(f"the node's taint {taint['key']}:{taint['effect']} is not tolerated")
-    requested: dict[str, float] = {}
-    for container in spec.get("containers", []):
-        for name, value in ((container.get("resources") or {}).get("requests") or {}).items():
-            requested[name] = requested.get(name, 0.0) + _quantity(value)
-    for name, amount in requested.items():
+    for name, amount in pod_requests(spec).items():
         if amount > _quantity(node.capacity.get(name, "0")):
             problems.append(
                 f"insufficient {name}: requests {amount:g}, the node has {node.capacity.get(name, 0)}"
             )
     return problems
+
+
+def allocation_problems(spec: dict[str, Any], node: LocalNode, held: dict[str, float]) -> list[str]:
+    """Why the pod does not fit beside what the node's scheduled pods hold (`held`, from pod_requests)."""
+    problems = []
+    for name, amount in pod_requests(spec).items():
+        capacity = _quantity(node.capacity.get(name, "0"))
+        if amount + held.get(name, 0.0) > capacity:
+            free = max(capacity - held.get(name, 0.0), 0.0)
+            problems.append(f"insufficient {name}: requests {amount:g}, {free:g} of {capacity:g} free")
+    return problems
+
+
+def _template_hash(template: dict[str, Any]) -> str:
+    """The pod-template-hash of a Deployment's template (a digest of it: Kubernetes hashes it too)."""
+    return hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _pod_template_hash(pod: LocalPod) -> str | None:
+    return (pod.manifest["metadata"].get("labels") or {}).get("pod-template-hash")
+
+
+def _rollout_bounds(rolling: dict[str, Any], replicas: int) -> tuple[int, int]:
+    """maxSurge and maxUnavailable as counts: a percentage of replicas, surge rounded up and unavailable
+    down (Kubernetes' rounding); defaults 25% each. Both 0 is refused, as the API server refuses it."""
+
+    def count(value: Any, round_up: bool) -> int:
+        if isinstance(value, str) and value.endswith("%"):
+            share = replicas * float(value[:-1]) / 100
+            return math.ceil(share) if round_up else math.floor(share)
+        return int(value)
+
+    surge = count(rolling.get("maxSurge", "25%"), True)
+    unavailable = count(rolling.get("maxUnavailable", "25%"), False)
+    if surge == 0 and unavailable == 0:
+        raise ClusterError("a RollingUpdate with maxSurge 0 and maxUnavailable 0 can never progress")
+    return surge, unavailable
+
+
+def _unavailable(problems: dict[str, list[str]]) -> str:
+    return f"0/{len(problems)} nodes are available: " + "; ".join(
+        f"{name}: {', '.join(found)}" for name, found in problems.items()
+    )
 
 
 def _tolerates(toleration: dict[str, Any], taint: dict[str, str]) -> bool:
@@ -455,6 +535,7 @@ class LocalPod:
     probed: dict[str, bool] = field(default_factory=dict)  # container -> its readiness probe's last answer
     running_since: float | None = None  # when its containers had all started (time.monotonic())
     volumes: dict[str, dict[str, Any]] = field(default_factory=dict)  # as _volumes made them for it
+    init_restarts: dict[str, int] = field(default_factory=dict)  # init container -> restarts after failing
 
     @property
     def name(self) -> str:
@@ -570,9 +651,11 @@ class LocalCluster:
         aws_endpoint: str | None = None,
         region: str = "us-east-1",
         dns_propagation_s: float = DNS_PROPAGATION_S,
+        crash_backoff_s: float = CRASH_BACKOFF_S,
     ):
         self.workspace = Path(workspace)
-        self.dns_propagation_s = dns_propagation_s
+        self.dns_propagation_s, self.crash_backoff_s = dns_propagation_s, crash_backoff_s
+        self._scheduling = threading.Lock()
         self.images, self.nodes = images, nodes
         self.aws_endpoint, self.region = aws_endpoint, region
         self.namespaces: set[str] = {"default"}
@@ -584,6 +667,7 @@ class LocalCluster:
         self.services: dict[tuple[str, str], dict[str, Any]] = {}
         self.persistent_volumes: dict[str, dict[str, Any]] = {}
         self.jobs: dict[tuple[str, str], LocalJob] = {}
+        self.deployments: dict[tuple[str, str], dict[str, Any]] = {}
         self.rbac = Rbac()
         self.api: ApiServer | None = None
         self.lock = threading.Lock()
@@ -632,8 +716,8 @@ class LocalCluster:
 
     def apply(self, path: Path) -> list[str]:
         """Create or update what a manifest declares (`kubectl apply -f`): namespaces, service accounts,
-        claims, config maps, secrets, RBAC objects, Services, StatefulSets (whose pods then follow its
-        replicas) and Jobs become local state; other kinds are recorded as applied."""
+        claims, config maps, secrets, RBAC objects, Services, StatefulSets and Deployments (whose pods then
+        follow their replicas) and Jobs become local state; other kinds are recorded as applied."""
         created = []
         for doc in yaml.safe_load_all(Path(path).read_text()):
             if not doc:
@@ -660,6 +744,8 @@ class LocalCluster:
             elif kind == "StatefulSet":
                 self.statefulsets[(namespace, name)] = doc
                 self._reconcile_later(namespace, name)
+            elif kind == "Deployment":
+                self._apply_deployment(namespace, name, doc)
             elif kind == "Job":  # created once: a Job's spec cannot change, and applying it again is a no-op
                 self.create_job(doc)
             created.append(f"{kind}/{namespace}/{name}")
@@ -774,6 +860,132 @@ class LocalCluster:
             "spec": {**template["spec"], "hostname": name, "subdomain": spec.get("serviceName")},
         }
 
+    # -- Deployments (apps/v1) --------------------------------------------------------------------
+    def _apply_deployment(self, namespace: str, name: str, doc: dict[str, Any]) -> None:
+        strategy = (doc["spec"].get("strategy") or {}).get("type", "RollingUpdate")
+        if strategy not in ("RollingUpdate", "Recreate"):
+            raise ClusterError(f"deployment {namespace}/{name}: strategy {strategy!r} is not a Deployment's")
+        first = (namespace, name) not in self.deployments
+        self.deployments[(namespace, name)] = json.loads(json.dumps(doc))
+        if first:
+            threading.Thread(target=self._control_deployment, args=(namespace, name), daemon=True).start()
+
+    def rollout_restart(self, namespace: str, name: str) -> str:
+        """`kubectl rollout restart deployment/NAME`: a new template (its restartedAt annotation), which the
+        controller rolls out as the strategy says. Returns the new template's hash."""
+        doc = self._deployment(namespace, name)
+        template_meta = doc["spec"]["template"].setdefault("metadata", {})
+        template_meta.setdefault("annotations", {})[RESTARTED_AT] = _timestamp(_now())
+        return _template_hash(doc["spec"]["template"])
+
+    def deployment_template_hash(self, namespace: str, name: str) -> str:
+        return _template_hash(self._deployment(namespace, name)["spec"]["template"])
+
+    def delete_deployment(self, namespace: str, name: str) -> None:
+        """`kubectl delete deployment`: the Deployment and its pods (no-op for one that does not exist)."""
+        with self._reconciling:
+            if self.deployments.pop((namespace, name), None) is None:
+                return
+            pods = self.deployment_pods(namespace, name)
+        for pod in pods:
+            self.delete_pod(namespace, pod.name)
+
+    def _deployment(self, namespace: str, name: str) -> dict[str, Any]:
+        doc = self.deployments.get((namespace, name))
+        if doc is None:
+            raise ClusterError(f"deployment {namespace}/{name} does not exist")
+        return doc
+
+    def deployment_pods(self, namespace: str, name: str, template_hash: str | None = None) -> list[LocalPod]:
+        """The Deployment's pods that exist and have not terminated, oldest first (of `template_hash`'s
+        template only, when given)."""
+        owned = []
+        for (pod_namespace, _), pod in list(self.pods.items()):
+            owner = (pod.manifest["metadata"].get("ownerReferences") or [{}])[0]
+            labels = pod.manifest["metadata"].get("labels") or {}
+            pod_hash = labels.get("pod-template-hash")
+            if (
+                pod_namespace == namespace
+                and owner.get("kind") == "ReplicaSet"
+                and owner.get("name") == f"{name}-{pod_hash}"
+                and template_hash in (None, pod_hash)
+                and not pod.terminated()
+            ):
+                owned.append(pod)
+        return sorted(owned, key=lambda pod: pod.created_at)
+
+    def _control_deployment(self, namespace: str, name: str) -> None:
+        """The Deployment controller (with its ReplicaSets'), every DEPLOYMENT_PERIOD_S until the cluster
+        shuts down or the Deployment is deleted: a pod of the current template for each replica; a pod that
+        terminated (failed, evicted) does not count and is replaced; pods of an older template are replaced
+        as the strategy says."""
+        while True:
+            with self._reconciling:
+                doc = self.deployments.get((namespace, name))
+                if self._closed or doc is None:
+                    return
+                try:
+                    self._sync_deployment(namespace, name, doc)
+                except ClusterError as err:
+                    log.warning("deployment %s/%s: %s", namespace, name, err)
+            time.sleep(DEPLOYMENT_PERIOD_S)
+
+    def _sync_deployment(self, namespace: str, name: str, doc: dict[str, Any]) -> None:
+        """One step of a rollout. RollingUpdate: at most replicas + maxSurge pods, and old pods removed only
+        while replicas - maxUnavailable pods stay ready (unready old pods first); Recreate: every old pod
+        removed before a new one starts."""
+        spec = doc["spec"]
+        replicas = int(spec.get("replicas", 1))
+        current = _template_hash(spec["template"])
+        pods = self.deployment_pods(namespace, name)
+        new = [pod for pod in pods if _pod_template_hash(pod) == current]
+        old = [pod for pod in pods if _pod_template_hash(pod) != current]
+        strategy = spec.get("strategy") or {}
+        if strategy.get("type") == "Recreate":
+            surge, unavailable = 0, replicas
+            if old:
+                for pod in old:
+                    self.delete_pod(namespace, pod.name)
+                return
+        else:
+            surge, unavailable = _rollout_bounds(strategy.get("rollingUpdate") or {}, replicas)
+        for pod in new[replicas:][::-1]:  # scaled down: the newest go first
+            self.delete_pod(namespace, pod.name)
+        room = replicas + surge - len(pods)
+        for _ in range(max(min(room, replicas - len(new)), 0)):
+            self.create_pod(self._deployment_pod(doc, current))
+        removable = sum(pod.ready() for pod in pods) - (replicas - unavailable)
+        for pod in sorted(old, key=lambda pod: pod.ready()):
+            if pod.ready():
+                if removable <= 0:
+                    break
+                removable -= 1
+            self.delete_pod(namespace, pod.name)
+
+    @staticmethod
+    def _deployment_pod(doc: dict[str, Any], template_hash: str) -> dict[str, Any]:
+        """A pod as a Deployment's ReplicaSet makes it: `<deployment>-<template hash>-<5 random>`, the
+        template's labels with pod-template-hash, owned by the ReplicaSet `<deployment>-<template hash>`."""
+        meta, template = doc["metadata"], json.loads(json.dumps(doc["spec"]["template"]))
+        replica_set = f"{meta['name']}-{template_hash}"
+        suffix = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(5))
+        template_meta = template.get("metadata") or {}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": f"{replica_set}-{suffix}",
+                "namespace": meta.get("namespace", "default"),
+                "uid": str(uuid.uuid4()),
+                "labels": {**(template_meta.get("labels") or {}), "pod-template-hash": template_hash},
+                "annotations": dict(template_meta.get("annotations") or {}),
+                "ownerReferences": [
+                    {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": replica_set, "controller": True}
+                ],
+            },
+            "spec": template["spec"],
+        }
+
     # -- Jobs (batch/v1, Indexed) -----------------------------------------------------------------
     def create_job(self, manifest: dict[str, Any]) -> LocalJob | None:
         """Start an Indexed Job in its namespace (None: a Job of that name exists). Raises ClusterError for
@@ -883,7 +1095,8 @@ class LocalCluster:
 
     def _count_finished(self, job: LocalJob) -> None:
         """Move the Job's pods that terminated from active to succeeded or failed. A pod that cannot start
-        (FailedScheduling, FailedMount) fails here, where a cluster would keep it Pending."""
+        (no node could hold it, FailedMount) fails here, where a cluster would keep it Pending; one waiting
+        for room on a node stays active."""
         for index, pod in list(job.active.items()):
             phase = pod.current_phase()
             if phase in ("Pending", "Running") and self.pods.get((pod.namespace, pod.name)) is not pod:
@@ -1071,27 +1284,12 @@ class LocalCluster:
 
     def _start(self, pod: LocalPod) -> None:
         spec = pod.manifest["spec"]
-        problems = {node.name: scheduling_problems(spec, node) for node in self.nodes}
-        fitting = [name for name, found in problems.items() if not found]
-        if not fitting:
-            self._fail(
-                pod,
-                "FailedScheduling",
-                f"0/{len(self.nodes)} nodes are available: "
-                + "; ".join(f"{name}: {', '.join(found)}" for name, found in problems.items()),
-            )
+        if not self._schedule(pod):
             return
-        pod.node = fitting[0]
-        pod.events.append(
-            {"type": "Normal", "reason": "Scheduled", "message": f"assigned to node {pod.node}"}
-        )
         try:
             volumes = self._volumes(pod)
             for container in spec.get("initContainers") or []:
-                run = self._run_container(pod, container, volumes)
-                run._log_thread.join()
-                if run.exit_code != 0:
-                    self._fail(pod, "InitContainerFailed", f"{container['name']} exited {run.exit_code}")
+                if not self._run_init_container(pod, container, volumes):
                     return
             probed = {
                 container["name"]: _probe_port(container)
@@ -1121,6 +1319,82 @@ class LocalCluster:
                     args=(pod, container, probed[container["name"]]),
                     daemon=True,
                 ).start()
+
+    def _schedule(self, pod: LocalPod) -> bool:
+        """Bind the pod to the first node that fits it beside what the pods bound there hold (pod_requests,
+        from binding until the pod terminates or is deleted, init containers included). A pod no node could
+        hold even empty fails (FailedScheduling; a cluster would keep it Pending for good). One that waits
+        for room stays Pending, unbound (a FailedScheduling event, PodScheduled False), and is bound once
+        room frees. Returns whether it was bound."""
+        spec = pod.manifest["spec"]
+        problems = {node.name: scheduling_problems(spec, node) for node in self.nodes}
+        if all(problems.values()):
+            self._fail(pod, "FailedScheduling", _unavailable(problems))
+            return False
+        told = False
+        while not self._closed and self.pods.get((pod.namespace, pod.name)) is pod:
+            with self._scheduling:
+                for node in self.nodes:
+                    if not problems[node.name]:
+                        problems[node.name] = allocation_problems(spec, node, self._held(node.name))
+                        if not problems[node.name]:
+                            pod.node = node.name
+                            assigned = f"assigned to node {node.name}"
+                            pod.events.append({"type": "Normal", "reason": "Scheduled", "message": assigned})
+                            return True
+            if not told:
+                message = _unavailable(problems)
+                pod.events.append({"type": "Warning", "reason": "FailedScheduling", "message": message})
+                log.info("pod %s/%s is Pending: %s", pod.namespace, pod.name, message)
+                told = True
+            problems = {node.name: scheduling_problems(spec, node) for node in self.nodes}
+            time.sleep(SCHEDULING_RETRY_S)
+        return False
+
+    def _held(self, node: str) -> dict[str, float]:
+        """What the pods bound to the node and not terminated request, by resource."""
+        held: dict[str, float] = {}
+        for pod in list(self.pods.values()):
+            if pod.node == node and not pod.terminated():
+                for name, amount in pod_requests(pod.manifest["spec"]).items():
+                    held[name] = held.get(name, 0.0) + amount
+        return held
+
+    def gpus_held(self) -> dict[str, float]:
+        """nvidia.com/gpu held on each node that has any held."""
+        held = {node.name: self._held(node.name).get("nvidia.com/gpu", 0.0) for node in self.nodes}
+        return {name: amount for name, amount in held.items() if amount}
+
+    def _run_init_container(self, pod: LocalPod, container: dict[str, Any], volumes) -> bool:
+        """Run an init container to its end. One that fails fails the pod under restartPolicy Never (task and
+        Job pods). Otherwise (Always, Kubernetes' default, as a Deployment's pods have it; OnFailure) the
+        kubelet runs it again after a back-off doubling from crash_backoff_s to 30 times that
+        (Init:CrashLoopBackOff): the pod stays Pending on its node, holding what it requests, until the
+        init container succeeds or the pod is deleted. Returns whether it succeeded."""
+        backoff = self.crash_backoff_s
+        while True:
+            run = self._run_container(pod, container, volumes)
+            run._log_thread.join()
+            if run.exit_code == 0:
+                return True
+            if pod.manifest["spec"].get("restartPolicy", "Always") == "Never":
+                self._fail(pod, "InitContainerFailed", f"{container['name']} exited {run.exit_code}")
+                return False
+            pod.init_restarts[container["name"]] = pod.init_restarts.get(container["name"], 0) + 1
+            pod.events.append(
+                {
+                    "type": "Warning",
+                    "reason": "BackOff",
+                    "message": f"Back-off restarting failed container {container['name']} (exited "
+                    f"{run.exit_code}; restart {pod.init_restarts[container['name']]} in {backoff:g} s)",
+                }
+            )
+            deadline = time.monotonic() + backoff
+            while time.monotonic() < deadline:
+                if self._closed or self.pods.get((pod.namespace, pod.name)) is not pod:
+                    return False
+                time.sleep(min(0.2, backoff))
+            backoff = min(backoff * 2, self.crash_backoff_s * 30)
 
     def _evict_past_storage_limits(self, pod: LocalPod, volumes: dict[str, dict[str, Any]]) -> None:
         """The kubelet's local-storage eviction, every second while the pod runs: a pod whose containers'
@@ -1774,11 +2048,13 @@ class LocalCoreV1Api:
                     "state": state,
                 }
             )
-        conditions = (
-            []
-            if pod.reason == "FailedScheduling"
-            else [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": str(pod.ready())}]
-        )
+        if pod.reason == "FailedScheduling":
+            conditions = []
+        elif pod.node is None:  # waiting for a node with room
+            conditions = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
+        else:
+            ready = {"type": "Ready", "status": str(pod.ready())}
+            conditions = [{"type": "PodScheduled", "status": "True"}, ready]
         status: dict[str, Any] = {
             "phase": pod.current_phase(),
             "startTime": _timestamp(pod.created_at),

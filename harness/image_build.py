@@ -10,7 +10,9 @@ What decides whether a pod of the built image works, and how each is modelled he
   `pipeline.config_base.PROJECT_ROOT` is what it is in the image (DRAFTER_HOME, else site-packages);
 - the environment: a virtualenv of its own whose site-packages hold the installed project first; the
   third-party packages the Dockerfile's pip installs come from this machine's `.venv` (one directory on
-  the path, its .pth files not run, so the checkout's editable install of the project is not seen);
+  the path, its .pth files not run, so the checkout's editable install of the project is not seen), and
+  their console scripts (torchrun, deepspeed) are in the environment's bin, run by its Python, as pip
+  puts them there;
 - an image whose Dockerfile installs the project editable (`pip install -e`) is refused: its pods would run
   the build context, which no registry holds.
 
@@ -153,6 +155,24 @@ def _environment(venv: Path) -> None:
     (site / "image-dependencies.pth").write_text(f"{DEPENDENCIES / 'site-packages'}\n")
 
 
+def _dependency_scripts(venv: Path) -> None:
+    """The console scripts of the third-party packages (torchrun, deepspeed, airflow), as their installs put
+    them in the image's environment's bin: `.venv`'s, each run by the image's own Python. The project's
+    own scripts come from its install."""
+    source = DEPENDENCIES.parents[1] / "bin"
+    python = venv / "bin" / "python"
+    for script in sorted(source.iterdir()):
+        target = venv / "bin" / script.name
+        if target.exists() or not script.is_file() or script.is_symlink():
+            continue
+        text = script.read_bytes()
+        first, _, rest = text.partition(b"\n")
+        if not first.startswith(b"#!") or b"python" not in first:
+            continue
+        target.write_bytes(b"#!" + str(python).encode() + b"\n" + rest)
+        target.chmod(0o755)
+
+
 def build(name: str, into: Path, dockerfile: Path | None = None) -> BuiltImage:
     """docker/<name>.Dockerfile's (or `dockerfile`'s) files under `into`/root and its project installed into
     `into`/venv (mounted at their own paths: a virtualenv's scripts name its interpreter by absolute path)."""
@@ -182,6 +202,7 @@ def build(name: str, into: Path, dockerfile: Path | None = None) -> BuiltImage:
         )
         if done.returncode != 0:
             raise ImageBuildFailed(f"{dockerfile.name}: pip install of {context}: {done.stderr[-2000:]}")
+    _dependency_scripts(venv)
     files = {inside: str(root / inside.lstrip("/")) for inside in sorted(mounts)}
     files[str(venv)] = str(venv)
     files[str(DEPENDENCIES)] = str(DEPENDENCIES)

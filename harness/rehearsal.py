@@ -3,9 +3,11 @@
     python -m harness.rehearsal [--workspace DIR] [--keep]      (make rehearsal)
 
 What runs, in the order docs/RUNBOOK.md gives it to a user:
-1. the cluster objects: the runbook's manifests applied to a local cluster (harness.cluster: pods
-   run in containers of their own, with only their env, their volumes and the image's files; pods call
-   its API over HTTPS as their service accounts, under the manifests' RBAC); the weights volume holds a
+1. the cluster objects: the runbook's install manifests applied to a local cluster (harness.cluster: pods
+   run in containers of their own, with only their env, their volumes and the image's files, each image as
+   its Dockerfile builds it (harness.image_build), not the repository; a pod holds the GPUs it requests from
+   binding on, and nothing holds one once the install is applied; pods call its API over HTTPS as their
+   service accounts, under the manifests' RBAC); the weights volume holds a
    tiny Kimi-like target under
    /models/Kimi-K2.5, the prompts volume ShareGPT/UltraChat-style files, the run-config volume
    configs/rehearsal.yaml as kimi-k2.5.yaml (configs/deployment/kubernetes.yaml's run_config);
@@ -26,8 +28,10 @@ What runs, in the order docs/RUNBOOK.md gives it to a user:
    in-process (IN_PROCESS_CAPTURE: its parity and capture pods placed on the GPU node in the SGLang image
    by the deployment's engines, each a job of 2 ranks); a cron-scheduled drafter_train run (no trigger
    form) trains on the newest dataset, that one, with the deployment's run config;
-5. serving: the `kimi-k2-5-eagle3` Deployment's pod, as the manifest states it: its init container runs
-   `drafter pull` with the read-only role, and the server starts with exactly the flags the pull wrote;
+5. serving: the `kimi-k2-5-eagle3` Deployment, applied once the first promotion landed (§2.6), its two
+   replicas made by the local cluster's Deployment controller as the manifest states them: each init
+   container runs `drafter pull` with the read-only role, and the server starts with exactly the flags the
+   pull wrote; restarts roll them one at a time;
 6. alerts: the deployment's notifiers deliver to a local HTTP sink (their connections from the
    environment); the promotion reaches Slack with its pull command, the broken run's failed task reaches
    Slack and the pager, and no notifier secret is in an Airflow log; the OpenLineage events of the pod
@@ -72,6 +76,7 @@ FLEET_READY_TIMEOUT_S = 240
 REHEARSAL_CONFIG = PROJECT_ROOT / "configs" / "rehearsal.yaml"
 SHIM = Path(__file__).resolve().parent / "sglang_shim"
 WITHOUT_AIRFLOW = Path(__file__).resolve().parent / "image_without_airflow"
+HARNESS = Path(__file__).resolve().parent
 BUCKET = "drafter-pipeline"
 ACCOUNT = "123456789012"
 # the tiny Kimi-like target: DeepSeek-V3 architecture (MLA + MoE), its own code and tiktoken tokenizer
@@ -122,69 +127,59 @@ def _check(condition: bool, what: str) -> None:
     log.info("ok: %s", what)
 
 
-def _images() -> dict[str, LocalImage]:
-    """The images of configs/deployment/kubernetes.yaml, as this machine has them: the project at
-    /opt/drafter (the Dockerfiles' WORKDIR) and at its own path (its virtualenv points there), and the
-    Python it runs on. The SGLang image's `sglang` is the stand-in (harness/sglang_shim); the vLLM
-    image's vLLM is vLLM's CPU build at /opt/drafter/.venv-vllm, where docker/vllm.Dockerfile puts its GPU
-    build (the rehearsal's Kimi-like target is a model of the project's own that vLLM does not serve, so
-    its runs keep benchmark.engine sglang and no pod runs this image). Only the pipeline image has Airflow
-    (its Dockerfile builds FROM apache/airflow): in the others `import airflow` fails, as there."""
+def _images(workspace: Path) -> dict[str, LocalImage]:
+    """The images of configs/deployment/kubernetes.yaml, each as its Dockerfile builds it
+    (harness/image_build: only the files its COPY lines bring, the project pip-installed from them, not
+    editable, into a Python environment of its own, its WORKDIR, USER and ENV), built under `workspace`.
+    Where this machine differs from the image's, and why:
+    - the SGLang image's `sglang` is the stand-in (harness/sglang_shim, with the harness beside it, which
+      this image alone sees): SGLang itself needs CUDA;
+    - the vLLM image's vLLM is vLLM's CPU build (`.venv-vllm`) at /opt/drafter/.venv-vllm, where
+      docker/vllm.Dockerfile puts its GPU build;
+    - DS_ACCELERATOR is `cpu`: the Dockerfiles' `cuda` names the GPU nodes' accelerator, which this
+      machine's nodes do not have;
+    - only the pipeline image has Airflow (its Dockerfile builds FROM apache/airflow): in the others
+      harness/image_without_airflow comes first on the path, so `import airflow` fails, as there."""
     from airflow.providers.cncf.kubernetes.utils.xcom_sidecar import PodDefaults
+
+    from harness import image_build
 
     deployment = yaml.safe_load(DEPLOYMENT.read_text())["kubernetes"]["images"]
     python_home = str(Path(sys.base_prefix).resolve())
-    files = {
-        "/opt/drafter": str(PROJECT_ROOT),
-        str(PROJECT_ROOT): str(PROJECT_ROOT),
-        python_home: python_home,
-    }
-    masked = tuple(str(PROJECT_ROOT / name) for name in (".drafter", ".git", "test-artifacts"))
-    masked += tuple(f"/opt/drafter/{name}" for name in (".drafter", ".git", "test-artifacts"))
-    # the images hold what ships (docker/*.Dockerfile copy no harness and no tests): a pod of the pipeline's
-    # code that reached for them would fail here as in a built image
-    not_shipped = tuple(
-        f"{root}/{name}" for root in (PROJECT_ROOT, "/opt/drafter") for name in ("harness", "tests")
-    )
-    path = f"{PROJECT_ROOT / '.venv' / 'bin'}:/usr/local/bin:/usr/bin:/bin"
-    base = {
-        "PATH": path,
-        "PYTHONUNBUFFERED": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "DRAFTER_HOME": "/opt/drafter",
-        # Pods share this machine's cores as pods share a node: one OpenMP thread each unless this machine's
-        # environment says otherwise. Several processes at once, each with a thread per core, stall at OpenMP
-        # barriers (two side by side ran 3x slower than with one thread each).
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    sglang_extra = {"/opt/sglang-shim": str(SHIM), "/opt/sglang-harness/harness": str(HARNESS)}
+    extra = {
+        "sglang": (sglang_extra, ("/opt/sglang-shim", "/opt/sglang-harness")),
+        "vllm": ({"/opt/drafter/.venv-vllm": str(PROJECT_ROOT / ".venv-vllm")}, ()),
     }
 
-    def image(
-        name: str,
-        extra_files: dict[str, str] | None = None,
-        python_path: tuple[str, ...] = (),
-        hidden: tuple[str, ...] = masked + not_shipped,
-    ) -> LocalImage:
-        """The project's files (and `extra_files`), run as its Dockerfile's user, with Airflow only where the
-        Dockerfile installs it: elsewhere harness/image_without_airflow comes first on its PYTHONPATH."""
-        extra_files = extra_files or {}
+    def image(name: str) -> LocalImage:
         dockerfile = PROJECT_ROOT / "docker" / f"{name}.Dockerfile"
+        built = image_build.build(name, workspace / "images" / name, dockerfile)
+        extra_files, python_path = extra.get(name, ({}, ()))
         if not dockerfile_installs_airflow(dockerfile):
             extra_files = {"/opt/without-airflow": str(WITHOUT_AIRFLOW), **extra_files}
             python_path = ("/opt/without-airflow", *python_path)
-        env = {**base, "PYTHONPATH": ":".join(python_path)} if python_path else base
-        return LocalImage({**files, **extra_files}, "/opt/drafter", env, hidden, dockerfile_user(dockerfile))
+        built.make_mount_points(extra_files)
+        env = {key: value for key, value in built.steps.env.items() if key != "PATH"}
+        env |= {
+            "PATH": f"{built.bin}:/usr/local/bin:/usr/bin:/bin",
+            "PYTHONUNBUFFERED": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "DS_ACCELERATOR": "cpu",
+            # Pods share this machine's cores as pods share a node: one OpenMP thread each unless this
+            # machine's environment says otherwise. Several processes at once, each with a thread per core,
+            # stall at OpenMP barriers (two side by side ran 3x slower than with one thread each).
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
+        if python_path:
+            env["PYTHONPATH"] = ":".join(python_path)
+        files = {**built.files, python_home: python_home, **extra_files}
+        return LocalImage(files, built.steps.workdir, env, (), dockerfile_user(dockerfile))
 
     sidecar = LocalImage({}, "/", {"PATH": "/usr/bin:/bin"})  # alpine, as root
     return {
-        deployment["pipeline"]: image("pipeline"),
-        deployment["trainer"]: image("trainer"),
-        # SGLang's image: its `sglang` is the shim, which runs the harness's stand-in (in place of SGLang's
-        # own package, so this image alone sees the harness)
-        deployment["sglang"]: image(
-            "sglang", {"/opt/sglang-shim": str(SHIM)}, ("/opt/sglang-shim", str(PROJECT_ROOT)), hidden=masked
-        ),
-        deployment["vllm"]: image("vllm"),
+        **{deployment[name]: image(name) for name in ("pipeline", "trainer", "sglang", "vllm")},
         PodDefaults.SIDECAR_CONTAINER.image: sidecar,
     }
 
@@ -228,6 +223,7 @@ def dockerfile_installs_airflow(path: Path) -> bool:
     return bool(re.search(r"^FROM apache/airflow:", text, re.M) or re.search(r"\.\[[^]]*airflow", text))
 
 
+GPU_NODE_PREFIX = "gpu-node-"
 NODES = (
     LocalNode(
         "cpu-node",
@@ -235,13 +231,18 @@ NODES = (
         (),
         {"cpu": "64", "memory": "512Gi", "ephemeral-storage": "900Gi"},
     ),
-    # an 8 x H200 node as cloud providers offer it (p5en.48xlarge: 8 x 3.84 TB of local NVMe), GPUs tainted
-    # for GPU pods only
-    LocalNode(
-        "gpu-node",
-        {"kubernetes.io/os": "linux", "nvidia.com/gpu.product": "NVIDIA-H200"},
-        ({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
-        {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8", "ephemeral-storage": "28Ti"},
+    # 8 x H200 nodes as cloud providers offer them (p5en.48xlarge: 8 x 3.84 TB of local NVMe), GPUs tainted
+    # for GPU pods only: four, what the rehearsal holds at once at most (the two serving replicas beside a
+    # stage's two: the generation fleet's servers or the training Job's nodes). A pod counts its requests
+    # against its node from the moment it is bound, so a pod that holds GPUs idle leaves another Pending.
+    *(
+        LocalNode(
+            f"{GPU_NODE_PREFIX}{index}",
+            {"kubernetes.io/os": "linux", "nvidia.com/gpu.product": "NVIDIA-H200"},
+            ({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
+            {"cpu": "192", "memory": "2048Gi", "nvidia.com/gpu": "8", "ephemeral-storage": "28Ti"},
+        )
+        for index in range(4)
     ),
 )
 
@@ -250,9 +251,16 @@ RUNBOOK = PROJECT_ROOT / "docs" / "RUNBOOK.md"
 REHEARSED, REAL_CLUSTER = "# [rehearsed]", "# [real cluster]"
 
 
-def runbook_commands(marker: str = REHEARSED) -> list[str]:
-    """The commands docs/RUNBOOK.md gives a user, marked with `marker`, in the runbook's order."""
+def runbook_commands(marker: str = REHEARSED, section: str | None = None) -> list[str]:
+    """The commands docs/RUNBOOK.md gives a user, marked with `marker`, in the runbook's order (those of its
+    `## <section>` only, when given: "1." is Deploy)."""
     lines = RUNBOOK.read_text().splitlines()
+    if section is not None:
+        starts = [i for i, line in enumerate(lines) if line.startswith(f"## {section}")]
+        if len(starts) != 1:
+            raise RehearsalFailed(f"docs/RUNBOOK.md has {len(starts)} sections '## {section}'")
+        after = [i for i, line in enumerate(lines) if line.startswith("## ") and i > starts[0]]
+        lines = lines[starts[0] : after[0] if after else len(lines)]
     return [line.split(marker)[0].strip() for line in lines if line.rstrip().endswith(marker)]
 
 
@@ -443,12 +451,18 @@ def kubectl_scale(cluster: LocalCluster):
     return run
 
 
-def kubectl_rollout_status(cluster: LocalCluster):
-    """`kubectl -n NS rollout status statefulset/NAME --timeout=...`: wait until every replica is ready."""
+def kubectl_rollout_status(cluster: LocalCluster, serving: ServingDeployment):
+    """`kubectl -n NS rollout status statefulset/NAME --timeout=...`: wait until every replica is ready;
+    of deployment/NAME (the serving Deployment): until it rolled out."""
 
     def run(command: str) -> str:
         argv = command.split()
-        namespace, name = argv[argv.index("-n") + 1], argv[argv.index("status") + 1].split("/", 1)[1]
+        kind, name = argv[argv.index("status") + 1].split("/", 1)
+        if kind == "deployment":
+            if name != serving.NAME:
+                raise RehearsalFailed(f"{command}: the rehearsal's only Deployment is {serving.NAME}")
+            return serving.rollout_status(command)
+        namespace = argv[argv.index("-n") + 1]
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             status = cluster.statefulset_status(namespace, name)
@@ -590,15 +604,21 @@ def check_watches(runbook: Runbook, cluster: LocalCluster, serving: ServingDeplo
     and role, and the served revision is the one the production drafter was trained for."""
     from pipeline.retrying import poll_until
 
-    def listed() -> bool:
-        return serving.running_pod.ip in cluster.service_addresses("sglang", "kimi-k2-5-replicas")
+    replicas = len(serving.pods)
 
-    _check(poll_until(listed, 60, 0.5), "the serving replica is listed under its headless Service")
+    def listed() -> bool:
+        addresses = cluster.service_addresses("sglang", "kimi-k2-5-replicas")
+        return all(pod.ip in addresses for pod in serving.pods)
+
+    _check(
+        poll_until(listed, 60, 0.5),
+        f"the {replicas} serving replicas are listed under their headless Service",
+    )
     out = runbook.run("kubectl -n airflow exec deploy/airflow-triggerer -- drafter watches")
     lines = [line for line in out.splitlines() if line.startswith(("served acceptance:", "target revision:"))]
     _check(
-        any(line.startswith("served acceptance: 1 replica(s) read apart") for line in lines),
-        f"the triggerer's acceptance watch reads the serving replica through its headless Service: {out}",
+        any(line.startswith(f"served acceptance: {replicas} replica(s) read apart") for line in lines),
+        f"the triggerer's acceptance watch reads each serving replica through their headless Service: {out}",
     )
     _check(
         any(line.startswith("target revision:") and line.endswith(": the same") for line in lines),
@@ -1073,102 +1093,105 @@ def scheduled_run(dag, cron: str):
 
 
 class ServingDeployment:
-    """The `kimi-k2-5-eagle3` Deployment of infra/k8s/sglang-serve.yaml, one replica, on the cluster:
-    `kubectl rollout restart` replaces its pod, whose init container pulls `production` again."""
+    """The `kimi-k2-5-eagle3` Deployment of infra/k8s/sglang-serve.yaml once the runbook applied it (§2.6,
+    after the first promotion), its pods made by the local cluster's Deployment controller: `kubectl
+    rollout restart` rolls them one at a time, each init container pulling `production` again."""
+
+    NAMESPACE, NAME = "sglang", "kimi-k2-5-eagle3"
 
     def __init__(self, cluster: LocalCluster):
         self.cluster = cluster
-        self.doc = next(
-            d
-            for d in yaml.safe_load_all((PROJECT_ROOT / "infra/k8s/sglang-serve.yaml").read_text())
-            if d and d["kind"] == "Deployment"
-        )
-        for container in _template_containers(self.doc):
-            probe_timing_for_the_tiny_target(container)
-        self.generation = 0
-        self.pod: LocalPod | None = None
+
+    @property
+    def pods(self) -> list[LocalPod]:
+        """The Deployment's pods of its current template, oldest first (none before it is applied)."""
+        if (self.NAMESPACE, self.NAME) not in self.cluster.deployments:
+            return []
+        current = self.cluster.deployment_template_hash(self.NAMESPACE, self.NAME)
+        return self.cluster.deployment_pods(self.NAMESPACE, self.NAME, current)
+
+    def rollout_status(self, command: str = "", timeout_s: float = 600) -> str:
+        """`kubectl rollout status deployment/...`: until every replica is a ready pod of the current template
+        and no older pod is left; then each answers /health here too."""
+        from pipeline.retrying import poll_until
+
+        doc = self.cluster.deployments.get((self.NAMESPACE, self.NAME))
+        if doc is None:
+            raise RehearsalFailed(f"deployment {self.NAMESPACE}/{self.NAME} was never applied")
+        replicas = int(doc["spec"].get("replicas", 1))
+
+        def rolled_out() -> bool:
+            for pod in self.pods:
+                reason = self._gone(pod)
+                if reason:
+                    raise RehearsalFailed(f"serving pod {pod.name}: {reason}\n{_pod_logs(pod)}")
+            everything = self.cluster.deployment_pods(self.NAMESPACE, self.NAME)
+            return len(self.pods) == len(everything) == replicas and all(pod.ready() for pod in self.pods)
+
+        if not poll_until(rolled_out, timeout_s, 1.0):
+            raise RehearsalFailed(
+                f"the serving Deployment did not roll out in {timeout_s:.0f} s: "
+                + "; ".join(f"{pod.name} {pod.current_phase()} {pod.events[-2:]}" for pod in self.pods)
+            )
+        for pod in self.pods:
+            _await_health(self._url(pod), lambda pod=pod: self._gone(pod), timeout_s)
+        served = self.served_version()
+        return f'deployment "{self.NAME}" successfully rolled out: {len(self.pods)} pods serve {served}'
 
     def restart(self, command: str = "") -> str:
-        if self.pod is not None:
-            self.cluster.delete_pod(self.doc["metadata"]["namespace"], self.pod.name)
-        self.generation += 1
-        template = self.doc["spec"]["template"]
-        pod = self.cluster.create_pod(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "spec": json.loads(json.dumps(template["spec"])),
-                "metadata": {
-                    "name": f"{self.doc['metadata']['name']}-{self.generation}",
-                    "namespace": self.doc["metadata"]["namespace"],
-                    "labels": template["metadata"]["labels"],
-                },
-            }
-        )
-        self.pod = pod
-        self._await_ready(self.url, 600)
-        return f"pod {pod.name} serves {self.served_version()}"
+        self.cluster.rollout_restart(self.NAMESPACE, self.NAME)
+        return self.rollout_status()
 
     @property
     def running_pod(self) -> LocalPod:
-        """The pod the last restart created (the Deployment has none before its first restart)."""
-        if self.pod is None:
-            raise RehearsalFailed("the serving Deployment has no pod: it was never restarted, or stopped")
-        return self.pod
+        """The newest pod of the current template (the Deployment has none before it is applied)."""
+        if not self.pods:
+            raise RehearsalFailed("the serving Deployment has no pod: it was never applied, or stopped")
+        return self.pods[-1]
 
-    def _await_ready(self, url: str, timeout_s: float) -> None:
-        """Until the pod is ready as its readiness probe says (what `kubectl rollout status` and the
-        Service's endpoints wait for), then answers /health here too."""
-        from pipeline.retrying import poll_until
-
-        def ready() -> bool:
-            reason = self._gone()
-            if reason:
-                raise RehearsalFailed(f"{url}: {reason}")
-            return self.running_pod.ready()
-
-        try:
-            if not poll_until(ready, timeout_s, 1.0):
-                raise RehearsalFailed(
-                    f"the pod's readiness probe never passed in {timeout_s:.0f} s "
-                    f"({self.running_pod.manifest['spec']['containers'][0].get('readinessProbe')})"
-                )
-            _await_health(url, self._gone, timeout_s)
-        except RehearsalFailed as failure:
-            pod = self.running_pod
-            logs = [path.read_text()[-3000:] for path in sorted(pod.directory.glob("*.log"))]
-            raise RehearsalFailed(
-                f"the serving pod did not become ready: {failure}; events "
-                f"{pod.events[-2:]}\n" + "\n".join(logs)
-            ) from failure
-
-    def _gone(self) -> str | None:
-        pod = self.running_pod
+    @staticmethod
+    def _gone(pod: LocalPod) -> str | None:
+        """Why the pod will never serve (None: it may yet): failed, its server exited, or its init
+        container (the pull) failing and restarting with back-off."""
         server = pod.containers.get("sglang")
-        if pod.phase == "Failed":
+        if pod.current_phase() == "Failed":
             return f"the pod failed ({pod.reason})"
-        return (
-            f"the server exited with code {server.exit_code}"
-            if server is not None and not server.running
-            else None
-        )
+        if pod.init_restarts:
+            return f"its init container keeps failing: {pod.events[-1]['message']}"
+        if server is not None and not server.running:
+            return f"the server exited with code {server.exit_code}"
+        return None
+
+    @staticmethod
+    def _url(pod: LocalPod) -> str:
+        # the pod's own address (the Deployment's pods have no DNS name)
+        return f"http://{pod.ip}:{SERVING_PORT}"
 
     @property
     def url(self) -> str:
-        """The server in the pod, on the pod's own address (the Deployment's pods have no DNS name)."""
-        return f"http://{self.running_pod.ip}:{SERVING_PORT}"
+        return self._url(self.running_pod)
 
     def served_version(self) -> str:
-        manifest = self.running_pod.directory / "volumes" / "drafter" / "current" / "manifest.json"
-        return json.loads(manifest.read_text())["version"]
+        """The version the pods pulled (all the same, or the rehearsal fails)."""
+        versions = {
+            json.loads((pod.directory / "volumes" / "drafter" / "current" / "manifest.json").read_text())[
+                "version"
+            ]
+            for pod in self.pods
+        }
+        if len(versions) != 1:
+            raise RehearsalFailed(f"the serving pods serve {sorted(versions)}: not one version")
+        return versions.pop()
 
     def flags(self) -> str:
         return (self.running_pod.directory / "volumes" / "drafter" / "serving-flags").read_text().strip()
 
     def stop(self) -> None:
-        if self.pod is not None:
-            self.cluster.delete_pod(self.doc["metadata"]["namespace"], self.pod.name)
-            self.pod = None
+        self.cluster.delete_deployment(self.NAMESPACE, self.NAME)
+
+
+def _pod_logs(pod: LocalPod) -> str:
+    return "\n".join(path.read_text()[-3000:] for path in sorted(pod.directory.glob("*.log")))
 
 
 def check_serving(serving: ServingDeployment, expected_version: str, reference_url: str) -> str:
@@ -1198,14 +1221,14 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
     """Run everything, in the runbook's order; returns the summary lines. Raises on any failure."""
     airflow_environment(workspace)
     server, endpoint = start_s3()
-    cluster = LocalCluster(workspace / "cluster", _images(), NODES, aws_endpoint=endpoint)
+    cluster = LocalCluster(workspace / "cluster", _images(workspace), NODES, aws_endpoint=endpoint)
     serving = ServingDeployment(cluster)
     runbook = Runbook(
         {
             "aws s3api": aws_s3api(endpoint),
             "kubectl apply": kubectl_apply(cluster, workspace),
             "kubectl -n sglang scale": kubectl_scale(cluster),
-            "kubectl -n sglang rollout status": kubectl_rollout_status(cluster),
+            "kubectl -n sglang rollout status": kubectl_rollout_status(cluster, serving),
             "kubectl -n drafter wait": kubectl_wait_for_job(cluster),
             "kubectl -n drafter logs": kubectl_logs(cluster),
             # before the plain `kubectl -n airflow exec`, which runs `airflow` commands here
@@ -1221,21 +1244,27 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
     try:
         cluster.start_api()
         worker_identity(workspace, endpoint)
-        for command in runbook_commands():  # §1: S3 and IAM, the cluster objects
+        for command in runbook_commands(section="1."):  # §1: S3 and IAM, the cluster objects
             if command.startswith(("aws s3api", "kubectl apply", "kubectl -n drafter wait")):
                 runbook.run(command)
+        _check(
+            not cluster.gpus_held(),
+            f"no pod holds a GPU once the install's manifests are applied (held: {cluster.gpus_held()})",
+        )
         model_dir = fill_volumes(cluster, cache)
         reference_url = start_reference_server(
             model_dir, workspace, processes
         )  # stopped below, started or not
         check_fleets_at_rest(cluster, "the manifests were applied")
-        for command in runbook_commands():  # §1.5: one capture server up for a look at its flags, then down
+        for command in runbook_commands(
+            section="1."
+        ):  # one capture server up for a look at its flags, then down
             if command.startswith(("kubectl -n sglang scale", "kubectl -n sglang rollout status", "curl")):
                 runbook.run(command)
         helm_release(cluster, workspace)
         start_airflow(workspace, cluster)
         runbook.run(
-            "kubectl -n airflow exec deploy/airflow-scheduler -- airflow pools set drafter_gpu 2 "
+            "kubectl -n airflow exec deploy/airflow-scheduler -- airflow pools set drafter_gpu 3 "
             '"GPU-bound drafter tasks"'
         )
         runbook.run(
@@ -1450,7 +1479,7 @@ def check_engine_placement(runs: list, cluster: LocalCluster, deployment, stage_
         expected = deployment.placed_fields(stage, engine)
         on_gpus = bool(expected["node_selector"])
         _check(
-            row["image"] == expected["image"] and (row["node"] == "gpu-node") == on_gpus,
+            row["image"] == expected["image"] and (row["node"] or "").startswith(GPU_NODE_PREFIX) == on_gpus,
             f"pod {row['pod']} ({row['dag_id']}.{row['task_id']}, {stage} engine {engine}) ran in the "
             f"image {row['image']} on {row['node']}, as the deployment places that engine",
         )
@@ -1630,7 +1659,9 @@ def run_dags(
         **{"the train run id": safe_id(first.run_id)},
     )
     first_version = promoted_version(first)
-    runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
+    _check(not serving.pods, "nothing serves before the runbook applies the serving Deployment")
+    runbook.run("kubectl apply -f infra/k8s/sglang-serve.yaml")
+    runbook.run("kubectl -n sglang rollout status deployment/kimi-k2-5-eagle3 --timeout=30m")
     lines.append(check_serving(serving, first_version, reference_url))
     lines.append(check_watches(runbook, cluster, serving))
     lines.append(check_setting_choice(first, serving))
@@ -1676,6 +1707,8 @@ def run_dags(
     )
     second_version = promoted_version(cron)
     _check(second_version != first_version, f"the cron run promoted a new version {second_version}")
+    runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")  # §2.6: a later promotion
+    lines.append(check_serving(serving, second_version, reference_url))
 
     from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
 

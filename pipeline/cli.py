@@ -418,7 +418,8 @@ def _plan(args, config) -> int:
         from pipeline.ops.deployment import load_deployment
         from pipeline.ops.plan_fit import deployment_fit, format_fit
 
-        checks = deployment_fit(report, load_deployment(args.deployment).plan_limits())
+        limits = load_deployment(args.deployment).plan_limits()
+        checks = deployment_fit(report, limits, config.prompts.shard_size)
         report["deployment_fit"] = checks
     print(json.dumps(report, indent=2) if args.json else format_plan(report))
     if checks is not None and not args.json:

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from pipeline.benchmark_settings import ENGINE_NAMES
 from pipeline.config import ConfigError, validation_problems
@@ -248,6 +248,11 @@ class DeploymentConfig(Strict):
         description="the run config of scheduled runs (the retraining cron) and the trigger form's default",
     )
     gpu_pool: str = Field("drafter_gpu", description="Airflow pool that GPU-bound tasks share")
+    gpu_pool_slots: PositiveInt = Field(
+        2,
+        description="the pool's size as the runbook sets it (`airflow pools set`): how many shard tasks "
+        "share a fleet at once, which the plan checks each shard's time at",
+    )
     retry_delay_seconds: int = Field(60, ge=0)
     aws_conn_id: str | None = Field(
         "aws_default", description="connection holding S3 credentials (local executor)"
@@ -345,10 +350,14 @@ class DeploymentConfig(Strict):
         return fleets[stage].model_dump() if stage in fleets else None
 
     def plan_limits(self) -> dict[str, Any]:
-        """The limits a run's plan must fit (pipeline.ops.plan_fit): the train task's timeout and the DAGs'
-        deadlines, as plain data."""
+        """The limits a run's plan must fit (pipeline.ops.plan_fit): the train task's timeout, the shard
+        tasks' timeouts with the shards in flight at once, and the DAGs' deadlines, as plain data."""
         return {
             "train_timeout_minutes": self.stage("train").timeout_minutes,
+            "shard_timeout_minutes": {
+                name: self.stage(name).timeout_minutes for name in ("generate", "capture")
+            },
+            "shards_in_flight": self.gpu_pool_slots,
             "deadline_minutes": dict(self.deadline_minutes),
         }
 

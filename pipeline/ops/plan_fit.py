@@ -2,7 +2,8 @@
 make it fit: `drafter plan --deployment` prints it, and each DAG's configure task refuses, before anything
 starts, a run its limits cannot hold (`refuse_unfit`), naming the binding stage and the changes that fit.
 
-The limits come as plain data (DeploymentConfig.plan_limits: the train task's timeout, each DAG's deadline)
+The limits come as plain data (DeploymentConfig.plan_limits: the train and shard tasks' timeouts, the shards
+in flight, each DAG's deadline)
 because the configure task runs in a pod that has no deployment config."""
 
 from __future__ import annotations
@@ -19,17 +20,23 @@ TIMEOUT_MARGIN = 1.2
 
 # the limits each DAG's configure enforces: those on the stages it runs
 DAG_LIMITS = {
-    "drafter_data": ("deadline_minutes.drafter_data",),
+    "drafter_data": (
+        "stages.generate.timeout_minutes",
+        "stages.capture.timeout_minutes",
+        "gpu_pool_slots",
+        "deadline_minutes.drafter_data",
+    ),
     "drafter_train": ("stages.train.timeout_minutes", "deadline_minutes.drafter_train"),
 }
 DATA_STAGES = ("generate", "capture")
 
 
-def deployment_fit(report: dict[str, Any], limits: dict[str, Any]) -> list[dict[str, Any]]:
+def deployment_fit(report: dict[str, Any], limits: dict[str, Any], shard_size: int) -> list[dict[str, Any]]:
     """Whether the deployment's limits let the planned run finish: the train task's timeout against the
-    planned training (one attempt trains the whole run: TIMEOUT_MARGIN), and each DAG's deadline against
-    the stages it runs (a deadline under the plan alerts on every run). Each check: what it limits, its
-    hours, the planned hours, whether it fits and, where it does not, what would make it fit."""
+    planned training (one attempt trains the whole run: TIMEOUT_MARGIN), each shard task's timeout against
+    one shard's time (`shard_checks`), and each DAG's deadline against the stages it runs (a deadline under
+    the plan alerts on every run). Each check: what it limits, its hours, the planned hours, whether it fits
+    and, where it does not, what would make it fit."""
     stages = report["stages"]
     train_limit = limits["train_timeout_minutes"] / 60
     checks = [
@@ -59,7 +66,57 @@ def deployment_fit(report: dict[str, Any], limits: dict[str, Any]) -> list[dict[
             )
     for check in checks:
         check["to_fit"] = [] if check["fits"] else ways_to_fit(check, report)
-    return checks
+    return checks[:1] + shard_checks(report, limits, shard_size) + checks[1:]
+
+
+def shard_checks(report: dict[str, Any], limits: dict[str, Any], shard_size: int) -> list[dict[str, Any]]:
+    """Each data stage's shard task timeout against one shard's time: the shards in flight at once (the GPU
+    pool's slots) share the stage's fleet, so each takes the stage's hours x in flight / shards. A timeout
+    kills the shard task, and its retry starts the clock again (TIMEOUT_MARGIN)."""
+    shards = max(math.ceil(report["samples"] / shard_size), 1)
+    in_flight = min(limits["shards_in_flight"], shards)
+    checks = []
+    for name in DATA_STAGES:
+        hours = limits["shard_timeout_minutes"][name] / 60
+        shard_hours = report["stages"][name]["wall_hours"] * in_flight / shards
+        fits = hours >= TIMEOUT_MARGIN * shard_hours
+        check = {
+            "limit": f"stages.{name}.timeout_minutes",
+            "hours": round(hours, 1),
+            "planned_hours": round(shard_hours, 1),
+            "fits": fits,
+            "needs": f"{TIMEOUT_MARGIN:g} x one shard's time, {in_flight} of {shards} shards sharing the "
+            "fleet: a timeout kills the shard task",
+            "to_fit": [],
+        }
+        if not fits:
+            smaller = math.floor(shard_size * hours / (TIMEOUT_MARGIN * shard_hours))
+            servers = _servers_needed(report["servers"][name], TIMEOUT_MARGIN * shard_hours, hours)
+            check["to_fit"] = [
+                f"{name} shards take {shard_hours:,.1f} h: prompts.shard_size of at most {smaller:,} "
+                f"(it is {shard_size:,}); or {servers} {name} servers ({name}.sglang.urls; the plan has "
+                f"{report['servers'][name]}); or stages.{name}.timeout_minutes of at least "
+                f"{math.ceil(TIMEOUT_MARGIN * shard_hours * 60):,}"
+            ]
+        checks.append(check)
+    return checks + [_clients_check(report, limits, shards)]
+
+
+def _clients_check(report: dict[str, Any], limits: dict[str, Any], shards: int) -> dict[str, Any]:
+    """The capture clients the plan counts on run as shard tasks at once: the pool must let that many run,
+    or capture runs slower than planned (each client's parsing caps its share of the fleet)."""
+    wanted = min(report["capture_paths"]["http"]["clients"], shards)
+    slots = limits["shards_in_flight"]
+    return {
+        "limit": "gpu_pool_slots",
+        "hours": None,
+        "planned_hours": None,
+        "count": slots,
+        "planned_count": wanted,
+        "fits": slots >= wanted,
+        "needs": f"{wanted} capture shard tasks at once: the plan counts on {wanted} capture clients",
+        "to_fit": [] if slots >= wanted else [f"gpu_pool_slots of at least {wanted}, and the pool as large"],
+    }
 
 
 def _servers_needed(servers: int, stage_hours: float, hours_left: float) -> int | None:
@@ -109,11 +166,13 @@ def ways_to_fit(check: dict[str, Any], report: dict[str, Any]) -> list[str]:
 def format_fit(checks: list[dict[str, Any]], deployment_path: str) -> str:
     lines = [f"deployment limits ({deployment_path}):"]
     for check in checks:
-        verdict = "fits" if check["fits"] else f"TOO SHORT: needs {check['needs']}"
-        lines.append(
-            f"  {check['limit']:<36}{check['hours']:>9,.1f} h  planned {check['planned_hours']:,.1f} h: "
-            + verdict
-        )
+        if check["hours"] is None:  # a count
+            verdict = "fits" if check["fits"] else f"TOO FEW: needs {check['needs']}"
+            figures = f"{check['count']:>9,}    planned {check['planned_count']:,}"
+        else:
+            verdict = "fits" if check["fits"] else f"TOO SHORT: needs {check['needs']}"
+            figures = f"{check['hours']:>9,.1f} h  planned {check['planned_hours']:,.1f} h"
+        lines.append(f"  {check['limit']:<36}{figures}: " + verdict)
         lines += [f"    to fit: {way}" for way in check.get("to_fit", [])]
     return "\n".join(lines)
 
@@ -133,7 +192,7 @@ def refuse_unfit(config: RunConfig, limits: dict[str, Any], dag_id: str, config_
         ) from err
     failing = [
         check
-        for check in deployment_fit(report, limits)
+        for check in deployment_fit(report, limits, config.prompts.shard_size)
         if check["limit"] in DAG_LIMITS[dag_id] and not check["fits"]
     ]
     if failing:
@@ -142,9 +201,15 @@ def refuse_unfit(config: RunConfig, limits: dict[str, Any], dag_id: str, config_
             f"(`drafter plan --config {config_path} --samples {samples} --deployment ...` shows the plan):"
         ]
         for check in failing:
-            lines.append(
-                f"  {check['limit']} is {check['hours']:,.1f} h; the plan needs "
-                f"{check['planned_hours']:,.1f} h ({check['needs']})"
-            )
+            if check["hours"] is None:
+                lines.append(
+                    f"  {check['limit']} is {check['count']:,}; the plan needs {check['planned_count']:,} "
+                    f"({check['needs']})"
+                )
+            else:
+                lines.append(
+                    f"  {check['limit']} is {check['hours']:,.1f} h; the plan needs "
+                    f"{check['planned_hours']:,.1f} h ({check['needs']})"
+                )
             lines += [f"  to fit: {way}" for way in check["to_fit"]]
         raise ConfigError("\n".join(lines))

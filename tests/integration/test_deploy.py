@@ -121,6 +121,25 @@ def test_dockerfiles_pin_what_pyproject_pins():
     assert decided == {"torch", "transformers", "tokenizers", "deepspeed"}
     assert "--no-deps ." in sglang and "pyproject.toml" in sglang
     assert all("==" in dependency for dependency in dependencies)  # the rest arrive pinned
+    # SGLang's environment keeps its versions (numpy past a bound of one of SGLang's dependencies only
+    # warned): ours are installed under a constraints file of it, and a conflict left fails the build
+    last_install = sglang.rindex("pip install")
+    assert "-c /tmp/sglang-environment.txt" in sglang and "pip check" in sglang[last_install:]
+    assert sglang.index("pip list --format=freeze > /tmp/sglang-environment.txt") < last_install
+
+
+def test_the_sglang_image_installs_only_what_sglangs_environment_lacks_at_our_pins():
+    sys.path.insert(0, str(REPO / "docker"))
+    try:
+        from sglang_requirements import requirements
+    finally:
+        sys.path.remove(str(REPO / "docker"))
+    dependencies = ["torch==2.13.*", "numpy==2.4.6", "tenacity==9.2.1", "mlflow-skinny==3.17.2"]
+    assert requirements(dependencies, {"torch"}, {"torch", "numpy", "mlflow-skinny"}) == [
+        "numpy",  # SGLang's environment has it: its version stays, under the constraints file
+        "tenacity==9.2.1",  # it has not: our pin
+        "mlflow-skinny",
+    ]
     assert "sglang" not in PYPROJECT["project"]["optional-dependencies"]
 
 
@@ -154,6 +173,7 @@ MODELS = {
     "PersistentVolume": "V1PersistentVolume",
     "Role": "V1Role",
     "RoleBinding": "V1RoleBinding",
+    "PodDisruptionBudget": "V1PodDisruptionBudget",
 }
 
 
@@ -427,7 +447,13 @@ def test_bucket_policy_and_lifecycle_rules_load_into_s3(s3_endpoint):
     s3.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration=lifecycle)
     rules = {rule["ID"]: rule for rule in s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
     root = KIMI["storage"]["root"].removeprefix(f"s3://{bucket}/")
-    assert rules["captures-to-infrequent-access-then-expire"]["Filter"]["Prefix"] == f"{root}/captures/"
+    assert rules["captures-to-infrequent-access"]["Filter"]["Prefix"] == f"{root}/captures/"
+    # datasets read their captures' shards where they are: nothing a dataset can name ever expires
+    for kept in ("captures", "datasets", "responses"):
+        assert not any(
+            f"{root}/{kept}/".startswith(rule["Filter"].get("Prefix", "")) and "Expiration" in rule
+            for rule in rules.values()
+        ), kept
     assert rules["abandoned-multipart-uploads"]["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == 7
     # the registry never expires: no rule reaches drafters/
     assert not any(
@@ -574,26 +600,28 @@ def test_every_pod_runs_as_the_task_pods_user():
     assert f"chown {run_as.uid}:{run_as.gid} {placement.cache_path}" in script
 
 
-def test_the_local_clusters_images_have_airflow_where_their_dockerfiles_install_it():
-    """The rehearsal's pods run on this machine's virtualenv, which has Airflow; a pod of an image built
-    without it (trainer, SGLang, vLLM) meets harness/image_without_airflow first on its PYTHONPATH, so
-    `import airflow` fails there as in the built image and succeeds in the pipeline image's pods."""
+def test_the_local_clusters_images_have_airflow_where_their_dockerfiles_install_it(tmp_path):
+    """The rehearsal's images take their third-party packages from this machine's virtualenv, which has
+    Airflow; a pod of an image built without it (trainer, SGLang, vLLM) meets harness/image_without_airflow
+    first on its PYTHONPATH, so `import airflow` fails there as in the built image and succeeds in the
+    pipeline image's pods. Each runs its own image's Python, as its pods do."""
     from harness.rehearsal import _images, dockerfile_installs_airflow
 
     names = {ref: key for key, ref in K8S_DEPLOYMENT["kubernetes"]["images"].items()}
     has_airflow = {}
-    for ref, image in _images().items():
+    for ref, image in _images(tmp_path).items():
         if ref not in names:  # the xcom sidecar: alpine, no Python
             continue
         inside = [entry for entry in image.env.get("PYTHONPATH", "").split(":") if entry]
         on_host = [image.files.get(entry, entry) for entry in inside]  # where each entry is bound from
+        python = Path(image.env["PATH"].split(":")[0]) / "python"
         out = subprocess.run(
-            [sys.executable, "-c", "import airflow.plugins_manager"],
+            [str(python), "-c", "import airflow.plugins_manager"],
             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(on_host)},
             capture_output=True,
             text=True,
             timeout=120,
-            cwd=REPO,
+            cwd=tmp_path,
         )
         has_airflow[names[ref]] = out.returncode == 0
         if out.returncode != 0:
@@ -615,3 +643,50 @@ def test_helm_upgrades_keep_the_secrets_running_tasks_hold():
         name = HELM_VALUES[value]
         made = runbook.find(f"create secret generic {name} --from-literal={key}=")
         assert 0 <= made < install, (value, name)
+
+
+def test_the_install_applies_nothing_that_holds_gpus_and_serving_comes_after_a_promotion():
+    """A pod holds the GPUs it requests from the moment it is scheduled, init containers included: the
+    serving Deployment applied at install would hold 16 GPUs, its pull of `production` failing until the
+    first promotion. The install's manifests run no GPU pod; serving is applied in §2 once `drafter list`
+    shows a production version."""
+    from harness.cluster import pod_requests
+    from harness.rehearsal import runbook_commands
+
+    held = {}
+    for command in runbook_commands(section="1."):
+        for path in re.findall(r"-f (\S+)", command) if command.startswith("kubectl apply") else ():
+            for doc in (d for d in yaml.safe_load_all((REPO / path).read_text()) if d):
+                if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
+                    spec = doc["spec"]
+                    pods = spec.get("parallelism", 1) if doc["kind"] == "Job" else spec.get("replicas", 1)
+                    gpus = pods * pod_requests(spec["template"]["spec"]).get("nvidia.com/gpu", 0)
+                    if gpus:
+                        held[f"{path}: {doc['kind']}/{doc['metadata']['name']}"] = gpus
+    assert held == {}
+    first_run = runbook_commands(section="2.")
+    serve = first_run.index("kubectl apply -f infra/k8s/sglang-serve.yaml")
+    assert any(command.startswith("drafter list") for command in first_run[:serve])
+
+
+def test_the_runbook_names_the_driver_each_images_cuda_needs():
+    """A CUDA 13 image needs an R580+ driver on the node, CUDA 12.x R570+ (NVIDIA's CUDA compatibility
+    table: 13.0 with 580.65.06, 12.8 with 570.26): the runbook says so for each CUDA the images are built
+    on."""
+    needs = {"13": "R580", "12": "R570"}
+    runbook = (REPO / "docs" / "RUNBOOK.md").read_text()
+    for dockerfile in sorted((REPO / "docker").glob("*.Dockerfile")):
+        base = re.search(r"^FROM nvidia/cuda:(\d+)\.(\d+)", dockerfile.read_text(), flags=re.M)
+        if base:
+            assert needs[base.group(1)] in runbook, (dockerfile.name, base.group(0))
+            assert f"CUDA {base.group(1)}.{base.group(2)}" in runbook, dockerfile.name
+
+
+def test_a_drain_never_takes_every_serving_replica_at_once():
+    docs = [d for d in yaml.safe_load_all((REPO / "infra/k8s/sglang-serve.yaml").read_text()) if d]
+    serving = next(d for d in docs if d["kind"] == "Deployment")
+    budgets = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    assert len(budgets) == 1 and budgets[0]["metadata"]["namespace"] == serving["metadata"]["namespace"]
+    budget = budgets[0]["spec"]
+    assert budget["selector"]["matchLabels"] == serving["spec"]["selector"]["matchLabels"]
+    assert budget["maxUnavailable"] < serving["spec"]["replicas"]

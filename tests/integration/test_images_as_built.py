@@ -106,3 +106,26 @@ def test_an_editable_install_or_a_missing_source_is_refused(tmp_path):
     missing.write_text("FROM python:3.11\nWORKDIR /app\nCOPY infra/k8s/no-such.yaml ./infra/\n")
     with pytest.raises(ImageBuildFailed, match="infra/k8s/no-such.yaml: not in the build context"):
         build("missing", tmp_path / "image", missing)
+
+
+def test_the_node_jobs_torchrun_is_on_the_trainer_images_path_and_runs_its_python(tmp_path):
+    """The node Job runs `torchrun` by name: the trainer image's PATH must hold it (pip puts torch's console
+    scripts in the image's environment), and it must run the image's Python, which imports the project as
+    installed there, not the checkout."""
+    import yaml
+
+    job = yaml.safe_load((REPO / "infra/k8s/trainer-workers.yaml").read_text())
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"][0]
+    image = build("trainer", tmp_path / "trainer")
+    script = image.bin / command
+    assert script.is_file(), f"{command} is not in the trainer image's {image.bin}"
+    assert script.read_text().splitlines()[0] == f"#!{image.bin / 'python'}"
+    done = subprocess.run(
+        [str(script), "--help"],
+        env={"PATH": f"{image.bin}:/usr/bin:/bin", "HOME": str(tmp_path)},
+        cwd=image.files[image.steps.workdir],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "--nnodes" in done.stdout, done.stderr[-2000:]

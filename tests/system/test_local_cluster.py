@@ -96,7 +96,7 @@ def cluster(tmp_path):
     local = LocalCluster(
         tmp_path / "cluster",
         {"shell": SHELL},
-        (LocalNode("cpu", {}, (), {"cpu": "8", "memory": "16Gi"}),),
+        (LocalNode("cpu", {}, (), {"cpu": "8", "memory": "16Gi", "ephemeral-storage": "100Gi"}),),
         aws_endpoint="http://127.0.0.1:9",
     )
     local.apply(manifest)
@@ -890,3 +890,125 @@ def test_clusters_side_by_side_hold_network_blocks_of_their_own_until_shut_down(
     finally:
         second.shutdown()
         first.shutdown()
+
+
+GPU_TOLERATION = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def serving_deployment(replicas: int, init_script: str, rolling=None) -> dict:
+    """A Deployment of GPU pods as infra/k8s/sglang-serve.yaml makes them: an init container first (there,
+    the pull of `production`), then a long-running server, each pod requesting a whole node's GPUs."""
+    spec = gpu_pod(
+        nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"},
+        tolerations=GPU_TOLERATION,
+        initContainers=[{"name": "pull", "image": "shell", "command": ["sh", "-c", init_script]}],
+    )
+    spec["containers"][0].update(image="shell", command=["sh", "-c", "exec sleep 600"])
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "serve", "namespace": "ns"},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": "serve"}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": rolling or {"maxSurge": 0, "maxUnavailable": 1},
+            },
+            "template": {"metadata": {"labels": {"app": "serve"}}, "spec": spec},
+        },
+    }
+
+
+@pytest.fixture
+def gpu_cluster(tmp_path):
+    namespace = tmp_path / "ns.yaml"
+    namespace.write_text(
+        yaml.safe_dump({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}})
+    )
+    local = LocalCluster(tmp_path / "cluster", {"shell": SHELL}, (GPU_NODE,), crash_backoff_s=0.2)
+    local.apply(namespace)
+    yield local
+    local.shutdown()
+
+
+def apply_doc(cluster, tmp_path, doc, name="doc.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return cluster.apply(path)
+
+
+def test_a_deployment_whose_init_container_fails_holds_its_gpus_and_leaves_other_gpu_pods_pending(
+    gpu_cluster, tmp_path
+):
+    """An applied Deployment creates its pods; an init container that keeps failing (serving's pull before
+    anything is promoted) restarts with back-off while its pod stays Pending on its node, holding all 8
+    GPUs, so a capture server created after it is not scheduled until the Deployment is gone."""
+    apply_doc(gpu_cluster, tmp_path, serving_deployment(1, "exit 1"))
+    wait_for(lambda: len(gpu_cluster.deployment_pods("ns", "serve")) == 1)
+    serving = gpu_cluster.deployment_pods("ns", "serve")[0]
+    assert serving.name.startswith("serve-") and serving.manifest["metadata"]["labels"]["app"] == "serve"
+    wait_for(lambda: serving.init_restarts.get("pull", 0) >= 2)
+    assert serving.current_phase() == "Pending" and serving.node == "gpu"
+    assert gpu_cluster.gpus_held() == {"gpu": 8.0}
+    assert any(event["reason"] == "BackOff" for event in serving.events)
+
+    capture = gpu_cluster.create_pod(
+        {
+            "metadata": {"name": "capture-0", "namespace": "ns"},
+            "spec": {
+                **gpu_pod(nodeSelector={"nvidia.com/gpu.product": "NVIDIA-H200"}, tolerations=GPU_TOLERATION),
+                "restartPolicy": "Never",
+            }
+            | {"containers": [{**gpu_pod()["containers"][0], "image": "shell", "command": ["sleep", "600"]}]},
+        }
+    )
+    wait_for(lambda: any(event["reason"] == "FailedScheduling" for event in capture.events))
+    scheduled = gpu_cluster.core_v1._status(capture)["conditions"]
+    assert capture.node is None and scheduled == [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+    ]
+    assert "insufficient nvidia.com/gpu: requests 8, 0 of 8 free" in capture.events[-1]["message"]
+
+    apply_doc(gpu_cluster, tmp_path, serving_deployment(0, "exit 1"))  # scaled to 0: its pod goes
+    wait_for(lambda: capture.node == "gpu" and capture.current_phase() == "Running")
+    assert not gpu_cluster.deployment_pods("ns", "serve")
+
+
+def test_a_rollout_restart_replaces_one_replica_at_a_time_in_place(tmp_path):
+    """maxSurge 0, maxUnavailable 1 (infra/k8s/sglang-serve.yaml): never more pods than replicas, so two
+    8-GPU replicas on two nodes roll without a third node; a failed pod is replaced."""
+    two_nodes = (GPU_NODE, LocalNode("gpu-b", GPU_NODE.labels, GPU_NODE.taints, GPU_NODE.capacity))
+    cluster = LocalCluster(tmp_path / "cluster", {"shell": SHELL}, two_nodes, crash_backoff_s=0.2)
+    try:
+        namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ns"}}
+        apply_doc(cluster, tmp_path, namespace, "ns.yaml")
+        apply_doc(cluster, tmp_path, serving_deployment(2, "true"))
+        wait_for(lambda: sum(pod.ready() for pod in cluster.deployment_pods("ns", "serve")) == 2)
+        before = {pod.name for pod in cluster.deployment_pods("ns", "serve")}
+        assert {pod.node for pod in cluster.deployment_pods("ns", "serve")} == {"gpu", "gpu-b"}
+        most = [0]
+
+        def rolled() -> bool:
+            pods = cluster.deployment_pods("ns", "serve")
+            most[0] = max(most[0], len(pods))
+            return len(pods) == 2 and all(pod.ready() for pod in pods) and not before & {p.name for p in pods}
+
+        new_hash = cluster.rollout_restart("ns", "serve")
+        wait_for(rolled, timeout=60)
+        assert most[0] == 2
+        assert {
+            pod.manifest["metadata"]["labels"]["pod-template-hash"]
+            for pod in cluster.deployment_pods("ns", "serve")
+        } == {new_hash}
+
+        lost = cluster.deployment_pods("ns", "serve")[0]
+        cluster.kill_pod("ns", lost.name)
+        wait_for(
+            lambda: (
+                len(cluster.deployment_pods("ns", "serve")) == 2
+                and lost not in cluster.deployment_pods("ns", "serve")
+            )
+        )
+    finally:
+        cluster.shutdown()

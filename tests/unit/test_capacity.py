@@ -2,6 +2,8 @@
 measured with the real shard writer, compute from rates and replica counts, S3 cost. The CLI and measured
 transport rates: tests/integration/test_capacity.py."""
 
+import re
+
 import pytest
 
 from pipeline.config import ConfigError, load_config
@@ -182,10 +184,15 @@ def test_the_kubernetes_deployment_lets_the_pilot_finish(kimi):
     """One train attempt covers the 37K pilot's planned training with room, and no DAG's deadline alerts
     before the plan's hours are up (a train timeout shorter than the planned training could never finish)."""
     checks = deployment_fit(
-        plan(kimi, 37_000), load_deployment(REPO / "configs/deployment/kubernetes.yaml").plan_limits()
+        plan(kimi, 37_000),
+        load_deployment(REPO / "configs/deployment/kubernetes.yaml").plan_limits(),
+        kimi.prompts.shard_size,
     )
     assert [check["limit"] for check in checks] == [
         "stages.train.timeout_minutes",
+        "stages.generate.timeout_minutes",
+        "stages.capture.timeout_minutes",
+        "gpu_pool_slots",
         "deadline_minutes.drafter_data",
         "deadline_minutes.drafter_train",
     ]
@@ -200,13 +207,19 @@ def test_a_limit_shorter_than_the_plan_is_named(kimi):
     short = DeploymentConfig.model_validate(
         {"stages": {"train": {"timeout_minutes": 12 * 60}}, "deadline_minutes": {"drafter_data": 600}}
     )
-    checks = deployment_fit(pilot, short.plan_limits())
+    checks = deployment_fit(pilot, short.plan_limits(), kimi.prompts.shard_size)
     assert [(check["limit"], check["fits"]) for check in checks] == [
         ("stages.train.timeout_minutes", False),
+        # the stages' default timeout (60 minutes) under a pilot's shard
+        ("stages.generate.timeout_minutes", False),
+        ("stages.capture.timeout_minutes", False),
+        ("gpu_pool_slots", False),  # 2 by default: the plan counts on 3 capture clients at once
         ("deadline_minutes.drafter_data", False),
     ]
     text = format_fit(checks, "short.yaml")
     assert f"12.0 h  planned {train_hours:.1f} h: TOO SHORT" in text
+    assert "2    planned 3: TOO FEW: needs 3 capture shard tasks at once" in text
+    assert "to fit: gpu_pool_slots of at least 3, and the pool as large" in text
 
 
 KUBERNETES = load_deployment(REPO / "configs/deployment/kubernetes.yaml")
@@ -224,7 +237,7 @@ def test_the_committed_production_config_fits_its_deployment_at_the_missions_sca
     """configs/kimi-k2.5.yaml at 200,000 samples: generation and capture inside the data DAG's deadline,
     one train attempt inside its timeout (what `drafter plan --samples 200000 --deployment ...` prints)."""
     assert kimi.prompts.num_samples == 200_000
-    checks = deployment_fit(plan(kimi, 200_000), KUBERNETES_LIMITS)
+    checks = deployment_fit(plan(kimi, 200_000), KUBERNETES_LIMITS, kimi.prompts.shard_size)
     assert all(check["fits"] for check in checks), checks
     _configure([])  # and configure lets it start
 
@@ -241,6 +254,31 @@ def test_configure_refuses_a_data_run_past_its_deadline_and_says_what_fits():
     assert "capture binds (777.5 h, bound by transport): 19 capture servers" in text
     assert "capture.engine inprocess (its plan: 13.3 h" in text
     assert "deadline_minutes.drafter_data of at least 51,648" in text
+
+
+def test_configure_refuses_shards_that_cannot_finish_within_their_tasks_timeout():
+    """Two capture servers shared by 4 shard tasks at once (the runbook's 2-4): each of the 100 shards of
+    2,000 takes 777.5 h x 4 / 100 = 31.1 h against the capture task's 24 h, and a timeout kills the shard
+    task. Refused, with the shard size, servers or timeout that fit."""
+    two = [f"http://sglang-capture-aux-{i}.sglang-capture-aux.sglang.svc:30000" for i in range(2)]
+    limits = {**KUBERNETES_LIMITS, "shards_in_flight": 4, "deadline_minutes": {}}
+    with pytest.raises(ConfigError) as refused:
+        _configure([f"capture.sglang.urls=[{','.join(two)}]"], limits)
+    text = str(refused.value)
+    assert (
+        "stages.capture.timeout_minutes is 24.0 h; the plan needs 31.1 h (1.2 x one shard's time, 4 of"
+        in text
+    )
+    assert "capture shards take 31.1 h: prompts.shard_size of at most 1,286 (it is 2,000)" in text
+    assert "or 4 capture servers" in text and "or stages.capture.timeout_minutes of at least 2,240" in text
+    # the committed fleet of 20 at the same 4 in flight: 3.1 h a shard
+    _configure([], limits)
+
+
+def test_the_runbook_sizes_the_gpu_pool_as_the_plan_assumes():
+    runbook = (REPO / "docs" / "RUNBOOK.md").read_text()
+    sizes = {int(found) for found in re.findall(r"airflow pools set drafter_gpu (\d+)", runbook)}
+    assert sizes == {KUBERNETES.gpu_pool_slots}
 
 
 def test_configure_checks_only_the_limits_on_its_own_dags_stages():

@@ -173,18 +173,18 @@ def test_the_engine_placement_check_compares_each_pod_with_its_runs_engine():
     pods = [
         ("drafter_data", "manual__1", "generate_shard", images["pipeline"], "cpu-node"),
         ("drafter_data", "manual__1", "captures", images["pipeline"], "cpu-node"),
-        ("drafter_data", "manual__2", "captures", images["sglang"], "gpu-node"),
-        ("drafter_train", "manual__3", "benchmark", images["sglang"], "gpu-node"),
-        ("drafter_train", "manual__3", "train", images["trainer"], "gpu-node"),
+        ("drafter_data", "manual__2", "captures", images["sglang"], "gpu-node-0"),
+        ("drafter_train", "manual__3", "benchmark", images["sglang"], "gpu-node-0"),
+        ("drafter_train", "manual__3", "train", images["trainer"], "gpu-node-0"),
         ("drafter_train", "manual__4", "train", images["pipeline"], "cpu-node"),  # launches the node Job
         ("drafter_data", "manual__1", "plan", images["pipeline"], "cpu-node"),
     ]
     line = check_engine_placement(
         runs, _Cluster(pods), deployment, lambda dag, task: stages.get(task), pod_run_label
     )
-    assert f"capture inprocess: ['{images['sglang']} on gpu-node']" in line
+    assert f"capture inprocess: ['{images['sglang']} on gpu-node-0']" in line
     # the in-process run's capture pod in the pipeline image, or on a CPU node: not as its engine places it
-    for wrong in ((images["pipeline"], "gpu-node"), (images["sglang"], "cpu-node")):
+    for wrong in ((images["pipeline"], "gpu-node-0"), (images["sglang"], "cpu-node")):
         moved = [*pods[:2], ("drafter_data", "manual__2", "captures", *wrong), *pods[3:]]
         with pytest.raises(RehearsalFailed, match="as the deployment places that engine"):
             check_engine_placement(
