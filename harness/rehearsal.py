@@ -28,10 +28,10 @@ What runs, in the order docs/RUNBOOK.md gives it to a user:
    in-process (IN_PROCESS_CAPTURE: its parity and capture pods placed on the GPU node in the SGLang image
    by the deployment's engines, each a job of 2 ranks); a cron-scheduled drafter_train run (no trigger
    form) trains on the newest dataset, that one, with the deployment's run config;
-5. serving: the `kimi-k2-5-eagle3` Deployment, applied once the first promotion landed (§2.6), its two
-   replicas made by the local cluster's Deployment controller as the manifest states them: each init
-   container runs `drafter pull` with the read-only role, and the server starts with exactly the flags the
-   pull wrote; restarts roll them one at a time;
+5. serving: the `kimi-k2-5-eagle3` Deployment, applied once the first promotion landed (§2.6), its
+   replica (one here: `sized_for_the_tiny_target`) made by the local cluster's Deployment controller as
+   the manifest states it: its init container runs `drafter pull` with the read-only role, and the server
+   starts with exactly the flags the pull wrote; restarts roll it as the manifest's strategy says;
 6. alerts: the deployment's notifiers deliver to a local HTTP sink (their connections from the
    environment); the promotion reaches Slack with its pull command, the broken run's failed task reaches
    Slack and the pager, and no notifier secret is in an Airflow log; the OpenLineage events of the pod
@@ -232,9 +232,9 @@ NODES = (
         {"cpu": "64", "memory": "512Gi", "ephemeral-storage": "900Gi"},
     ),
     # 8 x H200 nodes as cloud providers offer them (p5en.48xlarge: 8 x 3.84 TB of local NVMe), GPUs tainted
-    # for GPU pods only: four, what the rehearsal holds at once at most (the two serving replicas beside a
-    # stage's two: the generation fleet's servers or the training Job's nodes). A pod counts its requests
-    # against its node from the moment it is bound, so a pod that holds GPUs idle leaves another Pending.
+    # for GPU pods only: four, more than the rehearsal holds at once (the serving replica beside a stage's
+    # two: the generation fleet's servers or the training Job's nodes). A pod counts its requests against
+    # its node from the moment it is bound, so a pod that holds GPUs idle leaves another Pending.
     *(
         LocalNode(
             f"{GPU_NODE_PREFIX}{index}",
@@ -388,11 +388,16 @@ def kubectl_apply(cluster: LocalCluster, workspace: Path):
 
 
 def sized_for_the_tiny_target(path: Path, workspace: Path) -> Path:
-    """The manifest as applied here. Two things differ, both for size only: the capture servers return the
-    aux layers of the tiny target's contract (Kimi's 1 29 57 do not exist in an 8-layer model), and
-    readiness probes start at once and come every second (`probe_timing_for_the_tiny_target`)."""
+    """The manifest as applied here. Three things differ, all for size only: the capture servers return the
+    aux layers of the tiny target's contract (Kimi's 1 29 57 do not exist in an 8-layer model), readiness
+    probes start at once and come every second (`probe_timing_for_the_tiny_target`), and the serving
+    Deployment has one replica: each replica's probe runs a generation every second, and a second one on
+    this 2-core machine slowed the cron run's benchmark until its drafter was refused as slower (CI, at
+    1a2076e). Its rollouts keep the manifest's strategy."""
     docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
     for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"] == ServingDeployment.NAME:
+            doc["spec"]["replicas"] = 1
         for container in _template_containers(doc):
             probe_timing_for_the_tiny_target(container)
             args = container.get("args") or []
