@@ -70,9 +70,10 @@ def test_the_production_path_runs_end_to_end_on_a_local_cluster(tmp_path, root):
         multi
     )
     assert sum(line.startswith("pod drafter-trainer-") for line in pods) >= 4, pods  # 2 nodes x 2 attempts
-    # served twice: the first promotion, then again after the cron run's promotion was rolled back
-    served = [line for line in lines if line.startswith("serving ") and "EAGLE3" in line]
-    assert len(served) == 2 and served[0].split(":")[0] == served[1].split(":")[0], served
+    # served three times: the first promotion, the cron run's after a rollout restart, then the first again
+    # after the rollback
+    served = [line.split(":")[0] for line in lines if line.startswith("serving ") and "EAGLE3" in line]
+    assert len(served) == 3 and served[0] == served[2] != served[1], served
     # the runbook's notifier connections carried the promotion and the broken run's failure
     alerts = [line for line in lines if line.startswith("alerts: ")]
     assert len(alerts) == 1 and "promotion of " in alerts[0] and "configure failure" in alerts[0], alerts
