@@ -5,10 +5,10 @@ read, list and patch pods, their logs and events, exec into a container, delete)
 own code renders every pod spec, ships every task script and reads every return value; only the
 transport to a cluster is replaced. A pod is run as the spec states it: each container's command
 and args (`$(NAME)` expanded from its env, as Kubernetes expands it), its env (values, and fieldRefs of
-the downward API: metadata.name, metadata.namespace, metadata.annotations['KEY'], metadata.labels['KEY'],
-status.podIP, spec.nodeName, spec.serviceAccountName), its volume mounts, in a container of its own
-(harness.container: private mount, UTS and PID namespaces, a root filesystem holding the image's
-files and the pod's volumes only, and the pod's hostname: spec.hostname, else its name).
+the downward API: metadata.name, metadata.namespace, metadata.uid, metadata.annotations['KEY'],
+metadata.labels['KEY'], status.podIP, spec.nodeName, spec.serviceAccountName), its volume mounts, in a
+container of its own (harness.container: private mount, UTS and PID namespaces, a root filesystem holding
+the image's files and the pod's volumes only, and the pod's hostname: spec.hostname, else its name).
 
 What stands in for what:
 - images: named local file sets with their env, workdir and user (the rehearsal's: each as its Dockerfile
@@ -22,7 +22,7 @@ What stands in for what:
   keep it Pending;
 - Deployments (apps/v1): applying one runs `replicas` pods of its template, `<name>-<template hash>-<5
   random>` owned by the ReplicaSet `<name>-<template hash>`, and replaces any that terminates. A new
-  template (`rollout_restart`, a re-apply) rolls out as its strategy says: RollingUpdate within
+  template (`rollout_restart`, `set_env`, a re-apply) rolls out as its strategy says: RollingUpdate within
   maxSurge / maxUnavailable (25% each by default), or Recreate. An init container that fails is run again
   after a back-off doubling from 10 s to 300 s (Init:CrashLoopBackOff) in a pod whose restartPolicy is
   not Never, the pod Pending and holding its requests meanwhile; main containers are not restarted;
@@ -61,9 +61,13 @@ What stands in for what:
   index gets a new pod at once (no backoff delay) until more pods failed than backoffLimit: then the Job
   is Failed (BackoffLimitExceeded) and its pods still running are deleted. It is Complete once every index
   succeeded. A pod that cannot start (no node could hold it, FailedMount) counts as failed here, where a
-  cluster would keep it Pending; ttlSecondsAfterFinished is not acted on. Deleting a Job deletes its pods too
-  (propagationPolicy Background or Foreground) or leaves them running (Orphan). `kill_pod` kills a pod's
-  containers as losing its node does (exit code 137; the pod stays, Failed);
+  cluster would keep it Pending; ttlSecondsAfterFinished is not acted on. A Job active longer than its
+  activeDeadlineSeconds fails (DeadlineExceeded) and its running pods are deleted. Deleting a Job deletes its
+  pods too (propagationPolicy Background or Foreground) or leaves them running (Orphan). A Job whose
+  ownerReferences name pods (kind Pod, the only owners modeled) is deleted with its pods, as the garbage
+  collector deletes it in the background, once none of its owners exists (deleted, or never there: a uid
+  that no pod of that name has); a merge patch can drop its owners. `kill_pod` kills a pod's containers as
+  losing its node does (exit code 137; the pod stays, Failed);
 - the pod network: all pods share this machine's network namespace, so each pod has its own loopback
   address 127.B.0.N (N from 10 up, in the cluster's own block B: Linux routes all of 127.0.0.0/8 to lo)
   standing in for its own network namespace: status.podIP, and DRAFTER_LOCAL_POD_IP in every container,
@@ -139,9 +143,9 @@ JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 JOB_INDEX_KEY = "batch.kubernetes.io/job-completion-index"  # a label and an annotation of every Job pod
 JOB_UID_LABEL = "batch.kubernetes.io/controller-uid"
 POD_NAME_CHARACTERS = "bcdfghjklmnpqrstvwxz"  # a Job pod's random name suffix: lowercase, no vowels, no words
+GC_PERIOD_S = 0.5  # how often the garbage collector looks for a Job's owners
 UNSUPPORTED_JOB_FIELDS = (
     "suspend",
-    "activeDeadlineSeconds",
     "podFailurePolicy",
     "backoffLimitPerIndex",
     "successPolicy",
@@ -419,6 +423,10 @@ def job_problems(job: dict[str, Any]) -> list[str]:
         value = spec.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             problems.append(f"spec.{key} must be a whole number >= 0, not {value!r}")
+    deadline = spec.get("activeDeadlineSeconds", 1)
+    if not isinstance(deadline, int) or isinstance(deadline, bool) or deadline < 1:
+        problems.append(f"spec.activeDeadlineSeconds must be a whole number > 0, not {deadline!r}")
+    problems += owner_problems((job.get("metadata") or {}).get("ownerReferences"))
     template = (spec.get("template") or {}).get("spec") or {}
     if not template.get("containers"):
         problems.append("spec.template.spec.containers is required")
@@ -429,6 +437,26 @@ def job_problems(job: dict[str, Any]) -> list[str]:
         for key in UNSUPPORTED_JOB_FIELDS
         if spec.get(key) not in (None, False)
     ]
+
+
+def owner_problems(owners: Any) -> list[str]:
+    """Why the local garbage collector would not act on these ownerReferences as Kubernetes does (empty:
+    it does): a list of {apiVersion, kind, name, uid}, each a pod of the dependent's namespace."""
+    if owners is None:
+        return []
+    if not isinstance(owners, list):
+        return [f"metadata.ownerReferences must be a list, not {owners!r}"]
+    problems = []
+    for owner in owners:
+        missing = [key for key in ("apiVersion", "kind", "name", "uid") if not (owner or {}).get(key)]
+        if missing:
+            problems.append(f"metadata.ownerReferences: {', '.join(missing)} required in {owner!r}")
+        elif (owner["apiVersion"], owner["kind"]) != ("v1", "Pod"):
+            problems.append(
+                f"metadata.ownerReferences: only pods (apiVersion v1, kind Pod) own here, not "
+                f"{owner['apiVersion']} {owner['kind']}"
+            )
+    return problems
 
 
 class ContainerRun:
@@ -551,12 +579,14 @@ class LocalPod:
         return self.manifest["spec"].get("hostname") or self.name[:63].rstrip("-.")
 
     def field_value(self, path: str) -> str:
-        """A fieldRef of the downward API: metadata.name, metadata.namespace, metadata.annotations['KEY'],
-        metadata.labels['KEY'] (empty if absent), status.podIP, spec.nodeName or spec.serviceAccountName."""
+        """A fieldRef of the downward API: metadata.name, metadata.namespace, metadata.uid,
+        metadata.annotations['KEY'], metadata.labels['KEY'] (empty if absent), status.podIP, spec.nodeName or
+        spec.serviceAccountName."""
         meta, spec = self.manifest["metadata"], self.manifest["spec"]
         fields = {
             "metadata.name": self.name,
             "metadata.namespace": self.namespace,
+            "metadata.uid": str(meta.get("uid") or ""),
             "status.podIP": self.ip,
             "spec.nodeName": self.node or "",
             "spec.serviceAccountName": spec.get("serviceAccountName") or "default",
@@ -878,6 +908,27 @@ class LocalCluster:
         template_meta.setdefault("annotations", {})[RESTARTED_AT] = _timestamp(_now())
         return _template_hash(doc["spec"]["template"])
 
+    def set_env(self, namespace: str, name: str, container: str, values: dict[str, str]) -> str:
+        """`kubectl set env deployment/NAME -c CONTAINER KEY=VALUE...`: the env of the template's container
+        of that name (init containers too, as kubectl selects them), which the controller rolls out as the
+        strategy says; an unchanged template rolls nothing. Returns the template's hash."""
+        with self._reconciling:
+            doc = self._deployment(namespace, name)
+            spec = doc["spec"]["template"]["spec"]
+            named = [
+                entry
+                for entry in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+                if entry.get("name") == container
+            ]
+            if not named:
+                raise ClusterError(f"deployment {namespace}/{name} has no container named {container!r}")
+            for entry in named:
+                env = entry.setdefault("env", [])
+                for key, value in values.items():
+                    env[:] = [variable for variable in env if variable.get("name") != key]
+                    env.append({"name": key, "value": value})
+            return _template_hash(doc["spec"]["template"])
+
     def deployment_template_hash(self, namespace: str, name: str) -> str:
         return _template_hash(self._deployment(namespace, name)["spec"]["template"])
 
@@ -1006,7 +1057,47 @@ class LocalCluster:
                 return None
             local = self.jobs[(namespace, meta["name"])] = LocalJob(job)
         threading.Thread(target=self._control_job, args=(local,), daemon=True).start()
+        if meta.get("ownerReferences"):
+            threading.Thread(target=self._collect_when_unowned, args=(local,), daemon=True).start()
         return local
+
+    def patch_job_owners(self, namespace: str, name: str, owners: list[dict[str, Any]] | None) -> LocalJob:
+        """A merge patch of a Job's metadata.ownerReferences (None: it has none from now on, so nothing
+        collects it); ClusterError for a Job that does not exist or owners not modeled (owner_problems)."""
+        problems = owner_problems(owners)
+        if problems:
+            raise ClusterError("; ".join(problems))
+        with self._reconciling:
+            job = self.jobs.get((namespace, name))
+            if job is None:
+                raise ClusterError(f"job {namespace}/{name} does not exist")
+            meta = job.manifest["metadata"]
+            collected = bool(meta.get("ownerReferences"))
+            if owners:
+                meta["ownerReferences"] = json.loads(json.dumps(owners))
+            else:
+                meta.pop("ownerReferences", None)
+        if owners and not collected:
+            threading.Thread(target=self._collect_when_unowned, args=(job,), daemon=True).start()
+        return job
+
+    def _collect_when_unowned(self, job: LocalJob) -> None:
+        """The garbage collector for one Job, every GC_PERIOD_S while it exists and has owners: once none of
+        them exists (no pod of its name and uid in its namespace), the Job and its pods are deleted
+        (propagationPolicy Background)."""
+        while not self._closed and self.jobs.get((job.namespace, job.name)) is job:
+            owners = job.manifest["metadata"].get("ownerReferences")
+            if not owners:
+                return
+            if not any(self._owner_exists(job.namespace, owner) for owner in owners):
+                log.info("job %s/%s: every owner is gone; deleted with its pods", job.namespace, job.name)
+                self.delete_job(job.namespace, job.name, with_pods=True)
+                return
+            time.sleep(GC_PERIOD_S)
+
+    def _owner_exists(self, namespace: str, owner: dict[str, Any]) -> bool:
+        pod = self.pods.get((namespace, owner["name"]))
+        return pod is not None and pod.manifest["metadata"].get("uid") == owner["uid"]
 
     def delete_job(self, namespace: str, name: str, with_pods: bool) -> LocalJob | None:
         """Delete a Job at once (None: there is none). with_pods (propagationPolicy Background or Foreground):
@@ -1075,6 +1166,13 @@ class LocalCluster:
         running when the Job failed, which count as failed, as Kubernetes counts them."""
         self._count_finished(job)
         spec = job.manifest["spec"]
+        deadline = spec.get("activeDeadlineSeconds")
+        if deadline is not None and (_now() - job.started_at).total_seconds() > deadline:
+            stopping = list(job.active.values())
+            job.failed += len(stopping)
+            job.active.clear()
+            job.finish("Failed", "DeadlineExceeded", "Job was active longer than specified deadline")
+            return stopping
         if job.failed > spec["backoffLimit"]:
             stopping = list(job.active.values())
             job.failed += len(stopping)
@@ -1252,6 +1350,7 @@ class LocalCluster:
     # -- pods ------------------------------------------------------------------------------------
     def create_pod(self, manifest: dict[str, Any]) -> LocalPod:
         meta = manifest["metadata"]
+        meta.setdefault("uid", str(uuid.uuid4()))  # every object has one from its creation on
         namespace, name = meta.get("namespace", "default"), meta["name"]
         if namespace not in self.namespaces:
             raise ClusterError(f"namespace {namespace!r} does not exist (apply its manifest first)")

@@ -16,6 +16,9 @@ Served (ROUTES: another resource is a route and a handler more):
 - POST   /apis/batch/v1/namespaces/{namespace}/jobs  (201 Created; 409 AlreadyExists; 422 for a Job the local
          controller does not run: harness.cluster.LocalCluster.create_job)
 - GET    /apis/batch/v1/namespaces/{namespace}/jobs/{name}  (with its status)
+- PATCH  /apis/batch/v1/namespaces/{namespace}/jobs/{name}  (application/merge-patch+json of
+         metadata.ownerReferences only: another field is refused, 422, as the local Job controller would not
+         act on it)
 - DELETE /apis/batch/v1/namespaces/{namespace}/jobs/{name}  (DeleteOptions: propagationPolicy Background or
          Foreground deletes its pods with it; Orphan, a Job's default, leaves them running)
 """
@@ -76,6 +79,10 @@ class ClusterState(Protocol):
     def create_job(self, manifest: dict[str, Any]) -> ClusterJob | None: ...
 
     def delete_job(self, namespace: str, name: str, with_pods: bool) -> ClusterJob | None: ...
+
+    def patch_job_owners(
+        self, namespace: str, name: str, owners: list[dict[str, Any]] | None
+    ) -> ClusterJob: ...
 
 
 class ApiError(Exception):
@@ -218,7 +225,8 @@ def read_statefulset(cluster: ClusterState, request: Request) -> dict[str, Any]:
     }
 
 
-def patch_scale(cluster: ClusterState, request: Request) -> dict[str, Any]:
+def _merge_patch(request: Request) -> Any:
+    """The request's JSON merge patch; 415 for another media type, 400 for a body that is not JSON."""
     if request.content_type != MERGE_PATCH:
         raise ApiError(
             415,
@@ -226,9 +234,13 @@ def patch_scale(cluster: ClusterState, request: Request) -> dict[str, Any]:
             f"the body of the request was in an unknown format - accepted media types include: {MERGE_PATCH}",
         )
     try:
-        patch = json.loads(request.body or b"{}")
+        return json.loads(request.body or b"{}")
     except ValueError as err:
         raise ApiError(400, "BadRequest", f"error decoding patch: {err}") from None
+
+
+def patch_scale(cluster: ClusterState, request: Request) -> dict[str, Any]:
+    patch = _merge_patch(request)
     spec = patch.get("spec") if isinstance(patch, dict) else None
     _statefulset(cluster, request)
     if isinstance(spec, dict) and "replicas" in spec:
@@ -280,6 +292,23 @@ def read_job(cluster: ClusterState, request: Request) -> dict[str, Any]:
     return {**job.manifest, "status": job.status()}
 
 
+def patch_job(cluster: ClusterState, request: Request) -> dict[str, Any]:
+    """A merge patch of a Job's ownerReferences (a list replaces them, null removes them); the patched Job."""
+    patch = _merge_patch(request)
+    meta = patch.get("metadata") if isinstance(patch, dict) else None
+    if not isinstance(meta, dict) or set(patch) != {"metadata"} or set(meta) != {"ownerReferences"}:
+        raise ApiError(
+            422, "Invalid", f"only metadata.ownerReferences of a Job is patched here, not {json.dumps(patch)}"
+        )
+    if (request.namespace, request.name) not in cluster.jobs:
+        raise ApiError(404, "NotFound", f'jobs.batch "{request.name}" not found')
+    try:
+        job = cluster.patch_job_owners(request.namespace, request.name, meta["ownerReferences"])
+    except ClusterError as err:
+        raise ApiError(422, "Invalid", f'Job.batch "{request.name}" is invalid: {err}') from None
+    return {**job.manifest, "status": job.status()}
+
+
 def delete_job(cluster: ClusterState, request: Request) -> dict[str, Any]:
     """Delete a Job at once, its pods as DeleteOptions.propagationPolicy says (a Job's default: Orphan)."""
     options = request.json() if request.body else {}
@@ -321,6 +350,7 @@ ROUTES = (
         "POST", re.compile(_collection_path("batch", "v1", "jobs")), "batch", "jobs", create_job, success=201
     ),
     Route("GET", _object_path("batch", "v1", "jobs"), "batch", "jobs", read_job),
+    Route("PATCH", _object_path("batch", "v1", "jobs"), "batch", "jobs", patch_job),
     Route("DELETE", _object_path("batch", "v1", "jobs"), "batch", "jobs", delete_job),
 )
 

@@ -275,7 +275,7 @@ class Runbook:
         "kubectl -n airflow exec",
         "curl",
         "drafter ",
-        "kubectl -n sglang rollout restart",
+        "kubectl -n sglang set env",
         "kubectl -n sglang scale",
         "kubectl -n sglang rollout status",
         "kubectl -n drafter logs",
@@ -1099,8 +1099,8 @@ def scheduled_run(dag, cron: str):
 
 class ServingDeployment:
     """The `kimi-k2-5-eagle3` Deployment of infra/k8s/sglang-serve.yaml once the runbook applied it (§2.6,
-    after the first promotion), its pods made by the local cluster's Deployment controller: `kubectl
-    rollout restart` rolls them one at a time, each init container pulling `production` again."""
+    after the first promotion), its pods made by the local cluster's Deployment controller: `kubectl set env`
+    pins the version their init container pulls (DRAFTER_VERSION), which rolls them one at a time."""
 
     NAMESPACE, NAME = "sglang", "kimi-k2-5-eagle3"
 
@@ -1143,9 +1143,35 @@ class ServingDeployment:
         served = self.served_version()
         return f'deployment "{self.NAME}" successfully rolled out: {len(self.pods)} pods serve {served}'
 
-    def restart(self, command: str = "") -> str:
-        self.cluster.rollout_restart(self.NAMESPACE, self.NAME)
-        return self.rollout_status()
+    def set_env(self, command: str) -> str:
+        """`kubectl -n sglang set env deployment/NAME -c CONTAINER KEY=VALUE...`, as kubectl changes the
+        template (the controller rolls it out; `rollout status` waits for it)."""
+        import shlex
+
+        words = shlex.split(command)[5:]
+        if len(words) < 4 or words[0] != f"deployment/{self.NAME}" or words[1] != "-c":
+            raise RehearsalFailed(f"the rehearsal runs `set env deployment/{self.NAME} -c ...`: {command!r}")
+        values = dict(word.split("=", 1) for word in words[3:])
+        self.cluster.set_env(self.NAMESPACE, self.NAME, words[2], values)
+        return f"deployment.apps/{self.NAME} env updated"
+
+    def await_refusal(self, message: str, timeout_s: float = 120) -> str:
+        """Until a pod of the current template has failed its init container with `message` in its log."""
+        from pipeline.retrying import poll_until
+
+        def refused() -> bool:
+            return any(pod.init_restarts and message in _pod_logs(pod) for pod in self.pods)
+
+        if not poll_until(refused, timeout_s, 0.5):
+            raise RehearsalFailed(f"no serving pod refused to start with {message!r} in {timeout_s:.0f} s")
+        return message
+
+    def evict_one(self) -> str:
+        """A node drain's eviction of the oldest serving pod: the ReplicaSet makes another of the same
+        template, which pulls the version the template pins."""
+        pod = self.running_pod if len(self.pods) == 1 else self.pods[0]
+        self.cluster.delete_pod(self.NAMESPACE, pod.name)
+        return pod.name
 
     @property
     def running_pod(self) -> LocalPod:
@@ -1242,7 +1268,7 @@ def rehearse(workspace: Path, cache: Path) -> list[str]:
             "kubectl -n airflow create configmap": kubectl_create_configmap(cluster),
             "curl": capture_server_info(cluster),
             "drafter ": run_drafter,
-            "kubectl -n sglang rollout restart": serving.restart,
+            "kubectl -n sglang set env": serving.set_env,
         }
     )
     processes: list[subprocess.Popen] = []
@@ -1300,6 +1326,9 @@ class NodeLoss:
         self.cluster, self.runbook = cluster, runbook
         self.api = _api_as(cluster, "drafter", "drafter-pipeline", workspace)
         self.killed: dict[str, Any] = {}
+        self.job_at_loss: dict[str, Any] = {}  # the running Job's metadata and spec when the node was lost
+        self.owner_pod: dict[str, Any] = {}  # what its ownerReference named: that pod's labels and uid
+        self.disowned = False  # the failed Job's owner dropped by its task, so it stays for its logs
         self.failed_job_logs = ""
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -1336,21 +1365,32 @@ class NodeLoss:
                 and pods["1"].current_phase() == "Running"
             ):
                 tag = committed[0]
+                self._note_the_running_job()
                 self.cluster.kill_pod("drafter", pods["1"].name)
                 self.killed = {"pod": pods["1"].name, "checkpoint": tag}
                 log.info("lost node 1 (pod %s) after checkpoint %s was committed", pods["1"].name, tag)
                 return True
         return False
 
+    def _note_the_running_job(self) -> None:
+        """The Job as it runs: its owner (the train task's pod, which must exist with that uid), deadline."""
+        job = self.api.read_job("drafter", TRAINER_JOB)
+        self.job_at_loss = {"metadata": job["metadata"], "spec": job["spec"]}
+        for owner in job["metadata"].get("ownerReferences") or []:
+            pod = self.cluster.pods.get(("drafter", owner["name"]))
+            if pod is not None and pod.manifest["metadata"].get("uid") == owner["uid"]:
+                self.owner_pod = {"labels": pod.manifest["metadata"].get("labels") or {}, "uid": owner["uid"]}
+
     def _read_logs_of_the_failed_job(self) -> None:
         from pipeline.training.nodes import job_outcome
 
         while not self._stop.wait(0.5):
             try:
-                outcome = job_outcome(self.api.read_job("drafter", TRAINER_JOB))
+                job = self.api.read_job("drafter", TRAINER_JOB)
             except Exception:  # replaced by the retry already
                 return
-            if outcome == "Failed":
+            self.disowned = self.disowned or not job["metadata"].get("ownerReferences")
+            if job_outcome(job) == "Failed" and self.disowned:
                 self.failed_job_logs = self.runbook.run(
                     f"kubectl -n drafter logs -l batch.kubernetes.io/job-name={TRAINER_JOB} --prefix"
                 )
@@ -1385,10 +1425,18 @@ def kubectl_logs(cluster: LocalCluster):
     return run
 
 
-def check_multi_node_training(run, node_loss: NodeLoss) -> str:
+def check_multi_node_training(run, node_loss: NodeLoss, deployment) -> str:
     """The first attempt lost a node after a committed checkpoint; the retry resumed both nodes from it."""
     _check(node_loss.error is None, f"the node-loss watcher ran without error ({node_loss.error!r})")
     _check(bool(node_loss.killed), "node 1 of the 2-node training was lost after a checkpoint was committed")
+    deadline = node_loss.job_at_loss.get("spec", {}).get("activeDeadlineSeconds")
+    _check(
+        node_loss.owner_pod.get("labels", {}).get("task_id") == "train"
+        and deadline == deployment.stage("train").timeout_minutes * 60,
+        "the running trainer Job was owned by its train task's pod and could not outlive the task's timeout "
+        f"(owner {node_loss.owner_pod.get('labels', {}).get('task_id')}, activeDeadlineSeconds {deadline})",
+    )
+    _check(node_loss.disowned, "the failed Job was disowned by its task, kept for its node logs")
     _check(
         "[pod/" in node_loss.failed_job_logs and "node" in node_loss.failed_job_logs,
         "the failed Job's node logs were read with the runbook's kubectl logs command",
@@ -1569,7 +1617,7 @@ def check_run_costs(data, trained, deployment) -> str:
 
 def check_setting_choice(trained, serving: ServingDeployment) -> str:
     """The benchmark timed every benchmark.sglang.candidates server and chose by pipeline.decoding.choice;
-    the serving pod runs the chosen flags (its /server_info)."""
+    the serving pod runs the chosen flags and the benchmarked load (its /server_info)."""
     import requests
 
     from pipeline import layout
@@ -1601,6 +1649,12 @@ def check_setting_choice(trained, serving: ServingDeployment) -> str:
         for key in ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
     )
     _check(served == chosen, f"the serving pod runs the chosen setting {chosen} ({served})")
+    load = config.benchmark.sglang.max_running_requests
+    _check(
+        record.max_running_requests == load and info.get("max_running_requests") == load,
+        f"the serving pod runs {load} requests at once, as every benchmark server did "
+        f"(/server_info: {info.get('max_running_requests')}, bench record: {record.max_running_requests})",
+    )
     spreads = ", ".join(
         f"{shape_label((t.steps, t.topk, t.draft_tokens))} {t.speedup.ratio:.2f}x "
         f"[{t.speedup.ci_low:.2f}, {t.speedup.ci_high:.2f}]"
@@ -1656,7 +1710,7 @@ def run_dags(
         "drafter_train on the published dataset trained, gated, benchmarked and promoted into S3 "
         f"({first.state} {task_states(first)})",
     )
-    lines.append(check_multi_node_training(first, node_loss))
+    lines.append(check_multi_node_training(first, node_loss, DEPLOYMENT))
     lines.append(check_run_costs(data, first, DEPLOYMENT))
     runbook.run("drafter list --config configs/kimi-k2.5.yaml")
     runbook.run(
@@ -1666,6 +1720,8 @@ def run_dags(
     first_version = promoted_version(first)
     _check(not serving.pods, "nothing serves before the runbook applies the serving Deployment")
     runbook.run("kubectl apply -f infra/k8s/sglang-serve.yaml")
+    serving.await_refusal("DRAFTER_VERSION pins no version")  # as applied, the manifest pins nothing
+    runbook.run(PIN_SERVED_VERSION, version=first_version)
     runbook.run("kubectl -n sglang rollout status deployment/kimi-k2-5-eagle3 --timeout=30m")
     lines.append(check_serving(serving, first_version, reference_url))
     lines.append(check_watches(runbook, cluster, serving))
@@ -1712,7 +1768,9 @@ def run_dags(
     )
     second_version = promoted_version(cron)
     _check(second_version != first_version, f"the cron run promoted a new version {second_version}")
-    runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")  # §2.6: a later promotion
+    lines.append(check_pinned_through_a_drain(serving, first_version, second_version))
+    runbook.run(PIN_SERVED_VERSION, version=second_version)  # §2.6: a later promotion
+    runbook.run("kubectl -n sglang rollout status deployment/kimi-k2-5-eagle3 --timeout=30m")
     lines.append(check_serving(serving, second_version, reference_url))
 
     from airflow.providers.cncf.kubernetes.pod_generator import make_safe_label_value
@@ -1724,12 +1782,32 @@ def run_dags(
 
     runs = [data, first, inprocess, cron]
     lines.append(check_engine_placement(runs, cluster, DEPLOYMENT, stage_of, make_safe_label_value))
-    runbook.run("drafter rollback --config configs/kimi-k2.5.yaml")
-    runbook.run("kubectl -n sglang rollout restart deployment/kimi-k2-5-eagle3")
+    rolled_back = json.loads(runbook.run("drafter rollback --config configs/kimi-k2.5.yaml"))["version"]
+    _check(rolled_back == first_version, f"the rollback moved production back to {first_version}")
+    runbook.run(PIN_SERVED_VERSION, version=rolled_back)
+    runbook.run("kubectl -n sglang rollout status deployment/kimi-k2-5-eagle3 --timeout=30m")
     lines.append(check_serving(serving, first_version, reference_url))
     status = runbook.run("drafter status --config configs/kimi-k2.5.yaml")
     lines.append("status: " + " | ".join(line.strip() for line in status.splitlines() if line.strip()))
     return lines
+
+
+PIN_SERVED_VERSION = (
+    "kubectl -n sglang set env deployment/kimi-k2-5-eagle3 -c pull-drafter DRAFTER_VERSION=<version>"
+)
+
+
+def check_pinned_through_a_drain(serving: ServingDeployment, pinned: str, promoted: str) -> str:
+    """A serving pod evicted (a node drain) after a later promotion is replaced by one that serves the
+    pinned version, not `production`: the fleet stays on one version until the runbook pins the new one."""
+    evicted = serving.evict_one()
+    serving.rollout_status()
+    served = serving.served_version()
+    _check(
+        served == pinned and evicted not in {pod.name for pod in serving.pods},
+        f"a serving pod recreated after {promoted} was promoted still serves the pinned {pinned} ({served})",
+    )
+    return f"drain: {evicted} evicted; its replacement serves the pinned {served}, production is {promoted}"
 
 
 def promoted_version(run) -> str:

@@ -163,8 +163,13 @@ class StandinBackend:
         synthetic_hidden_size: int | None = None,
         revision: str | None = None,
         enable_metrics: bool = False,
+        max_running_requests: int | None = None,
     ):
         from pipeline.engines.hf import HFEngine
+
+        # what SGLang's scheduler runs at once: more requests wait for a slot (None: unbounded here)
+        self.max_running_requests = max_running_requests
+        self.running = threading.BoundedSemaphore(max_running_requests) if max_running_requests else None
 
         self.model_path, self.revision, self.enable_metrics = str(model_dir), revision, enable_metrics
         self.counters = RequestCounters()
@@ -288,7 +293,14 @@ class StandinBackend:
         }
 
     def generate_one(self, request: dict[str, Any], ids: list[int], counted: bool = True) -> dict[str, Any]:
-        """One request's response; `counted` false for the health check's (SGLang's log_metrics=False)."""
+        """One request's response, once one of max_running_requests slots is free (as SGLang's scheduler
+        queues the rest); `counted` false for the health check's (SGLang's log_metrics=False)."""
+        if self.running is None:
+            return self._generate(request, ids, counted)
+        with self.running:
+            return self._generate(request, ids, counted)
+
+    def _generate(self, request: dict[str, Any], ids: list[int], counted: bool) -> dict[str, Any]:
         from pipeline.engines import SamplingParams
 
         started = time.perf_counter()
@@ -353,6 +365,7 @@ class StandinBackend:
             "speculative_num_steps": self.num_steps,
             "speculative_eagle_topk": self.topk,
             "speculative_num_draft_tokens": self.draft_tokens,
+            "max_running_requests": self.max_running_requests,
             "enable_return_hidden_states": True,
             "enable_return_aux_hidden_states": self.aux_layer_ids is not None,
             "return_aux_hidden_state_layer_ids": self.aux_layer_ids,
@@ -476,6 +489,26 @@ def listen_address(host: str) -> str:
     return pod_ip if host in ("0.0.0.0", "::") and loopback else "127.0.0.1"
 
 
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48  # arg_groups/speculative_hook.py:1086-1095 (EAGLE), 1294-1303 (NGRAM)
+
+
+def resolved_max_running_requests(given: int | None, algorithm: str | None) -> int | None:
+    """--max-running-requests as SGLang 0.5.23 resolves it: as given; unset, 48 for a speculative server
+    (with its warning), and for a plain one what its KV pool holds, which the stand-in does not bound."""
+    if given is not None:
+        if given < 1:
+            raise SystemExit(f"--max-running-requests {given}: not a count of requests")
+        return given
+    if algorithm is None:
+        return None
+    print(
+        "Max running requests is reset to 48 for speculative decoding. You can override this by explicitly "
+        "setting --max-running-requests.",
+        flush=True,
+    )
+    return SPECULATIVE_MAX_RUNNING_REQUESTS
+
+
 def ngram_launch(argv: list[str]) -> NgramLaunch:
     """An NGRAM server's flags as SGLang 0.5.23 runs them; SystemExit naming every reason it would refuse
     them (pipeline.sglang_ngram_rules), before anything is loaded, as SGLang fails at startup."""
@@ -523,6 +556,11 @@ def main() -> None:
     parser.add_argument("--speculative-num-steps", type=int, default=3)
     parser.add_argument("--speculative-eagle-topk", type=int, default=1)
     parser.add_argument("--speculative-num-draft-tokens", type=int)
+    parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        help="requests run at once, the rest queued; unset with NGRAM or EAGLE3: 48, as in SGLang 0.5.23",
+    )
     parser.add_argument(
         "--enable-return-aux-hidden-states",
         action="store_true",
@@ -572,6 +610,7 @@ def main() -> None:
             synthetic_hidden_size=args.synthetic_hidden_size,
             revision=args.revision,
             enable_metrics=args.enable_metrics,
+            max_running_requests=resolved_max_running_requests(args.max_running_requests, algorithm),
         )
     except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
         raise SystemExit(str(refused)) from None

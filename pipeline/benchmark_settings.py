@@ -135,6 +135,9 @@ class EagleServerSetting(Strict):
         return self
 
 
+MAX_RUNNING_FLAG = "--max-running-requests"
+
+
 class SGLangBenchConfig(Strict):
     """Servers the SGLang benchmark starts, one method at a time, on this machine's GPUs."""
 
@@ -145,6 +148,16 @@ class SGLangBenchConfig(Strict):
     port: int = Field(30000, ge=1, le=65535)
     startup_timeout_s: float = Field(1800.0, gt=0)
     concurrency: PositiveInt = Field(8, description="requests in flight")
+    max_running_requests: PositiveInt | None = Field(
+        None,
+        description="--max-running-requests of every server the benchmark starts (the baseline's too) and "
+        "of the serving pods (the promotion records it with the setting; `drafter pull --flags-file` "
+        "writes it): the requests one replica runs at once, its load at capacity. Required: unset, SGLang "
+        "0.5.23 runs an EAGLE server at 48 (arg_groups/speculative_hook.py:1086-1095) and a plain one at "
+        "what its memory holds, so the baseline and the drafter would not serve the same load. The "
+        "benchmark measures at it (one of the measured batch sizes) and at no more (a level above it "
+        "only queues)",
+    )
     rounds: int = Field(4, ge=2, description="batches the prompts are sent in, one tokens/s sample each")
     steps: PositiveInt = Field(3, description="--speculative-num-steps for EAGLE3")
     topk: PositiveInt = Field(1, description="--speculative-eagle-topk")
@@ -173,6 +186,12 @@ class SGLangBenchConfig(Strict):
             "max_trie_depth, match_type, capacity}, one NGRAM server per setting",
         )
 
+    def load_args(self) -> list[str]:
+        """The flags that set every server's load: --max-running-requests, when set."""
+        if self.max_running_requests is None:
+            return []
+        return [MAX_RUNNING_FLAG, str(self.max_running_requests)]
+
     def setting(self) -> tuple[int, int, int]:
         """(--speculative-num-steps, --speculative-eagle-topk, --speculative-num-draft-tokens)"""
         return (self.steps, self.topk, self.draft_tokens)
@@ -198,6 +217,11 @@ class SGLangBenchConfig(Strict):
     @model_validator(mode="after")
     def _ngram_served_as_configured(self) -> SGLangBenchConfig:
         speculative = [arg for arg in self.extra_args if arg.startswith("--speculative")]
+        if any(arg.split("=")[0] == MAX_RUNNING_FLAG for arg in self.extra_args):
+            raise ValueError(
+                f"benchmark.sglang.extra_args: {MAX_RUNNING_FLAG} is benchmark.sglang.max_running_requests, "
+                "which the promotion records for the serving pods"
+            )
         if speculative:
             raise ValueError(
                 f"benchmark.sglang.extra_args go to every server, the baseline's too: {speculative} belong "
@@ -401,7 +425,32 @@ class BenchmarkConfig(Strict):
                 f"benchmark.engine {self.engine!r}: {why}"
             )
         self._valid_batch_sizes()
+        if self.engine == "sglang" and self.sglang is not None:
+            self._measured_at_capacity(self.sglang.max_running_requests)
         return self
+
+    def _measured_at_capacity(self, capacity: int | None) -> None:
+        """The SGLang benchmark measures at the serving load, max_running_requests, and above it nowhere."""
+        measured = self.measured_batch_sizes()
+        if capacity is None:
+            raise ValueError(
+                "benchmark.sglang.max_running_requests is not set: the requests one serving replica runs at "
+                "once (--max-running-requests, passed to every benchmark server and to the serving pods). "
+                "Unset, SGLang 0.5.23 runs EAGLE at 48 and the baseline at what its memory holds "
+                "(arg_groups/speculative_hook.py:1086-1095); set it, and add it to benchmark.batch_sizes "
+                f"(measured: {measured})"
+            )
+        if capacity not in measured:
+            raise ValueError(
+                f"benchmark.sglang.max_running_requests {capacity} is not measured: add it to "
+                f"benchmark.batch_sizes (measured: {measured}), so the drafter is timed at the load it serves"
+            )
+        above = [size for size in measured if size > capacity]
+        if above:
+            raise ValueError(
+                f"benchmark batch sizes {above} exceed benchmark.sglang.max_running_requests {capacity}: "
+                "a server runs that many at once and queues the rest, so those levels measure nothing more"
+            )
 
     def _valid_batch_sizes(self) -> None:
         if self.batch_sizes is not None and len(set(self.batch_sizes)) != len(self.batch_sizes):

@@ -155,7 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="download a drafter version, verified, into a directory")
     _common(p, run_id=False)
     p.add_argument("--target", help="target name (default: the config's)")
-    p.add_argument("--alias", default="production", help="alias or version")
+    pulled = p.add_mutually_exclusive_group()
+    pulled.add_argument("--alias", default="production", help="alias or version")
+    pulled.add_argument(
+        "--version",
+        help="exactly this version, an alias name refused: what a serving pod pins, so a pod recreated "
+        "after a later promotion (a drain, an eviction) serves what its replicas serve",
+    )
     p.add_argument("--dest", required=True)
     _engine_option(p, "the engine whose serving command to print (vllm: the version must carry vLLM's ids)")
     p.add_argument(
@@ -359,9 +365,18 @@ def _pull(args, config, store, target: str) -> int:
 
     if args.target_config:  # a mistake in it is bad input, told before anything is downloaded
         given_target_config(args.target_config)
-    dest = registry.pull(store, target, args.alias, args.dest, args.target_config, args.engine)
+    pulled = args.alias if args.version is None else registry.pinned_version(store, target, args.version)
+    dest = registry.pull(store, target, pulled, args.dest, args.target_config, args.engine)
     manifest = json.loads((dest / "manifest.json").read_text())
     serving = manifest["serving"]
+    configured = config.benchmark.sglang.max_running_requests if config.benchmark.sglang else None
+    if args.engine == "sglang" and "max_running_requests" not in serving and configured is not None:
+        serving = {**serving, "max_running_requests": configured}
+        print(
+            f"note: {manifest['version']} records no max_running_requests (benchmarked before the benchmark "
+            f"set it); serving at the config's benchmark.sglang.max_running_requests {configured}",
+            file=sys.stderr,
+        )
     command = registry.engine_launch_command(args.engine, config.target, str(dest), serving)
     print(f"pulled {target} {manifest['version']} into {dest}")
     if args.engine == "vllm" and registry.chain_note(serving):

@@ -575,6 +575,9 @@ class BenchSummary(DraftedAt):
     acceptance: AcceptanceCheck | None = None
     real_engine: RealEngineFigures | None = None  # records written before the serving engine decided
     batch_size: int = 1  # of the figures above: requests in flight on SGLang
+    # SGLang: every server's --max-running-requests, which the serving pods run with (None: not set, or
+    # another engine)
+    max_running_requests: int | None = None
     batch_figures: list[BatchFigures] = Field(default_factory=list)  # at the other measured batch sizes
 
     @field_validator("engine", mode="before")

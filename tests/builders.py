@@ -294,6 +294,7 @@ def sglang_bench_settings(**changes) -> SGLangBenchConfig:
         "steps": 3,
         "topk": 1,
         "draft_tokens": 4,
+        "max_running_requests": 8,
     }
     return SGLangBenchConfig(**{**base, **changes})
 

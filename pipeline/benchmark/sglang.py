@@ -84,6 +84,7 @@ def measure(job: BenchJob) -> records.EngineBench:
     tau = round(required_tau(job.evaluation, shape), 4)
     figures = engine_bench(job, "sglang", shape, tau, methods, speedups, ngram_sweep)
     figures.batch_size = settings.concurrency
+    figures.max_running_requests = settings.max_running_requests
     fastest_ngram_server = next(s for s in settings.ngram_settings if s.label == ngram_sweep.best)
     figures.domain_acceptance = domain_acceptance(by_domain, ngram_method_name(fastest_ngram_server))
     figures.batches = [
@@ -130,6 +131,7 @@ def launch_command(
         "--port",
         str(settings.port),
         *settings.extra_args,
+        *settings.load_args(),
     ]
     if method == "ngram":
         if ngram is None:
@@ -310,6 +312,7 @@ def time_settings(
         log.info("benchmark candidate setting %s: %s", shape, " ".join(command))
         with running_server(command, settings) as url:
             require_served_setting(url, shape)
+            require_served_load(url, settings.max_running_requests)
             figures[shape] = measure_server(
                 url, prompts, max_new_tokens, settings.concurrency, settings.rounds
             )
@@ -324,19 +327,37 @@ def require_served_setting(url: str, shape: tuple[int, int, int]) -> None:
     (steps, topk, draft tokens) it was launched with: SGLang adjusts some silently (topk 1 forces draft
     tokens = steps + 1, arg_groups/speculative_hook.py:1255-1266), and a setting it did not serve must not
     be chosen under its name."""
-    from pipeline.sglang_transport import SGLangClient
-
-    client = SGLangClient(SGLangClientConfig(urls=[url], retries=0, timeout_s=60))
-    try:
-        info = client.get_from(url, "/server_info")
-    except Exception as err:  # any failure to read it is fatal here, with its reason
-        raise SGLangBenchmarkFailed(f"{url}/server_info failed: {err}") from err
-    served = tuple(info.get(key) for key in SETTING_ARGS)
+    served = tuple(server_info(url).get(key) for key in SETTING_ARGS)
     if served != shape:
         raise SGLangBenchmarkFailed(
             f"the server launched with (steps, topk, draft tokens) {shape} serves {served} "
             f"(/server_info {', '.join(SETTING_ARGS)})"
         )
+
+
+def require_served_load(url: str, max_running_requests: int | None) -> None:
+    """SGLangBenchmarkFailed unless the server runs as many requests at once as it was launched with
+    (/server_info max_running_requests): SGLang sets an unset one to 48 for EAGLE
+    (arg_groups/speculative_hook.py:1086-1095), and every method must serve the same load."""
+    if max_running_requests is None:
+        return
+    running = server_info(url).get("max_running_requests")
+    if running != max_running_requests:
+        raise SGLangBenchmarkFailed(
+            f"the server launched with --max-running-requests {max_running_requests} runs {running} "
+            "requests at once (/server_info max_running_requests)"
+        )
+
+
+def server_info(url: str) -> dict[str, Any]:
+    """A server's /server_info; SGLangBenchmarkFailed, with the reason, when it cannot be read."""
+    from pipeline.sglang_transport import SGLangClient
+
+    client = SGLangClient(SGLangClientConfig(urls=[url], retries=0, timeout_s=60))
+    try:
+        return client.get_from(url, "/server_info")
+    except Exception as err:  # any failure to read it is fatal here, with its reason
+        raise SGLangBenchmarkFailed(f"{url}/server_info failed: {err}") from err
 
 
 def run_methods(
@@ -363,6 +384,7 @@ def run_methods(
     for method, command in commands.items():
         log.info("benchmark %s: %s", method, " ".join(command))
         with running_server(command, settings) as url:
+            require_served_load(url, settings.max_running_requests)
             figures.greedy[method] = measure_server(
                 url, prompts, max_new_tokens, settings.concurrency, settings.rounds, domains=domains
             )

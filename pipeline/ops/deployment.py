@@ -394,7 +394,14 @@ class DeploymentConfig(Strict):
         as placed for no particular engine: `placed_fields` re-places a pod that follows the run's engine."""
         placement = self._kubernetes()
         stage = self.stage(name)
+        from kubernetes.client import models as k8s
+
         from pipeline.exit_codes import POD_EXIT_CODES_ENV
+        from pipeline.task_pod import TASK_POD_NAME_ENV, TASK_POD_UID_ENV, TASK_TIMEOUT_ENV
+
+        def own(field_path: str) -> Any:
+            selector = k8s.V1ObjectFieldSelector(field_path=field_path)
+            return k8s.V1EnvVarSource(field_ref=selector)
 
         return {
             "namespace": placement.namespace,
@@ -405,9 +412,16 @@ class DeploymentConfig(Strict):
             # DeepSpeed's accelerator is found in the pod (pipeline.stages.train): a GPU request is not a GPU
             "env_vars": {
                 POD_EXIT_CODES_ENV: "1",
+                TASK_TIMEOUT_ENV: str(stage.timeout_minutes * 60),
                 **({"TMPDIR": stage.scratch.path} if stage.scratch else {}),
                 **stage.env,
             },
+            # the pod's own name and uid: what it starts in the cluster (the trainer Job) it owns, so that
+            # goes when the pod does (pipeline.task_pod)
+            "pod_runtime_info_envs": [
+                k8s.V1EnvVar(name=TASK_POD_NAME_ENV, value_from=own("metadata.name")),
+                k8s.V1EnvVar(name=TASK_POD_UID_ENV, value_from=own("metadata.uid")),
+            ],
             "get_logs": True,
             "do_xcom_push": True,
             "schedule_timeout_seconds": placement.schedule_timeout_seconds,

@@ -56,6 +56,15 @@ class KubernetesApi:
     def read_job(self, namespace: str, name: str) -> dict[str, Any]:
         return self._call("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}").json()
 
+    def set_job_owners(self, namespace: str, name: str, owners: list[dict[str, Any]] | None) -> None:
+        """Replace a Job's ownerReferences (None: remove them, so no garbage collection deletes it)."""
+        self._call(
+            "PATCH",
+            f"/apis/batch/v1/namespaces/{namespace}/jobs/{name}",
+            {"metadata": {"ownerReferences": owners}},
+            content_type="application/merge-patch+json",
+        )
+
     def delete_job(self, namespace: str, name: str) -> None:
         # Background: the Job goes at once, its pods after it
         self._call(

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import layout
+from pipeline.benchmark_settings import MAX_RUNNING_FLAG
 from pipeline.config import TargetConfig
 from pipeline.drafter.export import (
     DRAFTER_FILES,
@@ -73,8 +74,12 @@ class RegistryInputError(RegistryError, ValueError):
 
 
 def serving_flags(drafter_path: str, serving: dict[str, int]) -> list[str]:
-    """SGLang flags for a version's benchmarked setting ({"steps", "topk", "draft_tokens"})."""
-    return sglang_flags(drafter_path, serving["steps"], serving.get("topk", 1), serving.get("draft_tokens"))
+    """SGLang flags for a version's benchmarked setting ({"steps", "topk", "draft_tokens"}, and the
+    "max_running_requests" every benchmark server ran with, recorded since the benchmark set it)."""
+    flags = sglang_flags(drafter_path, serving["steps"], serving.get("topk", 1), serving.get("draft_tokens"))
+    if serving.get("max_running_requests") is not None:
+        flags += [MAX_RUNNING_FLAG, str(serving["max_running_requests"])]
+    return flags
 
 
 def target_flags(target: TargetConfig) -> list[str]:
@@ -607,6 +612,21 @@ def resolve(store: ObjectStore, target: str, alias_or_version: str) -> str:
     raise RegistryError(f"{target} has no alias or version named {alias_or_version!r}")
 
 
+def pinned_version(store: ObjectStore, target: str, version: str) -> str:
+    """`version` when it names a version; RegistryError for an empty one or an alias's name (a pin that
+    follows the alias is no pin: a pod recreated after a promotion would serve another version)."""
+    if not version:
+        raise RegistryError("no version given (--version is empty): name the version to serve")
+    if read_alias(store, target, version) is not None:
+        raise RegistryError(
+            f"{version!r} is an alias of {target}, not a version: pin the version it points at "
+            f"({resolve(store, target, version)})"
+        )
+    if not manifest_exists(store, layout.drafter_version_prefix(target, version)):
+        raise RegistryError(f"{target} has no version named {version!r}")
+    return version
+
+
 def _drafter_manifest_problems(manifest: Any) -> list[str]:
     """What makes a drafter version's manifest unusable to pull, verify or list from: its shape (verify_dir
     checks the files against it). Empty when it is usable."""
@@ -630,7 +650,18 @@ def _drafter_manifest_problems(manifest: Any) -> list[str]:
     serving = manifest.get("serving")
     if serving is not None and not (isinstance(serving, dict) and isinstance(serving.get("steps"), int)):
         problems.append('has a "serving" setting without its "steps"')
+    elif serving is not None and not _a_load(serving.get("max_running_requests")):
+        problems.append(
+            'has a "serving" max_running_requests that is no positive count: '
+            f"{serving['max_running_requests']!r}"
+        )
     return problems
+
+
+def _a_load(max_running_requests: Any) -> bool:
+    """A recorded max_running_requests: absent (versions benchmarked before it was set), or a count."""
+    count = max_running_requests
+    return count is None or (isinstance(count, int) and not isinstance(count, bool) and count > 0)
 
 
 def _listed_file(entry: Any) -> bool:

@@ -16,6 +16,7 @@ from pipeline.promotion import require_passed, require_promotable
 from pipeline.records import (
     AliasRecord,
     BenchRecord,
+    BenchSummary,
     EvalRecord,
     GateRecord,
     GateSummary,
@@ -82,7 +83,7 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
             drafter_dir,
             lineage.model_dump(mode="json"),
             config.registry.alias,
-            serving={"steps": bench.draft_steps, "topk": bench.topk, "draft_tokens": bench.draft_tokens},
+            serving=serving_setting(bench),
         )
         outcome = PromoteRecord(
             promoted=True,
@@ -109,3 +110,12 @@ def run(config: RunConfig, inputs: Inputs, run_id: str, store: ObjectStore) -> O
         speedups={method: interval.ratio for method, interval in bench.speedups.items()},
         bench_engine=bench.engine,
     )
+
+
+def serving_setting(bench: BenchSummary) -> dict[str, int]:
+    """What the serving pods run the version at: the benchmarked setting, and (SGLang) the
+    --max-running-requests every benchmark server ran with."""
+    serving = {"steps": bench.draft_steps, "topk": bench.topk, "draft_tokens": bench.draft_tokens}
+    if bench.max_running_requests is not None:
+        serving["max_running_requests"] = bench.max_running_requests
+    return serving

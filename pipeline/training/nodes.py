@@ -32,6 +32,7 @@ from pipeline.config_base import ConfigError, resolve_project_path
 from pipeline.ops.kube_api import KubernetesApi, KubernetesApiError, NotInCluster
 from pipeline.processes import start_process_group, stop_process_group
 from pipeline.storage import StorageConfig
+from pipeline.task_pod import task_pod_owner, task_timeout_s
 from pipeline.user_files import UserFile
 
 log = logging.getLogger(__name__)
@@ -238,10 +239,14 @@ def job_for_run(
     spec_uri: str,
     run_id: str,
     environment: dict[str, str] | None = None,
+    owner: dict[str, Any] | None = None,
+    deadline_s: int | None = None,
 ) -> dict[str, Any]:
     """The manifest's Job for one run: as many pods as nodes, the annotations they read the run id, the
     spec URI and the node count from, and `environment` on the node container. Its node command must be
-    the one these settings make."""
+    the one these settings make. Given an `owner` (the train task's pod), the Job is deleted with its pods
+    once the owner is gone; given `deadline_s` (the task's timeout), it fails and its pods stop once it has
+    run that long (activeDeadlineSeconds, the manifest's when shorter): it never outlives its task."""
     container = node_container(job)
     expected = ["torchrun", *torchrun_args(settings, POD_SPEC, POD_RUN_ID, POD_NODES)]
     found = container.get("command", []) + container.get("args", [])
@@ -257,6 +262,11 @@ def job_for_run(
         node["env"] = [v for v in node.get("env", []) if v["name"] not in environment]
         node["env"] += [{"name": name, "value": value} for name, value in environment.items()]
     job["spec"]["completions"] = job["spec"]["parallelism"] = settings.nodes
+    if owner is not None:
+        job["metadata"]["ownerReferences"] = [owner]
+    if deadline_s is not None:
+        given = job["spec"].get("activeDeadlineSeconds")
+        job["spec"]["activeDeadlineSeconds"] = min(deadline_s, given) if given else deadline_s
     job["metadata"].setdefault("annotations", {})[RUN_ID_ANNOTATION] = run_id
     pod = job["spec"]["template"].setdefault("metadata", {})
     pod.setdefault("annotations", {}).update(
@@ -276,8 +286,11 @@ def job_outcome(job: dict[str, Any]) -> str | None:
 class KubernetesJob:
     """The node agents in the pods of an Indexed Job, created by this process in its own cluster.
 
-    A Job that failed is kept for its pods' logs until the next attempt replaces it; one of the same run
-    that is still running (its supervisor died) is waited for instead of started twice."""
+    While it runs, the Job is owned by the train task's pod (pipeline.task_pod): a task killed (its pod
+    deleted) takes the Job and its GPUs with it, and the Job's deadline is the task's timeout. A Job that
+    failed is disowned, so it stays for its pods' logs until the next attempt replaces it (or its
+    ttlSecondsAfterFinished); one of the same run that is still running (its supervisor died) is adopted
+    and waited for instead of started twice."""
 
     api_errors_tolerated = 10  # consecutive failed status reads (an API server upgrade) before giving up
 
@@ -291,13 +304,24 @@ class KubernetesJob:
         self.settings, self.api, self.poll_s, self.environment = settings, api, poll_s, environment or {}
 
     def train(self, spec_uri: str, run_id: str, log_path: Path) -> int:
+        owner = task_pod_owner(os.environ)
         job = job_for_run(
-            load_job_manifest(self.settings.kubernetes_job), self.settings, spec_uri, run_id, self.environment
+            load_job_manifest(self.settings.kubernetes_job),
+            self.settings,
+            spec_uri,
+            run_id,
+            self.environment,
+            owner,
+            task_timeout_s(os.environ),
         )
         namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
         api = self.api or _in_cluster_api()
         with open(log_path, "a", buffering=1) as log_file:
-            started = self._start(api, job, run_id)
+            if owner is None:
+                _note(
+                    log_file, f"not in a task pod: nothing deletes Job {namespace}/{name} if this is killed"
+                )
+            started = self._start(api, job, run_id, owner)
             _note(
                 log_file,
                 f"{started} Job {namespace}/{name}: {self.settings.nodes} node(s) x "
@@ -306,23 +330,43 @@ class KubernetesJob:
             )
             outcome = self._wait(api, namespace, name)
             _note(log_file, f"Job {namespace}/{name}: {outcome}")
-        if outcome != "Complete":
-            return 1
+            if outcome != "Complete":
+                self._keep_for_its_logs(api, namespace, name, owner, log_file)
+                return 1
         api.delete_job(namespace, name)
         return 0
 
-    def _start(self, api: KubernetesApi, job: dict[str, Any], run_id: str) -> str:
+    @staticmethod
+    def _keep_for_its_logs(api: KubernetesApi, namespace: str, name: str, owner, log_file) -> None:
+        """Disown a finished Job, so its pods (which hold nothing once they ended) keep their logs after this
+        task's pod is deleted; a failure to is told, not raised: the Job then goes with the pod."""
+        if owner is None:
+            return
+        try:
+            api.set_job_owners(namespace, name, None)
+            _note(log_file, f"Job {namespace}/{name} kept for its pods' logs until the next attempt")
+        except KubernetesApiError as err:
+            _note(
+                log_file,
+                f"Job {namespace}/{name} could not be kept for its logs ({err}): it goes with this pod",
+            )
+
+    def _start(
+        self, api: KubernetesApi, job: dict[str, Any], run_id: str, owner: dict[str, Any] | None
+    ) -> str:
         namespace, name = job["metadata"]["namespace"], job["metadata"]["name"]
         for _ in range(3):
             if api.create_job(namespace, job):
                 return "created"
             existing = api.read_job(namespace, name)
-            owner = (existing["metadata"].get("annotations") or {}).get(RUN_ID_ANNOTATION)
+            training = (existing["metadata"].get("annotations") or {}).get(RUN_ID_ANNOTATION)
             if job_outcome(existing) is None:
-                if owner == run_id:
+                if training == run_id:
+                    if owner is not None:  # adopted: it goes with this task's pod from now on
+                        api.set_job_owners(namespace, name, [owner])
                     return "waiting for the running"
                 raise TrainingFailed(
-                    f"Job {namespace}/{name} is training run {owner}; one multi-node training "
+                    f"Job {namespace}/{name} is training run {training}; one multi-node training "
                     f"runs at a time: wait for it, or delete it to stop it"
                 )
             api.delete_job(namespace, name)  # a finished attempt's Job, kept until now for its logs

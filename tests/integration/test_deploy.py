@@ -7,6 +7,7 @@ bucket policy and lifecycle rules load into an S3 server."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -292,7 +293,10 @@ def test_config_urls_are_the_pods_of_the_fleet_the_dag_scales(section, statefuls
     ]
 
 
-def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_path):
+def test_serving_pulls_the_pinned_version_and_starts_with_the_flags_the_pull_wrote(tmp_path):
+    """The init container pulls exactly the version DRAFTER_VERSION pins (`drafter pull --version`, which
+    refuses an alias's name), never `production` as it is when the pod starts: a pod recreated after a
+    later promotion serves what its replicas serve. Unpinned, it fails at once, saying what to run."""
     import shlex
     import subprocess
 
@@ -300,15 +304,32 @@ def test_serving_pulls_production_and_starts_with_the_flags_the_pull_wrote(tmp_p
     from pipeline.ops.registry import engine_server_flags, write_serving_flags
 
     serving = _workload("Deployment", "kimi-k2-5-eagle3")
-    pull = serving["spec"]["template"]["spec"]["initContainers"][0]["command"]
-    assert pull[:2] == ["drafter", "pull"] and pull[pull.index("--alias") + 1] == KIMI["registry"]["alias"]
+    init = serving["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["name"] == "pull-drafter" and init["env"] == [{"name": "DRAFTER_VERSION", "value": ""}]
+    pin = "kubectl -n sglang set env deployment/kimi-k2-5-eagle3 -c pull-drafter DRAFTER_VERSION=<version>"
+    assert pin in (REPO / "docs" / "RUNBOOK.md").read_text()
+    script = init["args"][0].replace("exec drafter", "printf '%s\\n' drafter")
+
+    def init_run(version: str) -> subprocess.CompletedProcess:
+        env = {"PATH": os.environ["PATH"], "DRAFTER_VERSION": version}
+        return subprocess.run([*init["command"], script], capture_output=True, text=True, env=env)
+
+    unpinned = init_run("")
+    assert unpinned.returncode == 1 and "DRAFTER_VERSION pins no version: kubectl -n sglang set env" in (
+        unpinned.stderr
+    )
+    pull = init_run("v0007").stdout.splitlines()
+    assert pull[:2] == ["drafter", "pull"] and pull[pull.index("--version") + 1] == "v0007"
+    assert "--alias" not in pull
     dest, flags_file = pull[pull.index("--dest") + 1], pull[pull.index("--flags-file") + 1]
     assert serving["spec"]["template"]["spec"]["serviceAccountName"] == "drafter-reader"
     # the server's command line, with the flags file the pull writes, is SGLang's plus exactly those flags
     sglang = next(c for c in _containers(serving) if c["name"] == "sglang")
     target = load_config(KIMI_CONFIG).target
-    flags = engine_server_flags("sglang", target, dest, {"steps": 3, "topk": 1, "draft_tokens": 4})
+    recorded = {"steps": 3, "topk": 1, "draft_tokens": 4, "max_running_requests": 48}
+    flags = engine_server_flags("sglang", target, dest, recorded)
     assert flags[:3] == ["--tp", "8", "--trust-remote-code"]  # the target's own flags, from its run config
+    assert flags[-2:] == ["--max-running-requests", "48"]  # the load every benchmark server ran at
     write_serving_flags(tmp_path / "serving-flags", flags)
     script = sglang["args"][0].replace(flags_file, str(tmp_path / "serving-flags"))
     script = script.replace("exec python", "printf '%s\\n'")
@@ -526,6 +547,26 @@ def test_a_serving_rollout_needs_no_node_beyond_its_replicas():
     assert surge == 0, "a rollout would start a replica on a spare 8-GPU node first"
     assert 1 <= unavailable < serving["spec"]["replicas"]  # one at a time: the others serve meanwhile
     assert _rollout_fenceposts({"spec": {"replicas": 2}}) == (1, 0)  # the default this replaces
+
+
+def test_every_task_pod_knows_its_name_uid_and_timeout_for_what_it_starts_in_the_cluster():
+    """The train task's pod owns the trainer Job it creates (deleted with the pod) and gives it its own
+    timeout as the Job's deadline: the downward API names the pod, the task's timeout is in its env, and
+    the role the task runs as may patch the Job (to disown a failed one, kept for its logs)."""
+    from pipeline.ops.deployment import load_deployment
+    from pipeline.task_pod import TASK_POD_NAME_ENV, TASK_POD_UID_ENV, TASK_TIMEOUT_ENV
+
+    deployment = load_deployment(REPO / "configs/deployment/kubernetes.yaml")
+    pod = deployment.pod_options("train")
+    assert pod["env_vars"][TASK_TIMEOUT_ENV] == str(deployment.stage("train").timeout_minutes * 60)
+    fields = {env.name: env.value_from.field_ref.field_path for env in pod["pod_runtime_info_envs"]}
+    assert fields == {TASK_POD_NAME_ENV: "metadata.name", TASK_POD_UID_ENV: "metadata.uid"}
+    role = next(
+        doc
+        for doc in yaml.safe_load_all((REPO / "infra/k8s/trainer-rendezvous.yaml").read_text())
+        if doc and doc["kind"] == "Role"
+    )
+    assert {"create", "get", "patch", "delete"} <= set(role["rules"][0]["verbs"])
 
 
 def test_capture_spills_to_scratch_it_requested_big_enough_for_a_batch():

@@ -340,11 +340,14 @@ def test_drafter_pull_prints_the_complete_sglang_command_for_kimi(tmp_path, caps
     _, pull_argv = promoted_kimi_version(tmp_path)
     dest, flags_file = tmp_path / "current", tmp_path / "serving-flags"
     assert main([*pull_argv, "--dest", str(dest), "--flags-file", str(flags_file)]) == 0
-    printed = capsys.readouterr().out.splitlines()[-1]
+    out, err = capsys.readouterr()
+    printed = out.splitlines()[-1]
+    # a version promoted before the benchmark set the load: the config's benchmark.sglang.max_running_requests
+    assert "records no max_running_requests" in err and "max_running_requests 48" in err
     speculative = [
         "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(dest),
         "--speculative-num-steps", "3", "--speculative-eagle-topk", "1",
-        "--speculative-num-draft-tokens", "4",
+        "--speculative-num-draft-tokens", "4", "--max-running-requests", "48",
     ]  # fmt: skip
     assert shlex.split(printed.removeprefix("serve with: ")) == [
         "python", "-m", "sglang.launch_server", "--model-path", "/models/Kimi-K2.5",
@@ -352,6 +355,21 @@ def test_drafter_pull_prints_the_complete_sglang_command_for_kimi(tmp_path, caps
     ]  # fmt: skip
     assert shlex.split(flags_file.read_text()) == ["--tp", "8", "--trust-remote-code", *speculative]
     assert "--context-length" not in printed  # the drafter has the target's 262,144 positions
+
+
+def test_a_version_serves_at_the_load_its_benchmark_ran_every_server_at(tmp_path, capsys, monkeypatch):
+    """The promotion records benchmark.sglang.max_running_requests with the setting; the serving pods'
+    flags carry it (unset, SGLang 0.5.23 would run EAGLE at 48), whatever the config now says."""
+    from pipeline.cli import main
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    _, pull_argv = promoted_kimi_version(tmp_path, serving={**SERVING, "max_running_requests": 32})
+    dest, flags_file = tmp_path / "current", tmp_path / "serving-flags"
+    assert main([*pull_argv, "--dest", str(dest), "--flags-file", str(flags_file)]) == 0
+    flags = shlex.split(flags_file.read_text())
+    assert flags[-2:] == ["--max-running-requests", "32"] and flags.count("--max-running-requests") == 1
+    assert "records no max_running_requests" not in capsys.readouterr().err
 
 
 def test_drafter_verify_names_the_reason_sglang_would_refuse(store, tmp_path, capsys, caplog, monkeypatch):
@@ -567,3 +585,30 @@ def test_versions_published_before_verified_engines_still_pull_and_verify(store,
     assert "verified_engines" not in json.loads((dest / "manifest.json").read_text())
     assert main(["verify", str(dest)]) == 0
     assert "verified in sglang: load-time checks of SGLang 0.5.23" in capsys.readouterr().out
+
+
+def test_a_pinned_pull_takes_a_version_and_refuses_an_alias_or_an_empty_pin(tmp_path, caplog, monkeypatch):
+    """`drafter pull --version` is what the serving pods run: a pin that followed `production` would let a
+    pod recreated after a promotion serve another version than its replicas."""
+    from pipeline.cli import main
+    from pipeline.failures import EXIT_FAILED
+    from pipeline.ops.registry import resolve
+
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    monkeypatch.delenv("SGLANG_IS_IN_CI", raising=False)
+    store, pull_argv = promoted_kimi_version(tmp_path)
+    version = resolve(store, "kimi-k2.5", "production")
+    for pin, message in [
+        (
+            "production",
+            f"'production' is an alias of kimi-k2.5, not a version: pin the version it points at ({version})",
+        ),
+        ("", "no version given (--version is empty)"),
+        ("v9999", "kimi-k2.5 has no version named 'v9999'"),
+    ]:
+        caplog.clear()
+        assert main([*pull_argv, "--version", pin, "--dest", str(tmp_path / "refused")]) == EXIT_FAILED
+        assert message in caplog.text, pin
+        assert not (tmp_path / "refused").exists()
+    assert main([*pull_argv, "--version", version, "--dest", str(tmp_path / "pinned")]) == 0
+    assert json.loads((tmp_path / "pinned" / "manifest.json").read_text())["version"] == version

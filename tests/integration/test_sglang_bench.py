@@ -164,7 +164,7 @@ def test_the_drafters_setting_is_chosen_by_timing_each_candidate_server(
 def test_a_server_that_serves_other_flags_than_it_was_given_fails_the_benchmark(tiny_target_dir, tmp_path):
     """SGLang serves topk 1 with steps + 1 draft tokens whatever it is given: a setting it did not serve
     is not timed under its name."""
-    from pipeline.benchmark.sglang import require_served_setting, running_server
+    from pipeline.benchmark.sglang import require_served_load, require_served_setting, running_server
     from pipeline.drafter.servable import sglang_flags
 
     drafter_dir = drafter_dir_of(tiny_target_dir, tmp_path)
@@ -174,3 +174,6 @@ def test_a_server_that_serves_other_flags_than_it_was_given_fails_the_benchmark(
         require_served_setting(url, (3, 1, 4))
         with pytest.raises(SGLangBenchmarkFailed, match=r"launched with .* \(3, 1, 6\) serves \(3, 1, 4\)"):
             require_served_setting(url, (3, 1, 6))
+        require_served_load(url, 8)  # launch_command's --max-running-requests 8
+        with pytest.raises(SGLangBenchmarkFailed, match="max-running-requests 16 runs 8 requests at once"):
+            require_served_load(url, 16)

@@ -603,7 +603,9 @@ LAUNCHER = [
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": {"name": "job-launcher", "namespace": "ns"},
-        "rules": [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "delete"]}],
+        "rules": [
+            {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["create", "get", "patch", "delete"]}
+        ],
     },
     {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -1012,3 +1014,93 @@ def test_a_rollout_restart_replaces_one_replica_at_a_time_in_place(tmp_path):
         )
     finally:
         cluster.shutdown()
+
+
+def test_set_env_pins_what_the_init_container_pulls_and_a_recreated_pod_keeps_the_pin(gpu_cluster, tmp_path):
+    """`kubectl set env -c pull-drafter DRAFTER_VERSION=...` (docs/RUNBOOK.md §2.6): the init container's
+    env in the template, rolled out; a pod that is lost later is recreated from the same template, so it
+    pulls the pinned version whatever was promoted since. Unpinned, the pod fails its init container."""
+    from harness.cluster import ClusterError
+
+    doc = serving_deployment(1, 'test -n "$DRAFTER_VERSION"')
+    doc["spec"]["template"]["spec"]["initContainers"][0]["env"] = [{"name": "DRAFTER_VERSION", "value": ""}]
+    apply_doc(gpu_cluster, tmp_path, doc)
+    wait_for(lambda: any(pod.init_restarts for pod in gpu_cluster.deployment_pods("ns", "serve")))
+
+    def pinned_pods() -> list:
+        return [
+            pod
+            for pod in gpu_cluster.deployment_pods("ns", "serve")
+            if pod.manifest["metadata"]["labels"]["pod-template-hash"] == pinned and pod.ready()
+        ]
+
+    pinned = gpu_cluster.set_env("ns", "serve", "pull", {"DRAFTER_VERSION": "v0002"})
+    wait_for(lambda: len(pinned_pods()) == 1 and len(gpu_cluster.deployment_pods("ns", "serve")) == 1)
+    first = pinned_pods()[0]
+    assert first.manifest["spec"]["initContainers"][0]["env"] == [
+        {"name": "DRAFTER_VERSION", "value": "v0002"}
+    ]
+    assert gpu_cluster.set_env("ns", "serve", "pull", {"DRAFTER_VERSION": "v0002"}) == pinned  # nothing rolls
+
+    gpu_cluster.delete_pod("ns", first.name)  # a drain's eviction
+    wait_for(lambda: len(pinned_pods()) == 1 and first not in pinned_pods())
+    again = pinned_pods()[0]
+    assert again.manifest["spec"]["initContainers"][0]["env"] == [
+        {"name": "DRAFTER_VERSION", "value": "v0002"}
+    ]
+    with pytest.raises(ClusterError, match="no container named 'pul'"):
+        gpu_cluster.set_env("ns", "serve", "pul", {"DRAFTER_VERSION": "v0003"})
+
+
+def test_a_job_owned_by_its_task_pod_goes_with_it_unless_disowned_and_stops_at_its_deadline(batch, tmp_path):
+    """The trainer Job (pipeline.training.nodes): owned by the train task's pod, it is deleted with its pods,
+    in the background, once that pod is deleted (the task killed); one its task disowned (a failed Job kept
+    for its logs) stays; one naming an owner that does not exist is collected at once, as the garbage
+    collector does; and one active past activeDeadlineSeconds fails and stops its pods."""
+    from pipeline.task_pod import TASK_POD_NAME_ENV, TASK_POD_UID_ENV, task_pod_owner
+
+    launcher = batch.service_account_token("ns", "launcher")
+    token = tmp_path / "token"
+    token.write_text(launcher)
+    client = KubernetesApi(batch.api.url, token, batch.api.ca_file)
+    task = batch.create_pod(
+        {
+            "metadata": {"name": "task", "namespace": "ns"},
+            "spec": {
+                "restartPolicy": "Never",
+                "containers": [{"name": "base", "image": "python", "command": ["sleep", "600"]}],
+            },
+        }
+    )
+    wait_for(lambda: "base" in task.containers)
+    owner = task_pod_owner({TASK_POD_NAME_ENV: "task", TASK_POD_UID_ENV: task.manifest["metadata"]["uid"]})
+
+    def owned(name: str, by: dict) -> dict:
+        job = indexed_job(name, ["sleep", "60"])
+        job["metadata"]["ownerReferences"] = [by]
+        return job
+
+    assert client.create_job("ns", owned("owned", owner)) and client.create_job("ns", owned("kept", owner))
+    pids = [pod.containers["node"].init_pid() for pod in running_pods(batch, "owned", 2)]
+    client.set_job_owners("ns", "kept", None)
+    assert "ownerReferences" not in client.read_job("ns", "kept")["metadata"]
+    refused = call(batch, f"{JOBS}/kept", launcher, "PATCH", {"spec": {"parallelism": 1}})
+    assert refused.status_code == 422 and "only metadata.ownerReferences" in refused.json()["message"]
+    assert client.create_job("ns", owned("stray", {**owner, "uid": "another-pods-uid"}))
+    wait_for(lambda: ("ns", "stray") not in batch.jobs and not batch.job_pods("ns", "stray"))
+
+    batch.delete_pod("ns", "task")  # the task killed: its pod deleted
+    wait_for(lambda: ("ns", "owned") not in batch.jobs and not batch.job_pods("ns", "owned"))
+    assert all(gone(pid) for pid in pids)
+    assert client.read_job("ns", "kept")["status"]["active"] == 2  # disowned: nothing collects it
+    client.delete_job("ns", "kept")
+
+    timed = indexed_job("timed", ["sleep", "60"])
+    timed["spec"]["activeDeadlineSeconds"] = 1
+    assert client.create_job("ns", timed)
+    pids = [pod.containers["node"].init_pid() for pod in running_pods(batch, "timed", 2)]
+    wait_for(lambda: "conditions" in client.read_job("ns", "timed")["status"])
+    status = client.read_job("ns", "timed")["status"]
+    assert [(c["type"], c["reason"]) for c in status["conditions"]] == [("Failed", "DeadlineExceeded")]
+    assert "active" not in status and status["failed"] == 2
+    wait_for(lambda: not batch.job_pods("ns", "timed") and all(gone(pid) for pid in pids))

@@ -316,6 +316,17 @@ class _JobsHandler(BaseHTTPRequestHandler):
         api = self._record()
         self._answer(200 if api.jobs.pop(self._name(), None) else 404, {})
 
+    def do_PATCH(self):  # noqa: N802 (a merge patch of the Job's ownerReferences, what the launcher patches)
+        api = self._record()
+        patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        job = api.jobs.get(self._name())
+        if job is None or self.headers["Content-Type"] != "application/merge-patch+json":
+            return self._answer(404 if job is None else 415, {})
+        owners = patch["metadata"]["ownerReferences"]
+        meta = {key: value for key, value in job["metadata"].items() if key != "ownerReferences"}
+        job["metadata"] = {**meta, **({"ownerReferences": owners} if owners else {})}
+        self._answer(200, job)
+
     def _record(self) -> JobsApiStandIn:
         self.server.calls.append((self.command, self.path, self.headers.get("Authorization", "")))
         return self.server
@@ -412,6 +423,41 @@ def test_the_node_job_carries_the_run_and_a_failed_one_stays_for_its_logs(tmp_pa
         "DELETE",
     ]
     assert server.jobs == {}
+
+
+def test_in_a_task_pod_the_node_job_is_owned_by_it_never_outlives_its_timeout_and_a_failed_one_is_disowned(
+    tmp_path, jobs_api, monkeypatch
+):
+    """The train task's pod owns the Job it creates (deleted with the pod: a killed task frees its GPUs) and
+    gives it the task's timeout as its deadline; a failed Job is disowned, kept for its node logs; a running
+    one of the same run is adopted."""
+    from pipeline.task_pod import TASK_POD_NAME_ENV, TASK_POD_UID_ENV, TASK_TIMEOUT_ENV
+
+    monkeypatch.setenv(TASK_POD_NAME_ENV, "drafter-train-x1")
+    monkeypatch.setenv(TASK_POD_UID_ENV, "3f6c-uid")
+    monkeypatch.setenv(TASK_TIMEOUT_ENV, "1080000")
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": "drafter-train-x1", "uid": "3f6c-uid"}
+    server, api = jobs_api(outcome="Failed")
+    settings = _kubernetes_settings(tmp_path)
+    assert KubernetesJob(settings, api, poll_s=0.01).train(SPEC, "r1", tmp_path / "train.log") == 1
+    posted = next(path for method, path, _ in server.calls if method == "POST")
+    assert posted == JOBS
+    job = server.jobs["drafter-trainer"]
+    assert job["spec"]["activeDeadlineSeconds"] == 1080000
+    assert "ownerReferences" not in job["metadata"]  # disowned once it failed
+    assert [method for method, _, _ in server.calls][-1] == "PATCH"
+    assert "kept for its pods' logs" in (tmp_path / "train.log").read_text()
+
+    server.jobs.clear()
+    running = job_for_run(load_job_manifest(settings.kubernetes_job), settings, SPEC, "r1")
+    server.jobs["drafter-trainer"] = running  # an earlier attempt's, still running
+    server.outcome, server.reads = "Complete", 0
+    monkeypatch.setenv(TASK_POD_NAME_ENV, "drafter-train-x2")
+    assert KubernetesJob(settings, api, poll_s=0.01).train(SPEC, "r1", tmp_path / "train.log") == 0
+    adopted = [path for method, path, _ in server.calls if method == "PATCH"]
+    assert len(adopted) == 2 and running["metadata"]["ownerReferences"] == [
+        {**owner, "name": "drafter-train-x2"}
+    ]
 
 
 def test_a_running_node_job_is_waited_for_by_its_run_and_refused_to_another(tmp_path, jobs_api):

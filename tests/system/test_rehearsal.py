@@ -70,10 +70,13 @@ def test_the_production_path_runs_end_to_end_on_a_local_cluster(tmp_path, root):
         multi
     )
     assert sum(line.startswith("pod drafter-trainer-") for line in pods) >= 4, pods  # 2 nodes x 2 attempts
-    # served three times: the first promotion, the cron run's after a rollout restart, then the first again
-    # after the rollback
+    # served three times, each version pinned: the first promotion, the cron run's, then the first again
+    # after the rollback; a pod evicted after the cron run's promotion came back on the pinned first version
     served = [line.split(":")[0] for line in lines if line.startswith("serving ") and "EAGLE3" in line]
     assert len(served) == 3 and served[0] == served[2] != served[1], served
+    drain = [line for line in lines if line.startswith("drain: ")]
+    assert len(drain) == 1 and f"serves the pinned {served[0].split()[1]}," in drain[0], (drain, served)
+    assert any(line.startswith("serving setting: ") for line in lines), lines
     # the runbook's notifier connections carried the promotion and the broken run's failure
     alerts = [line for line in lines if line.startswith("alerts: ")]
     assert len(alerts) == 1 and "promotion of " in alerts[0] and "configure failure" in alerts[0], alerts

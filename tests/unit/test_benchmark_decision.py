@@ -120,7 +120,7 @@ def test_the_sglang_headline_is_at_its_concurrency_and_the_levels_beside_it():
             "engine": "sglang",
             "batch_sizes": [1, 16],
             "promote_at_batch_sizes": [1, 8],
-            "sglang": {"launch": ["x"], "model_path": "/m", "concurrency": 8},
+            "sglang": {"launch": ["x"], "model_path": "/m", "concurrency": 8, "max_running_requests": 16},
         }
     )
     assert settings.headline_batch_size() == 8 and settings.measured_batch_sizes() == [1, 8, 16]
@@ -222,7 +222,10 @@ def test_an_interval_as_narrow_as_the_benchmark_aims_that_holds_the_threshold_is
     "engine, knob",
     [
         (
-            {"engine": "sglang", "sglang": {"launch": ["x"], "model_path": "/m", "rounds": 6}},
+            {
+                "engine": "sglang",
+                "sglang": {"launch": ["x"], "model_path": "/m", "rounds": 6, "max_running_requests": 8},
+            },
             "benchmark.sglang.rounds (now 6)",
         ),
         ({"engine": "vllm", "repeats": 4, "vllm": {"engines_at_once": False}}, "benchmark.repeats (now 4"),

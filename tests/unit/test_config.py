@@ -34,8 +34,10 @@ def test_kimi_config_describes_the_production_target():
     assert config.target.tensor_parallel == 8
     assert config.drafter.draft_vocab_size == 32000
     assert config.generate.engine == "sglang" and config.generate.sglang.urls
-    # measured at batch 1, 8 (the headline: 8 requests in flight) and 16; promoted only if it wins at 1 and 8
-    assert config.benchmark.measured_batch_sizes() == [1, 8, 16]
+    # measured at batch 1, 8 (the headline: 8 requests in flight), 16 and 48 (a replica at capacity: every
+    # server's --max-running-requests); promoted only if it wins at 1 and 8
+    assert config.benchmark.measured_batch_sizes() == [1, 8, 16, 48]
+    assert config.benchmark.sglang.max_running_requests == 48
     assert config.benchmark.gated_batch_sizes() == [1, 8]
 
 
@@ -113,3 +115,25 @@ def test_a_kubernetes_rendezvous_names_pod_0_in_full():
     assert (
         load_config(data={**data, "train": {"nodes": 2, "rendezvous_endpoint": "127.0.0.1"}}).train.nodes == 2
     )
+
+
+def test_a_task_pods_identity_and_timeout_are_read_from_its_environment():
+    from pipeline.task_pod import (
+        TASK_POD_NAME_ENV,
+        TASK_POD_UID_ENV,
+        TASK_TIMEOUT_ENV,
+        task_pod_owner,
+        task_timeout_s,
+    )
+
+    assert task_pod_owner({}) is None and task_pod_owner({TASK_POD_NAME_ENV: "p"}) is None
+    assert task_pod_owner({TASK_POD_NAME_ENV: "p", TASK_POD_UID_ENV: "u"}) == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": "p",
+        "uid": "u",
+    }
+    assert task_timeout_s({}) is None and task_timeout_s({TASK_TIMEOUT_ENV: "3600"}) == 3600
+    for bad in ("0", "-5", "1.5", "an hour"):
+        with pytest.raises(ValueError, match="not a whole number of seconds"):
+            task_timeout_s({TASK_TIMEOUT_ENV: bad})

@@ -307,3 +307,16 @@ def test_a_rerun_finds_a_version_published_with_the_earlier_id_format(store, tmp
     old, new = (tmp_path / "store" / layout.drafter_version_prefix(TARGET, v) for v in (earlier, version))
     new.rename(old)
     assert publish_version(store, TARGET, directory, {"run_id": "r1"}, SERVING)[0] == earlier
+
+
+def test_a_recorded_load_becomes_the_flag_and_a_version_recording_a_bad_one_is_refused():
+    assert registry.serving_flags("/d", {**SERVING, "max_running_requests": 48})[-2:] == [
+        "--max-running-requests",
+        "48",
+    ]
+    assert "--max-running-requests" not in registry.serving_flags("/d", SERVING)  # versions promoted before
+    manifest = {"objects": [], "serving": {**SERVING, "max_running_requests": "48"}}
+    assert registry._drafter_manifest_problems(manifest) == [
+        "has a \"serving\" max_running_requests that is no positive count: '48'"
+    ]
+    assert registry._drafter_manifest_problems({**manifest, "serving": SERVING}) == []

@@ -81,6 +81,7 @@ REHEARSAL_SIZES = {
     "benchmark.min_speedup_vs_incumbent",
     "benchmark.min_speedup_vs_ngram",
     "benchmark.sglang.concurrency",
+    "benchmark.sglang.max_running_requests",  # the rehearsal's 4 prompts: a replica at capacity runs 4
     "benchmark.batch_sizes",  # the rehearsal's few prompts keep at most 4 requests in flight
     "benchmark.promote_at_batch_sizes",
     "benchmark.sglang.startup_timeout_s",

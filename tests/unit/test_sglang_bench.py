@@ -10,7 +10,7 @@ from pipeline.benchmark.sglang import (
     launch_command,
     summarize_responses,
 )
-from pipeline.benchmark_settings import NgramServerSetting
+from pipeline.benchmark_settings import BenchmarkConfig, NgramServerSetting
 from pipeline.config import ConfigError, load_config
 from pipeline.sglang_ngram_rules import launch_from_args, silent_changes
 from tests.builders import sglang_bench_settings
@@ -72,6 +72,8 @@ def test_launch_flags_per_method():
         "--tp",
         "8",
         "--trust-remote-code",
+        "--max-running-requests",
+        "8",
     ]
     chain = NgramServerSetting(draft_tokens=4, max_bfs_breadth=1, max_trie_depth=8)
     ngram = launch_command(config, "ngram", ngram=chain)
@@ -108,6 +110,34 @@ def test_launch_flags_per_method():
     ]
     with pytest.raises(ValueError, match="steps \\+ 1"):
         sglang_bench_settings(draft_tokens=6)
+
+
+def test_every_method_serves_the_same_load_and_a_benchmark_without_one_is_refused():
+    """SGLang 0.5.23 runs an EAGLE or NGRAM server at 48 requests when --max-running-requests is unset,
+    and a plain one at what its memory holds: every server gets the configured load, the baseline's too,
+    and a benchmark with no load, or not measured at it, or measured above it, is refused."""
+    config = sglang_bench_settings(max_running_requests=16)
+    chain = NgramServerSetting(draft_tokens=4, max_bfs_breadth=1, max_trie_depth=8)
+    for command in (
+        launch_command(config, "baseline"),
+        launch_command(config, "ngram", ngram=chain),
+        launch_command(config, "candidate", drafter_dir="/d"),
+    ):
+        assert command.count("--max-running-requests") == 1
+        assert command[command.index("--max-running-requests") + 1] == "16"
+    with pytest.raises(ValueError, match="max_running_requests"):
+        sglang_bench_settings(extra_args=["--max-running-requests=64"])
+    sglang = {"launch": ["x"], "model_path": "/m", "concurrency": 8}
+    with pytest.raises(ValueError, match="max_running_requests is not set.*48"):
+        BenchmarkConfig(engine="sglang", sglang=sglang)
+    with pytest.raises(ValueError, match="max_running_requests 48 is not measured"):
+        BenchmarkConfig(engine="sglang", sglang={**sglang, "max_running_requests": 48}, batch_sizes=[1, 16])
+    with pytest.raises(ValueError, match=r"batch sizes \[16\] exceed .*max_running_requests 8"):
+        BenchmarkConfig(engine="sglang", sglang={**sglang, "max_running_requests": 8}, batch_sizes=[1, 16])
+    measured = BenchmarkConfig(
+        engine="sglang", sglang={**sglang, "max_running_requests": 48}, batch_sizes=[48]
+    )
+    assert measured.measured_batch_sizes() == [8, 48]
 
 
 def test_an_ngram_setting_sglang_would_run_otherwise_is_refused_with_the_reason():

@@ -99,3 +99,46 @@ def test_the_standins_health_setting_is_read_as_sglang_reads_it():
     assert health_generation_enabled({HEALTH_GENERATION_ENV: "1"}) is True
     with pytest.raises(SystemExit, match="not a boolean"):
         health_generation_enabled({HEALTH_GENERATION_ENV: "sometimes"})
+
+
+def test_the_standin_runs_at_most_its_max_running_requests_at_once_as_sglang_resolves_them():
+    """Unset, SGLang 0.5.23 runs a speculative server at 48 requests (arg_groups/speculative_hook.py:
+    1086-1095, 1294-1303) and a plain one at what its memory holds; the stand-in queues what exceeds it."""
+    import threading
+    import time
+
+    from harness.sglang_standin import StandinBackend, resolved_max_running_requests
+
+    assert resolved_max_running_requests(None, "EAGLE3") == 48
+    assert resolved_max_running_requests(None, "NGRAM") == 48
+    assert resolved_max_running_requests(None, None) is None
+    assert resolved_max_running_requests(6, "EAGLE3") == 6
+    with pytest.raises(SystemExit, match="not a count"):
+        resolved_max_running_requests(0, None)
+
+    backend = object.__new__(StandinBackend)  # only its admission, not a model
+    backend.running = threading.BoundedSemaphore(2)
+    inside, most, lock, release = [0], [0], threading.Lock(), threading.Event()
+
+    def generate(request, ids, counted):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        release.wait(timeout=30)
+        with lock:
+            inside[0] -= 1
+        return {}
+
+    backend._generate = generate
+    threads = [threading.Thread(target=backend.generate_one, args=({}, [1])) for _ in range(5)]
+    for thread in threads:
+        thread.start()
+    while True:  # two run; three wait for a slot
+        with lock:
+            if inside[0] == 2:
+                break
+        time.sleep(0.01)
+    release.set()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert most[0] == 2 and inside[0] == 0
