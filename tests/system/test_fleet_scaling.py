@@ -64,6 +64,14 @@ def _healthy_through(cluster):
     return healthy
 
 
+def _pods_gone(cluster, timeout_s: float = 60) -> bool:
+    """Whether the StatefulSet's pods are all gone within timeout_s: a scale returns once the API took the new
+    count, and the controller deletes the pods after it (in the background, on a cluster as here)."""
+    from pipeline.retrying import poll_until
+
+    return poll_until(lambda: cluster.statefulset_status("ns", "web")["replicas"] == 0, timeout_s, 0.1)
+
+
 WEB_FLEET = ServerFleet(namespace="ns", statefulset="web", ready_timeout_seconds=60, poll_seconds=0.2)
 
 
@@ -75,7 +83,7 @@ def test_a_fleet_is_up_and_answering_when_scale_up_returns_and_gone_after_scale_
     assert cluster.statefulset_status("ns", "web")["readyReplicas"] == 2
     assert all(_healthy_through(cluster)(f"http://web-{i}.web.ns.svc:8080") for i in range(2))
     assert scale_down(WEB_FLEET, api)["replicas"] == 0
-    assert cluster.statefulset_status("ns", "web")["replicas"] == 0
+    assert _pods_gone(cluster)
     assert cluster.address_of("web-0.web.ns.svc") is None
 
 
@@ -86,7 +94,7 @@ def test_a_fleet_that_never_answers_goes_back_to_zero_and_the_failure_is_retried
         FleetNotReady, match=r"ns/web: 1/1 replicas ready .* not answering: http://web-0"
     ) as failure:
         scale_up(_web_config(tmp_path, 1), "generate", fleet, api_as("scaler"), healthy=lambda url: False)
-    assert cluster.statefulset_status("ns", "web")["replicas"] == 0
+    assert _pods_gone(cluster)
     assert exit_code_for(failure.value) == EXIT_FAILED
 
 
