@@ -134,28 +134,44 @@ def sweep(samples, injection: Injection, magnitude, block: int) -> dict[str, dic
     return out
 
 
+def add_injection_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ratios", default="500,3000", help="times the median channel magnitude")
+    parser.add_argument("--channels", default="17,29", help="the massive-activation channels")
+
+
+def injection_from(args: argparse.Namespace) -> Injection:
+    return Injection([int(c) for c in args.channels.split(",")], [float(r) for r in args.ratios.split(",")])
+
+
+def clean_capture(samples: int, epochs: int):
+    """(config, store, capture uri, its manifest, {shard name: samples}): the tiny target's bf16 features of
+    `samples` conversations, a quarter held out, in a scratch store whose config trains `epochs` epochs
+    without the plateau stop."""
+    overrides = [
+        "capture.encoding=bf16",
+        "prompts.eval_fraction=0.25",
+        "train.plateau.enabled=false",
+        f"train.epochs={epochs}",
+    ]
+    config, store, _ = captured_dataset(samples, overrides)
+    from pipeline import layout
+
+    clean_uri = store.uri(layout.captures_prefix(config.target.name, "bench"))
+    source, shards = read_capture(store, clean_uri)
+    return config, store, clean_uri, source, shards
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--ratios", default="500,3000", help="times the median channel magnitude")
-    parser.add_argument("--channels", default="17,29", help="the massive-activation channels")
+    add_injection_args(parser)
     args = parser.parse_args()
-    injection = Injection(
-        [int(c) for c in args.channels.split(",")], [float(r) for r in args.ratios.split(",")]
-    )
-    overrides = [
-        "capture.encoding=bf16",
-        "prompts.eval_fraction=0.25",
-        "train.plateau.enabled=false",
-        f"train.epochs={args.epochs}",
-    ]
-    config, store, _ = captured_dataset(args.samples, overrides)
+    injection = injection_from(args)
+    config, store, clean_uri, source, shards = clean_capture(args.samples, args.epochs)
     from pipeline import layout
 
-    clean_uri = store.uri(layout.captures_prefix(config.target.name, "bench"))
-    source, shards = read_capture(store, clean_uri)
     every = [s for samples in shards.values() for s in samples]
     magnitude = median_channel_magnitude(every)
     outlier_shards = {name: injected(samples, injection, magnitude) for name, samples in shards.items()}

@@ -22,14 +22,15 @@ import math
 import statistics
 
 from exp_outlier_encoding import (
-    Injection,
+    add_injection_args,
+    clean_capture,
     injected,
+    injection_from,
     median_channel_magnitude,
     publish_capture,
-    read_capture,
     trained_cond_acc,
 )
-from support import captured_dataset, report
+from support import report
 
 from pipeline.spread import t_quantile
 
@@ -75,24 +76,13 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--archs", default="eagle3,eagle3.1")
-    parser.add_argument("--ratios", default="500,3000", help="times the median channel magnitude")
-    parser.add_argument("--channels", default="17,29", help="the massive-activation channels")
+    add_injection_args(parser)
     args = parser.parse_args()
     archs = args.archs.split(",")
-    injection = Injection(
-        [int(c) for c in args.channels.split(",")], [float(r) for r in args.ratios.split(",")]
-    )
-    overrides = [
-        "capture.encoding=bf16",
-        "prompts.eval_fraction=0.25",
-        "train.plateau.enabled=false",
-        f"train.epochs={args.epochs}",
-    ]
-    config, store, _ = captured_dataset(args.samples, overrides)
+    injection = injection_from(args)
+    config, store, clean_uri, source, shards = clean_capture(args.samples, args.epochs)
     from pipeline import layout
 
-    clean_uri = store.uri(layout.captures_prefix(config.target.name, "bench"))
-    source, shards = read_capture(store, clean_uri)
     magnitude = median_channel_magnitude([s for samples in shards.values() for s in samples])
     outlier_shards = {name: injected(samples, injection, magnitude) for name, samples in shards.items()}
     prefix = layout.captures_prefix(config.target.name, "outliers")
