@@ -5,13 +5,16 @@ exp_outlier_encoding.py injects them (--channels at --ratios times the layer's m
 every token, every aux layer), it trains --seeds drafters of each of --archs (drafter.architecture:
 eagle3, or eagle3.1, whose fc_norm RMS-normalises each aux state before fc) on bf16 features, and, for the
 level without outliers, --seeds eagle3 drafters on the same features without the injection. Each
-drafter's held-out cond_acc_0 is printed, then per case the mean over seeds with its 95% t interval, and
-the difference of each architecture from eagle3 on the injected features with its interval (Welch's,
-seeds unpaired: a training seed is not the same draw across architectures).
+level without outliers, --seeds drafters of each of --clean-archs (default eagle3) on the same features
+without the injection. Each drafter's held-out cond_acc_0 is printed, then per case the mean over seeds
+with its 95% t interval, and per case the difference of each architecture from eagle3 with its interval
+(Welch's, seeds unpaired: a training seed is not the same draw across architectures). An empty list skips
+a case.
 
     python benchmarks/exp_outlier_learning.py [--samples 240] [--epochs 3] [--seeds 3] [--archs A,B]
+        [--clean-archs A,B]
 
-Last lines: `outlier_<arch>_cond_acc0_mean`, and `outlier_<arch>_minus_eagle3_cond_acc0` with its interval.
+Last lines: `<case>_<arch>_cond_acc0_mean`, and `<case>_<arch>_minus_eagle3_cond_acc0` with its interval.
 """
 
 from __future__ import annotations
@@ -75,10 +78,12 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=240)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--archs", default="eagle3,eagle3.1")
+    parser.add_argument("--archs", default="eagle3,eagle3.1", help="trained on the outlier features")
+    parser.add_argument("--clean-archs", default="eagle3", help="trained on the features without outliers")
     add_injection_args(parser)
     args = parser.parse_args()
-    archs = args.archs.split(",")
+    archs = [arch for arch in args.archs.split(",") if arch]
+    clean_archs = [arch for arch in args.clean_archs.split(",") if arch]
     injection = injection_from(args)
     config, store, clean_uri, source, shards = clean_capture(args.samples, args.epochs)
     from pipeline import layout
@@ -90,7 +95,7 @@ def main() -> None:
     seeds = [config.train.seed + k for k in range(args.seeds)]
 
     runs: dict[str, list[float]] = {}
-    for case, uri, case_archs in (("clean", clean_uri, ["eagle3"]), ("outlier", outlier_uri, archs)):
+    for case, uri, case_archs in (("clean", clean_uri, clean_archs), ("outlier", outlier_uri, archs)):
         for arch in case_archs:
             values = runs.setdefault(f"{case}_{arch}", [])
             for seed in seeds:
@@ -109,10 +114,11 @@ def main() -> None:
         mean, low, high = mean_interval(values)
         figures[f"{name}_cond_acc0"] = json.dumps([round(v, 4) for v in values])
         figures[f"{name}_cond_acc0_mean"] = f"{mean:.4f} [{low:.4f}, {high:.4f}]"
-    for arch in archs:
-        if arch != "eagle3" and "outlier_eagle3" in runs:
-            diff, low, high = difference_interval(runs[f"outlier_{arch}"], runs["outlier_eagle3"])
-            figures[f"outlier_{arch}_minus_eagle3_cond_acc0"] = f"{diff:+.4f} [{low:+.4f}, {high:+.4f}]"
+    for case, case_archs in (("clean", clean_archs), ("outlier", archs)):
+        for arch in case_archs:
+            if arch != "eagle3" and f"{case}_eagle3" in runs:
+                diff, low, high = difference_interval(runs[f"{case}_{arch}"], runs[f"{case}_eagle3"])
+                figures[f"{case}_{arch}_minus_eagle3_cond_acc0"] = f"{diff:+.4f} [{low:+.4f}, {high:+.4f}]"
     report(**figures)
 
 

@@ -7,8 +7,9 @@ GET /server_info (the server args, model path and revision included; /get_server
 a warning at each call, as 0.5.23 logs it), GET /health
 and /health_generate as 0.5.23 answers them (a one-token generation through the scheduler, at least a
 second; see HealthCheck), and with --enable-metrics GET /metrics (SGLang's request counters, in
-Prometheus' text format). With
---aux-layer-ids it behaves like a server started with --enable-return-aux-hidden-states, capturing the
+Prometheus' text format). Started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3
+[--return-aux-hidden-state-layer-ids I J K] (its own shorthand: --aux-layer-ids I J K; SGLang 0.5.23's
+refusals of these flags are modelled, aux_capture_refusal) it behaves as a capture server, capturing the
 layers SGLang captures for those ids on the target's model family (pipeline.engines.layer_ids), as it
 feeds an EAGLE3 draft the layers its config's ids name; with --speculative-algorithm NGRAM or EAGLE3 it
 decodes with the reference speculative decoder and reports the spec_* meta_info fields.
@@ -369,6 +370,8 @@ class StandinBackend:
             "enable_return_hidden_states": True,
             "enable_return_aux_hidden_states": self.aux_layer_ids is not None,
             "return_aux_hidden_state_layer_ids": self.aux_layer_ids,
+            # an aux server's resolved args, as 0.5.23 reports them: speculative_algorithm reset to None
+            "aux_hidden_state_capture": "eagle3" if self.aux_layer_ids is not None else None,
             "disable_radix_cache": True,
             "chunked_prefill_size": -1,
         }
@@ -535,6 +538,37 @@ def _truncated_sampling(params: dict[str, Any]) -> Sampling | None:
     return sampling if sampling is not None and (sampling.top_p < 1 or sampling.top_k) else None
 
 
+def aux_capture_refusal(
+    enabled: bool, layer_ids: list[int] | None, algorithm: str | None, draft_path: str | None
+) -> str | None:
+    """Why SGLang 0.5.23 refuses these aux-capture flags at argument resolution, or None
+    (srt/arg_groups/validation_hook.py:697-747, the real server run on this machine: docs/BENCHMARKS.md).
+    0.5.23 also names DFLASH and DSPARK conventions; the stand-in captures EAGLE3's only."""
+    if not enabled:
+        if layer_ids is not None:
+            return "--return-aux-hidden-state-layer-ids requires --enable-return-aux-hidden-states."
+        return None
+    if algorithm != "EAGLE3":
+        return (
+            "--enable-return-aux-hidden-states needs --speculative-algorithm EAGLE3, DFLASH or DSPARK "
+            f"to name the capture convention, got {algorithm!r}."
+        )
+    if draft_path is not None:
+        return (
+            "--enable-return-aux-hidden-states captures without a draft; drop --speculative-draft-model-path."
+        )
+    if layer_ids is not None:
+        if not layer_ids:
+            return "--return-aux-hidden-state-layer-ids must not be empty."
+        if any(layer < 0 for layer in layer_ids):
+            return f"--return-aux-hidden-state-layer-ids must be non-negative, got {layer_ids}."
+        if len(set(layer_ids)) != len(layer_ids):
+            return f"--return-aux-hidden-state-layer-ids must not repeat a layer, got {layer_ids}."
+        if len(layer_ids) != 3:
+            return f"the stand-in captures three layers (EAGLE3's), got {layer_ids}"
+    return None
+
+
 def main() -> None:
     """Accepts the SGLang launch flags the pipeline uses (others are ignored, as a stand-in should)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -547,7 +581,13 @@ def main() -> None:
     )
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument(
-        "--aux-layer-ids", "--return-aux-hidden-state-layer-ids", dest="aux_layer_ids", type=int, nargs=3
+        "--aux-layer-ids",
+        type=int,
+        nargs=3,
+        help="the stand-in's shorthand for a capture server of these SGLang ids (the three flags below)",
+    )
+    parser.add_argument(
+        "--return-aux-hidden-state-layer-ids", dest="return_aux_layer_ids", type=int, nargs="+"
     )
     parser.add_argument("--revision", help="the model's revision (SGLang reports it in its server info)")
     parser.add_argument("--enable-metrics", action="store_true", help="serve /metrics, as SGLang does")
@@ -574,13 +614,18 @@ def main() -> None:
     args, _ = parser.parse_known_args()
     health_generation_enabled(dict(os.environ))  # a value SGLang cannot read stops it before loading
     algorithm = args.speculative_algorithm
+    if args.aux_layer_ids is None:
+        refusal = aux_capture_refusal(
+            args.enable_return_aux_hidden_states,
+            args.return_aux_layer_ids,
+            algorithm,
+            args.speculative_draft_model_path,
+        )
+        if refusal:
+            raise SystemExit(refusal)  # as SGLang's argument resolution does, before loading anything
+        args.aux_layer_ids = args.return_aux_layer_ids
     if args.enable_return_aux_hidden_states:
-        # a capture server decodes nothing speculatively: EAGLE3 there only switches the aux capture on
-        if args.speculative_draft_model_path:
-            raise SystemExit(
-                "--enable-return-aux-hidden-states takes no --speculative-draft-model-path "
-                "(reference/sglang-contract.md)"
-            )
+        # a capture server decodes nothing speculatively: EAGLE3 there only names the capture convention
         algorithm = None
         if args.aux_layer_ids is None:  # SGLang's default layers, outputs [1, N//2 - 1, N - 4]: the same
             # flag ids on every model family (a first id of 1 is shifted by models/deepseek_v2.py too)
