@@ -4,7 +4,6 @@ On the tiny target's real captured features, with massive activations injected a
 exp_outlier_encoding.py injects them (--channels at --ratios times the layer's median channel magnitude,
 every token, every aux layer), it trains --seeds drafters of each of --archs (drafter.architecture:
 eagle3, or eagle3.1, whose fc_norm RMS-normalises each aux state before fc) on bf16 features, and, for the
-level without outliers, --seeds eagle3 drafters on the same features without the injection. Each
 level without outliers, --seeds drafters of each of --clean-archs (default eagle3) on the same features
 without the injection. Each drafter's held-out cond_acc_0 is printed, then per case the mean over seeds
 with its 95% t interval, and per case the difference of each architecture from eagle3 with its interval
