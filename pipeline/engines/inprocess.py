@@ -12,9 +12,9 @@ SGLang's model runner in its own processes; this engine does the same behind the
   the same capture loop over the same batches (checked batch by batch); rank 0 alone stores shards
   (pipeline.stages.capture).
 
-Runners: `sglang` (pipeline.engines.sglang_runner, SGLang's ModelRunner; coded to SGLang 0.5.23's source and
-never run here: SGLang needs CUDA) and `local`, the same small interface over a transformers forward, which
-is what the tests run on the tiny target.
+Runners: `sglang` (pipeline.engines.sglang_runner, SGLang's ModelRunner; coded to SGLang 0.5.23's source, run
+one rank on a CPU against real SGLang on the tiny Llama target only: tests/system/test_sglang_real.py) and
+`local`, the same small interface over a transformers forward, which the other tests run.
 """
 
 from __future__ import annotations

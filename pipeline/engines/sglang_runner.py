@@ -1,15 +1,19 @@
 """The in-process capture runner on SGLang's own ModelRunner: one process per tensor-parallel rank.
 
-NOT RUN: SGLang needs CUDA, and neither this machine nor the GPU machine has it installed. This module is
-coded to SGLang 0.5.23's source, following the way SGLang itself drives a ModelRunner without a server in
-its one-batch benchmark (sglang/benchmark/one_batch.py; paths below are relative to the sglang package):
+RUN ON A CPU ONLY, one rank, on a Llama target: tests/system/test_sglang_real.py runs it against real SGLang
+0.5.23 on the CPU (`make sglang-venv`, with `platform_args` the CPU's ServerArgs) and finds its aux states,
+last hidden state and top-K teacher equal to transformers' and to the capture server's over HTTP. Not run:
+tensor parallelism over GPUs, and an MLA (Kimi-K2.5) target, which SGLang's CPU path does not load
+(docs/BENCHMARKS.md, issue 56). This module is coded to SGLang 0.5.23's source, following the way SGLang
+itself drives a ModelRunner without a server in its one-batch benchmark (sglang/benchmark/one_batch.py;
+paths below are relative to the sglang package):
 
 - per rank: publish the server args for this rank (`runtime_context.publish`, one_batch.py:691-698), the
   process-global kernel configs (one_batch.py:119-128), `bootstrap.init_parallel_runtime` and
   `init_layer_runtime` (one_batch.py:333-342; the runner does not start torch.distributed itself,
   srt/model_executor/model_runner.py:1261-1268), then `ModelRunner(model_config, mem_fraction_static, gpu_id,
-  nccl_port, server_args)` (model_runner.py:344-358), its memory pool and attention backends
-  (one_batch.py:352-356);
+  nccl_port, server_args)` (model_runner.py:344-358), its memory pool, attention backends and graph runners
+  (one_batch.py:356-372);
 - the aux layers: `model.set_eagle3_layers_to_capture(ids)` with SGLang's ids, as a draft config carries them
   (srt/models/llama.py:929-941, srt/models/deepseek_v2.py:3458-3473; Kimi-K2.5's wrapper delegates to its
   language model, srt/models/kimi_k25.py:928-939);
@@ -60,7 +64,10 @@ class SGLangPrefillRunner:
         rank: int,
         world_size: int,
         trust_remote_code: bool,
+        platform_args: dict[str, Any] | None = None,
     ):
+        """`platform_args`: ServerArgs for a platform other than SGLang's default (CUDA GPUs), e.g. the
+        CPU flags a test on a machine without GPUs runs it with; production passes none."""
         try:
             import sglang
         except ImportError as err:
@@ -73,7 +80,10 @@ class SGLangPrefillRunner:
         self.version = f"sglang-{sglang.__version__}-model-runner"
         self.rank, self.world_size = rank, world_size
         self.max_prefill_tokens = settings.max_prefill_tokens
-        self.runner = _load_model_runner(model_dir, settings, rank, world_size, trust_remote_code)
+        server_args = _server_args(
+            model_dir, settings, world_size, trust_remote_code, sglang_layer_ids, platform_args or {}
+        )
+        self.runner = _load_model_runner(server_args, model_dir, settings, rank, world_size)
         self.runner.model.set_eagle3_layers_to_capture(list(sglang_layer_ids))
 
     def prefill(self, sequences: list[list[int]], teacher: TeacherRequest) -> list[Capture]:
@@ -166,7 +176,14 @@ def _token_bounded(sequences: list[list[int]], max_tokens: int) -> list[list[lis
     return [group for group in groups if group]
 
 
-def _server_args(model_dir: Path, settings, world_size: int, trust_remote_code: bool):
+def _server_args(
+    model_dir: Path,
+    settings,
+    world_size: int,
+    trust_remote_code: bool,
+    sglang_layer_ids: list[int],
+    platform_args: dict[str, Any],
+):
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(
@@ -177,12 +194,20 @@ def _server_args(model_dir: Path, settings, world_size: int, trust_remote_code: 
         disable_radix_cache=True,  # every prompt row is computed, none taken from a cached prefix
         chunked_prefill_size=-1,
         enable_return_hidden_states=True,
+        # aux-state capture, as the capture servers are started: without it the logits processor keeps
+        # no last hidden state (logits_processor.py:505, :906-918; found running it, docs/BENCHMARKS.md).
+        # EAGLE3 names the capture convention; the hook resets the algorithm to none
+        # (arg_groups/validation_hook.py:697-747), so no draft model is loaded
+        enable_return_aux_hidden_states=True,
+        speculative_algorithm="EAGLE3",
+        return_aux_hidden_state_layer_ids=list(sglang_layer_ids),
+        **platform_args,
     )
     server_args.resolve_once()  # one_batch.py:1043
     return server_args
 
 
-def _load_model_runner(model_dir: Path, settings, rank: int, world_size: int, trust_remote_code: bool):
+def _load_model_runner(server_args, model_dir: Path, settings, rank: int, world_size: int):
     """This rank's ModelRunner, loaded as one_batch.py's load_model does (see the module docstring)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed import bootstrap
@@ -192,12 +217,12 @@ def _load_model_runner(model_dir: Path, settings, rank: int, world_size: int, tr
     from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
     from sglang.srt.layers.quantization.unquant import initialize_bf16_gemm_config
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.runtime_context import SpawnRanks, get_device, publish, spawn_world_rank
+    from sglang.srt.runtime_context import SpawnRanks, get_device, get_model, publish, spawn_world_rank
 
-    server_args = _server_args(model_dir, settings, world_size, trust_remote_code)
     _set_envs_and_config(server_args)  # one_batch.py:1046
     gpu_id = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(gpu_id)
+    if server_args.device == "cuda":
+        torch.cuda.set_device(gpu_id)
     ranks = SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=rank, pp_rank=0), gpu_id=gpu_id)
     publish(server_args, role="scheduler", ranks=ranks)
     initialize_moe_config()
@@ -215,8 +240,16 @@ def _load_model_runner(model_dir: Path, settings, rank: int, world_size: int, tr
         nccl_port=port,
         server_args=server_args,
     )
+    overlapped = get_model().is_startup_weight_load_overlap  # one_batch.py:356-372, in this order
+    if overlapped:
+        runner.start_startup_weight_load()
     runner.alloc_memory_pool()
     runner.init_attention_backends()
+    # sets the eager and prefill-graph runners ModelRunner.forward reads (model_runner.py:1170-1201,
+    # :2038): without it the first forward raises AttributeError (found running it, docs/BENCHMARKS.md)
+    runner.init_cuda_graphs()
+    if overlapped:
+        runner.finalize_startup_weight_load()
     log.info("rank %d of %d: SGLang's model runner loaded %s", rank, world_size, model_dir)
     return runner
 

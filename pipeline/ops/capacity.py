@@ -670,7 +670,7 @@ def _capture_path_lines(paths: dict[str, Any]) -> list[str]:
         f"{local['bottleneck']} ({_limits_text(local)}); GPUs busy {local['gpu_utilization']:.1%}; "
         f"this capture {local['wall_hours']:,} h wall, {local['gpu_hours']:,} GPU-hours",
         f"    {local['encode_cores_for_gpu_rate']} cores per server encode at the GPUs' rate; capture.engine "
-        "inprocess, not yet run on SGLang itself (docs/CAPACITY.md)",
+        "inprocess, run on SGLang itself only on a CPU, one rank (docs/CAPACITY.md)",
     ]
 
 

@@ -145,8 +145,8 @@ def ways_to_fit(check: dict[str, Any], report: dict[str, Any]) -> list[str]:
         if binding == "capture" and stages["capture"]["bottleneck"] != "GPU":
             if in_process + stages["generate"]["wall_hours"] <= hours:
                 ways.append(
-                    f"capture.engine inprocess (its plan: {in_process:,.1f} h of capture; not yet run on "
-                    "SGLang itself, docs/CAPACITY.md)"
+                    f"capture.engine inprocess (its plan: {in_process:,.1f} h of capture; run on SGLang "
+                    "itself only on a CPU, docs/CAPACITY.md)"
                 )
         ways.append(f"deadline_minutes.drafter_data of at least {math.ceil(check['planned_hours'] * 60):,}")
         return [

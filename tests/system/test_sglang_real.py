@@ -350,3 +350,79 @@ def test_sglang_captures_what_hf_captures(capture_engine, tiny_target_dir):
         assert (ours.topk_logprobs - theirs.topk_logprobs).abs().max().item() <= LOGPROB_ABS_TOL
         assert ours.last_hidden is None  # no last_hidden teacher asked for
     assert capture_engine.received_bytes > 0  # through the capture workers, their spill files read
+
+
+# -- in-process capture -------------------------------------------------------------------------------------
+
+# SGLang's ServerArgs for this CPU: CPU_FLAGS, as the in-process runner's platform_args (production: none)
+CPU_SERVER_ARGS = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "max_total_tokens": 4096,
+    "dtype": "float32",
+}
+assert CPU_FLAGS == [
+    part for key, value in CPU_SERVER_ARGS.items() for part in (f"--{key.replace('_', '-')}", str(value))
+]
+
+
+def test_the_in_process_runner_captures_what_hf_and_the_capture_server_capture(
+    sglang_python, tiny_target_dir, capture_engine, tmp_path
+):
+    """pipeline/engines/sglang_runner.py on SGLang's own ModelRunner, in SGLang's virtualenv, against
+    transformers and the real capture server over HTTP, token by token: aux states and the last hidden
+    state within AUX_ABS_TOL, the same top-K ids, log-probs within LOGPROB_ABS_TOL. A prefill budget of
+    20 tokens splits the batch, so the pools are freed and taken again between forwards."""
+    import torch
+    from safetensors import safe_open
+
+    from pipeline.engines.hf import HFEngine
+    from pipeline.engines.inprocess import sglang_layer_ids
+
+    sequences = [list(range(5, 17)), list(range(40, 47)), [3, 9, 27, 81, 243, 100, 7, 7, 7]]
+    teacher = TeacherRequest(kinds=("topk", "last_hidden"), topk=CAPTURE_TOPK)
+    spec = {
+        "target": str(tiny_target_dir),
+        "sglang_layer_ids": sglang_layer_ids(AUX_LAYERS, "llama", NUM_LAYERS),
+        "platform_args": CPU_SERVER_ARGS,
+        "max_prefill_tokens": 20,
+        "sequences": sequences,
+        "teacher": list(teacher.kinds),
+        "topk": teacher.topk,
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    out = tmp_path / "captures.safetensors"
+    env = {
+        **sglang_env(),
+        "PYTHONPATH": f"{SITECUSTOMIZE_DIR}:{REPO}",
+    }  # the rope flag; the checkout's pipeline
+    script = REPO / "tests" / "system" / "sglang_prefill_runner.py"
+    subprocess.run(
+        [str(sglang_python), str(script), str(tmp_path / "spec.json"), str(out)],
+        cwd=tmp_path,
+        env=env,
+        timeout=600,
+        check=True,
+    )
+    with safe_open(str(out), "pt") as captured:
+        assert captured.metadata()["version"] == "sglang-0.5.23-model-runner"
+        ours = [
+            {
+                key.split(".", 1)[1]: captured.get_tensor(key)
+                for key in captured.keys()
+                if key.startswith(f"{i}.")
+            }
+            for i in range(len(sequences))
+        ]
+    reference = HFEngine(tiny_target_dir).capture(sequences, AUX_LAYERS, teacher)
+    # over HTTP the last hidden state comes from other servers (capture.sglang.last_hidden_urls): top-K only
+    served = [c.materialized() for c in capture_engine.capture(sequences, AUX_LAYERS, TEACHER)]
+    for sequence, mine, hf, http in zip(sequences, ours, reference, served, strict=True):
+        assert mine["aux"].shape == (len(sequence), 3 * HIDDEN)
+        assert hf.last_hidden is not None
+        assert (mine["last_hidden"].float() - hf.last_hidden.float()).abs().max().item() <= AUX_ABS_TOL
+        for other in (hf, http):
+            assert (mine["aux"].float() - other.aux.float()).abs().max().item() <= AUX_ABS_TOL
+            assert torch.equal(mine["topk_ids"], other.topk_ids)
+            difference = (mine["topk_logprobs"].float() - other.topk_logprobs.float()).abs().max().item()
+            assert difference <= LOGPROB_ABS_TOL
