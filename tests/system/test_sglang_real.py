@@ -5,7 +5,7 @@ Two servers of the tiny Llama target, each started with the flags of its product
 plus what a CPU needs (LAUNCH_CHANGES, CPU_FLAGS: each with its reason):
 - generation: the generate stage with generate.engine sglang (pipeline.engines.sglang.SGLangEngine) gives
   the HF engine's records: the same greedy tokens, finish reasons and teacher top-k ids, the log-probs equal
-  to float32 noise;
+  to float32 noise (the set-up is tests/system/test_vllm_generate.py's);
 - capture: SGLangEngine.verify_capture_servers accepts the capture server's real /server_info (and refuses
   it for other aux layers), and SGLangEngine.capture returns what HFEngine.capture computes: the aux hidden
   states within AUX_ABS_TOL, the same top-K teacher ids, their log-probs within LOGPROB_ABS_TOL.
@@ -29,20 +29,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import default_aux_layer_ids, load_config
-from pipeline.data.jsonl import decode_jsonl
+from pipeline.config import default_aux_layer_ids
 from pipeline.engines import EngineError, TeacherRequest
-from pipeline.manifest import read_listed, read_manifest
 from pipeline.retrying import await_health, poll_until
-from pipeline.stages import run_stage
-from pipeline.storage import StorageConfig, open_store
-from tests.conftest import REPO, TEST_RECIPE, free_port, storage_config, tiny_config_dict
-from tests.system.test_vllm_generate import FUNCTIONS, conversations, target_that_ends
+from tests.conftest import REPO, TEST_RECIPE, free_port
+
+# the same generation set-up as vLLM's test: the target whose answers sometimes end, the prompt set (fixtures,
+# used here under the same names) and the generate stage's records
+from tests.system.test_vllm_generate import FUNCTIONS, ending_target, generated, stage_setup  # noqa: F401
 
 NUM_LAYERS = TEST_RECIPE["num_layers"]
 HIDDEN = TEST_RECIPE["hidden_size"]
 AUX_LAYERS = default_aux_layer_ids(NUM_LAYERS)  # [1, 2, 3]: the capture contract's default for 7 layers
-TOPK = 4  # generation's teacher top-k (generate.teacher_topk)
 CAPTURE_TOPK = 6  # capture's top-K teacher
 MAX_LENGTH = 512  # capture.max_length the servers are checked against
 # Aux states: float32 outputs of layers whose matmuls and attention SGLang and transformers may sum in other
@@ -210,52 +208,17 @@ def test_the_virtualenv_has_sglang_on_the_cpu_torch_and_the_rope_flag(sglang_pyt
 
 
 @pytest.fixture(scope="module")
-def ending_target(tmp_path_factory, tiny_target_dir) -> Path:
-    """The tiny target with answers that sometimes end (tests/system/test_vllm_generate.py)."""
-    return target_that_ends(tiny_target_dir, tmp_path_factory.mktemp("targets") / "tiny-ends")
-
-
-@pytest.fixture(scope="module")
-def generation_server(sglang_python, ending_target) -> Iterator[str]:
+def generation_server(sglang_python, ending_target) -> Iterator[str]:  # noqa: F811 (the imported fixture)
     port = free_port()
     args = launch_args("sglang-generate.yaml", model_path=[str(ending_target)], port=[str(port)])
     with sglang_server(sglang_python, args, port) as url:
         yield url
 
 
-@pytest.fixture(scope="module")
-def stage_setup(tmp_path_factory, ending_target):
-    """A file store holding one prompt set (3 shards, half the records two-turn) and the config dict."""
-    root = tmp_path_factory.mktemp("sglang-generate")
-    storage = storage_config("file", root, None)
-    data = tiny_config_dict(storage)
-    data["target"] = {"name": "tiny-ends", "source": "hf", "model_path": str(ending_target)}
-    source = {"kind": "jsonl", "path": str(conversations(root / "conversations.jsonl"))}
-    data["prompts"].update(
-        {"sources": [source], "num_samples": len(FUNCTIONS), "shard_size": 5, "eval_fraction": 0.0}
-    )
-    data["generate"].update({"batch_size": 8, "max_new_tokens": 20, "teacher_topk": TOPK})
-    store = open_store(StorageConfig(**storage))
-    prompt_set = run_stage("prompts", load_config(data=data), "prompts", store)
-    return data, store, prompt_set.uri
-
-
-def generated(stage_setup, snapshot: str, generate: dict) -> dict[str, dict]:
-    """Run the generate stage with these generate settings; its records by id."""
-    data, store, prompts_uri = stage_setup
-    config = load_config(data={**data, "generate": {**data["generate"], **generate}})
-    output = run_stage("generate", config, snapshot, store, prompts_uri=prompts_uri)
-    prefix = store.key_for(output.uri)
-    manifest = read_manifest(store, prefix, kind="responses")
-    assert manifest["counts"]["failed"] == 0, manifest["counts"]
-    return {
-        record["id"]: record
-        for shard in manifest["shards"]
-        for record in decode_jsonl(read_listed(store, prefix, manifest, shard["name"]))
-    }
-
-
-def test_the_generate_stage_through_sglang_generates_what_hf_generates(stage_setup, generation_server):
+def test_the_generate_stage_through_sglang_generates_what_hf_generates(
+    stage_setup,  # noqa: F811 (the imported fixture)
+    generation_server,
+):
     hf = generated(stage_setup, "hf", {"engine": "hf"})
     ours = generated(
         stage_setup, "sglang", {"engine": "sglang", "sglang": client_settings(generation_server)}
